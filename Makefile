@@ -1,0 +1,26 @@
+# Two commands do all the set-up on a fresh machine: `make test` and `make demo`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+STAMP   = $(VENV)/.installed
+
+.PHONY: install test demo bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first, pinned to the CPU build, so that nothing resolves a CUDA build.
+	$(PIP) install -q -c constraints.txt torch==2.13.0
+	$(PIP) install -q -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+demo: $(STAMP)
+	$(VENV)/bin/cocosync demo
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

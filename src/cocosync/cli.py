@@ -1,0 +1,20 @@
+"""The `cocosync` command line. Each subcommand lives next to the code it drives and is registered here."""
+
+from __future__ import annotations
+
+import click
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="cocosync")
+def main() -> None:
+    """cocosync: take communication off the critical path of distributed PyTorch training."""
+
+
+@main.group()
+def bench() -> None:
+    """Benchmarks: ours and the baselines side by side in one run (medians and ratios)."""
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Runtime: rank launch, process groups, shared-memory arena, collectives, kernels, executor."""

@@ -1,0 +1,27 @@
+"""Shared fixtures. Multi-rank tests run real processes on gloo at 127.0.0.1 through a RankPool that is
+started once per world size per session (spawning ranks costs seconds; the pool is rebuilt after a failure)."""
+
+from __future__ import annotations
+
+import pytest
+
+from cocosync.runtime.launch import RankPool
+
+_pools: dict[tuple[int, int], RankPool] = {}
+
+
+def get_pool(world_size: int, nnodes: int = 1) -> RankPool:
+    key = (world_size, nnodes)
+    pool = _pools.get(key)
+    if pool is None or pool.closed:
+        pool = _pools[key] = RankPool(world_size, nnodes=nnodes, timeout=120)
+    return pool
+
+
+@pytest.fixture(scope="session")
+def rank_pool():
+    """rank_pool(P, nnodes=1) -> a live RankPool of P ranks (shared across the test session)."""
+    yield get_pool
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
