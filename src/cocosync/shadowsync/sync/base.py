@@ -1,0 +1,126 @@
+"""The interface every dense-synchronization algorithm implements, and the flat parameter buffer it works on.
+
+A trainer's dense parameters are re-pointed at views of one contiguous fp32 buffer (`FlatParams`), so that a
+sync reads a snapshot with one copy and writes back with one in-place add, and Hogwild workers keep updating
+the same memory meanwhile. Every algorithm writes back a *delta* (`flat += target - snapshot`), never an
+assignment: updates that workers made while the sync was in flight (shadow mode) are kept, not overwritten.
+With no concurrent updates (tests, foreground mode) the delta form equals the textbook assignment.
+
+`sync(active)` is the whole interface. Collective algorithms (MA, BMUF) piggyback a "still training" flag on
+their all_reduce and return how many trainers reported active in that round; a trainer that has finished its
+data keeps calling `sync(active=False)` until that count is 0, so all trainers run the same number of
+collectives and none waits forever on a finished peer. Local algorithms (EASGD, none) return `int(active)`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+
+from ..train_config import SyncConfig
+
+__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "make_sync"]
+
+
+class FlatParams:
+    """Re-point `params` at views of one contiguous buffer `self.flat` (values kept); no copy on later access."""
+
+    def __init__(self, params: Iterable[torch.nn.Parameter]):
+        self.params = list(params)
+        if not self.params:
+            raise ValueError("FlatParams needs at least one parameter")
+        dtypes = {p.dtype for p in self.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"all dense parameters must share one dtype, got {sorted(map(str, dtypes))}")
+        numel = sum(p.numel() for p in self.params)
+        self.flat = torch.empty(numel, dtype=self.params[0].dtype)
+        self.offsets: list[tuple[int, int]] = []
+        off = 0
+        with torch.no_grad():
+            for p in self.params:
+                n = p.numel()
+                self.flat[off:off + n].copy_(p.detach().reshape(-1))
+                p.data = self.flat[off:off + n].view_as(p)
+                self.offsets.append((off, n))
+                off += n
+
+    def __len__(self) -> int:
+        return self.flat.numel()
+
+    def flatten_grads(self, grads: Iterable[torch.Tensor | None]) -> torch.Tensor:
+        """One flat gradient (zeros where a grad is None) aligned with `self.flat`."""
+        out = torch.zeros_like(self.flat)
+        for (off, n), g in zip(self.offsets, grads):
+            if g is not None:
+                out[off:off + n].copy_(g.reshape(-1))
+        return out
+
+
+class SyncAlgorithm(ABC):
+    """Synchronizes one trainer's flat dense buffer with the other trainers. Subclasses implement `_sync`."""
+
+    name = "base"
+    collective = False  # True when sync() runs a collective that every trainer must join
+
+    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None):
+        if flat.dim() != 1 or not flat.is_contiguous():
+            raise ValueError("sync algorithms work on a 1-D contiguous flat parameter buffer (see FlatParams)")
+        self.flat, self.cfg, self.group = flat, cfg, group
+        self.syncs = 0
+
+    def sync(self, active: bool = True) -> int:
+        """One synchronization round. Returns the number of trainers that reported active (see module doc)."""
+        with torch.no_grad():
+            n = self._sync(bool(active))
+        self.syncs += 1
+        return n
+
+    @abstractmethod
+    def _sync(self, active: bool) -> int: ...
+
+    # -- helpers for the collective algorithms ---------------------------------------------------------
+    def _world(self) -> int:
+        return dist.get_world_size(self.group) if dist.is_initialized() else 1
+
+    def _mean_and_active(self, snapshot: torch.Tensor, active: bool) -> tuple[torch.Tensor, int]:
+        """All-reduce `snapshot` and the active flag in one message; returns (mean over trainers, #active)."""
+        n = snapshot.numel()
+        buf = torch.empty(n + 1, dtype=snapshot.dtype)
+        buf[:n].copy_(snapshot)
+        buf[n] = 1.0 if active else 0.0
+        world = self._world()
+        if world > 1:
+            dist.all_reduce(buf, group=self.group)
+        return buf[:n].div_(world), int(round(buf[n].item()))
+
+
+class NoSync(SyncAlgorithm):
+    """'none': independent trainers; sync() changes nothing."""
+
+    name = "none"
+
+    def _sync(self, active: bool) -> int:
+        return int(active)
+
+
+def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
+              group: dist.ProcessGroup | None = None) -> SyncAlgorithm:
+    """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop)."""
+    from .bmuf import BMUF
+    from .easgd import EASGD
+    from .ma import ModelAveraging
+
+    if cfg.method == "none":
+        return NoSync(flat, cfg)
+    if cfg.method == "easgd":
+        if center is None:
+            raise ValueError("EASGD needs the shared central copy (center=...)")
+        return EASGD(flat, cfg, center=center)
+    if cfg.method == "ma":
+        return ModelAveraging(flat, cfg, group=group)
+    if cfg.method == "bmuf":
+        return BMUF(flat, cfg, group=group)
+    raise ValueError(f"unknown sync method {cfg.method!r}")

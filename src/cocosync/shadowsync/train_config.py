@@ -1,0 +1,210 @@
+"""Configuration of a ShadowSync training run: `SyncConfig` (how dense replicas are synchronized) and
+`TrainConfig` (trainers, workers, optimizers, budget, outputs).
+
+Both are `@dataclass(kw_only=True, slots=True)` validated in `__post_init__`; a bad value raises
+`ConfigError` naming the field, the value and what is allowed. `load_train_config(path)` reads the same
+fields from a TOML, JSON or YAML file (YAML needs PyYAML); unknown keys are an error, not silently ignored.
+
+File layout (TOML shown; JSON/YAML take the same nesting)::
+
+    trainers = 2
+    workers = 1
+    examples = 200000
+    [sync]
+    algorithm = "shadow-bmuf"
+    block_momentum = 0.5
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS",
+           "config_from_dict", "config_to_dict"]
+
+#: every value accepted by `--sync` / `SyncConfig.algorithm`
+SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "fr-bmuf", "fr-ma", "fr-easgd", "none")
+OPTIMIZERS = ("adagrad", "sgd")
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field, the value and what is allowed."""
+
+
+def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SyncConfig:
+    """How each trainer's dense replica is synchronized with the others."""
+
+    algorithm: str = "shadow-bmuf"
+    """one of SYNC_ALGORITHMS: 'shadow-*' syncs in a background thread, 'fr-*' every `every` iterations
+    inside the training loop, 'none' never (independent trainers, the reference)."""
+    every: int = 1
+    """fr-* only: sync after every `every` worker iterations of the trainer (the paper's k)."""
+    interval: float = 0.02
+    """shadow-* only: seconds the shadow thread sleeps between two syncs (0 = back-to-back syncs)."""
+    alpha: float = 0.5
+    """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]."""
+    block_momentum: float = 0.5
+    """BMUF block momentum, in [0, 1)."""
+    block_lr: float = 1.0
+    """BMUF block learning rate, > 0."""
+    nesterov: bool = True
+    """BMUF: restart trainers from x_global + block_momentum * delta (Nesterov) instead of x_global."""
+
+    def __post_init__(self) -> None:
+        _check(self.algorithm in SYNC_ALGORITHMS, "sync.algorithm", self.algorithm, f"one of {SYNC_ALGORITHMS}")
+        _check(isinstance(self.every, int) and self.every >= 1, "sync.every", self.every, "an integer >= 1")
+        _check(isinstance(self.interval, (int, float)) and 0 <= self.interval <= 60, "sync.interval",
+               self.interval, "seconds in [0, 60]")
+        _check(0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
+        _check(0 <= self.block_momentum < 1, "sync.block_momentum", self.block_momentum, "a number in [0, 1)")
+        _check(self.block_lr > 0, "sync.block_lr", self.block_lr, "a number > 0")
+
+    @property
+    def mode(self) -> str:
+        """'shadow', 'foreground' or 'none'."""
+        if self.algorithm == "none":
+            return "none"
+        return "shadow" if self.algorithm.startswith("shadow-") else "foreground"
+
+    @property
+    def method(self) -> str:
+        """'easgd', 'ma', 'bmuf' or 'none' (the algorithm without its mode)."""
+        return self.algorithm.split("-", 1)[1] if "-" in self.algorithm else "none"
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """One ShadowSync training run on this machine."""
+
+    data: str = "synthetic"
+    """'synthetic' (generated in memory, with known Bayes NE) or a path to a Criteo-format TSV file."""
+    examples: int = 200_000
+    """total training examples over all trainers (one pass: each example is seen once)."""
+    eval_examples: int = 20_000
+    """held-out examples scored at the end (the last rows of PATH, or a separate synthetic draw)."""
+    trainers: int = 2
+    """T: trainer processes, each with its own dense replica and its own part of the data."""
+    workers: int = 1
+    """W: Hogwild worker threads per trainer, updating the trainer's replica without locks."""
+    batch_size: int = 256
+    """examples per worker iteration."""
+    dense_optimizer: str = "adagrad"
+    """optimizer of the dense (MLP) parameters: 'adagrad' or 'sgd'."""
+    dense_lr: float = 0.05
+    """learning rate of the dense parameters."""
+    embedding_optimizer: str = "adagrad"
+    """sparse row update of the shared embedding tables: 'adagrad' (row-wise) or 'sgd'."""
+    embedding_lr: float = 0.05
+    """learning rate of the embedding rows."""
+    seed: int = 0
+    """seed of the model initialization and of the synthetic data."""
+    threads: int = 1
+    """intra-op torch threads per trainer process (1 on a 2-core machine)."""
+    window: int = 50
+    """batches in the sliding window of the train NE."""
+    log_every: float = 0.5
+    """seconds between two train-metric records of a trainer."""
+    out_dir: str = "runs/latest"
+    """directory of metrics.jsonl, summary.json, ne.png and checkpoint.pt."""
+    checkpoint: bool = True
+    """write checkpoint.pt (dense + embeddings + reader positions) at the end."""
+    plot: bool = True
+    """write the NE-vs-examples PNG."""
+    progress: bool = True
+    """show a progress bar while training."""
+    timeout: float = 900.0
+    """seconds after which the run is aborted (a hung trainer never stalls the run forever)."""
+    sync: SyncConfig = field(default_factory=SyncConfig)
+    """dense synchronization (see SyncConfig)."""
+    model: dict = field(default_factory=dict)
+    """overrides of ModelConfig fields (e.g. {'embedding_dim': 16}); checked against ModelConfig."""
+    data_options: dict = field(default_factory=dict)
+    """overrides of DataConfig fields (e.g. {'rows_per_table': 10000}); checked against DataConfig."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.sync, dict):
+            self.sync = SyncConfig(**self.sync)
+        _check(isinstance(self.data, str) and bool(self.data), "data", self.data, "'synthetic' or a file path")
+        for name in ("examples", "eval_examples", "trainers", "workers", "batch_size", "threads", "window"):
+            v = getattr(self, name)
+            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "an integer >= 1")
+        _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
+        _check(self.workers <= 64, "workers", self.workers, "at most 64 workers per trainer")
+        _check(self.examples >= self.trainers * self.workers * self.batch_size, "examples", self.examples,
+               f"at least trainers*workers*batch_size = {self.trainers * self.workers * self.batch_size}")
+        _check(self.dense_optimizer in OPTIMIZERS, "dense_optimizer", self.dense_optimizer, f"one of {OPTIMIZERS}")
+        _check(self.embedding_optimizer in OPTIMIZERS, "embedding_optimizer", self.embedding_optimizer,
+               f"one of {OPTIMIZERS}")
+        for name in ("dense_lr", "embedding_lr", "log_every", "timeout"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, v, "a finite number > 0")
+        _check(isinstance(self.model, dict), "model", self.model, "a table of ModelConfig overrides")
+        _check(isinstance(self.data_options, dict), "data_options", self.data_options,
+               "a table of DataConfig overrides")
+
+
+def config_to_dict(cfg: TrainConfig) -> dict:
+    out = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    out["sync"] = {f.name: getattr(cfg.sync, f.name) for f in dataclasses.fields(cfg.sync)}
+    return out
+
+
+def config_from_dict(raw: dict, **overrides: Any) -> TrainConfig:
+    """Build a TrainConfig from a nested dict; unknown keys raise ConfigError naming them."""
+    raw = dict(raw)
+    sync_raw = dict(raw.pop("sync", {}) or {})
+    known = {f.name for f in dataclasses.fields(TrainConfig)} - {"sync"}
+    sync_known = {f.name for f in dataclasses.fields(SyncConfig)}
+    bad = sorted(set(raw) - known)
+    if bad:
+        raise ConfigError(f"unknown config key(s) {bad}; allowed: {sorted(known | {'sync'})}")
+    bad = sorted(set(sync_raw) - sync_known)
+    if bad:
+        raise ConfigError(f"unknown [sync] key(s) {bad}; allowed: {sorted(sync_known)}")
+    for k, v in overrides.items():
+        if k.startswith("sync."):
+            sync_raw[k[5:]] = v
+        else:
+            raw[k] = v
+    try:
+        return TrainConfig(sync=SyncConfig(**sync_raw), **raw)
+    except TypeError as e:  # wrong-typed arguments that the dataclass itself rejects
+        raise ConfigError(str(e)) from None
+
+
+def load_train_config(path: str | Path, **overrides: Any) -> TrainConfig:
+    """Read a TrainConfig from a .toml, .json, .yaml/.yml file; `overrides` (e.g. trainers=2, **{'sync.every': 4})
+    win over the file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    suffix = p.suffix.lower()
+    if suffix == ".toml":
+        import tomllib
+
+        raw = tomllib.loads(text)
+    elif suffix == ".json":
+        raw = json.loads(text)
+    elif suffix in (".yaml", ".yml"):
+        try:
+            import yaml  # type: ignore[import-not-found]
+        except ImportError:
+            raise ConfigError(f"{str(p)!r} is YAML but PyYAML is not installed; use .toml or .json") from None
+        raw = yaml.safe_load(text) or {}
+    else:
+        raise ConfigError(f"config file {str(p)!r}: unknown extension {suffix!r}; expected .toml, .json or .yaml")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of settings, got {type(raw).__name__}")
+    return config_from_dict(raw, **overrides)

@@ -1,0 +1,173 @@
+"""Each sync algorithm against a hand computation of its equations on small tensors (2 real ranks on gloo)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cocosync.shadowsync.sync import BMUF, EASGD, FlatParams, ModelAveraging, NoSync, ShadowThread, make_sync
+from cocosync.shadowsync.train_config import SyncConfig
+
+
+def _x(rank: int) -> torch.Tensor:
+    return torch.tensor([1.0, -2.0, 3.0]) * (rank + 1) + torch.tensor([0.5, 0.0, -1.0])
+
+
+# ---------------------------------------------------------------- local (no collective)
+def test_flat_params_views_keep_values_and_share_memory():
+    lin = torch.nn.Linear(3, 2)
+    before = [p.detach().clone() for p in lin.parameters()]
+    fp = FlatParams(lin.parameters())
+    assert len(fp) == 8
+    for p, b in zip(lin.parameters(), before):
+        assert torch.equal(p, b) and p.is_leaf
+    fp.flat.add_(1.0)
+    assert torch.equal(lin.weight, before[0] + 1)
+    g = fp.flatten_grads([torch.ones(2, 3), None])
+    assert g.tolist() == [1.0] * 6 + [0.0, 0.0]
+
+
+def test_easgd_matches_equations():
+    alpha = 0.25
+    x = torch.tensor([1.0, 2.0, -4.0])
+    c = torch.tensor([0.0, 4.0, 4.0])
+    x_ref = x - alpha * (x - c)
+    c_ref = c + alpha * (x - c)
+    algo = EASGD(x, SyncConfig(algorithm="fr-easgd", alpha=alpha), center=c)
+    assert algo.sync() == 1
+    assert torch.allclose(x, x_ref) and torch.allclose(c, c_ref)
+    assert algo.sync(active=False) == 0
+
+
+def test_easgd_two_trainers_share_one_center():
+    cfg = SyncConfig(algorithm="shadow-easgd", alpha=0.5)
+    c = torch.zeros(2)
+    a, b = torch.tensor([2.0, 0.0]), torch.tensor([0.0, 4.0])
+    EASGD(a, cfg, center=c).sync()  # a -> [1,0], c -> [1,0]
+    EASGD(b, cfg, center=c).sync()  # diff = b - c = [-1,4]: b -> [0.5,2], c -> [0.5,2]
+    assert a.tolist() == [1.0, 0.0] and b.tolist() == [0.5, 2.0] and c.tolist() == [0.5, 2.0]
+
+
+def test_none_changes_nothing_and_make_sync_dispatches():
+    x = torch.ones(3)
+    assert NoSync(x, SyncConfig(algorithm="none")).sync() == 1 and x.tolist() == [1.0] * 3
+    assert isinstance(make_sync(x, SyncConfig(algorithm="shadow-ma")), ModelAveraging)
+    assert isinstance(make_sync(x, SyncConfig(algorithm="fr-bmuf")), BMUF)
+    assert isinstance(make_sync(x, SyncConfig(algorithm="fr-easgd"), center=torch.zeros(3)), EASGD)
+    with pytest.raises(ValueError, match="center"):
+        make_sync(x, SyncConfig(algorithm="shadow-easgd"))
+
+
+def test_single_process_ma_and_bmuf_are_well_defined():
+    x = torch.tensor([1.0, 2.0])
+    assert ModelAveraging(x, SyncConfig(algorithm="fr-ma")).sync() == 1 and x.tolist() == [1.0, 2.0]
+
+
+# ---------------------------------------------------------------- 2 ranks (gloo)
+def _ma_rank():
+    x = _x(dist.get_rank())
+    n = ModelAveraging(x, SyncConfig(algorithm="fr-ma")).sync()
+    return x.tolist(), n
+
+
+def test_ma_matches_mean(rank_pool):
+    ref = ((_x(0) + _x(1)) / 2).tolist()
+    for x, n in rank_pool(2).run(_ma_rank):
+        assert x == pytest.approx(ref) and n == 2
+
+
+def _bmuf_rank(momentum, lr, nesterov):
+    r = dist.get_rank()
+    x = torch.zeros(3)
+    algo = BMUF(x, SyncConfig(algorithm="fr-bmuf", block_momentum=momentum, block_lr=lr, nesterov=nesterov))
+    out = []
+    for step in (1, 2):
+        x.add_(_x(r) * step)  # local training moves the replica
+        n = algo.sync()
+        out.append((x.tolist(), algo.global_params.tolist(), algo.delta.tolist(), n))
+    return out
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_bmuf_matches_equations(rank_pool, nesterov):
+    m, lr = 0.5, 0.8
+    g, d = torch.zeros(3), torch.zeros(3)
+    local = [torch.zeros(3), torch.zeros(3)]
+    ref = []
+    for step in (1, 2):
+        for r in (0, 1):
+            local[r] = local[r] + _x(r) * step
+        avg = (local[0] + local[1]) / 2
+        d = m * d + lr * (avg - g)
+        g = g + d
+        x = g + m * d if nesterov else g.clone()
+        local = [x.clone(), x.clone()]
+        ref.append((x, g.clone(), d.clone()))
+    for rank_out in rank_pool(2).run(_bmuf_rank, m, lr, nesterov):
+        for (x, g_, d_, n), (xr, gr, dr) in zip(rank_out, ref):
+            assert x == pytest.approx(xr.tolist()) and g_ == pytest.approx(gr.tolist())
+            assert d_ == pytest.approx(dr.tolist()) and n == 2
+
+
+def _done_protocol_rank(method):
+    """rank 0 trains for 3 rounds, rank 1 for 1: both must run the same number of collectives and stop together."""
+    r = dist.get_rank()
+    x = torch.zeros(4)  # trainers start from common parameters (the trainer guarantees it)
+    algo = make_sync(x, SyncConfig(algorithm=f"fr-{method}"))
+    rounds, counts = 0, []
+    my_rounds = 3 if r == 0 else 1
+    while True:
+        if rounds < my_rounds:
+            x.add_(r + 1.0)  # local training
+        n = algo.sync(active=rounds < my_rounds)
+        counts.append(n)
+        rounds += 1
+        if n == 0:
+            return counts, x.tolist()
+
+
+@pytest.mark.parametrize("method", ["ma", "bmuf"])
+def test_finished_trainer_keeps_joining_until_all_are_done(rank_pool, method):
+    (c0, x0), (c1, x1) = rank_pool(2).run(_done_protocol_rank, method)
+    assert c0 == c1 == [2, 1, 1, 0]
+    assert x0 == pytest.approx(x1)  # the final round leaves every trainer on the same (global) model
+
+
+def _shadow_ma_rank():
+    """Shadow thread syncing while a 'worker' keeps adding +1: no worker update may be lost (delta write-back)."""
+    r = dist.get_rank()
+    x = torch.zeros(1000)
+    done = threading.Event()
+    iters = [0]
+    shadow = ShadowThread(ModelAveraging(x, SyncConfig(algorithm="shadow-ma")), interval=0.0,
+                          is_active=lambda: not done.is_set(), iterations=lambda: iters[0]).start()
+    steps = 200 if r == 0 else 100
+    for _ in range(steps):
+        x.add_(1.0)
+        iters[0] += 1
+        time.sleep(0.001)
+    done.set()
+    assert shadow.join(30) and shadow.error is None
+    return x.mean().item(), shadow.active_syncs, shadow.algorithm.syncs
+
+
+def test_shadow_ma_keeps_every_worker_update(rank_pool):
+    (m0, a0, s0), (m1, a1, s1) = rank_pool(2).run(_shadow_ma_rank)
+    # sum of all updates is conserved by averaging: (200 + 100) / 2 per element, and both end equal
+    assert m0 == pytest.approx(150.0) and m1 == pytest.approx(150.0)
+    assert a0 >= 2 and s0 == s1  # both ranks ran the same number of collectives
+
+
+def test_shadow_thread_surfaces_errors():
+    class Boom(NoSync):
+        def _sync(self, active):
+            raise RuntimeError("peer vanished")
+
+    sh = ShadowThread(Boom(torch.zeros(2), SyncConfig(algorithm="none")), interval=0.0, is_active=lambda: True)
+    sh.start()
+    assert sh.join(5)
+    assert isinstance(sh.error, RuntimeError)
