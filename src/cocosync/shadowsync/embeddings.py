@@ -1,0 +1,105 @@
+"""Embedding tables in shared memory, shared by every trainer process and updated with lock-free sparse rows.
+
+This is the single-node form of ShadowSync's embedding parameter servers: all tables live in ONE shared
+buffer `[sum(rows), dim]` (plus one row-wise Adagrad accumulator per row), created by the parent with
+`share_memory_()` before the trainers are spawned. Under torch's default `file_descriptor` sharing strategy
+the segment is unlinked as soon as it is created, so no name ever appears in /dev/shm and nothing can be
+left behind by a crash or a kill: the memory goes away with the last process holding the descriptor.
+
+Updates are Hogwild: `apply_rows(table, ids, grads)` sums duplicate ids, then applies SGD or row-wise Adagrad
+(one accumulator per row: acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps), as FBGEMM's rowwise Adagrad)
+with in-place index ops, without locks, from any worker of any trainer.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+__all__ = ["SharedEmbeddings"]
+
+OPTIMIZERS = ("adagrad", "sgd")
+
+
+class SharedEmbeddings:
+    """`len(rows)` tables of `dim` columns, one shared buffer; `tables[t]` is a `[rows[t], dim]` view."""
+
+    def __init__(self, rows: Sequence[int], dim: int, *, optimizer: str = "adagrad", lr: float = 0.05,
+                 eps: float = 1e-8, init_std: float = 0.05, seed: int = 0):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"embedding optimizer={optimizer!r} is invalid: expected one of {OPTIMIZERS}")
+        if not rows or any(int(r) < 1 for r in rows) or dim < 1:
+            raise ValueError(f"embedding tables need rows >= 1 and dim >= 1, got rows={list(rows)}, dim={dim}")
+        if not lr > 0:
+            raise ValueError(f"embedding lr={lr!r} is invalid: expected a number > 0")
+        self.rows, self.dim = [int(r) for r in rows], int(dim)
+        self.optimizer, self.lr, self.eps = optimizer, float(lr), float(eps)
+        gen = torch.Generator().manual_seed(seed)
+        self.weight = torch.randn(sum(self.rows), self.dim, generator=gen).mul_(init_std)
+        self.accumulator = torch.zeros(sum(self.rows))
+        self._make_views()
+
+    def _make_views(self) -> None:
+        self.offsets = [0]
+        for r in self.rows[:-1]:
+            self.offsets.append(self.offsets[-1] + r)
+        self.tables = [self.weight[o:o + r] for o, r in zip(self.offsets, self.rows)]
+
+    # -- sharing ---------------------------------------------------------------------------------------
+    def share_memory_(self) -> "SharedEmbeddings":
+        """Move the buffers to shared memory (call in the parent, before spawning trainers)."""
+        self.weight.share_memory_()
+        self.accumulator.share_memory_()
+        self._make_views()
+        return self
+
+    def is_shared(self) -> bool:
+        return self.weight.is_shared() and self.accumulator.is_shared()
+
+    def __getstate__(self) -> dict:
+        # tensors pickle through torch's multiprocessing reductions (shared storage, not a copy)
+        return {k: getattr(self, k) for k in ("rows", "dim", "optimizer", "lr", "eps", "weight", "accumulator")}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self._make_views()
+
+    # -- updates ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def apply_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
+        """Apply the gradient rows `grads[i]` of rows `ids[i]` of `table` (ids may repeat: they are summed)."""
+        if ids.numel() == 0:
+            return
+        uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
+        g = torch.zeros(uniq.numel(), self.dim, dtype=self.weight.dtype).index_add_(
+            0, inverse, grads.reshape(-1, self.dim).to(self.weight.dtype))
+        rows = uniq + self.offsets[table]
+        if self.optimizer == "sgd":
+            self.weight.index_add_(0, rows, g, alpha=-self.lr)
+            return
+        self.accumulator.index_add_(0, rows, g.pow(2).mean(1))
+        scale = self.accumulator.index_select(0, rows).sqrt_().add_(self.eps).reciprocal_().mul_(-self.lr)
+        self.weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
+
+    def apply_grad(self, table: int, grad: torch.Tensor) -> None:
+        """Apply an autograd gradient of `tables[table]`: a sparse COO tensor (nn.Embedding(sparse=True)) or
+        a dense one (only its non-zero rows are touched)."""
+        if grad.is_sparse:
+            self.apply_rows(table, grad._indices()[0], grad._values())
+        else:
+            nz = grad.abs().sum(1).nonzero().squeeze(1)
+            self.apply_rows(table, nz, grad.index_select(0, nz))
+
+    # -- checkpoint ------------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"rows": self.rows, "dim": self.dim, "optimizer": self.optimizer, "lr": self.lr,
+                "weight": self.weight.detach().clone(), "accumulator": self.accumulator.detach().clone()}
+
+    @classmethod
+    def from_state_dict(cls, state: dict) -> "SharedEmbeddings":
+        emb = cls(state["rows"], state["dim"], optimizer=state["optimizer"], lr=state["lr"], init_std=0.0)
+        emb.weight.copy_(state["weight"])
+        emb.accumulator.copy_(state["accumulator"])
+        return emb
