@@ -1,3 +1,13 @@
-"""cocosync: communication off the critical path of distributed PyTorch training."""
+"""cocosync: communication off the critical path of distributed PyTorch training.
+
+The DSL (CoCoNeT): declare tensors with layouts, mix computation and communication in one Program,
+run it under the reference interpreter (`interpret`) or on real ranks (`compile`).
+"""
+
+from cocosync.dsl import *  # noqa: F403 - the language is the public API
+from cocosync.dsl import __all__ as _dsl_all
+from cocosync.interp import interpret
+from cocosync.runtime.executor import compile  # noqa: A004 - mirrors the paper's vocabulary
 
 __version__ = "0.1.0"
+__all__ = [*_dsl_all, "interpret", "compile", "__version__"]

@@ -1,0 +1,89 @@
+"""Leaf module of the DSL: layouts, reduce ops, dtypes and the DslError. Imported by everything, imports nothing of ours."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+float32, float16, bfloat16 = torch.float32, torch.float16, torch.bfloat16
+#: dtypes a program tensor may have (bool only appears as the result of comparisons).
+FLOAT_DTYPES = (float32, float16, bfloat16)
+DTYPE_SHORT = {float32: "f32", float16: "f16", bfloat16: "bf16", torch.bool: "bool"}
+
+
+class DslError(ValueError):
+    """A program is ill-formed: the message names the op, the operands and what was expected."""
+
+
+class LayoutKind(enum.Enum):
+    LOCAL = "L"  # each rank holds its own, independent values (e.g. its gradient before reduction)
+    REPLICATED = "R"  # every rank of the group holds the same values
+    SLICED = "S"  # rank i of the group holds the i-th contiguous part along `dim`
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where a tensor's values live across the ranks of a group. Prints short: L, R, S[0]."""
+
+    kind: LayoutKind
+    dim: int | None = None
+
+    def __post_init__(self) -> None:
+        if (self.kind is LayoutKind.SLICED) != (self.dim is not None):
+            raise DslError(f"Layout {self.kind.name}: dim must be given for SLICED and only for it, got dim={self.dim}")
+        if self.dim is not None and self.dim < 0:
+            raise DslError(f"Sliced(dim={self.dim}): dim must be >= 0")
+
+    @property
+    def is_local(self) -> bool:
+        return self.kind is LayoutKind.LOCAL
+
+    @property
+    def is_replicated(self) -> bool:
+        return self.kind is LayoutKind.REPLICATED
+
+    @property
+    def is_sliced(self) -> bool:
+        return self.kind is LayoutKind.SLICED
+
+    def __str__(self) -> str:
+        return f"S[{self.dim}]" if self.is_sliced else self.kind.value
+
+    __repr__ = __str__
+
+
+Local = Layout(LayoutKind.LOCAL)
+Replicated = Layout(LayoutKind.REPLICATED)
+
+
+def Sliced(dim: int = 0) -> Layout:  # noqa: N802 - reads like the paper's layout name
+    """Rank i of the group holds the i-th contiguous part of the tensor along `dim`."""
+    return Layout(LayoutKind.SLICED, dim)
+
+
+def as_layout(layout: object) -> Layout:
+    """Accept Local, Replicated, Sliced(d) and the bare function Sliced (meaning Sliced(0))."""
+    if layout is Sliced:
+        return Sliced(0)
+    if isinstance(layout, Layout):
+        return layout
+    raise DslError(f"layout must be Local, Replicated or Sliced(dim), got {layout!r}")
+
+
+class ReduceOp(enum.Enum):
+    SUM = "sum"  # elementwise sum over ranks
+    MAX = "max"  # elementwise maximum over ranks
+    MIN = "min"  # elementwise minimum over ranks
+    MEAN = "mean"  # sum divided by the number of ranks in the group
+
+    @classmethod
+    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
+        if isinstance(op, ReduceOp):
+            return op
+        aliases = {"+": "sum", "add": "sum", "avg": "mean"}
+        try:
+            return cls(aliases.get(str(op).lower(), str(op).lower()))
+        except ValueError:
+            raise DslError(f"unknown reduce op {op!r}; expected one of {[o.value for o in cls]}") from None
