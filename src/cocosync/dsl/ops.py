@@ -157,9 +157,8 @@ def _float_operands(op: str, args: tuple[Node, ...]) -> None:
 
 def _arith(op: str):
     def build(a: Any, b: Any) -> Node:
-        node = _elementwise(op, a, b)
-        _float_operands(op, node.args)
-        return node
+        _float_operands(op, _lift(op, (a, b)))
+        return _elementwise(op, a, b)
 
     build.__name__ = op
     build.__doc__ = f"Elementwise {op} with broadcasting; Python numbers become constants."
@@ -179,8 +178,8 @@ def _unary(op: str):
 
 def _compare(op: str):
     def build(a: Any, b: Any) -> Node:
+        _float_operands(op, _lift(op, (a, b)))
         node = _elementwise(op, a, b)
-        _float_operands(op, node.args)
         return _node(op, node.args, node.shape, torch.bool, node.layout)
 
     build.__name__ = op
