@@ -16,5 +16,14 @@ def bench() -> None:
     """Benchmarks: ours and the baselines side by side in one run (medians and ratios)."""
 
 
+@main.command()
+def demo() -> None:
+    """The main job on the embedded default (synthetic data, local processes)."""
+    from cocosync.demo import run_demo
+
+    if not run_demo():
+        raise SystemExit(1)
+
+
 if __name__ == "__main__":
     main()
