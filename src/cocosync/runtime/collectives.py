@@ -1,0 +1,555 @@
+"""Collectives over the shared-memory arena (intra-node) and torch.distributed (inter-node).
+
+``ShmCommunicator`` runs all_reduce, reduce_scatter, all_gather, broadcast and reduce among all ranks of the job:
+
+* within a node, through shared memory: every rank reduces its own slice of the vector reading the peers' data
+  where it lies (their arena tensor, or the copy they made into a double-buffered workspace), publishes the
+  result, and the others copy it out. Reductions go chunk by chunk (cache-sized), in rank order, so every rank
+  gets bitwise the same result; bfloat16/float16 accumulate in float32 (a cache-sized float32 scratch, never a
+  full-size one).
+* across nodes (nnodes > 1): intra-node reduce-scatter in shared memory, then torch.distributed among the ranks
+  with the same local rank (gloo on CPU, NCCL on GPU) on the slice, then intra-node all-gather.
+
+Synchronization is by flags in shared memory with a timeout: a dead or stalled peer makes the others raise
+`CollectiveTimeout` naming the collective and the missing ranks. Every call validates its inputs across ranks
+(dtype, sizes) through a small header in shared memory and raises an error naming the mismatching ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from cocosync.runtime.group import NodeGroups, node_groups
+from cocosync.runtime.shm import Arena, CollectiveTimeout, Segment
+
+__all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
+_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
+REDUCE_OPS = ("sum", "mean", "max", "min")
+_OP_CODE = {op: i + 1 for i, op in enumerate(REDUCE_OPS)}
+_COLL_CODE = {name: i + 1 for i, name in enumerate(
+    ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "fused_all_reduce", "barrier"])}
+_CODE_COLL = {v: k for k, v in _COLL_CODE.items()}
+_DIST_OP = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
+DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
+
+
+def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of `parts` nearly equal contiguous pieces of range(n) (the first ones one longer)."""
+    q, r = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        stop = start + q + (1 if i < r else 0)
+        out.append((start, stop))
+        start = stop
+    return out
+
+
+def _check_dtype(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _DTYPE_CODE:
+        raise TypeError(f"{name}: unsupported dtype {t.dtype}; supported: "
+                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{name}: the shared-memory path needs CPU tensors, got device {t.device}")
+
+
+def _check_op(name: str, op: str) -> str:
+    key = str(op).lower().rsplit(".", 1)[-1]
+    if key == "avg":
+        key = "mean"
+    if key not in _OP_CODE:
+        raise ValueError(f"{name}: unsupported op {op!r}; supported: {', '.join(REDUCE_OPS)}")
+    return key
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What every rank of one collective call agreed on (after the header exchange)."""
+
+    name: str
+    seq: int
+    sources: list[torch.Tensor | None]  # per local rank: flat view of its data in shared memory (None: not shared)
+    zero_copy: bool  # some rank's data is its own arena tensor: peers read user memory, so the call ends on a barrier
+    ws: Segment | None
+
+
+class ShmCommunicator:
+    """Collectives among all ranks of the job, through shared memory within a node.
+
+    Args:
+        groups: topology and process groups (``node_groups()`` by default: needs torch.distributed initialized
+            when there is more than one rank).
+        arena: the shared-memory arena to use (a new one by default). Tensors allocated with ``arena.empty`` are
+            reduced in place without copies.
+        timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or 60).
+        chunk_bytes: bytes reduced at a time (cache blocking).
+
+    All ranks must call the same collectives in the same order (as with torch.distributed).
+    """
+
+    def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
+                 timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+        self.groups = groups or node_groups()
+        self.arena = arena or Arena(self.groups, timeout=timeout)
+        if timeout is not None:
+            self.arena.flags.timeout = float(timeout)
+        self.flags = self.arena.flags
+        topo = self.groups.topo
+        self.topo = topo
+        self.L, self.me = topo.local_world_size, topo.local_rank
+        self.world, self.rank, self.nnodes = topo.world_size, topo.rank, topo.nnodes
+        if chunk_bytes < 4096:
+            raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 4096")
+        self.chunk_bytes = int(chunk_bytes)
+        self._ws: list[Segment | None] = [None, None]
+        self._calls = 0
+        self._acc: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ public collectives
+
+    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce `t` over all ranks, in place; returns t. op: sum, mean, max, min."""
+        name = "all_reduce"
+        _check_dtype(name, t)
+        op = _check_op(name, op)
+        x, writeback = self._flat(t)
+        n = x.numel()
+        if self.world == 1:
+            return t
+        ranges = [[b] for b in split_bounds(n, self.L)]
+        self._all_reduce_flat(name, x, ranges, op, inter=self.nnodes > 1)
+        if writeback:
+            t.copy_(x.view(t.shape))
+        return t
+
+    def reduce_scatter(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce `t` (first dimension divisible by the world size) over all ranks and return this rank's slice
+        ``t.chunk(world_size)[rank]`` of the result (in `out` if given). `t` is not modified."""
+        name = "reduce_scatter"
+        _check_dtype(name, t)
+        op = _check_op(name, op)
+        if t.dim() == 0 or t.shape[0] % self.world:
+            raise ValueError(f"{name}: first dimension of shape {tuple(t.shape)} is not divisible by the world "
+                             f"size {self.world}")
+        out_shape = (t.shape[0] // self.world, *t.shape[1:])
+        out = self._check_out(name, out, out_shape, t.dtype)
+        x, _ = self._flat(t)
+        c = x.numel() // self.world
+        if self.world == 1:
+            out.copy_(t)
+            return out
+        # local rank l reduces the global slices (node b, local l) for every node b
+        ranges = [[((b * self.L + lr) * c, (b * self.L + lr + 1) * c) for b in range(self.nnodes)]
+                  for lr in range(self.L)]
+        mine = out.view(-1) if self.nnodes == 1 and out.is_contiguous() else torch.empty(
+            self.nnodes * c, dtype=t.dtype if self.nnodes == 1 else torch.float32)
+        call = self._begin(name, x, op=op, fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)))
+        self._reduce_ranges(call, ranges[self.me], op, x, mine, scale=self._scale(op) if self.nnodes == 1 else None)
+        self._end(call)
+        if self.nnodes > 1:
+            piece = torch.empty(c, dtype=torch.float32)
+            self._inter_reduce_scatter(mine.view(self.nnodes, c), piece, op)
+            mine = piece
+        if mine.data_ptr() != out.data_ptr():
+            out.copy_(mine.view(out_shape))
+        return out
+
+    def all_gather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Concatenate every rank's `t` along the first dimension, in rank order (into `out` if given)."""
+        name = "all_gather"
+        _check_dtype(name, t)
+        out_shape = (t.shape[0] * self.world, *t.shape[1:]) if t.dim() else (self.world,)
+        out = self._check_out(name, out, out_shape, t.dtype)
+        if self.world == 1:
+            out.copy_(t.view(out_shape))
+            return out
+        y, writeback = self._flat(out, need_contiguous_out=True)
+        c = t.numel()
+        ranges = [[((b * self.L + lr) * c, (b * self.L + lr + 1) * c) for b in range(self.nnodes)]
+                  for lr in range(self.L)]
+        src = t.reshape(-1)
+        if self.nnodes > 1:  # gather the pieces of this local rank from every node first (inter-node)
+            gathered = torch.empty(self.nnodes * c, dtype=t.dtype)
+            self._inter_all_gather(gathered, src.contiguous())
+            for b, (s, e) in enumerate(ranges[self.me]):
+                y[s:e].copy_(gathered[b * c:(b + 1) * c])
+            src_ranges = y
+        else:
+            y[ranges[self.me][0][0]:ranges[self.me][0][1]].copy_(src)
+            src_ranges = y
+        call = self._begin(name, y, numel=c, fill=lambda ws: self._copy_ranges(ws, src_ranges, [ranges[self.me]]),
+                           data=src_ranges)
+        self._gather_ranges(call, ranges, y)
+        self._end(call)
+        if writeback:
+            out.copy_(y.view(out_shape))
+        return out
+
+    def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
+        """Copy `t` of global rank `root` into `t` on every rank (in place); returns t."""
+        name = "broadcast"
+        _check_dtype(name, t)
+        self._check_root(name, root)
+        if self.world == 1:
+            return t
+        x, writeback = self._flat(t)
+        root_node, root_local = divmod(root, self.L)
+        if self.topo.node == root_node:
+            am_root = self.me == root_local
+            call = self._begin(name, x, root=root, fill=(lambda ws: ws.copy_(x)) if am_root else None)
+            if not am_root:
+                x.copy_(call.sources[root_local])
+            self._end(call)
+        if self.nnodes > 1:
+            ranges = [[b] for b in split_bounds(x.numel(), self.L)]
+            s, e = ranges[self.me][0]
+            piece = x[s:e]
+            if e > s:
+                dist.broadcast(piece, src=root_node * self.L + self.me, group=self.groups.inter)
+            if self.topo.node != root_node:
+                call = self._begin(name + " (intra all-gather)", x, root=root,
+                                   fill=lambda ws: self._copy_ranges(ws, x, [ranges[self.me]]))
+                self._gather_ranges(call, ranges, x)
+                self._end(call)
+        if writeback:
+            t.copy_(x.view(t.shape))
+        return t
+
+    def reduce(self, t: torch.Tensor, op: str = "sum", root: int = 0) -> torch.Tensor:
+        """Reduce `t` over all ranks into `t` on global rank `root` (other ranks' `t` is left as it was)."""
+        name = "reduce"
+        _check_dtype(name, t)
+        op = _check_op(name, op)
+        self._check_root(name, root)
+        if self.world == 1:
+            return t
+        x, writeback = self._flat(t)
+        root_node, root_local = divmod(root, self.L)
+        ranges = [[b] for b in split_bounds(x.numel(), self.L)]
+        s, e = ranges[self.me][0]
+        call = self._begin(name, x, op=op, root=root,
+                           fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)), always_ws=True)
+        ws_me = self._ws_view(call.ws, self.me, x.numel(), x.dtype)
+        if self.nnodes == 1:
+            self._reduce_ranges(call, ranges[self.me], op, x, ws_me[s:e], scale=self._scale(op))
+        else:
+            mine = torch.empty(e - s, dtype=torch.float32)
+            self._reduce_ranges(call, ranges[self.me], op, x, mine)
+            if e > s:
+                dist.reduce(mine, dst=root_node * self.L + self.me, op=getattr(dist.ReduceOp, _DIST_OP[op]),
+                            group=self.groups.inter)
+            if self.topo.node == root_node:
+                if op == "mean":
+                    mine.div_(self.world)
+                ws_me[s:e].copy_(mine)
+        self.flags.barrier(name + " (reduced slices published)")
+        if self.topo.node == root_node and self.me == root_local:
+            for lr in range(self.L):
+                ls, le = ranges[lr][0]
+                x[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+        self._end(call, skip_barrier=True)  # the root read workspaces only
+        if writeback and self.rank == root:
+            t.copy_(x.view(t.shape))
+        return t
+
+    def fused_all_reduce(self, t: torch.Tensor, fn: Callable[[int, torch.Tensor, torch.Tensor], None], *,
+                         out: torch.Tensor | None = None, op: str = "sum", gather: bool = True) -> torch.Tensor:
+        """Reduce-scatter -> fn per reduced chunk -> all-gather, as one operation (see runtime.fused)."""
+        from cocosync.runtime.fused import fused_all_reduce
+
+        return fused_all_reduce(self, t, fn, out=out, op=op, gather=gather)
+
+    def barrier(self) -> None:
+        """All ranks of this node (and, with several nodes, of the job) reach this point."""
+        self.flags.barrier("barrier")
+        if self.nnodes > 1:
+            dist.barrier(group=self.groups.inter)
+            self.flags.barrier("barrier")
+
+    # ------------------------------------------------------------------ shared machinery
+
+    def _flat(self, t: torch.Tensor, need_contiguous_out: bool = False) -> tuple[torch.Tensor, bool]:
+        """A flat contiguous view of t (or a contiguous copy that must be written back)."""
+        if t.is_contiguous():
+            return t.view(-1), False
+        return t.contiguous().view(-1), True
+
+    def _check_out(self, name: str, out: torch.Tensor | None, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        if out is None:
+            return torch.empty(shape, dtype=dtype)
+        if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+            raise ValueError(f"{name}: out has shape {tuple(out.shape)} and dtype {out.dtype}, expected "
+                             f"{tuple(shape)} and {dtype}")
+        return out
+
+    def _check_root(self, name: str, root: int) -> None:
+        if not 0 <= root < self.world:
+            raise ValueError(f"{name}: root={root} is not a rank in [0, {self.world})")
+
+    def _others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+        return [r for lr, r in enumerate(ranges) if lr != self.me]
+
+    def _scale(self, op: str) -> float | None:
+        return 1.0 / self.world if op == "mean" else None
+
+    @staticmethod
+    def _copy_ranges(dst: torch.Tensor, src: torch.Tensor, range_lists: list[list[tuple[int, int]]]) -> None:
+        for rl in range_lists:
+            for s, e in rl:
+                dst[s:e].copy_(src[s:e])
+
+    def _ws_view(self, ws: Segment | None, lr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        assert ws is not None
+        return ws.region(lr)[: numel * _elsize(dtype)].view(dtype)
+
+    def _ensure_ws(self, parity: int, nbytes: int) -> Segment:
+        ws = self._ws[parity]
+        if ws is None or ws.region_bytes < nbytes:
+            if ws is not None:
+                self.arena.release(ws)
+            cap = max(nbytes, 2 * ws.region_bytes if ws is not None else 0, 1 << 16)
+            ws = self._ws[parity] = self.arena.workspace(cap)
+        return ws
+
+    def _begin(self, name: str, x: torch.Tensor, *, op: str = "sum", root: int = -1, numel: int | None = None,
+               fill: Callable[[torch.Tensor], None] | None = None, data: torch.Tensor | None = None,
+               always_ws: bool = False) -> _Call:
+        """Header exchange + first barrier. `fill(ws_view)` copies this rank's data into its workspace region
+        (called only when the data is not already an arena tensor); `data` is what peers read (x by default)."""
+        data = x if data is None else data
+        parity = self._calls % 2
+        self._calls += 1
+        nbytes = x.numel() * x.element_size()
+        where = self.arena.locate(data)
+        if where is not None and where[2]:
+            raise ValueError(f"{name}: the tensor is node-shared (Arena.shared_empty: one copy for all local ranks); "
+                             "collectives take per-rank tensors (Arena.empty or ordinary tensors)")
+        zc = where is not None
+        seg, off = (where[0], where[1]) if zc else (-1, -1)
+        ws = self._ws[parity]
+        fits = ws is not None and ws.region_bytes >= nbytes
+        filled = False
+        if fill is not None and not zc and fits:
+            fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
+            filled = True
+        self.flags.set_header([_COLL_CODE[name.split(" ")[0]], _DTYPE_CODE[x.dtype], x.numel() if numel is None
+                               else numel, _OP_CODE[op], root, seg, off])
+        seq = self.flags.barrier(name)
+        hdrs = [self.flags.header(lr, seq).copy() for lr in range(self.L)]
+        self._validate(name, seq, hdrs)
+        need_ws = always_ws or any(h[5] < 0 for h in hdrs)
+        if need_ws and not fits:  # same decision on every rank: the headers agree
+            ws = self._ensure_ws(parity, nbytes)
+            if fill is not None and not zc:
+                fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
+            self.flags.barrier(name + " (workspace grown)")
+        if not need_ws and not fits:
+            ws = None
+        sources: list[torch.Tensor | None] = []
+        for lr in range(self.L):
+            if lr == self.me:
+                sources.append(data)
+            elif hdrs[lr][5] >= 0:
+                sources.append(self.arena.view(int(hdrs[lr][5]), lr, int(hdrs[lr][6]), (data.numel(),), x.dtype))
+            else:
+                sources.append(self._ws_view(ws, lr, x.numel(), x.dtype))
+        any_zc = any(h[5] >= 0 for h in hdrs)
+        return _Call(name=name, seq=seq, sources=sources, zero_copy=any_zc, ws=ws)
+
+    def _validate(self, name: str, seq: int, hdrs) -> None:
+        mine = hdrs[self.me]
+        g = self.topo.local_ranks_global
+        for lr, h in enumerate(hdrs):
+            if h[0] != mine[0]:
+                raise RuntimeError(f"{name} (call #{seq}): ranks called different collectives: global rank {g[lr]} "
+                                   f"called {_CODE_COLL.get(int(h[0]), '?')}, global rank {self.rank} called {name}")
+        desc = ", ".join(f"rank {g[lr]}: {int(h[2])} x {_CODE_DTYPE.get(int(h[1]))}" for lr, h in enumerate(hdrs))
+        if any(h[1] != mine[1] for h in hdrs):
+            raise TypeError(f"{name} (call #{seq}): dtype differs across ranks ({desc})")
+        if any(h[2] != mine[2] for h in hdrs):
+            raise ValueError(f"{name} (call #{seq}): number of elements differs across ranks ({desc})")
+        if any(h[3] != mine[3] for h in hdrs):
+            ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1]}" for lr, h in enumerate(hdrs))
+            raise ValueError(f"{name} (call #{seq}): reduce op differs across ranks ({ops})")
+        if any(h[4] != mine[4] for h in hdrs):
+            roots = ", ".join(f"rank {g[lr]}: {int(h[4])}" for lr, h in enumerate(hdrs))
+            raise ValueError(f"{name} (call #{seq}): root differs across ranks ({roots})")
+
+    def _end(self, call: _Call, skip_barrier: bool = False) -> None:
+        # peers read this rank's own memory (zero-copy): wait until they are done before returning it to the user.
+        # Workspace copies need no barrier: the next call uses the other workspace, and the call after it starts
+        # with a barrier that every peer can only pass once it has finished this one.
+        if call.zero_copy and not skip_barrier:
+            self.flags.barrier(call.name + " (done)")
+
+    def _acc_buf(self, numel: int) -> torch.Tensor:
+        if self._acc is None or self._acc.numel() < numel:
+            self._acc = torch.empty(numel, dtype=torch.float32)
+        return self._acc[:numel]
+
+    def _reduce_ranges(self, call: _Call, ranges: list[tuple[int, int]], op: str, own: torch.Tensor,
+                       dst: torch.Tensor, scale: float | None = None,
+                       publish: torch.Tensor | None = None,
+                       fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+                       fn_out: torch.Tensor | None = None) -> None:
+        """Reduce this rank's `ranges` over the sources, chunk by chunk, into the packed `dst` (ranges end to end).
+
+        own: this rank's flat data (read for its own contribution). publish: also copy each result chunk there
+        (at the same offsets as the ranges). fn(offset, reduced_chunk, out_chunk): fused computation per chunk,
+        writing into fn_out[offset:...] (then published from there).
+        """
+        srcs = [own if lr == self.me else call.sources[lr] for lr in range(self.L)]
+        step = max(1, self.chunk_bytes // own.element_size())
+        pos = 0
+        for s, e in ranges:
+            for a in range(s, e, step):
+                b = min(a + step, e)
+                d = dst[pos + a - s:pos + b - s]
+                _reduce_chunk(d, [src[a:b] for src in srcs], op, self._acc_buf, scale)
+                if fn is not None:
+                    assert fn_out is not None
+                    oc = fn_out[a:b]
+                    fn(a, d, oc)
+                    if publish is not None and publish.data_ptr() != fn_out.data_ptr():
+                        publish[a:b].copy_(oc)
+                elif publish is not None:
+                    publish[a:b].copy_(d)
+            pos += e - s
+
+    def _gather_ranges(self, call: _Call, ranges: list[list[tuple[int, int]]], y: torch.Tensor) -> None:
+        """Copy every peer's ranges from where it published them into y."""
+        for lr in range(self.L):
+            if lr == self.me:
+                continue
+            src = call.sources[lr]
+            for s, e in ranges[lr]:
+                y[s:e].copy_(src[s:e])
+
+    def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str,
+                         inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True) -> None:
+        """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x."""
+        s, e = ranges[self.me][0]
+        out = x if fn_out is None else fn_out
+        out_where = self.arena.locate(fn_out) if fn_out is not None else None
+        shared_out = out_where is not None and out_where[2]
+        out_zc = out_where is not None and not out_where[2]
+        call = self._begin(name, x, op=op, fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)),
+                           data=x, always_ws=fn_out is not None and out_where is None)
+        ws_me = self._ws_view(call.ws, self.me, x.numel(), x.dtype) if call.ws is not None else None
+        if fn_out is None:
+            publish = None if self.arena.locate(x) is not None else ws_me
+        else:
+            publish = None if (shared_out or out_zc) else ws_me
+        if not inter:
+            self._reduce_ranges(call, ranges[self.me], op, x, x[s:e], scale=self._scale(op),
+                                publish=publish if fn is None else publish, fn=fn, fn_out=fn_out)
+        else:
+            part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
+            self._reduce_ranges(call, ranges[self.me], op, x, part)
+            if e > s:  # across nodes in float32 (16-bit sums are rounded once, at the end)
+                dist.all_reduce(part, op=getattr(dist.ReduceOp, _DIST_OP[op]), group=self.groups.inter)
+                if op == "mean":
+                    part.div_(self.world)
+                if part.data_ptr() != x.data_ptr() + s * x.element_size():
+                    x[s:e].copy_(part)
+            if fn is not None:
+                step = max(1, self.chunk_bytes // x.element_size())
+                for a in range(s, e, step):
+                    b = min(a + step, e)
+                    fn(a, x[a:b], out[a:b])
+            if publish is not None:
+                publish[s:e].copy_(out[s:e])
+        if not gather:
+            self._end(call)
+            return
+        if shared_out:  # one copy per node: every rank wrote its slice in place; wait for all of them
+            self.flags.barrier(name + " (slices written)")
+            return
+        self.flags.barrier(name + " (reduced slices published)")
+        if fn_out is not None and out_zc:
+            where = self.arena.locate(fn_out)
+            assert where is not None
+            views = [self.arena.view(where[0], lr, where[1], (fn_out.numel(),), fn_out.dtype) for lr in range(self.L)]
+            for lr in range(self.L):
+                if lr != self.me:
+                    ls, le = ranges[lr][0]
+                    out[ls:le].copy_(views[lr][ls:le])
+            self.flags.barrier(name + " (done)")
+            return
+        if fn_out is not None:  # plain out: peers published their results in their workspace
+            for lr in range(self.L):
+                if lr != self.me:
+                    ls, le = ranges[lr][0]
+                    out[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+            self._end(call)
+            return
+        self._gather_ranges(call, ranges, x)
+        self._end(call)
+
+    def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: str) -> None:
+        """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""
+        dop = getattr(dist.ReduceOp, _DIST_OP[op])
+        try:
+            _rs_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
+        except (RuntimeError, NotImplementedError):  # backends without reduce_scatter: all_reduce then keep our block
+            full = blocks.contiguous().clone()
+            dist.all_reduce(full, op=dop, group=self.groups.inter)
+            out.copy_(full[self.topo.node])
+        if op == "mean":
+            out.div_(self.world)
+
+    def _inter_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
+        try:
+            _ag_single(out, t, group=self.groups.inter)
+        except (RuntimeError, NotImplementedError):
+            parts = list(out.view(self.nnodes, -1).unbind(0))
+            dist.all_gather(parts, t, group=self.groups.inter)
+
+
+_rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _elsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _reduce_chunk(dst: torch.Tensor, srcs: list[torch.Tensor], op: str, acc_buf, scale: float | None) -> None:
+    """dst = reduce(srcs) in rank order; float32 accumulation for 16-bit sums. dst may alias any src."""
+    if op in ("max", "min"):
+        f = torch.maximum if op == "max" else torch.minimum
+        # exact and order-free: start with an aliased source (if any) so nothing is overwritten before it is read
+        order = sorted(range(len(srcs)), key=lambda i: srcs[i].data_ptr() != dst.data_ptr())
+        f(srcs[order[0]], srcs[order[1]], out=dst)
+        for i in order[2:]:
+            f(dst, srcs[i], out=dst)
+        return
+    f32 = srcs[0].dtype == torch.float32
+    if f32 and len(srcs) == 2:
+        torch.add(srcs[0], srcs[1], out=dst)
+        if scale is not None:
+            dst.mul_(scale)
+        return
+    aliased_late = any(s.data_ptr() == dst.data_ptr() for s in srcs[2:])
+    if f32 and not aliased_late:
+        torch.add(srcs[0], srcs[1], out=dst)
+        for s in srcs[2:]:
+            dst.add_(s)
+        if scale is not None:
+            dst.mul_(scale)
+        return
+    acc = acc_buf(dst.numel())
+    acc.copy_(srcs[0])
+    for s in srcs[1:]:
+        acc.add_(s)
+    if scale is not None:
+        acc.mul_(scale)
+    dst.copy_(acc)

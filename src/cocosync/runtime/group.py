@@ -1,0 +1,145 @@
+"""Node topology from the torchrun environment, and the intra-/inter-node process groups built from it.
+
+torchrun numbers ranks node by node: global rank = node * local_world_size + local_rank. The *intra* group holds
+the ranks of this node (they share memory); the *inter* group holds the ranks with this rank's local rank on
+every node (one per node): a hierarchical collective goes intra (shared memory), then inter (torch.distributed),
+then intra again.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Topology", "NodeGroups", "topology_from_env", "node_groups"]
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise RuntimeError(f"environment variable {name} is not set: launch with torchrun or RankPool")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise RuntimeError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Topology:
+    """Where this process sits: global rank, node, local rank (torchrun numbering)."""
+
+    rank: int
+    """Global rank, 0 <= rank < world_size."""
+    world_size: int
+    """Number of ranks in the job."""
+    local_rank: int
+    """Rank within this node."""
+    local_world_size: int
+    """Ranks per node (the same on every node)."""
+    node: int
+    """Index of this node (GROUP_RANK), 0 <= node < nnodes."""
+
+    def __post_init__(self) -> None:
+        if self.local_world_size < 1 or self.world_size % self.local_world_size:
+            raise ValueError(f"local_world_size={self.local_world_size} must divide world_size={self.world_size}")
+        if not 0 <= self.local_rank < self.local_world_size:
+            raise ValueError(f"local_rank={self.local_rank} is outside [0, {self.local_world_size})")
+        if self.rank != self.node * self.local_world_size + self.local_rank:
+            raise ValueError(f"rank={self.rank} is not node*local_world_size+local_rank = "
+                             f"{self.node}*{self.local_world_size}+{self.local_rank}: ranks must be numbered node by node")
+
+    @property
+    def nnodes(self) -> int:
+        return self.world_size // self.local_world_size
+
+    def global_rank(self, local_rank: int, node: int | None = None) -> int:
+        """Global rank of `local_rank` on `node` (this node by default)."""
+        return (self.node if node is None else node) * self.local_world_size + local_rank
+
+    @property
+    def local_ranks_global(self) -> list[int]:
+        """Global ranks of this node's ranks, in local-rank order."""
+        return [self.global_rank(lr) for lr in range(self.local_world_size)]
+
+
+def topology_from_env() -> Topology:
+    """Read RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE (and GROUP_RANK) as torchrun sets them.
+
+    Without them (a plain single process) the topology is one rank on one node.
+    """
+    world = _env_int("WORLD_SIZE", 1)
+    rank = _env_int("RANK", 0)
+    local_world = _env_int("LOCAL_WORLD_SIZE", world)
+    local_rank = _env_int("LOCAL_RANK", rank % local_world)
+    node = _env_int("GROUP_RANK", rank // local_world)
+    return Topology(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, node=node)
+
+
+@dataclass(eq=False)
+class NodeGroups:
+    """Topology plus the torch.distributed groups a hierarchical collective needs, and a job id agreed by all ranks."""
+
+    topo: Topology
+    job_id: str
+    """Short id shared by every rank of the job: names shared-memory segments uniquely per job."""
+    intra: Any = None
+    """Process group of this node's ranks (None when torch.distributed is not initialized)."""
+    inter: Any = None
+    """Process group of the ranks with this local rank, one per node (None when there is a single node)."""
+    _cache_key: Any = field(default=None, repr=False)
+
+
+_groups: dict[Any, NodeGroups] = {}
+
+
+def _sanitize(s: str) -> str:
+    keep = "".join(c if c.isalnum() or c in "-_" else "-" for c in s)
+    return keep[:40] or "job"
+
+
+def node_groups(topo: Topology | None = None) -> NodeGroups:
+    """The NodeGroups of this process (cached per default process group).
+
+    A collective call on every rank (new_group and the job-id broadcast are collectives) the first time.
+    """
+    topo = topo or topology_from_env()
+    initialized = dist.is_available() and dist.is_initialized()
+    key = (id(dist.group.WORLD) if initialized else None, topo)
+    cached = _groups.get(key)
+    if cached is not None:
+        return cached
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    if not initialized:
+        if topo.world_size != 1:
+            raise RuntimeError(f"torch.distributed is not initialized but WORLD_SIZE={topo.world_size}: "
+                               "call torch.distributed.init_process_group first")
+        ng = NodeGroups(topo=topo, job_id=f"{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        _groups[key] = ng
+        return ng
+    if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
+        raise RuntimeError(f"environment says rank {topo.rank}/{topo.world_size}, torch.distributed says "
+                           f"{dist.get_rank()}/{dist.get_world_size()}")
+    # A uuid from rank 0 makes the id unique even when TORCHELASTIC_RUN_ID is absent or reused ("none").
+    obj = [f"{_sanitize(run_id)}-{uuid.uuid4().hex[:8]}" if run_id and run_id != "none" else uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(obj, src=0)
+    L, n = topo.local_world_size, topo.nnodes
+    intra = inter = None
+    # new_group is collective over the whole job and must be called in the same order everywhere.
+    for node in range(n):
+        g = dist.new_group([node * L + lr for lr in range(L)]) if n > 1 else dist.group.WORLD
+        if node == topo.node:
+            intra = g
+    if n > 1:
+        for lr in range(L):
+            g = dist.new_group([node * L + lr for node in range(n)])
+            if lr == topo.local_rank:
+                inter = g
+    ng = NodeGroups(topo=topo, job_id=obj[0], intra=intra, inter=inter, _cache_key=key)
+    _groups[key] = ng
+    return ng
