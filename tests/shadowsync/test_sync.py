@@ -95,16 +95,17 @@ def _bmuf_rank(momentum, lr, nesterov):
 @pytest.mark.parametrize("nesterov", [False, True])
 def test_bmuf_matches_equations(rank_pool, nesterov):
     m, lr = 0.5, 0.8
-    g, d = torch.zeros(3), torch.zeros(3)
+    g, d, start = torch.zeros(3), torch.zeros(3), torch.zeros(3)
     local = [torch.zeros(3), torch.zeros(3)]
     ref = []
     for step in (1, 2):
         for r in (0, 1):
             local[r] = local[r] + _x(r) * step
         avg = (local[0] + local[1]) / 2
-        d = m * d + lr * (avg - g)
+        d = m * d + lr * (avg - start)  # classic: start == g; Nesterov: the look-ahead the block began at
         g = g + d
         x = g + m * d if nesterov else g.clone()
+        start = x.clone()
         local = [x.clone(), x.clone()]
         ref.append((x, g.clone(), d.clone()))
     for rank_out in rank_pool(2).run(_bmuf_rank, m, lr, nesterov):

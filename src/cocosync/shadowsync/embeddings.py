@@ -69,7 +69,8 @@ class SharedEmbeddings:
     # -- updates ---------------------------------------------------------------------------------------
     @torch.no_grad()
     def apply_rows(self, table: int, ids: torch.Tensor, grads: torch.Tensor) -> None:
-        """Apply the gradient rows `grads[i]` of rows `ids[i]` of `table` (ids may repeat: they are summed)."""
+        """Apply the gradient rows `grads[i]` of rows `ids[i]` of `table` (ids may repeat: they are summed).
+        Table 0 with ids offset by `offsets[t]` addresses any row of the whole buffer."""
         if ids.numel() == 0:
             return
         uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
@@ -82,6 +83,22 @@ class SharedEmbeddings:
         self.accumulator.index_add_(0, rows, g.pow(2).mean(1))
         scale = self.accumulator.index_select(0, rows).sqrt_().add_(self.eps).reciprocal_().mul_(-self.lr)
         self.weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
+
+    def apply_grads(self, grads: list[torch.Tensor]) -> None:
+        """Apply one autograd gradient per table (sparse COO or dense) in a single fused row update."""
+        ids, values = [], []
+        for t, g in enumerate(grads):
+            if g is None:
+                continue
+            if g.is_sparse:
+                i, v = g._indices()[0], g._values()
+            else:
+                i = g.abs().sum(1).nonzero().squeeze(1)
+                v = g.index_select(0, i)
+            ids.append(i + self.offsets[t])
+            values.append(v)
+        if ids:
+            self.apply_rows(0, torch.cat(ids), torch.cat(values))
 
     def apply_grad(self, table: int, grad: torch.Tensor) -> None:
         """Apply an autograd gradient of `tables[table]`: a sparse COO tensor (nn.Embedding(sparse=True)) or

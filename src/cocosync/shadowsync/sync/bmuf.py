@@ -1,14 +1,19 @@
 """Blockwise model-update filtering (Chen & Huo 2016): model averaging followed by block momentum.
 
     avg       = mean over trainers of x_local
-    desc      = avg - x_prev_global
+    desc      = avg - x_start                         (x_start: where this block's local training started)
     delta    <- block_momentum * delta + block_lr * desc
     x_global  = x_prev_global + delta
-    x_local  <- x_global + block_momentum * delta   (Nesterov)   or   x_global   (classic)
+    x_start   = x_global + block_momentum * delta     (Nesterov, NBM)   or   x_global   (classic, CBM)
+    x_local  <- x_start
+
+For classic block momentum x_start = x_prev_global, i.e. desc = avg - x_prev_global. With the Nesterov
+restart the descent must be measured from the look-ahead point the block started from, otherwise the
+momentum term is counted again in every block and delta never decays.
 
 x_prev_global starts at the initial parameters, which must be the same on every trainer (the trainer
-starts all replicas from one initialization). In the last round (no trainer active) every
-trainer ends on x_global itself, so the final model is the global one, without the Nesterov look-ahead.
+starts all replicas from one initialization). In the last round (no trainer active) every trainer ends on
+x_global itself, so the final model is the global one, without the Nesterov look-ahead.
 """
 
 from __future__ import annotations
@@ -29,16 +34,17 @@ class BMUF(SyncAlgorithm):
     def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None):
         super().__init__(flat, cfg, group)
         self.global_params = flat.detach().clone()  # x_prev_global
+        self.start = flat.detach().clone()  # x_start of the current block
         self.delta = torch.zeros_like(flat)
 
     def _sync(self, active: bool) -> int:
         snapshot = self.flat.clone()
         avg, n_active = self._mean_and_active(snapshot, active)
-        desc = avg.sub_(self.global_params)
+        desc = avg.sub_(self.start)
         self.delta.mul_(self.cfg.block_momentum).add_(desc, alpha=self.cfg.block_lr)
         self.global_params.add_(self.delta)
-        target = self.global_params.clone()
+        self.start.copy_(self.global_params)
         if self.cfg.nesterov and n_active > 0:
-            target.add_(self.delta, alpha=self.cfg.block_momentum)
-        self.flat.add_(target.sub_(snapshot))
+            self.start.add_(self.delta, alpha=self.cfg.block_momentum)
+        self.flat.add_(self.start - snapshot)  # delta write-back: keeps updates made during the all_reduce
         return n_active
