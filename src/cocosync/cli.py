@@ -25,5 +25,14 @@ def demo() -> None:
         raise SystemExit(1)
 
 
+from cocosync.shadowsync.data_cli import data  # noqa: E402  (registers `cocosync data ...`)
+
+main.add_command(data)
+
+from cocosync.shadowsync.train_cli import eval_checkpoint, train  # noqa: E402
+
+main.add_command(train)
+main.add_command(eval_checkpoint)
+
 if __name__ == "__main__":
     main()

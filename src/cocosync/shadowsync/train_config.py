@@ -89,7 +89,7 @@ class TrainConfig:
 
     data: str = "synthetic"
     """'synthetic' (generated in memory, with known Bayes NE) or a path to a Criteo-format TSV file."""
-    examples: int = 200_000
+    examples: int = 600_000
     """total training examples over all trainers (one pass: each example is seen once)."""
     eval_examples: int = 20_000
     """held-out examples scored at the end (the last rows of PATH, or a separate synthetic draw)."""

@@ -1,0 +1,139 @@
+"""`cocosync train` and `cocosync eval`: ShadowSync training runs and scoring of their checkpoints.
+
+`cocosync train` with no arguments is the demo: 2 trainers with Shadow-BMUF on synthetic data (~30-60 s).
+Options given on the command line win over `--config FILE` (TOML/JSON/YAML with TrainConfig fields).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import click
+
+from .train_config import SYNC_ALGORITHMS, ConfigError, TrainConfig, config_from_dict, load_train_config
+
+__all__ = ["train", "eval_checkpoint"]
+
+_OPTS = {  # CLI option -> TrainConfig field
+    "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples",
+    "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
+    "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
+    "timeout": "timeout", "sync": "sync.algorithm", "sync_every": "sync.every", "sync_interval": "sync.interval",
+    "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
+}
+
+
+def _console():
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML/JSON/YAML file of TrainConfig fields.")
+@click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file.")
+@click.option("--trainers", "-T", type=int, help="trainer processes (default 2).")
+@click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1).")
+@click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm (default shadow-bmuf).")
+@click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations.")
+@click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread.")
+@click.option("--alpha", type=float, help="EASGD elasticity.")
+@click.option("--block-momentum", type=float, help="BMUF block momentum.")
+@click.option("--block-lr", type=float, help="BMUF block learning rate.")
+@click.option("--examples", type=int, help="total training examples over all trainers (one pass).")
+@click.option("--eval-examples", type=int, help="held-out examples scored at the end.")
+@click.option("--batch-size", type=int, help="examples per worker iteration.")
+@click.option("--dense-lr", type=float, help="dense (MLP) learning rate.")
+@click.option("--embedding-lr", type=float, help="embedding row learning rate.")
+@click.option("--seed", type=int, help="model and synthetic-data seed.")
+@click.option("--threads", type=int, help="intra-op torch threads per trainer.")
+@click.option("--timeout", type=float, help="abort the run after this many seconds.")
+@click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest).")
+@click.option("--progress/--no-progress", default=None, help="progress bar while training.")
+@click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
+def train(config_path: str | None, progress: bool | None, json_out: bool, **opts) -> None:
+    """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
+
+    Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
+    a second Ctrl-C aborts.
+    """
+    from .trainer import TrainerFailure, run_training
+
+    overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
+    if progress is not None:
+        overrides["progress"] = progress
+    try:
+        cfg = load_train_config(config_path, **overrides) if config_path else config_from_dict({}, **overrides)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    console = _console()
+    console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
+                  f"workers, {cfg.examples:,} examples of {cfg.data!r} -> {cfg.out_dir}/")
+    try:
+        result = run_training(cfg, console=console)
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    except TrainerFailure as e:
+        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"metrics so far: {cfg.out_dir}/metrics.jsonl")
+        sys.exit(1)
+    _print_result(console, result)
+    if json_out:
+        click.echo(json.dumps(result.summary, default=str))
+    if result.interrupted:
+        sys.exit(130)
+
+
+def _print_result(console, result) -> None:
+    from rich.table import Table
+
+    s = result.summary
+    rows = [("examples", f"{s['examples']:,}"), ("examples/s (total)", f"{s['eps']:,.0f}"),
+            ("examples/s per trainer", f"{s['eps_per_trainer']:,.0f}"), ("train NE (window)", f"{s['train_ne']:.4f}"),
+            ("eval NE", f"{s['eval_ne']:.4f}"), ("eval AUC", f"{s['auc']:.4f}"),
+            ("Bayes NE", f"{s['bayes_ne']:.4f}"), ("excess NE over Bayes", f"{s['excess_ne']:.4f}"),
+            ("sync gap (iterations)", f"{s['sync_gap']:.2f}"), ("syncs", f"{s['syncs']:,}"),
+            ("training seconds", f"{s['seconds']:.1f}")]
+    table = Table(title=f"ShadowSync run: {s['name']} (W={s['W']})")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for k, v in rows:
+        table.add_row(k, "-" if v in ("nan", "-nan") else v)
+    console.print(table)
+    if result.interrupted:
+        console.print("[yellow]interrupted: the numbers cover the examples trained before Ctrl-C")
+    console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json")
+    if result.plot:
+        console.print(f"plot: {result.plot}")
+    if result.checkpoint:
+        console.print(f"checkpoint: {result.checkpoint}  (score it with: cocosync eval {result.checkpoint})")
+
+
+@click.command("eval")
+@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.option("--data", help="score on this Criteo-format file instead of the run's held-out set.")
+@click.option("--examples", type=int, help="held-out examples to score (default: the run's eval_examples).")
+@click.option("--json", "json_out", is_flag=True, help="print the metrics as JSON on stdout.")
+def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, json_out: bool) -> None:
+    """Score a checkpoint written by `cocosync train` (NE, AUC, Bayes NE on synthetic data)."""
+    import dataclasses
+
+    from .metrics import evaluate, summary_table
+    from .trainer import eval_batches, load_checkpoint_model
+
+    try:
+        model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
+    except (FileNotFoundError, ValueError, KeyError) as e:
+        raise click.UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
+    if examples is not None:
+        data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)
+    if data is not None:
+        data_cfg = dataclasses.replace(data_cfg, eval_path=data, eval_rows=examples or data_cfg.eval_rows)
+    ev = evaluate(model, eval_batches(cfg, data_cfg))
+    ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
+    ev = {"name": ckpt.get("name", checkpoint), **ev, "trained_examples": int(ckpt["positions"].sum())}
+    _console().print(summary_table([ev], title=f"eval {checkpoint}"))
+    if json_out:
+        click.echo(json.dumps(ev, default=str))
