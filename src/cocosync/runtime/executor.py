@@ -17,7 +17,7 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import DslError, ReduceOp
 from cocosync.interp import ELEMENTWISE, dropout_mask
 
-__all__ = ["compile", "CompiledProgram", "local_shape"]
+__all__ = ["compile", "CompiledProgram", "local_shape", "run_stage"]
 
 _DIST_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.MEAN: dist.ReduceOp.SUM, ReduceOp.MAX: dist.ReduceOp.MAX,
             ReduceOp.MIN: dist.ReduceOp.MIN}
@@ -153,6 +153,17 @@ def _run_stage(s: Node, args: list[torch.Tensor], comm: _Comm) -> torch.Tensor:
     return _COMM_STAGE[op](s, args[0], comm)
 
 
+def run_stage(s: Node, env: dict[int, torch.Tensor], comm: _Comm) -> torch.Tensor:
+    """Run stage `s` on this rank: read its arguments from `env` (keyed by id(node)), store and return its value."""
+    args = []
+    for a in s.args:
+        if a.op == "const":
+            env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
+        args.append(env[id(a)])
+    env[id(s)] = out = _run_stage(s, args, comm)
+    return out
+
+
 _COMM_STAGE: dict[str, Callable[[Node, torch.Tensor, _Comm], torch.Tensor]] = {
     "all_reduce": lambda s, x, c: c.all_reduce(x, s.attr("op")),
     "reduce_scatter": lambda s, x, c: c.reduce_scatter(x, s.attr("op"), s.layout.dim),
@@ -205,13 +216,14 @@ class CompiledProgram:
         given = self._check_inputs(inputs)
         for n in self.program.inputs:
             env[id(n)] = given[n.name]
+        self._run(env)
+        return self._finish(env, given)
+
+    def _run(self, env: dict[int, torch.Tensor]) -> None:
         for s in self.program.stages:
-            args = []
-            for a in s.args:
-                if a.op == "const":
-                    env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
-                args.append(env[id(a)])
-            env[id(s)] = _run_stage(s, args, self.comm)
+            run_stage(s, env, self.comm)
+
+    def _finish(self, env: dict[int, torch.Tensor], given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for s in self.program.stages:  # updates take effect when the program finishes
             if s.op == "update":
                 given[s.args[0].name].copy_(env[id(s)].expand_as(given[s.args[0].name]))

@@ -1,0 +1,112 @@
+"""Program -> Plan, as one function listing the passes in order (`dump=True` prints the state after each)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cocosync.dsl.check import check_program
+from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.ops import OPS
+from cocosync.lower.plan import Collective, FusedCollective, Kernel, Overlap, Plan, Step
+from cocosync.schedule.dce import dce
+
+
+@dataclass
+class Unit:
+    """A step being formed: kind is 'fuse:kernel', 'fuse:collective', 'overlap', 'comm' or 'compute'."""
+    kind: str
+    stages: list[Node]
+    attrs: dict = field(default_factory=dict)
+
+    def __str__(self):
+        return f"{self.kind}({', '.join(s.name for s in self.stages)})"
+
+
+def lower(program: Program, dump: bool = False) -> Plan:
+    """The passes, in order:
+    1. check           the program is well-formed
+    2. dce             dead stages and scatter(all_gather(x)) disappear
+    3. form_units      each fuse/overlap group is one unit, every other stage its own
+    4. order_units     units in a topological order of the unit graph (stable: earliest first stage first)
+    5. merge_kernels   adjacent local elementwise units merge into one kernel
+    6. to_steps        units become Kernel / Collective / FusedCollective / Overlap steps
+    """
+    def show(name: str, what) -> None:
+        if dump:
+            print(f"--- after {name} ---")
+            print(what if not isinstance(what, list) else "\n".join(f"  {u}" for u in what))
+
+    check_program(program)
+    show("check", program)
+    program = dce(program)
+    show("dce", program)
+    units = form_units(program)
+    show("form_units", units)
+    units = order_units(program, units)
+    show("order_units", units)
+    units = merge_kernels(units)
+    show("merge_kernels", units)
+    plan = Plan(program, tuple(to_steps(u) for u in units))
+    show("to_steps", plan)
+    return plan
+
+
+def _is_comm(s: Node) -> bool:
+    return OPS[s.op].kind == "comm" and s.op != "scatter"  # scatter keeps a local slice: no communication
+
+
+def form_units(program: Program) -> list[Unit]:
+    by_name = {s.name: s for s in program.stages}
+    units, grouped = [], set()
+    for g in program.groups:
+        attrs = dict(g.attrs)
+        kind = f"fuse:{attrs.get('kind', 'kernel')}" if g.kind == "fuse" else g.kind
+        units.append(Unit(kind, [by_name[n] for n in g.stages], attrs))
+        grouped.update(g.stages)
+    for s in program.stages:
+        if s.name not in grouped:
+            units.append(Unit("comm" if _is_comm(s) else "compute", [s]))
+    return units
+
+
+def order_units(program: Program, units: list[Unit]) -> list[Unit]:
+    pos = {id(s): i for i, s in enumerate(program.stages)}
+    owner = {id(s): k for k, u in enumerate(units) for s in u.stages}
+    for u in units:
+        u.stages.sort(key=lambda s: pos[id(s)])
+    deps = {k: {owner[id(a)] for s in u.stages for a in s.args if id(a) in owner} - {k} for k, u in enumerate(units)}
+    done: list[int] = []
+    left = set(range(len(units)))
+    while left:
+        ready = [k for k in left if not deps[k] - set(done)]
+        if not ready:  # groups are checked acyclic when made; this guards hand-built programs
+            raise ValueError(f"lower: the groups of {program.name!r} form a cycle: {[str(units[k]) for k in left]}")
+        k = min(ready, key=lambda k: pos[id(units[k].stages[0])])
+        done.append(k)
+        left.remove(k)
+    return [units[k] for k in done]
+
+
+def merge_kernels(units: list[Unit]) -> list[Unit]:
+    out: list[Unit] = []
+    for u in units:
+        simple = u.kind == "compute" and u.stages[0].op != "matmul"
+        if simple and out and out[-1].kind == "compute" \
+                and out[-1].stages[0].op != "matmul":
+            out[-1].stages.extend(u.stages)
+        else:
+            out.append(Unit(u.kind, list(u.stages), dict(u.attrs)))
+    return out
+
+
+def to_steps(u: Unit) -> Step:
+    if u.kind == "comm":
+        return Collective(u.stages[0])
+    if u.kind == "overlap":
+        return Overlap(tuple(u.stages), int(u.attrs.get("chunks", 4)))
+    if u.kind == "fuse:collective":
+        rs = next(s for s in u.stages if s.op == "reduce_scatter")
+        ag = next(s for s in u.stages if s.op == "all_gather")
+        compute = tuple(s for s in u.stages if s is not rs and s is not ag)
+        return FusedCollective(rs, compute, ag, tuple(u.stages))
+    return Kernel(tuple(u.stages))

@@ -1,0 +1,77 @@
+"""Standard schedules for the paper's workloads, each a few lines. Each takes the program and returns a Schedule."""
+
+from __future__ import annotations
+
+from cocosync.dsl.ir import Program
+from cocosync.schedule.errors import ScheduleError
+from cocosync.schedule.schedule import Schedule
+
+
+def _only(program: Program, op: str) -> str:
+    hits = [s.name for s in program.stages if s.op == op]
+    if len(hits) != 1:
+        raise ScheduleError("standard schedule", None, f"expects exactly one {op} in {program.name!r}, found {hits}")
+    return hits[0]
+
+
+def _chain(s: Schedule, start: str) -> list[str]:
+    """start, its only reader, that one's only reader, ... up to the first all_gather."""
+    users, chain = s.program.users(), [start]
+    while s.program.stage(chain[-1]).op != "all_gather":
+        nxt = users[chain[-1]]
+        if len(nxt) != 1:
+            raise ScheduleError("standard schedule", chain[-1], f"has readers {[u.name for u in nxt]}; expected a "
+                                "single chain up to an all_gather")
+        chain.append(nxt[0].name)
+    return chain
+
+
+def sharded_update_schedule(program: Program, state: tuple[str, ...] = ()) -> Schedule:
+    """Data-parallel optimizers (CoCoNeT's FusedAllReduce): RS(g) -> update on slices -> AG(w), one fused collective;
+    `state` tensors (momenta) stay sliced."""
+    s = Schedule(program)
+    rs, ag = s.split(_only(program, "all_reduce"))
+    s.reorder(s.movable(ag), ag)
+    if state:
+        s.as_slice(list(state))
+    s.fuse(s.stages())
+    return s
+
+
+def sgd_schedule(program: Program) -> Schedule:
+    """SGD (with momentum: the buffer stays sliced)."""
+    return sharded_update_schedule(program, tuple(n for n in ("buf",) if n in program.updates))
+
+
+def adam_schedule(program: Program) -> Schedule:
+    """Adam: split + reorder + as_slice(m, v) + fuse: RS(g) -> sliced m, v, w update -> AG(w)."""
+    return sharded_update_schedule(program, ("m", "v"))
+
+
+def lamb_schedule(program: Program) -> Schedule:
+    """LAMB: like Adam; its norms of w and of the update run on slices (their Sliced semantics are global)."""
+    return sharded_update_schedule(program, ("m", "v"))
+
+
+def megatron_schedule(program: Program, chunks: int = 4) -> Schedule:
+    """Megatron layer: matmul -> all_reduce -> bias + dropout + residual becomes matmul -> reduce_scatter ->
+    epilogue on slices -> all_gather, one pipelined (overlapped) chain."""
+    s = Schedule(program)
+    rs, ag = s.split(_only(program, "all_reduce"))
+    s.reorder(s.movable(ag), ag)
+    s.overlap([s.program.stage(rs).args[0].name, *_chain(s, rs)], chunks=chunks)
+    return s
+
+
+def pipeline_schedule(program: Program, chunks: int = 4) -> Schedule:
+    """Pipeline stage boundary: all_reduce -> epilogue -> send becomes reduce_scatter -> epilogue and send on
+    slices -> all_gather in the next stage (1/G of the bytes cross stages), overlapped by chunks."""
+    s = Schedule(program)
+    rs, ag = s.split(_only(program, "all_reduce"))
+    s.reorder(s.movable(ag), ag)
+    s.overlap(_chain(s, rs), chunks=chunks)
+    return s
+
+
+STANDARD = {"sgd": sgd_schedule, "adam": adam_schedule, "lamb": lamb_schedule, "megatron": megatron_schedule,
+            "pipeline": pipeline_schedule}
