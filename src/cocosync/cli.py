@@ -34,5 +34,9 @@ from cocosync.shadowsync.train_cli import eval_checkpoint, train  # noqa: E402
 main.add_command(train)
 main.add_command(eval_checkpoint)
 
+from cocosync.show_cli import show  # noqa: E402  (registers `cocosync show FILE.py|NAME`)
+
+main.add_command(show)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,70 @@
+"""`cocosync show FILE.py|NAME`: a program, its schedule, the transformed listing and the plan.
+
+FILE.py defines `program` (a Program) and optionally `schedule` (a Schedule, or a function program -> Schedule).
+NAME is a built-in example: sgd, adam, lamb, megatron, pipeline.
+"""
+
+from __future__ import annotations
+
+import runpy
+from pathlib import Path
+
+import click
+
+
+def _builtin(name: str):
+    from cocosync.examples.lamb import lamb_program
+    from cocosync.examples.model_parallel import megatron_mlp_program, pipeline_program
+    from cocosync.examples.optimizers import adam_program, sgd_program
+    from cocosync.schedule.standard import STANDARD
+
+    programs = {"sgd": lambda: sgd_program(1024, momentum=True), "adam": lambda: adam_program(1024),
+                "lamb": lambda: lamb_program(1024), "megatron": lambda: megatron_mlp_program(8, 1024, 4096),
+                "pipeline": lambda: pipeline_program(8, 1024)}
+    return programs[name](), STANDARD[name]
+
+
+def load(target: str):
+    """(program, schedule or None) from a file or a built-in name."""
+    from cocosync.schedule import Schedule
+
+    if not target.endswith(".py"):
+        try:
+            program, sched = _builtin(target)
+        except KeyError:
+            raise click.BadParameter(f"{target!r} is neither a .py file nor a built-in example "
+                                     "(sgd, adam, lamb, megatron, pipeline)") from None
+    else:
+        if not Path(target).is_file():
+            raise click.BadParameter(f"file {target!r} does not exist")
+        ns = runpy.run_path(target)
+        if "program" not in ns:
+            raise click.BadParameter(f"{target} does not define `program`")
+        program, sched = ns["program"], ns.get("schedule")
+    if callable(sched) and not isinstance(sched, Schedule):
+        sched = sched(program)
+    return program, sched
+
+
+@click.command()
+@click.argument("target")
+@click.option("--dump", is_flag=True, help="Print the plan after each lowering pass.")
+def show(target: str, dump: bool) -> None:
+    """Print a program, its schedule, the transformed program and its plan (TARGET: FILE.py or sgd, adam, lamb,
+    megatron, pipeline)."""
+    from cocosync.lower import lower
+
+    program, sched = load(target)
+    click.echo(str(program))
+    final = program
+    if sched is not None:
+        click.echo("")
+        click.echo(str(sched))
+        final = sched.program
+        click.echo("")
+        click.echo(str(final))
+    click.echo("")
+    click.echo(str(lower(final, dump=dump)))
+
+
+explain = show
