@@ -27,7 +27,7 @@ def _check_interp(prog, s, vals, P):
     assert_outputs_close(cs.interpret(reordered, P, ins), want, f"{prog.name} plan order P={P}")
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6))
 def test_random_schedules_match_unscheduled(seed):
     prog, vals = random_program(seed)
