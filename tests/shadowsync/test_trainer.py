@@ -1,0 +1,182 @@
+"""ShadowSync trainers end to end: configs, a short run that learns, checkpoint + eval, a killed trainer,
+Ctrl-C, and no process or /dev/shm leftovers (real spawned processes, gloo at 127.0.0.1)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
+from cocosync.shadowsync.trainer import TrainerFailure, load_checkpoint_model, run_training
+
+SMALL = {"table_size": 2000}
+MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
+
+
+def _shm() -> set[str]:
+    # sem.mp-* are multiprocessing semaphores of other test sessions running concurrently on this machine;
+    # the trainers create none (pipes only) and their tensors never have a name (file-descriptor sharing)
+    return {f for f in os.listdir("/dev/shm") if not f.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def _group_members(pgid: int) -> list[str]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                stat = (d / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid and fields[0] != "Z":
+                out.append(f"{d.name}: {(d / 'cmdline').read_text().replace(chr(0), ' ')[:200]}")
+    return out
+
+
+def _group_alive(pgid: int) -> bool:
+    return bool(_group_members(pgid))
+
+
+# ------------------------------------------------------------------------------------------- configs
+def test_config_errors_name_the_value_and_the_choices(tmp_path):
+    with pytest.raises(ConfigError, match=r"sync.algorithm='shadow-sgd'.*shadow-bmuf"):
+        SyncConfig(algorithm="shadow-sgd")
+    with pytest.raises(ConfigError, match=r"trainers=0 is invalid: expected an integer >= 1"):
+        TrainConfig(trainers=0)
+    with pytest.raises(ConfigError, match=r"block_momentum=1.0"):
+        SyncConfig(block_momentum=1.0)
+    p = tmp_path / "run.toml"
+    p.write_text('trainers = 3\nexamples = 9000\n[sync]\nalgorithm = "fr-ma"\nevery = 4\n')
+    cfg = load_train_config(p, workers=2)
+    assert (cfg.trainers, cfg.workers, cfg.sync.algorithm, cfg.sync.every, cfg.sync.mode) == (3, 2, "fr-ma", 4, "foreground")
+    (tmp_path / "bad.json").write_text(json.dumps({"trainer": 2}))
+    with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['trainer'\]"):
+        load_train_config(tmp_path / "bad.json")
+
+
+# ------------------------------------------------------------------------------------------- end to end
+def _cfg(tmp_path, algorithm, **kw) -> TrainConfig:
+    base = dict(examples=40_000, eval_examples=8_000, trainers=2, batch_size=128, progress=False, plot=False,
+                out_dir=str(tmp_path / algorithm), data_options=SMALL, model=MODEL, timeout=120,
+                sync=SyncConfig(algorithm=algorithm, **kw.pop("sync", {})))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_shadow_bmuf_learns_checkpoints_and_leaves_nothing(tmp_path):
+    before = _shm()
+    res = run_training(_cfg(tmp_path, "shadow-bmuf", plot=True))
+    s = res.summary
+    assert s["examples"] == 40_000 and not s["interrupted"]
+    assert s["eval_ne"] < 0.85, s  # clearly below 1 (the base-rate predictor) ...
+    assert s["excess_ne"] < 0.2, s  # ... and on its way to the Bayes NE
+    assert s["syncs"] > 2 and s["sync_gap"] > 0
+    assert Path(res.plot).stat().st_size > 0 and json.loads(Path(res.out_dir, "summary.json").read_text())
+    model, cfg, data, ckpt = load_checkpoint_model(res.checkpoint)
+    assert int(ckpt["positions"].sum()) == 40_000 and cfg.sync.algorithm == "shadow-bmuf"
+    from cocosync.shadowsync.metrics import evaluate
+    from cocosync.shadowsync.trainer import eval_batches
+
+    assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    assert _shm() - before == set()
+
+
+def test_foreground_easgd_runs_and_counts_its_sync_gap(tmp_path):
+    # foreground mode + the EASGD center in shared memory (shadow mode + collectives: the test above)
+    res = run_training(_cfg(tmp_path, "fr-easgd", examples=20_000, checkpoint=False, sync={"every": 3}))
+    s = res.summary
+    assert s["eval_ne"] < 0.95, s
+    assert s["sync_gap"] == pytest.approx(3.0, rel=0.05)
+
+
+# ------------------------------------------------------------------------------------------- failures
+def _start_cli(tmp_path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "cli"
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "400000", "--no-progress",
+           "--batch-size", "128", "--out", str(out), "--timeout", "120", "--config", str(tmp_path / "c.toml"), *extra]
+    (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
+                                     "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    metrics = out / "metrics.jsonl"
+    while time.monotonic() < deadline:  # wait until the trainers are training
+        if metrics.exists() and '"event": "train"' in metrics.read_text():
+            return proc, out
+        if proc.poll() is not None:
+            break
+        time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"training did not start: {proc.communicate(timeout=10)}")
+
+
+def _trainer_pids(proc) -> list[int]:
+    # the spawned trainers are the children that are python processes running the spawn entry point
+    return [c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ")]
+
+
+def _assert_no_named_shm(pid: int) -> None:
+    maps = Path(f"/proc/{pid}/maps").read_text().splitlines()
+    named = [m for m in maps if "/dev/shm/" in m and "(deleted)" not in m]
+    assert named == [], named
+
+
+def test_killed_trainer_fails_cleanly(tmp_path):
+    before = _shm()
+    proc, out = _start_cli(tmp_path, "--sync", "shadow-ma")
+    trainers = _trainer_pids(proc)
+    assert len(trainers) == 2
+    for t in trainers:
+        _assert_no_named_shm(t)  # all shared tensors are unlinked: nothing can outlive the run
+    os.kill(trainers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"trainer 1 (pid {trainers[1]}) was killed by signal SIGKILL" in err
+    time.sleep(0.5)
+    assert not any(_alive(t) for t in trainers)
+    assert _shm() - before == set()
+    assert '"event": "failed"' in (out / "metrics.jsonl").read_text()
+
+
+def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
+    before = _shm()
+    proc, out = _start_cli(tmp_path, "--sync", "shadow-bmuf")
+    trainers = _trainer_pids(proc)
+    os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["examples"] < 400_000
+    assert (out / "checkpoint.pt").exists() and "eval_ne" in summary
+    time.sleep(0.5)
+    assert not any(_alive(t) for t in trainers)
+    deadline = time.monotonic() + 10  # nothing of the process group is left (helpers exit with the launcher)
+    while time.monotonic() < deadline and _group_alive(proc.pid):
+        time.sleep(0.2)
+    assert not _group_alive(proc.pid), _group_members(proc.pid)
+    assert _shm() - before == set()
+
+
+def test_a_raising_trainer_is_reported(tmp_path):
+    cfg = _cfg(tmp_path, "none", data="/nonexistent/criteo.tsv")
+    with pytest.raises((TrainerFailure, FileNotFoundError)):
+        run_training(cfg)
