@@ -1,0 +1,8 @@
+"""ShadowSync (Zheng et al. 2020) on one machine: a CTR model (DLRM) trained by several Hogwild trainers
+whose dense parameters a background "shadow" thread synchronizes. This package holds the data layer
+(`data`), the model (`model`), metrics (`metrics`) and configs (`config`); trainers and sync algorithms
+build on them."""
+
+from .config import DataConfig, ModelConfig, SynthConfig
+
+__all__ = ["DataConfig", "ModelConfig", "SynthConfig"]

@@ -1,0 +1,91 @@
+"""`cocosync data ...`: write synthetic Criteo-format data sets and inspect data files."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import click
+
+__all__ = ["data"]
+
+
+@click.group()
+def data() -> None:
+    """Click-through-rate data: synthesize (Criteo format, known Bayes NE) and inspect."""
+
+
+@data.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--rows", type=click.IntRange(min=1), default=1_000_000, show_default=True, help="Training rows.")
+@click.option("--eval-rows", type=click.IntRange(min=0), default=100_000, show_default=True,
+              help="Held-out rows (same teacher, another random stream); 0 = none.")
+@click.option("--seed", type=int, default=0, show_default=True, help="Sampling seed of the rows.")
+@click.option("--teacher-seed", type=int, default=0, show_default=True, help="Seed of the hidden teacher model.")
+@click.option("--ctr", type=float, default=0.04, show_default=True, help="Target mean click rate.")
+@click.option("--gzip", "use_gzip", is_flag=True, help="Write .tsv.gz instead of .tsv.")
+def synth(out: str, rows: int, eval_rows: int, seed: int, teacher_seed: int, ctr: float, use_gzip: bool) -> None:
+    """Write OUT/train.tsv[.gz] (and OUT/eval.tsv[.gz]) from the synthetic teacher, each with a
+    `.prob.npy` sidecar of true click probabilities, plus OUT/meta.json (config and Bayes NE)."""
+    from dataclasses import asdict
+
+    from rich.console import Console
+
+    from .config import SynthConfig
+    from .data.synth import EVAL, TRAIN, write_synthetic
+    from .metrics import summary_table
+
+    try:
+        cfg = SynthConfig(teacher_seed=teacher_seed, ctr=ctr)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from e
+    os.makedirs(out, exist_ok=True)
+    ext = ".tsv.gz" if use_gzip else ".tsv"
+    results = []
+    for name, n, split in (("train", rows, TRAIN), ("eval", eval_rows, EVAL)):
+        if n == 0:
+            continue
+        path = os.path.join(out, name + ext)
+        t0 = time.perf_counter()
+        stats = write_synthetic(path, n, seed, synth=cfg, split=split)
+        results.append({"name": name, "path": path, **stats, "seconds": time.perf_counter() - t0})
+    meta = {"seed": seed, "synth": asdict(cfg), "files": results}
+    with open(os.path.join(out, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    Console().print(summary_table(results, title=f"synthetic data in {out}"))
+
+
+@data.command()
+@click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--table-size", type=click.IntRange(min=2), default=10_000, show_default=True)
+@click.option("--max-rows", type=click.IntRange(min=1), default=None, help="Read at most this many rows.")
+def inspect(paths: tuple[str, ...], table_size: int, max_rows: int | None) -> None:
+    """Read Criteo-format file(s): rows, click rate, malformed lines, read speed, Bayes NE if known."""
+    import numpy as np
+    from rich.console import Console
+
+    from .config import DataConfig
+    from .data.criteo import CriteoReader
+    from .metrics import bayes_ne, summary_table
+
+    reader = CriteoReader(list(paths), DataConfig(table_size=table_size, max_bad_fraction=1.0),
+                          batch_size=65536, max_rows=max_rows)
+    t0 = time.perf_counter()
+    labels, probs, missing = [], [], 0
+    for b in reader:
+        labels.append(b.label.numpy())
+        missing += int((b.sparse == 0).sum())
+        if b.prob is not None:
+            probs.append(b.prob.numpy())
+    seconds = time.perf_counter() - t0
+    y = np.concatenate(labels) if labels else np.zeros(0)
+    row = {"rows": int(y.size), "ctr": float(y.mean()) if y.size else float("nan"),
+           "bad_lines": reader.bad_lines, "missing_cat": missing / max(1, y.size * reader.config.num_sparse),
+           "rows_per_s": y.size / seconds if seconds > 0 else float("nan")}
+    if probs and 0 < row["ctr"] < 1:
+        row["bayes_ne"] = bayes_ne(y, np.concatenate(probs))
+    console = Console()
+    console.print(summary_table([row], title=", ".join(paths)))
+    for line_no, reason in reader.bad_examples:
+        console.print(f"  line {line_no}: {reason}", markup=False)

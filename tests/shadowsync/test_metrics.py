@@ -1,0 +1,91 @@
+"""NE, AUC, Bayes NE, sliding window, throughput, sync gap, JSON-lines logs, summary table, NE plot."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from cocosync.shadowsync.metrics import (
+    MetricsLogger, SlidingWindowNE, Throughput, auc, bayes_ne, evaluate, load_run, normalized_entropy, plot_ne,
+    read_metrics, summary_table, sync_gap,
+)
+
+
+def test_base_rate_predictor_has_ne_one():
+    y = np.array([1, 0, 0, 0, 1, 0, 0, 0, 0, 0], dtype=float)
+    assert normalized_entropy(y, np.full(10, 0.2)) == pytest.approx(1.0)
+    assert normalized_entropy(torch.tensor(y), torch.full((10,), 0.2)) == pytest.approx(1.0)
+    assert normalized_entropy(y, np.full(10, 0.5)) > 1.0
+
+
+def test_ne_matches_hand_computation():
+    y, p = [1, 0, 0, 1], [0.9, 0.2, 0.4, 0.6]
+    loss = -(math.log(0.9) + math.log(0.8) + math.log(0.6) + math.log(0.6)) / 4
+    h = -(0.5 * math.log(0.5) * 2)
+    assert normalized_entropy(y, p) == pytest.approx(loss / h)
+    h_given = -(0.25 * math.log(0.25) + 0.75 * math.log(0.75))
+    assert normalized_entropy(y, p, base_rate=0.25) == pytest.approx(loss / h_given)
+    assert bayes_ne(y, p) == pytest.approx(loss / h)
+    with pytest.raises(ValueError, match="base rate 0.0"):
+        normalized_entropy([0, 0], [0.1, 0.1])
+
+
+def test_auc():
+    assert auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) == pytest.approx(0.75)
+    assert auc([0, 1], [0.2, 0.9]) == 1.0
+    assert math.isnan(auc([1, 1], [0.2, 0.9]))
+
+
+def test_sliding_window_ne_forgets_old_examples():
+    w = SlidingWindowNE(window=4)
+    assert math.isnan(w.value)
+    w.update([1, 0, 0, 1], [0.01, 0.99, 0.99, 0.01])  # terrible
+    bad = w.value
+    w.update(torch.tensor([1.0, 0.0]), torch.tensor([0.9, 0.2]))
+    w.update([0, 1], [0.4, 0.6])
+    assert w.value == pytest.approx(normalized_entropy([1, 0, 0, 1], [0.9, 0.2, 0.4, 0.6]))
+    assert bad > 5 and w.count == 8
+
+
+def test_throughput_and_sync_gap():
+    t = Throughput()
+    t.update(100)
+    t.update(50)
+    assert t.total == 150 and t.rate > 0 and t.overall > 0
+    a, b = [torch.ones(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
+    assert sync_gap(a, a) == 0.0
+    assert sync_gap(a, b) == pytest.approx(math.sqrt(2 / 5))
+
+
+def test_logger_table_and_plot(tmp_path):
+    path = tmp_path / "m" / "run.jsonl"
+    with MetricsLogger(path) as log:
+        for i in range(1, 4):
+            log.log({"examples": i * 1000, "train_ne": 1 - 0.1 * i}, eval_ne=torch.tensor(0.95 - 0.1 * i))
+    recs = read_metrics(path)
+    assert [r["examples"] for r in recs] == [1000, 2000, 3000] and recs[2]["eval_ne"] == pytest.approx(0.65)
+    table = summary_table([{"name": "easgd", "eval_ne": 0.71234, "examples": 3000}, {"name": "ma", "auc": 0.8}])
+    assert [c.header for c in table.columns] == ["name", "eval_ne", "examples", "auc"]
+    assert table.row_count == 2
+    png = plot_ne([{**load_run(path), "bayes_ne": 0.6}, {"name": "other", "records": recs[:2]}], tmp_path / "ne.png")
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluate_restores_mode():
+    class Const(torch.nn.Module):
+        def forward(self, dense, sparse):
+            return torch.logit(torch.full((dense.shape[0],), 0.25))
+
+    class B:
+        dense, sparse = torch.zeros(4, 13), torch.zeros(4, 26, dtype=torch.long)
+        label, prob = torch.tensor([1.0, 0.0, 0.0, 0.0]), torch.full((4,), 0.25)
+
+    m = Const().train()
+    out = evaluate(m, [B(), B()])
+    assert m.training and out["examples"] == 8
+    assert out["ne"] == pytest.approx(1.0) and out["bayes_ne"] == pytest.approx(1.0)
+    assert out["ctr"] == 0.25 and math.isnan(out["auc"]) is False
