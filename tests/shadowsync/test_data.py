@@ -38,7 +38,7 @@ def _read_all(reader) -> tuple[torch.Tensor, ...]:
 
 
 def test_parses_values_and_missing_fields(tmp_path):
-    ints = ["", "0", "-3", "7", "", "1000000", "1", "2", "3", "4", "5", "6", ""]
+    ints = ["", "0", "-3", "7", "", "1000000", "1", "2", "3", "4", "5", "123456789012", ""]
     cats = ["", "a9f3c2d1"] + [f"{i:08x}" for i in range(24)]
     cats[5] = ""
     p = tmp_path / "d.tsv"
@@ -46,7 +46,7 @@ def test_parses_values_and_missing_fields(tmp_path):
     dense, sparse, label = _read_all(CriteoReader(str(p), CFG, batch_size=8))
     assert label.tolist() == [0.0, 1.0]
     assert dense.dtype == torch.float32 and dense.shape == (2, 13)
-    expect = [0, 0, 0, 7, 0, 1000000, 1, 2, 3, 4, 5, 6, 0]  # missing -> 0, negatives clipped to 0
+    expect = [0, 0, 0, 7, 0, 1000000, 1, 2, 3, 4, 5, 123456789012, 0]  # missing -> 0, negatives clipped to 0
     assert torch.allclose(dense[0], torch.log1p(torch.tensor(expect, dtype=torch.float32)))
     assert sparse.dtype == torch.int64 and sparse.shape == (2, 26)
     assert sparse[0, 0] == 0 and sparse[0, 5] == 0  # missing categorical -> reserved bucket 0
@@ -58,18 +58,19 @@ def test_bad_lines_are_counted_with_line_numbers(tmp_path, caplog):
     lines = [_line()] * 3
     lines[1] = "1\t2\t3"  # line 2: too few fields
     lines += [_line(label="x"), _line(ints=["1"] * 12 + ["zz"]), "", _line(), _line() + "\textra"]
+    lines += [_line(ints=["123456789012"] + ["-"] + ["1"] * 11), _line(ints=["1" * 19] + ["1"] * 12)]
     p = tmp_path / "bad.tsv"
     p.write_text("\n".join(lines) + "\n")
     reader = CriteoReader(str(p), DataConfig(table_size=1000, max_bad_fraction=1.0), batch_size=2)
     with caplog.at_level(logging.WARNING, logger="cocosync.shadowsync.data"):
         _, _, label = _read_all(reader)
     assert len(label) == 3 and reader.position == 3
-    assert reader.bad_lines == 5
-    assert [n for n, _ in reader.bad_examples] == [2, 4, 5, 6, 8]
+    assert reader.bad_lines == 7
+    assert [n for n, _ in reader.bad_examples] == [2, 4, 5, 6, 8, 9, 10]
     reasons = dict(reader.bad_examples)
     assert "found 3" in reasons[2] and "label 'x'" in reasons[4] and "I13='zz'" in reasons[5]
-    assert "found 41" in reasons[8]
-    assert "skipped 5 malformed" in caplog.text and "line 2" in caplog.text
+    assert "found 41" in reasons[8] and "I2='-'" in reasons[9] and "I1='1111111111111111111'" in reasons[10]
+    assert "skipped 7 malformed" in caplog.text and "line 2" in caplog.text
 
 
 def test_too_many_bad_lines_raise(tmp_path):

@@ -4,7 +4,7 @@ Format: one example per line, tab-separated: label (0/1), `num_dense` integer fe
 categorical features (Criteo: 13 and 26; categoricals are hex strings). Empty fields are missing.
 
 * Integers become log(1 + max(x, 0)) (missing -> 0).
-* Categoricals are hashed with 64-bit FNV-1a into [1, table_size); a missing categorical is bucket 0.
+* Categoricals are hashed (8-byte blocks through splitmix64, see `hash_tokens`) into [1, table_size); a missing categorical is bucket 0.
 * Malformed lines (wrong field count, label not 0/1, non-integer integer field) are skipped, counted in
   `.bad_lines`, the first few kept in `.bad_examples` as (line_no, reason) with 1-based line numbers, and
   summarized in a logged warning; past `DataConfig.max_bad_fraction` the reader raises `CriteoFormatError`.
@@ -21,6 +21,7 @@ from __future__ import annotations
 import gzip
 import logging
 import os
+import re
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -33,10 +34,9 @@ __all__ = ["Batch", "CriteoReader", "CriteoFormatError", "hash_tokens", "prob_si
 
 log = logging.getLogger("cocosync.shadowsync.data")
 
-_FNV_OFFSET = np.uint64(0xCBF29CE484222325)
-_FNV_PRIME = np.uint64(0x100000001B3)
 _MAX_BAD_EXAMPLES = 10
 _MIN_LINES_BEFORE_RAISE = 1000
+_INT_RE = re.compile(r"-?[0-9]{1,18}")
 
 
 class CriteoFormatError(ValueError):
@@ -61,17 +61,40 @@ def log_transform(values: np.ndarray) -> np.ndarray:
     return np.log1p(np.maximum(values, 0).astype(np.float32))
 
 
-def hash_tokens(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Bucket ids of byte tokens buf[starts:starts+lengths]: 1 + FNV1a64(token) % (size - 1); empty -> 0.
+def _words(buf: np.ndarray) -> np.ndarray:
+    """words[i] = the 8 bytes buf[i:i+8] as a little-endian uint64 (zero past the end); one gather reads
+    8 bytes of a token."""
+    padded = np.concatenate([buf, np.zeros(8, dtype=np.uint8)])
+    return np.ndarray(shape=(len(buf) + 1,), dtype="<u8", buffer=padded, strides=(1,))
 
-    `starts`, `lengths` are int arrays of one shape [..., F]; `sizes` broadcasts against them.
+
+_MASKS = np.array([(1 << (8 * r)) - 1 for r in range(8)] + [(1 << 64) - 1], dtype=np.uint64)
+_HASH_SEED = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer (a bijection of uint64 that spreads every input bit)."""
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def hash_tokens(
+    buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, sizes, words: np.ndarray | None = None
+) -> np.ndarray:
+    """Bucket ids of byte tokens buf[starts:starts+lengths]: 1 + H(token) % (size - 1); empty -> 0.
+
+    H hashes the token 8 bytes at a time: h = mix(h ^ block) per little-endian, zero-padded block, then
+    mix(h ^ length), with splitmix64's `mix`. `starts`, `lengths` are int arrays of one shape; `sizes`
+    broadcasts against them; `words` is `_words(buf)` when the caller already has it.
     """
-    h = np.full(starts.shape, _FNV_OFFSET, dtype=np.uint64)
-    last = len(buf) - 1
-    for j in range(int(lengths.max(initial=0))):
-        active = lengths > j
-        byte = buf[np.minimum(starts + j, last)].astype(np.uint64)
-        h = np.where(active, (h ^ byte) * _FNV_PRIME, h)
+    words = _words(buf) if words is None else words
+    h = np.full(starts.shape, _HASH_SEED, dtype=np.uint64)
+    for b in range(-(-int(lengths.max(initial=0)) // 8)):
+        r = np.clip(lengths - 8 * b, 0, 8)
+        block = words[np.minimum(starts + 8 * b, len(words) - 1)] & _MASKS[r]
+        h = _mix(h ^ block) if b == 0 else np.where(r > 0, _mix(h ^ block), h)
+    h = _mix(h ^ lengths.astype(np.uint64))
     buckets = (h % (np.asarray(sizes, dtype=np.uint64) - np.uint64(1))).astype(np.int64) + 1
     return np.where(lengths > 0, buckets, 0)
 
@@ -81,21 +104,48 @@ def prob_sidecar_path(path: str) -> str:
     return (path[:-3] if path.endswith(".gz") else path) + ".prob.npy"
 
 
-def _parse_ints(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Vectorized decimal parse with optional leading '-'. Returns (values int64, ok bool); empty -> 0, ok."""
-    last = len(buf) - 1
-    first = buf[np.minimum(starts, last)]
+_U = np.uint64
+_ZEROS = _U(0x3030303030303030)
+
+
+def _parse_ints(buf: np.ndarray, starts: np.ndarray, lengths: np.ndarray, words: np.ndarray | None = None):
+    """Vectorized decimal parse with optional leading '-'. Returns (values int64, ok bool); empty -> 0, ok.
+
+    Up to 8 digits are parsed 8 bytes at a time in one uint64 (SWAR: right-align, pad with '0', check every
+    byte is a digit, then combine digit pairs, quads, octets); longer numbers take a per-digit loop.
+    """
+    words = _words(buf) if words is None else words
+    first = buf[np.minimum(starts, len(buf) - 1)]
     neg = (first == ord("-")) & (lengths > 0)
-    pos = starts + neg
-    n = lengths - neg
-    value = np.zeros(starts.shape, dtype=np.int64)
-    ok = ~(neg & (n == 0)) & (n <= 18)
+    pos, n = starts + neg, lengths - neg
+    short = np.minimum(n, 8)
+    w = words[np.minimum(pos, len(words) - 1)] & _MASKS[short]
+    pad = (8 - np.maximum(short, 1)).astype(np.uint64) * _U(8)
+    v = (w << pad) | (_ZEROS & _MASKS[8 - np.maximum(short, 1)])
+    ok = ((v & _U(0xF0F0F0F0F0F0F0F0)) == _ZEROS) & (((v + _U(0x0606060606060606)) & _U(0xF0F0F0F0F0F0F0F0)) == _ZEROS)
+    d = v - _ZEROS
+    d = d * _U(10) + (d >> _U(8))
+    d = (d & _U(0x00FF00FF00FF00FF)) * _U(100) + ((d >> _U(16)) & _U(0x00FF00FF00FF00FF))
+    d = (d & _U(0x0000FFFF0000FFFF)) * _U(10000) + ((d >> _U(32)) & _U(0x0000FFFF0000FFFF))
+    value = np.where(n > 0, (d & _U(0xFFFFFFFF)).astype(np.int64), 0)
+    ok = (ok | (n == 0)) & ~(neg & (n == 0))
+    long = n > 8
+    if long.any():
+        value[long], ok[long] = _parse_long_ints(buf, pos[long], n[long])
+    return np.where(neg, -value, value), ok
+
+
+def _parse_long_ints(buf: np.ndarray, pos: np.ndarray, n: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Digit-by-digit parse of unsigned decimals of more than 8 digits (more than 18 is an error)."""
+    last = len(buf) - 1
+    value = np.zeros(pos.shape, dtype=np.int64)
+    ok = n <= 18
     for j in range(int(min(n.max(initial=0), 18))):
         active = n > j
         digit = buf[np.minimum(pos + j, last)].astype(np.int64) - 48
         ok &= ~active | ((digit >= 0) & (digit <= 9))
         value = np.where(active, value * 10 + digit, value)
-    return np.where(neg, -value, value), ok
+    return value, ok
 
 
 class CriteoReader:
@@ -255,9 +305,10 @@ class CriteoReader:
         label_byte = buf[np.minimum(starts[:, 0], len(buf) - 1)]
         ok = (lengths[:, 0] == 1) & ((label_byte == 48) | (label_byte == 49))
         nd = self.config.num_dense
-        ints, ints_ok = _parse_ints(buf, starts[:, 1 : 1 + nd], lengths[:, 1 : 1 + nd])
+        words = _words(buf)
+        ints, ints_ok = _parse_ints(buf, starts[:, 1 : 1 + nd], lengths[:, 1 : 1 + nd], words)
         ok &= ints_ok.all(axis=1)
-        sparse = hash_tokens(buf, starts[:, 1 + nd :], lengths[:, 1 + nd :], self._sizes)
+        sparse = hash_tokens(buf, starts[:, 1 + nd :], lengths[:, 1 + nd :], self._sizes, words)
 
         bad = mine.copy()
         bad[rows[ok]] = False
@@ -293,13 +344,8 @@ class CriteoReader:
         if fields[0] not in ("0", "1"):
             return f"label {fields[0]!r} is not 0 or 1"
         for k, v in enumerate(fields[1 : 1 + self.config.num_dense], start=1):
-            try:
-                if v:
-                    int(v)
-                    if len(v.lstrip("-")) > 18:
-                        raise ValueError
-            except ValueError:
-                return f"integer feature I{k}={v[:30]!r} is not an integer"
+            if v and not _INT_RE.fullmatch(v):
+                return f"integer feature I{k}={v[:30]!r} is not an integer (at most 18 digits)"
         return "malformed line"
 
     def _check_bad_fraction(self, path: str) -> None:
