@@ -3,7 +3,12 @@ started once per world size per session (spawning ranks costs seconds; the pool 
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+# Fused kernels run eagerly in tests (same code, no Inductor compile per rank); test_kernels covers Inductor.
+os.environ.setdefault("COCOSYNC_KERNELS", "eager")
 
 from cocosync.runtime.launch import RankPool
 

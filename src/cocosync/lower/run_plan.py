@@ -9,27 +9,44 @@ import torch.distributed as dist
 
 from cocosync.lower.plan import Plan
 from cocosync.runtime.executor import CompiledProgram
+from cocosync.runtime.fast_steps import prepare
 
 
 class CompiledPlan(CompiledProgram):
-    """Callable like `cocosync.compile(program)`: `out = fn(**inputs)` with this rank's parts of the inputs."""
+    """Callable like `cocosync.compile(program)`: `out = fn(**inputs)` with this rank's parts of the inputs.
 
-    def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None):
-        super().__init__(plan.program, group)
+    Steps with a fast form (fused kernels, fused shared-memory collectives: runtime.fast_steps) use it; the
+    others run their stages one by one. kernels: 'inductor' or 'eager' (default $COCOSYNC_KERNELS, else inductor).
+    `fast=False` runs every step by its reference implementation."""
+
+    def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
+                 kernels: str | None = None, fast: bool = True):
+        super().__init__(plan.program, group, backend)
         self.plan = plan
+        self.runners = [prepare(step, plan.program, self.comm, kernels) if fast else None for step in plan.steps]
+
+    @property
+    def fast_steps(self) -> list[str]:
+        """The steps that run in a fast form (for reports and tests)."""
+        return [str(s) for s, r in zip(self.plan.steps, self.runners) if r is not None]
 
     def _run(self, env: dict[int, torch.Tensor]) -> None:
-        for step in self.plan.steps:
-            step.run(env, self.comm)
+        for step, runner in zip(self.plan.steps, self.runners):
+            if runner is not None:
+                runner(env)
+            else:
+                step.run(env, self.comm)
 
 
-def compile_plan(plan: Plan, group: dist.ProcessGroup | None = None) -> CompiledPlan:
-    return CompiledPlan(plan, group)
+def compile_plan(plan: Plan, group: dist.ProcessGroup | None = None, **options: Any) -> CompiledPlan:
+    """Compile a plan for this rank; options: backend, kernels, fast (see CompiledPlan)."""
+    return CompiledPlan(plan, group, **options)
 
 
-def compile_scheduled(program_or_schedule: Any, group: dist.ProcessGroup | None = None) -> CompiledPlan:
-    """Lower a Program (or a Schedule's program) and compile the plan."""
+def compile_scheduled(program_or_schedule: Any, group: dist.ProcessGroup | None = None,
+                      **options: Any) -> CompiledPlan:
+    """Lower a Program (or a Schedule's program) and compile the plan (options as for compile_plan)."""
     from cocosync.lower.lower import lower
 
     program = getattr(program_or_schedule, "program", program_or_schedule)
-    return compile_plan(lower(program), group)
+    return compile_plan(lower(program), group, **options)

@@ -7,6 +7,7 @@ this rank's slice), unlike the interpreter's global values; tests compare the tw
 
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Mapping
 
 import torch
@@ -33,10 +34,28 @@ def local_shape(node: Node, gsize: int) -> tuple[int, ...]:
     return tuple(shape)
 
 
-class _Comm:
-    """This rank's view of the (sub)group a program's communication runs in."""
+BACKENDS = ("auto", "shm", "torch")
+_SHM: list = []  # one shared-memory communicator per process, shared by every compiled program
 
-    def __init__(self, program: Program, group: dist.ProcessGroup | None):
+
+def shared_communicator():
+    """This process's ShmCommunicator over the whole job (created on first use: a collective call)."""
+    if not _SHM:
+        from cocosync.runtime.collectives import ShmCommunicator
+
+        _SHM.append(ShmCommunicator())
+    return _SHM[0]
+
+
+class _Comm:
+    """This rank's view of the (sub)group a program's communication runs in.
+
+    backend 'shm': collectives through the node's shared memory (and torch.distributed between nodes);
+    'torch': torch.distributed only; 'auto' (default, or $COCOSYNC_BACKEND): shm when the program talks over the
+    whole world on CPU, torch otherwise (subgroups, explicit groups, send).
+    """
+
+    def __init__(self, program: Program, group: dist.ProcessGroup | None, backend: str | None = None):
         if not dist.is_initialized():
             raise RuntimeError("cocosync.compile: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group (torchrun sets up its environment) first")
@@ -53,9 +72,23 @@ class _Comm:
         else:  # every rank must create every subgroup, in the same order
             subs = [dist.new_group(ranks[g * self.G:(g + 1) * self.G]) for g in range(ngroups)]
             self.group, self.members = subs[self.gid], ranks[self.gid * self.G:(self.gid + 1) * self.G]
+        backend = backend or os.environ.get("COCOSYNC_BACKEND", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+        whole_world = ngroups == 1 and (group is None or group is dist.group.WORLD) and self.world > 1
+        if backend == "shm" and not whole_world:
+            raise ValueError("backend='shm' needs a program that communicates over the whole world (groups=1, "
+                             "no explicit group) and more than one rank; use backend='torch' or 'auto'")
+        self.shm = shared_communicator() if backend != "torch" and whole_world else None
+        self.backend = "shm" if self.shm is not None else "torch"
 
     # each collective works in float32 for low-precision inputs, matching the oracle's accumulation
+    def _on_shm(self, x: torch.Tensor) -> bool:
+        return self.shm is not None and x.device.type == "cpu"
+
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+        if self._on_shm(x):
+            return self.shm.all_reduce(x.clone(memory_format=torch.contiguous_format), op.value)
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.all_reduce(t, _DIST_OP[op], group=self.group)
         if op is ReduceOp.MEAN:
@@ -63,6 +96,8 @@ class _Comm:
         return t.to(x.dtype)
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, dim: int) -> torch.Tensor:
+        if self._on_shm(x):
+            return self.shm.reduce_scatter(x.movedim(dim, 0).contiguous(), op.value).movedim(0, dim).contiguous()
         t = x.float().movedim(dim, 0).contiguous()
         out = torch.empty((t.shape[0] // self.G, *t.shape[1:]), dtype=t.dtype, device=t.device)
         _reduce_scatter(out, t, _DIST_OP[op], group=self.group)
@@ -72,16 +107,22 @@ class _Comm:
 
     def all_gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         t = x.movedim(dim, 0).contiguous()
+        if self._on_shm(x):
+            return self.shm.all_gather(t).movedim(0, dim).contiguous()
         out = torch.empty((t.shape[0] * self.G, *t.shape[1:]), dtype=t.dtype, device=t.device)
         _all_gather(out, t, group=self.group)
         return out.movedim(0, dim).contiguous()
 
     def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor:
-        t = x.clone()
+        t = x.clone(memory_format=torch.contiguous_format)
+        if self._on_shm(x):
+            return self.shm.broadcast(t, self.members[root])
         dist.broadcast(t, src=self.members[root], group=self.group)
         return t
 
     def reduce(self, x: torch.Tensor, op: ReduceOp, root: int) -> torch.Tensor:
+        if self._on_shm(x):
+            return self.shm.reduce(x.clone(memory_format=torch.contiguous_format), op.value, self.members[root])
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.reduce(t, dst=self.members[root], op=_DIST_OP[op], group=self.group)
         if self.index != root:
@@ -181,9 +222,9 @@ class CompiledProgram:
     States written by `update` are modified in place (and returned under the state's name).
     """
 
-    def __init__(self, program: Program, group: dist.ProcessGroup | None = None):
+    def __init__(self, program: Program, group: dist.ProcessGroup | None = None, backend: str | None = None):
         self.program = program
-        self.comm = _Comm(program, group)
+        self.comm = _Comm(program, group, backend)
         self._shapes = {n.name: local_shape(n, self.comm.G) for n in program.inputs}
 
     def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
@@ -225,12 +266,14 @@ class CompiledProgram:
 
     def _finish(self, env: dict[int, torch.Tensor], given: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         for s in self.program.stages:  # updates take effect when the program finishes
-            if s.op == "update":
+            if s.op == "update" and env[id(s)] is not given[s.args[0].name]:  # (fused steps write in place)
                 given[s.args[0].name].copy_(env[id(s)].expand_as(given[s.args[0].name]))
         return {name: (given[o.args[0].name] if o.op == "update" else env[id(o)])
                 for name, o in zip(self.program.output_names, self.program.outputs)}
 
 
-def compile(program: Program, group: dist.ProcessGroup | None = None) -> CompiledProgram:  # noqa: A001
-    """Compile `program` for the current rank of `group` (default: the whole world)."""
-    return CompiledProgram(program, group)
+def compile(program: Program, group: dist.ProcessGroup | None = None,  # noqa: A001
+            backend: str | None = None) -> CompiledProgram:
+    """Compile `program` for the current rank of `group` (default: the whole world).
+    backend: 'auto' (default), 'shm' or 'torch' (see _Comm)."""
+    return CompiledProgram(program, group, backend)

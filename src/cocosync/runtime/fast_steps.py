@@ -1,0 +1,160 @@
+"""Fast implementations of plan steps: fused kernels and fused shared-memory collectives.
+
+`prepare(step, program, comm, kernels)` returns a runner `run(env)` for a step when a fast form applies, or
+None (the step then runs its reference implementation, stage by stage). Every fast form is checked against
+the interpreter in the tests; when a precondition does not hold we fall back rather than guess.
+
+- Kernel: its fusable stages become one generated function (runtime.kernels), compiled once.
+- FusedCollective (RS -> elementwise compute -> AG over dim 0 on one node, shared memory): CoCoNeT's
+  FusedAllReduce. Each rank reduces its slice chunk by chunk; while the chunk is in cache the fused kernel
+  computes the sliced stages on it (slices of Replicated inputs are read in place, Sliced states are updated
+  in place), and the all-gathered value is written straight into the Replicated state it updates (e.g. w).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from cocosync.dsl.ir import Node, Program
+from cocosync.runtime.fused import slice_bounds
+from cocosync.runtime.kernels import build_kernel, can_fuse
+
+Runner = Callable[[dict], None]
+
+
+def _outside_readers(program: Program, inside: set[int]) -> set[int]:
+    """ids of the step's stages whose values are read outside the step or are program outputs."""
+    needed = {id(o) for o in program.outputs}
+    for s in program.stages:
+        if id(s) not in inside:
+            needed.update(id(a) for a in s.args)
+    return needed & inside
+
+
+def prepare(step, program: Program, comm, kernels: str | None) -> Runner | None:
+    from cocosync.lower.plan import FusedCollective, Kernel as KernelStep  # (lower imports this module)
+
+    if isinstance(step, KernelStep):
+        return _kernel_runner(step, program, kernels)
+    if isinstance(step, FusedCollective):
+        return _fused_collective_runner(step, program, comm, kernels)
+    return None
+
+
+def _kernel_runner(step, program: Program, kernels: str | None) -> Runner | None:
+    stages = list(step.stages)
+    if len(stages) < 2 or not all(can_fuse(s) for s in stages):
+        return None
+    inside = {id(s) for s in stages}
+    outs = [s for s in stages if id(s) in _outside_readers(program, inside)]
+    if any(s.op == "update" or s.shape != stages[-1].shape for s in stages):
+        return None  # broadcasting / state writes: keep the reference semantics
+    k = build_kernel(stages, outs, kernels, name=f"k_{stages[0].name}")
+
+    def run(env: dict) -> None:
+        _consts(k.inputs, env)
+        for node, val in zip(outs, k(*(env[id(a)] for a in k.inputs))):
+            env[id(node)] = val
+    return run
+
+
+def _consts(nodes, env: dict) -> None:
+    for a in nodes:
+        if a.op == "const":
+            env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
+
+
+def _fused_collective_runner(step, program: Program, comm, kernels: str | None) -> Runner | None:
+    shm = getattr(comm, "shm", None)
+    rs, ag = step.rs, step.ag
+    if shm is None or shm.nnodes > 1 or rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
+        return None
+    shape = rs.shape
+    inside = {id(s) for s in step.order}
+    # the update of a Replicated state by the gathered value is done by the all-gather writing into the state
+    w_update = next((o for o in program.stages if o.op == "update" and o.args[1] is ag), None)
+    scalars = [s for s in step.compute if s.ndim == 0]
+    scatters = [s for s in step.compute if s.op == "scatter"]
+    body = [s for s in step.compute if s.ndim > 0 and s.op != "scatter" and s is not w_update]
+    if not all(can_fuse(s) and s.shape == shape for s in body):
+        return None
+    if not all(s.layout.dim == 0 and s.args[0].shape == shape for s in scatters):
+        return None
+    if any(not can_fuse(s) for s in scalars):
+        return None
+    # operands from outside the step must be 0-dim, or Sliced(0) with the RS's shape (a local slice)
+    for s in body:
+        for a in s.args:
+            if id(a) not in inside and a.op != "const" and a.ndim and not (a.layout == rs.layout and a.shape == shape):
+                return None
+    needed = _outside_readers(program, inside)
+    gathered = ag.args[0]
+    state_writes = [s for s in body if s.op == "update"]
+    users = program.users()
+    for s in [*state_writes, *([w_update] if w_update else [])]:
+        if any(id(u) not in inside for u in users[s.args[0].name] if u is not s):
+            return None  # someone outside reads the old state: writing in place would change what it sees
+    if any(i not in {id(ag), id(w_update) if w_update else 0, *map(id, state_writes)} for i in needed):
+        return None  # another value is needed outside: keep the reference implementation
+    if id(gathered) not in {id(b) for b in body}:
+        return None
+    outs = [gathered, *state_writes]
+    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}")
+    src_of = {id(s): s.args[0] for s in scatters}
+    scratch: dict[str, torch.Tensor] = {}
+
+    def run(env: dict) -> None:
+        from cocosync.runtime.executor import run_stage
+
+        for s in scalars:
+            run_stage(s, env, comm)
+        _consts(kern.inputs, env)
+        g = env[id(rs.args[0])]
+        if "g" not in scratch:  # an arena buffer: peers read it in place (allocation is collective, once)
+            scratch["g"] = shm.arena.empty(g.shape, g.dtype)
+        buf = scratch["g"]
+        buf.copy_(g)
+        if not all(env[id(s.args[0])].is_contiguous() for s in state_writes):
+            return _fallback(step, env, comm)
+        if w_update is not None:
+            out = env[id(w_update.args[0])]
+            if not out.is_contiguous():
+                return _fallback(step, env, comm)
+        else:
+            out = torch.empty(ag.shape, dtype=ag.dtype)
+        flat_out = out.view(-1)
+        start = slice_bounds(shm, buf.numel())[0]
+        feeds = []
+        for a in kern.inputs:
+            if a is rs:
+                feeds.append(None)  # the reduced chunk
+            elif id(a) in src_of:  # slice of a Replicated input, read in place
+                feeds.append(("global", env[id(src_of[id(a)])].reshape(-1)))
+            elif a.ndim:
+                feeds.append(("local", env[id(a)].view(-1)))
+            else:
+                feeds.append(("scalar", env[id(a)]))
+        state_views = [env[id(s.args[0])].view(-1) for s in state_writes]
+
+        def chunk_fn(offset: int, reduced: torch.Tensor, out_chunk: torch.Tensor) -> None:
+            n, lo = reduced.numel(), offset - start
+            args = [reduced if f is None else f[1] if f[0] == "scalar" else
+                    f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n] for f in feeds]
+            new_w, *new_states = kern(*args)
+            out_chunk.copy_(new_w)
+            for view, val in zip(state_views, new_states):
+                view[lo:lo + n].copy_(val)
+
+        shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value)
+        env[id(ag)] = out
+        if w_update is not None:
+            env[id(w_update)] = out
+        for s in state_writes:
+            env[id(s)] = env[id(s.args[0])]
+    return run
+
+
+def _fallback(step, env: dict, comm) -> None:
+    step.run(env, comm)
