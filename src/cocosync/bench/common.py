@@ -1,0 +1,157 @@
+"""Shared benchmark utilities: timing (medians over repeats), sizes, memory bandwidth, rich tables, JSON records.
+
+Every suite measures ours and the baselines in the same run, reports medians, ratios (baseline / ours: higher is
+better for us) and, where a memory-traffic bound exists, the fraction of it reached (bound time / our time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+
+__all__ = ["Stats", "time_calls", "stats", "parse_size", "fmt_bytes", "fmt_seconds", "fmt_ratio",
+           "copy_bandwidth", "bound_seconds", "machine_info", "print_table", "markdown_table", "write_json"]
+
+
+@dataclass(frozen=True, slots=True)
+class Stats:
+    """Summary of repeated timings, in seconds."""
+
+    median: float
+    p10: float
+    p90: float
+    n: int
+
+    def as_dict(self) -> dict[str, float]:
+        return {"median_s": self.median, "p10_s": self.p10, "p90_s": self.p90, "n": self.n}
+
+
+def stats(samples: Sequence[float]) -> Stats:
+    if not samples:
+        raise ValueError("no timing samples")
+    s = sorted(samples)
+    q = lambda f: s[min(len(s) - 1, int(f * (len(s) - 1) + 0.5))]  # noqa: E731
+    return Stats(median=statistics.median(s), p10=q(0.1), p90=q(0.9), n=len(s))
+
+
+def time_calls(fn: Callable[[], Any], repeats: int, *, warmup: int = 1,
+               before: Callable[[], Any] | None = None) -> list[float]:
+    """Run fn warmup + repeats times; return the `repeats` wall times. `before` (untimed) runs before each call,
+    e.g. a barrier so that every rank starts together."""
+    out = []
+    for i in range(warmup + repeats):
+        if before is not None:
+            before()
+        t0 = time.perf_counter()
+        fn()
+        dt = time.perf_counter() - t0
+        if i >= warmup:
+            out.append(dt)
+    return out
+
+
+_UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20, "MIB": 1 << 20,
+          "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """'4K' / '16MB' / '1g' / '4096' -> bytes (binary units)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS:
+        raise ValueError(f"cannot parse size {text!r}: use a number with an optional unit K, M or G (e.g. 4K, 64M)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1 << 30), ("MB", 1 << 20), ("KB", 1 << 10)):
+        if n >= scale:
+            v = n / scale
+            return f"{v:.0f} {unit}" if v == int(v) else f"{v:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def fmt_seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    if s >= 1:
+        return f"{s:.2f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.2f} ms"
+    return f"{s * 1e6:.0f} us"
+
+
+def fmt_ratio(r: float | None) -> str:
+    return "-" if r is None else f"{r:.2f}x"
+
+
+def copy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5, before: Callable[[], Any] | None = None) -> float:
+    """Memory bandwidth of this process in bytes/s: a large torch copy, counted as read + write (STREAM 'copy').
+    Run it in every rank at once (with `before` a barrier) to measure what the ranks get together."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    times = time_calls(lambda: dst.copy_(src), repeats, warmup=1, before=before)
+    return 2 * nbytes / statistics.median(times)
+
+
+def bound_seconds(traffic_bytes: float, bandwidth: float) -> float:
+    """Time to move `traffic_bytes` at `bandwidth` bytes/s (a lower bound for a memory-bound operation)."""
+    return traffic_bytes / bandwidth
+
+
+def machine_info() -> dict[str, Any]:
+    try:
+        load = os.getloadavg()
+    except OSError:  # pragma: no cover
+        load = None
+    cpu = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+    except OSError:  # pragma: no cover
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "loadavg_at_start": load, "torch": torch.__version__,
+            "python": sys.version.split()[0], "time": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "command": " ".join(["cocosync", *sys.argv[1:]]) if sys.argv else None}
+
+
+def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]], console=None,
+                caption: str | None = None) -> None:
+    """A rich table; numbers are right-aligned."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, caption=caption)
+    for i, c in enumerate(columns):
+        table.add_column(c, justify="left" if i == 0 else "right")
+    for r in rows:
+        table.add_row(*[str(v) for v in r])
+    if console is None:
+        console = Console()
+        if not console.is_terminal:  # piped / redirected: do not squeeze the table into 80 columns
+            console = Console(width=160)
+    console.print(table)
+
+
+def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    """The same table as GitHub markdown (for BENCHMARKS.md)."""
+    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
+    lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
+    """Write payload (plus machine info under 'machine') as indented JSON; returns the path."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str) + "\n")
+    return p
