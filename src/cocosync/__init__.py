@@ -1,13 +1,17 @@
 """cocosync: communication off the critical path of distributed PyTorch training.
 
 The DSL (CoCoNeT): declare tensors with layouts, mix computation and communication in one Program,
-run it under the reference interpreter (`interpret`) or on real ranks (`compile`).
+run it under the reference interpreter (`interpret`) or on real ranks (`compile`); rewrite it with a
+`Schedule` and run the lowered plan (`compile_scheduled`).
 """
 
 from cocosync.dsl import *  # noqa: F403 - the language is the public API
 from cocosync.dsl import __all__ as _dsl_all
 from cocosync.interp import interpret
+from cocosync.lower import compile_plan, compile_scheduled, lower
 from cocosync.runtime.executor import compile  # noqa: A004 - mirrors the paper's vocabulary
+from cocosync.schedule import Schedule, ScheduleError
 
 __version__ = "0.1.0"
-__all__ = [*_dsl_all, "interpret", "compile", "__version__"]
+__all__ = [*_dsl_all, "interpret", "compile", "Schedule", "ScheduleError", "lower", "compile_plan",
+           "compile_scheduled", "__version__"]
