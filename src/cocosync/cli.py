@@ -34,6 +34,10 @@ from cocosync.shadowsync.train_cli import eval_checkpoint, train  # noqa: E402
 main.add_command(train)
 main.add_command(eval_checkpoint)
 
+from cocosync.bench.shadowsync import shadowsync as bench_shadowsync  # noqa: E402
+
+bench.add_command(bench_shadowsync)
+
 from cocosync.show_cli import show  # noqa: E402  (registers `cocosync show FILE.py|NAME`)
 
 main.add_command(show)
