@@ -191,3 +191,19 @@ def test_config_errors_name_the_value():
         ModelConfig(bottom_mlp=(64, 8))
     with pytest.raises(ValueError, match="shard"):
         CriteoReader(__file__, CFG, shard=(2, 2))
+
+
+def test_cli_synth_and_inspect(tmp_path):
+    from click.testing import CliRunner
+
+    from cocosync.cli import main
+
+    out = tmp_path / "syn"
+    res = CliRunner().invoke(main, ["data", "synth", str(out), "--rows", "3000", "--eval-rows", "500", "--gzip"])
+    assert res.exit_code == 0, res.output
+    assert (out / "train.tsv.gz").exists() and (out / "eval.tsv.prob.npy").exists() and (out / "meta.json").exists()
+    res = CliRunner().invoke(main, ["data", "inspect", str(out / "eval.tsv.gz")])
+    assert res.exit_code == 0, res.output
+    assert "500" in res.output and "bayes_ne" in res.output
+    res = CliRunner().invoke(main, ["data", "synth", str(out), "--rows", "10", "--ctr", "0.9"])
+    assert res.exit_code != 0 and "ctr=0.9" in res.output
