@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.bench.common import (bound_seconds, copy_bandwidth, fmt_bytes, fmt_ratio, fmt_seconds, markdown_table,
-                                   parse_size, print_table, stats, time_calls, write_json)
+                                   parse_size, print_table, stats, time_interleaved, write_json)
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M"
@@ -44,14 +44,12 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int) -> dict[str, Any]:
     """Runs on every rank; returns this rank's samples (the caller takes the per-iteration max over ranks)."""
     from cocosync.runtime.collectives import ShmCommunicator
-    from cocosync.runtime.fused import AdamSlice
 
     comm = ShmCommunicator(chunk_bytes=chunk_bytes)
     P, r = comm.world, comm.rank
     sync = lambda: comm.flags.barrier("bench")  # noqa: E731
     out: dict[str, Any] = {"P": P, "rows": {}}
-    bw = copy_bandwidth(256 << 20, repeats=5, before=sync)
-    out["bandwidth_per_rank"] = bw
+    bws = [copy_bandwidth(256 << 20, repeats=5, before=sync)]  # measured again after every size (load varies)
     _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     _ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     for nbytes in sizes:
@@ -76,10 +74,16 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
             ("all_gather", "arena"): lambda: comm.all_gather(asl, out=ag_out),
             ("all_gather", "gloo"): lambda: _ag(ag_out, sl),
         }
-        for (op, impl), fn in cases.items():
+        for op in ("all_reduce", "reduce_scatter", "all_gather"):
             x.normal_()  # keep values bounded (all_reduce in place doubles them)
-            out["rows"][(op, n * 4, impl)] = time_calls(fn, reps, warmup=2, before=sync)
+            # ours, arena and gloo round-robin: a change of load during the run hits all three alike
+            samples = time_interleaved({k: f for k, f in cases.items() if k[0] == op}, reps, warmup=2, before=sync)
+            for (_, impl), ts in samples.items():
+                out["rows"][(op, n * 4, impl)] = ts
         del a, asl
+        bws.append(copy_bandwidth(256 << 20, repeats=1, before=sync))
+    out["bandwidth_per_rank"] = statistics.median(bws)
+    out["bandwidth_samples"] = bws
     if fused_numel:
         out["fused"] = _bench_fused(comm, fused_numel, repeats, sync)
     return out
@@ -88,7 +92,6 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
 def _bench_fused(comm, N: int, repeats: int, sync) -> dict[str, list[float]]:
     from cocosync.runtime.fused import AdamSlice
 
-    res: dict[str, list[float]] = {}
     reps = max(3, repeats)
     # zero-copy: gradients per rank in the arena, parameters stored once per node (no all-gather within the node)
     grads = comm.arena.empty(N)
@@ -98,13 +101,9 @@ def _bench_fused(comm, N: int, repeats: int, sync) -> dict[str, list[float]]:
         params.normal_()
     comm.barrier()
     opt = AdamSlice(comm, N, lr=1e-4)
-    res["fused (arena grads, node-shared params)"] = time_calls(lambda: opt.step(grads, params), reps, warmup=2,
-                                                                before=sync)
-    del params
     # plain tensors: gradients copied in, every rank's parameters all-gathered
     g2, p2 = torch.randn(N), torch.randn(N)
     opt2 = AdamSlice(comm, N, lr=1e-4)
-    res["fused (plain tensors)"] = time_calls(lambda: opt2.step(g2, p2), reps, warmup=2, before=sync)
     # unfused baseline: gloo all_reduce of the gradients, then torch.optim.Adam on all parameters on every rank
     p3 = torch.nn.Parameter(torch.randn(N))
     p3.grad = torch.randn(N)
@@ -114,8 +113,9 @@ def _bench_fused(comm, N: int, repeats: int, sync) -> dict[str, list[float]]:
         dist.all_reduce(p3.grad)
         p3.grad.div_(comm.world)
         adam.step()
-    res["gloo all_reduce + torch Adam"] = time_calls(baseline, reps, warmup=2, before=sync)
-    return res
+    return time_interleaved({"fused (arena grads, node-shared params)": lambda: opt.step(grads, params),
+                             "fused (plain tensors)": lambda: opt2.step(g2, p2),
+                             "gloo all_reduce + torch Adam": baseline}, reps, warmup=2, before=sync)
 
 
 def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: int = 2) -> dict[str, Any]:
@@ -142,7 +142,8 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
         for name in per_rank[0]["fused"]:
             med = stats(merge(name, "fused")).median
             fused["rows"].append({"variant": name, "median_s": med, "bound_over_time": fb / med})
-    return {"P": P, "threads_per_rank": 1, "bandwidth_Bps": bw, "chunk_bytes": chunk_bytes, "rows": rows,
+    return {"P": P, "threads_per_rank": 1, "bandwidth_Bps": bw,
+            "bandwidth_samples_Bps": [sum(s) for s in zip(*(pr["bandwidth_samples"] for pr in per_rank))], "chunk_bytes": chunk_bytes, "rows": rows,
             "fused": fused}
 
 

@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["Stats", "time_calls", "stats", "parse_size", "fmt_bytes", "fmt_seconds", "fmt_ratio",
+__all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "fmt_bytes", "fmt_seconds", "fmt_ratio",
            "copy_bandwidth", "bound_seconds", "machine_info", "print_table", "markdown_table", "write_json"]
 
 
@@ -57,6 +57,23 @@ def time_calls(fn: Callable[[], Any], repeats: int, *, warmup: int = 1,
         dt = time.perf_counter() - t0
         if i >= warmup:
             out.append(dt)
+    return out
+
+
+def time_interleaved(cases: dict[Any, Callable[[], Any]], repeats: int, *, warmup: int = 1,
+                     before: Callable[[], Any] | None = None) -> dict[Any, list[float]]:
+    """Time several implementations round-robin (warm-up rounds first), so that a change of machine load
+    during the run hits all of them alike: compare them by ratio. Returns the samples per case."""
+    out: dict[Any, list[float]] = {k: [] for k in cases}
+    for i in range(warmup + repeats):
+        for key, fn in cases.items():
+            if before is not None:
+                before()
+            t0 = time.perf_counter()
+            fn()
+            dt = time.perf_counter() - t0
+            if i >= warmup:
+                out[key].append(dt)
     return out
 
 

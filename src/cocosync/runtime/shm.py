@@ -155,10 +155,10 @@ class Flags:
             spins += 1
             if spins < 64:
                 continue
-            if spins < 2048:
+            if spins < 1024:
                 os.sched_yield()  # 2 cores shared by several ranks: let the peer run
-            else:
-                time.sleep(min(1e-3, 2e-6 * (spins - 2048) + 1e-5))
+            else:  # the peer is descheduled or busy: sleep, in steps short enough to notice it soon
+                time.sleep(min(2e-4, 1e-6 * (spins - 1024) + 2e-5))
             if spins % 32 == 0:
                 now = time.monotonic()
                 if now >= next_check:
