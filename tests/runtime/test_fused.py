@@ -120,3 +120,19 @@ def test_overlap_chunks_propagates_errors():
     with pytest.raises(KeyError, match="produce failed"):
         overlap_chunks(produce, lambda i, c: c, 4)
     assert overlap_chunks(lambda i: i, lambda i, c: c * 10, 3) == [0, 10, 20]
+
+
+def test_adam_chunk_update_fused_kernel_and_fallback_agree(monkeypatch):
+    from cocosync.runtime import fused
+
+    g = torch.Generator().manual_seed(0)
+    p, grad, m, v = (torch.randn(777, generator=g) for _ in range(4))
+    v.abs_()
+    outs = []
+    for kernel in (fused._FUSED_ADAM, None):
+        monkeypatch.setattr(fused, "_FUSED_ADAM", kernel)
+        state = [p.clone(), m.clone(), v.clone()]
+        fused.adam_chunk_update(state[0], grad, state[1], state[2], step=4, lr=1e-2, weight_decay=0.1)
+        outs.append(state)
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

@@ -92,7 +92,9 @@ class ShmCommunicator:
         timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or 60).
         chunk_bytes: bytes reduced at a time (cache blocking).
 
-    All ranks must call the same collectives in the same order (as with torch.distributed).
+    All ranks must call the same collectives in the same order (as with torch.distributed), and one thread at a
+    time per rank (e.g. only the CommThread while an overlap is in flight). Mismatched calls are detected through
+    the shared header and raise an error naming the ranks; a dead or stalled peer raises CollectiveTimeout.
     """
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
@@ -171,7 +173,7 @@ class ShmCommunicator:
         if self.world == 1:
             out.copy_(t.view(out_shape))
             return out
-        y, writeback = self._flat(out, need_contiguous_out=True)
+        y, writeback = self._flat(out)
         c = t.numel()
         if self.nnodes == 1:  # peers read this rank's slice where it is (zero-copy when t is an arena tensor)
             src = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
@@ -285,7 +287,7 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------------ shared machinery
 
-    def _flat(self, t: torch.Tensor, need_contiguous_out: bool = False) -> tuple[torch.Tensor, bool]:
+    def _flat(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A flat contiguous view of t (or a contiguous copy that must be written back)."""
         if t.is_contiguous():
             return t.view(-1), False

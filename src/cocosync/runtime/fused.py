@@ -69,11 +69,31 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     return out
 
 
+_FUSED_ADAM = getattr(torch, "_fused_adam_", None)
+_steps: dict[int, torch.Tensor] = {}
+
+
+def _step_tensor(step: int) -> torch.Tensor:
+    t = _steps.get(step)
+    if t is None:
+        if len(_steps) > 64:
+            _steps.clear()
+        t = _steps[step] = torch.tensor(float(step))
+    return t
+
+
 def adam_chunk_update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int,
                       lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                       weight_decay: float = 0.0) -> None:
-    """One Adam step on a chunk, in place, with torch.optim.Adam's formulas (single-tensor, non-amsgrad)."""
+    """One Adam step on a chunk, in place, with torch.optim.Adam's formulas (non-amsgrad).
+
+    Uses torch's fused CPU Adam kernel (one pass over p, g, m, v: the chunk is read and written once) when this
+    torch has it, else the single-tensor formulas of torch.optim.Adam."""
     b1, b2 = betas
+    if _FUSED_ADAM is not None and p.dtype == g.dtype == m.dtype == v.dtype and p.device.type == "cpu":
+        _FUSED_ADAM([p], [g], [m], [v], [], [_step_tensor(step)], amsgrad=False, lr=lr, beta1=b1, beta2=b2,
+                    weight_decay=weight_decay, eps=eps, maximize=False)
+        return
     if weight_decay:
         g = g.add(p, alpha=weight_decay)
     m.lerp_(g, 1 - b1)
