@@ -65,6 +65,11 @@ def test_none_changes_nothing_and_make_sync_dispatches():
 def test_single_process_ma_and_bmuf_are_well_defined():
     x = torch.tensor([1.0, 2.0])
     assert ModelAveraging(x, SyncConfig(algorithm="fr-ma")).sync() == 1 and x.tolist() == [1.0, 2.0]
+    bmuf = BMUF(x, SyncConfig(algorithm="fr-bmuf"))  # default momentum 1 - 1/T = 0 for one trainer
+    assert bmuf.momentum == 0.0
+    x.add_(1.0)
+    bmuf.sync()
+    assert x.tolist() == [2.0, 3.0]  # block_lr 1, no momentum: BMUF is plain averaging
 
 
 # ---------------------------------------------------------------- 2 ranks (gloo)

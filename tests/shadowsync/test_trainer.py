@@ -21,9 +21,12 @@ MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
 
 
 def _shm() -> set[str]:
-    # sem.mp-* are multiprocessing semaphores of other test sessions running concurrently on this machine;
-    # the trainers create none (pipes only) and their tensors never have a name (file-descriptor sharing)
-    return {f for f in os.listdir("/dev/shm") if not f.startswith("sem.mp-")} if os.path.isdir("/dev/shm") else set()
+    # Other suites running concurrently on this machine create transient entries (multiprocessing semaphores
+    # sem.mp-*, the runtime arena's cocosync-* segments). The trainers create none: pipes, not queues, and
+    # shared tensors that never have a name (file-descriptor sharing), which the /proc/PID/maps check proves.
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.mp-", "cocosync-"))}
 
 
 def _children(pid: int) -> list[int]:

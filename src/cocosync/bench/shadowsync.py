@@ -19,7 +19,7 @@ import click
 __all__ = ["shadowsync", "run_suite"]
 
 SHADOW = ("shadow-ma", "shadow-bmuf", "shadow-easgd")
-COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS", "vs none", "eval NE", "excess NE", "vs 1 trainer",
+COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS", "vs none", "EPS/CPU-s", "eval NE", "excess NE", "vs 1 trainer",
            "sync gap", "syncs"]
 
 
@@ -31,6 +31,8 @@ def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
     cfg = TrainConfig(**{**base, **kw, "out_dir": str(out / name.replace(" ", "_").replace("=", "")),
                          "sync": SyncConfig(**sync)})
     res = run_training(cfg, name=name, console=console)
+    if res.interrupted:
+        raise click.Abort()  # Ctrl-C stops the whole suite, not just this run
     s = dict(res.summary)
     s["k"] = sync.get("every", 1) if cfg.sync.mode == "foreground" else None
     s["interval"] = cfg.sync.interval if cfg.sync.mode == "shadow" else None
@@ -80,7 +82,7 @@ def _median(samples: list[dict]) -> dict:
     import statistics
 
     out = dict(samples[0])
-    for key in ("eps", "eps_per_trainer", "eval_ne", "auc", "excess_ne", "sync_gap", "train_ne", "seconds"):
+    for key in ("eps", "eps_per_cpu", "eps_per_trainer", "eval_ne", "auc", "excess_ne", "sync_gap", "train_ne", "seconds"):
         vals = [s[key] for s in samples if isinstance(s.get(key), float) and math.isfinite(s[key])]
         out[key] = statistics.median(vals) if vals else float("nan")
     out["syncs"] = int(statistics.median(s["syncs"] for s in samples))
@@ -105,6 +107,7 @@ def _row(r: dict) -> list[str]:
 
     k = f"k={r['k']}" if r.get("k") else (f"{r['interval'] * 1000:.0f} ms" if r.get("interval") is not None else "-")
     return [r["name"], str(r["T"]), str(r["W"]), r["sync"], k, f(r["eps"], ",.0f"), f(r["eps_vs_none"], ".2f") + "x",
+            f(r.get("eps_per_cpu"), ",.0f"),
             f(r["eval_ne"], ".4f"), f(r["excess_ne"], ".4f"), f(100 * r["ne_vs_single"], "+.2f") + "%",
             f(r["sync_gap"], ".2f"), str(r["syncs"])]
 

@@ -79,6 +79,9 @@ def train(config_path: str | None, progress: bool | None, json_out: bool, **opts
         console.print(f"[bold red]error:[/] {e}")
         console.print(f"metrics so far: {cfg.out_dir}/metrics.jsonl")
         sys.exit(1)
+    except KeyboardInterrupt:  # before the trainers started (data generation, model build)
+        console.print("[yellow]interrupted before training started; nothing was trained")
+        sys.exit(130)
     _print_result(console, result)
     if json_out:
         click.echo(json.dumps(result.summary, default=str))

@@ -54,8 +54,8 @@ class SyncConfig:
     """shadow-* only: seconds the shadow thread sleeps between two syncs (0 = back-to-back syncs)."""
     alpha: float = 0.5
     """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]."""
-    block_momentum: float = 0.5
-    """BMUF block momentum, in [0, 1)."""
+    block_momentum: float | None = None
+    """BMUF block momentum, in [0, 1); None = 1 - 1/T (Chen & Huo's rule: 0.5 for 2 trainers, 0 for one)."""
     block_lr: float = 1.0
     """BMUF block learning rate, > 0."""
     nesterov: bool = True
@@ -67,7 +67,8 @@ class SyncConfig:
         _check(isinstance(self.interval, (int, float)) and 0 <= self.interval <= 60, "sync.interval",
                self.interval, "seconds in [0, 60]")
         _check(0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
-        _check(0 <= self.block_momentum < 1, "sync.block_momentum", self.block_momentum, "a number in [0, 1)")
+        _check(self.block_momentum is None or 0 <= self.block_momentum < 1, "sync.block_momentum",
+               self.block_momentum, "a number in [0, 1), or None for 1 - 1/T")
         _check(self.block_lr > 0, "sync.block_lr", self.block_lr, "a number > 0")
 
     @property

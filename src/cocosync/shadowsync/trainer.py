@@ -266,7 +266,7 @@ class Trainer:
 
             shadow = ShadowThread(self.sync, interval=self.cfg.sync.interval, is_active=on_active,
                                   iterations=lambda: int(self.state.iterations[self.rank]))
-        t0 = time.time()
+        t0, cpu0 = time.time(), time.process_time()
         for t in workers:
             t.start()
         if shadow is not None:
@@ -283,7 +283,7 @@ class Trainer:
             if time.time() - last_log >= self.cfg.log_every:
                 last_log = time.time()
                 self._log(t0)
-        t_end = time.time()
+        t_end, cpu_end = time.time(), time.process_time()
         done.set()
         if self.errors:
             if shadow is not None:
@@ -303,7 +303,7 @@ class Trainer:
         self._log(t0)
         return {
             "trainer": self.rank, "examples": self.examples, "iterations": iterations,
-            "seconds": t_end - t0, "start": t0, "end": t_end, "syncs": self.sync.syncs,
+            "seconds": t_end - t0, "start": t0, "end": t_end, "cpu_seconds": cpu_end - cpu0, "syncs": self.sync.syncs,
             "active_syncs": self.active_syncs,
             "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
@@ -330,6 +330,7 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
     torch.set_num_threads(cfg.threads)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo between trainers stays on loopback
     group_ready = False
     try:
         group = None
@@ -457,7 +458,6 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     if main_thread:  # children are spawned with SIGINT blocked and ignore it: the launcher owns Ctrl-C
         interrupts.previous = signal.signal(signal.SIGINT, interrupts)
         signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     try:
         for r in range(T):
             rd, wr = ctx.Pipe(duplex=False)
@@ -582,6 +582,7 @@ def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: Fla
         "name": name, "sync": cfg.sync.algorithm, "T": T, "W": cfg.workers, "examples": examples,
         "eps": examples / max(seconds, 1e-9),
         "eps_per_trainer": float(np.mean([r["examples"] / max(r["seconds"], 1e-9) for r in results.values()])),
+        "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results.values()), 1e-9),
         "train_ne": float(np.nanmean([r["train_ne"] for r in results.values()])),
         "eval_ne": ev["ne"], "auc": ev["auc"], "bayes_ne": ev["bayes_ne"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),

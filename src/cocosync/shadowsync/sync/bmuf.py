@@ -36,15 +36,17 @@ class BMUF(SyncAlgorithm):
         self.global_params = flat.detach().clone()  # x_prev_global
         self.start = flat.detach().clone()  # x_start of the current block
         self.delta = torch.zeros_like(flat)
+        m = cfg.block_momentum
+        self.momentum = (1.0 - 1.0 / self._world()) if m is None else m  # None: Chen & Huo's 1 - 1/T
 
     def _sync(self, active: bool) -> int:
         snapshot = self.flat.clone()
         avg, n_active = self._mean_and_active(snapshot, active)
         desc = avg.sub_(self.start)
-        self.delta.mul_(self.cfg.block_momentum).add_(desc, alpha=self.cfg.block_lr)
+        self.delta.mul_(self.momentum).add_(desc, alpha=self.cfg.block_lr)
         self.global_params.add_(self.delta)
         self.start.copy_(self.global_params)
         if self.cfg.nesterov and n_active > 0:
-            self.start.add_(self.delta, alpha=self.cfg.block_momentum)
+            self.start.add_(self.delta, alpha=self.momentum)
         self.flat.add_(self.start - snapshot)  # delta write-back: keeps updates made during the all_reduce
         return n_active
