@@ -1,0 +1,129 @@
+"""Data-parallel optimizer programs with mixed precision and global-norm gradient clipping.
+
+The paper's programs (examples/optimizers.py, examples/lamb.py) keep gradients, weights and state in one dtype.
+Here the gradients and the model weights may be low precision (bfloat16/float16) while the optimizer works on
+float32 "master" weights and moments:
+
+    g (bf16, Local) -> all_reduce(mean) -> cast f32 [-> clip by global norm] -> update of master, m, v (f32)
+                    -> cast bf16 -> update of the model weights w (bf16)
+
+Scheduled with the standard schedule (split + reorder + as_slice(master, m, v) + fuse), this becomes
+RS(g) -> cast -> sliced update of the f32 master/m/v -> cast -> AG straight into the bf16 weights: the f32 state is
+sliced (ZeRO-1) and only the bf16 weights cross ranks. The reduction accumulates in float32 (the runtime's rule
+for low-precision collectives) and rounds the mean to the gradient dtype.
+
+Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
+torch.nn.utils.clip_grad_norm_; the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
+reduction over the whole tensor, so a program with clipping (or LAMB's trust ratio) runs stage by stage, not as
+one fused collective.
+
+With `master_dtype == dtype` and `clip=False` each program is the paper's program (same stages).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cocosync.dsl import (Local, Node, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, cast, float32, gt,
+                          norm, sqrt, update, where)
+
+CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
+
+
+def _grad(n: int, dtype: torch.dtype, master_dtype: torch.dtype, clip: bool) -> tuple[list[Node], Node]:
+    """The inputs g (and max_norm) and the averaged gradient in the master dtype, clipped if asked."""
+    g = Tensor("g", n, dtype, Local)
+    g1 = all_reduce(g, ReduceOp.MEAN)
+    if master_dtype != dtype:
+        g1 = cast(g1, master_dtype)
+    if not clip:
+        return [g], g1
+    max_norm = Scalar("max_norm")
+    coef = max_norm / (norm(g1) + CLIP_EPS)
+    return [g, max_norm], g1 * where(gt(coef, 1.0), 1.0, coef)
+
+
+def _weights(n: int, dtype: torch.dtype, master_dtype: torch.dtype) -> tuple[list[Node], Node]:
+    """The model weights w (and the master copy): returns (inputs, the tensor the update reads)."""
+    w = Tensor("w", n, dtype, Replicated)
+    if master_dtype == dtype:
+        return [w], w
+    master = Tensor("master", n, master_dtype, Replicated)
+    return [w, master], master
+
+
+def _write(ws: list[Node], new: Node) -> list[Node]:
+    """Update the master (if any) and the model weights (cast down)."""
+    if len(ws) == 1:
+        return [update(ws[0], new)]
+    master1 = update(ws[1], new)
+    return [update(ws[0], cast(master1, ws[0].dtype)), master1]
+
+
+def _check(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
+    master_dtype = master_dtype or dtype
+    if master_dtype != dtype and master_dtype != float32:
+        raise ValueError(f"master_dtype={master_dtype}: master weights must be float32 (or the weights' dtype)")
+    return master_dtype
+
+
+def _mp_name(base: str, dtype, master_dtype, clip: bool) -> str:
+    mp = "" if master_dtype == dtype else f"_{str(dtype).split('.')[-1]}_master"
+    return base + mp + ("_clip" if clip else "")
+
+
+def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
+                    clip: bool = False) -> Program:
+    """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype)."""
+    master_dtype = _check(dtype, master_dtype)
+    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    ws, w = _weights(n, dtype, master_dtype)
+    m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
+    lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
+    m1 = update(m, beta1 * m + (1 - beta1) * g1)
+    v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
+    step = lr * (m1 / c1) / (sqrt(v1 / c2) + eps)
+    outs = _write(ws, w * (1 - lr * wd) - step)
+    return Program(_mp_name("adam", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
+                                                                  *gin[1:]], [*outs, m1, v1])
+
+
+def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
+                    clip: bool = False) -> Program:
+    """LAMB (as `lamb_program`: one trust ratio ||w|| / ||r|| over the whole vector) on master weights."""
+    master_dtype = _check(dtype, master_dtype)
+    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    ws, w = _weights(n, dtype, master_dtype)
+    m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
+    lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
+    m1 = update(m, beta1 * m + (1 - beta1) * g1)
+    v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
+    r = (m1 / c1) / (sqrt(v1 / c2) + eps) + wd * w
+    w_norm, r_norm = norm(w), norm(r)
+    ratio = where(gt(w_norm, 0.0), where(gt(r_norm, 0.0), w_norm / r_norm, 1.0), 1.0)
+    outs = _write(ws, w - lr * ratio * r)
+    return Program(_mp_name("lamb", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
+                                                                  *gin[1:]], [*outs, m1, v1])
+
+
+def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
+                   momentum: bool = False, weight_decay: bool = False, clip: bool = False) -> Program:
+    """SGD as torch.optim.SGD (dampening 0, not Nesterov): g += wd * w; buf <- mu * buf + g; w <- w - lr * buf.
+    Scalars lr (and mu, wd); state buf (master_dtype)."""
+    master_dtype = _check(dtype, master_dtype)
+    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    ws, w = _weights(n, dtype, master_dtype)
+    lr = Scalar("lr")
+    extra: list[Node] = []
+    if weight_decay:
+        wd = Scalar("wd")
+        extra.append(wd)
+        g1 = g1 + wd * w
+    outs: list[Node] = []
+    if momentum:
+        buf, mu = Tensor("buf", n, master_dtype, Replicated), Scalar("mu")
+        extra[:0] = [buf, mu]
+        g1 = update(buf, mu * buf + g1)
+        outs.append(g1)
+    name = _mp_name("sgd_momentum" if momentum else "sgd", dtype, master_dtype, clip)
+    return Program(name, [gin[0], *ws, lr, *extra, *gin[1:]], [*_write(ws, w - lr * g1), *outs])

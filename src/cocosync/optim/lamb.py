@@ -1,0 +1,47 @@
+"""DistributedLAMB: LAMB (You et al.) as the paper's program, RS -> sliced update with global norms -> AG."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+
+from cocosync.dsl.ir import Program
+from cocosync.examples.lamb import lamb_program
+from cocosync.examples.mixed_precision import lamb_mp_program
+from cocosync.examples.optimizers import adam_scalars
+from cocosync.optim.base import DistributedOptimizer
+
+__all__ = ["DistributedLAMB"]
+
+
+class DistributedLAMB(DistributedOptimizer):
+    """Data-parallel LAMB: Adam's moments, then w <- w - lr * (||w|| / ||r||) * r with r = m_hat / (sqrt(v_hat) +
+    eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
+
+    The trust ratio is ONE ratio over all the parameters of the optimizer (the program's norms are over the flat
+    vector), not one per tensor: for per-layer ratios, build one DistributedLAMB per layer. The norms make the step
+    run stage by stage (shared-memory collectives, eager ops) rather than as one fused collective.
+    """
+
+    state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
+
+    def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-6, weight_decay: float = 0.0, *, max_grad_norm: float | None = None,
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+        if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
+            raise ValueError(f"DistributedLAMB: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
+        if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
+            raise ValueError(f"DistributedLAMB: betas={betas} must be two numbers in [0, 1)")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
+                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
+
+    def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool) -> Program:
+        if master_dtype is None and not clip:
+            return lamb_program(n, dtype)  # the paper's program
+        return lamb_mp_program(n, dtype, master_dtype, clip=clip)
+
+    def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
+        return adam_scalars(step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                            weight_decay=group["weight_decay"])
