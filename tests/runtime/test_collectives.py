@@ -95,6 +95,15 @@ def _all_cases() -> list[str]:
         comm.broadcast(a, root=W - 1)
         if not torch.equal(a, xs[W - 1]):
             bad.append(f"arena broadcast {dt}")
+    # the chunk-pipelined all_reduce (opt-in), several steps, uneven slices
+    piped = ShmCommunicator(timeout=60, chunk_bytes=4096, pipeline_bytes=16384, arena=comm.arena)
+    for dt in DTYPES:
+        for op in OPS:
+            xs = _inputs(W, (W * 5000 + 1,), dt, 2000)
+            t = xs[r].clone()
+            piped.all_reduce(t, op)
+            if not _close(t, _ref(xs, op)):
+                bad.append(f"pipelined all_reduce {dt} {op}")
     # non-contiguous input, results bitwise identical on every rank
     x = _inputs(W, (64, 30), torch.float32, 7)
     t = x[r].clone().t()

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.group import NodeGroups, node_groups
-from cocosync.runtime.shm import Arena, CollectiveTimeout, Segment
+from cocosync.runtime.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
 
 __all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
@@ -38,6 +38,9 @@ _COLL_CODE = {name: i + 1 for i, name in enumerate(
 _CODE_COLL = {v: k for k, v in _COLL_CODE.items()}
 _DIST_OP = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
+# Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
+# here every per-chunk flag wait can cost a scheduling quantum, and it measured slower than the 3-phase path.
+DEFAULT_PIPELINE_BYTES = 0
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -77,8 +80,13 @@ class _Call:
     name: str
     seq: int
     sources: list[torch.Tensor | None]  # per local rank: flat view of its data in shared memory (None: not shared)
-    zero_copy: bool  # some rank's data is its own arena tensor: peers read user memory, so the call ends on a barrier
+    zc: tuple[bool, ...]  # per local rank: its data is its own arena tensor (peers read user memory)
     ws: Segment | None
+
+    @property
+    def zero_copy(self) -> bool:
+        """Some rank's peers read its user memory: the call must end on a barrier before returning it."""
+        return any(self.zc)
 
 
 class ShmCommunicator:
@@ -91,6 +99,8 @@ class ShmCommunicator:
             reduced in place without copies.
         timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or 60).
         chunk_bytes: bytes reduced at a time (cache blocking).
+        pipeline_bytes: > 0 runs single-node all_reduce of plain tensors as one pipelined pass with flag waits
+            every `pipeline_bytes` (chunks stay in the shared L3); 0 (default) uses three phases with barriers.
 
     All ranks must call the same collectives in the same order (as with torch.distributed), and one thread at a
     time per rank (e.g. only the CommThread while an overlap is in flight). Mismatched calls are detected through
@@ -98,7 +108,8 @@ class ShmCommunicator:
     """
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
-                 timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES):
+                 timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 pipeline_bytes: int = DEFAULT_PIPELINE_BYTES):
         self.groups = groups or node_groups()
         self.arena = arena or Arena(self.groups, timeout=timeout)
         if timeout is not None:
@@ -111,6 +122,9 @@ class ShmCommunicator:
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 4096")
         self.chunk_bytes = int(chunk_bytes)
+        if pipeline_bytes < 0:
+            raise ValueError(f"pipeline_bytes={pipeline_bytes} must be >= 0 (0 disables pipelining)")
+        self.pipeline_bytes = int(pipeline_bytes)
         self._ws: list[Segment | None] = [None, None]
         self._calls = 0
         self._acc: torch.Tensor | None = None
@@ -352,7 +366,7 @@ class ShmCommunicator:
             fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
             filled = True
         self.flags.set_header([_COLL_CODE[name.split(" ")[0]], _DTYPE_CODE[x.dtype], x.numel() if numel is None
-                               else numel, _OP_CODE[op], root, seg, off])
+                               else numel, _OP_CODE[op], root, seg, off, self.chunk_bytes, self.pipeline_bytes])
         seq = self.flags.barrier(name)
         hdrs = [self.flags.header(lr, seq).copy() for lr in range(self.L)]
         self._validate(name, seq, hdrs)
@@ -372,8 +386,7 @@ class ShmCommunicator:
                 sources.append(self.arena.view(int(hdrs[lr][5]), lr, int(hdrs[lr][6]), (data.numel(),), x.dtype))
             else:
                 sources.append(self._ws_view(ws, lr, x.numel(), x.dtype))
-        any_zc = any(h[5] >= 0 for h in hdrs)
-        return _Call(name=name, seq=seq, sources=sources, zero_copy=any_zc, ws=ws)
+        return _Call(name=name, seq=seq, sources=sources, zc=tuple(bool(h[5] >= 0) for h in hdrs), ws=ws)
 
     def _validate(self, name: str, seq: int, hdrs) -> None:
         mine = hdrs[self.me]
@@ -390,6 +403,10 @@ class ShmCommunicator:
         if any(h[3] != mine[3] for h in hdrs):
             ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1]}" for lr, h in enumerate(hdrs))
             raise ValueError(f"{name} (call #{seq}): reduce op differs across ranks ({ops})")
+        if any(h[7] != mine[7] or h[8] != mine[8] for h in hdrs):
+            cb = ", ".join(f"rank {g[lr]}: {int(h[7])}/{int(h[8])}" for lr, h in enumerate(hdrs))
+            raise ValueError(f"{name} (call #{seq}): ShmCommunicator chunk_bytes/pipeline_bytes differ across "
+                             f"ranks ({cb})")
         if any(h[4] != mine[4] for h in hdrs):
             roots = ", ".join(f"rank {g[lr]}: {int(h[4])}" for lr, h in enumerate(hdrs))
             raise ValueError(f"{name} (call #{seq}): root differs across ranks ({roots})")
@@ -452,8 +469,19 @@ class ShmCommunicator:
         out_where = self.arena.locate(fn_out) if fn_out is not None else None
         shared_out = out_where is not None and out_where[2]
         out_zc = out_where is not None and not out_where[2]
-        call = self._begin(name, x, op=op, fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)),
-                           data=x, always_ws=fn_out is not None and out_where is None)
+        fill = lambda ws: self._copy_ranges(ws, x, self._others(ranges))  # noqa: E731
+        # plain tensors within a node: copy-in, reduction and gather pipelined chunk by chunk (see _pipelined)
+        pipeline = not inter and fn is None and self.pipeline_bytes > 0
+        call = self._begin(name, x, op=op, fill=None if pipeline else fill, data=x,
+                           always_ws=fn_out is not None and out_where is None)
+        if pipeline:
+            if not call.zero_copy:
+                self._pipelined(call, x, ranges, op)
+                return
+            if not all(call.zc):  # mixed arena / plain ranks: the plain ones copy in now
+                if not call.zc[self.me]:
+                    fill(self._ws_view(call.ws, self.me, x.numel(), x.dtype))
+                self.flags.barrier(name + " (copied in)")
         ws_me = self._ws_view(call.ws, self.me, x.numel(), x.dtype) if call.ws is not None else None
         if fn_out is None:
             publish = None if self.arena.locate(x) is not None else ws_me
@@ -504,6 +532,50 @@ class ShmCommunicator:
             return
         self._gather_ranges(call, ranges, x)
         self._end(call)
+
+    def _pipelined(self, call: _Call, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str) -> None:
+        """All-reduce of plain tensors within a node, one pass in chunks: for chunk k, copy this rank's part of
+        every peer's slice into the workspace, wait until the peers did the same, reduce chunk k of this rank's
+        slice and publish it, then copy chunk k-1 of every peer's slice back. Chunks are read by the peer soon
+        after they were written, while they are still in the shared L3, instead of after a full pass."""
+        step = max(1, self.pipeline_bytes // x.element_size())
+        bounds = [r[0] for r in ranges]
+        nchunks = max(1, max(-(-(e - s) // step) for s, e in bounds))
+        ws = [self._ws_view(call.ws, lr, x.numel(), x.dtype) for lr in range(self.L)]
+        peers = [lr for lr in range(self.L) if lr != self.me]
+        scale = self._scale(op)
+        f = self.flags
+        base = f.prog  # progress counters live with the flags: communicators sharing an arena stay consistent
+        f.prog += nchunks
+
+        def chunk(lr: int, k: int) -> tuple[int, int]:
+            s, e = bounds[lr]
+            return min(s + k * step, e), min(s + (k + 1) * step, e)
+
+        def gather(k: int) -> None:
+            f.wait(F_PROG_OUT, base + k + 1, call.name + " (gather)", call=call.seq)
+            for lr in peers:
+                a, b = chunk(lr, k)
+                x[a:b].copy_(ws[lr][a:b])
+
+        for k in range(nchunks):
+            for lr in peers:
+                a, b = chunk(lr, k)
+                ws[self.me][a:b].copy_(x[a:b])
+            f.publish(F_PROG_IN, base + k + 1)
+            f.wait(F_PROG_IN, base + k + 1, call.name + " (reduce)", call=call.seq)
+            a, b = chunk(self.me, k)
+            sub = max(1, self.chunk_bytes // x.element_size())
+            for c in range(a, b, sub):  # cache-sized pieces: the published copy reads from L2
+                d = x[c:min(c + sub, b)]
+                _reduce_chunk(d, [d if lr == self.me else ws[lr][c:c + d.numel()] for lr in range(self.L)], op,
+                              self._acc_buf, scale)
+                ws[self.me][c:c + d.numel()].copy_(d)
+            f.publish(F_PROG_OUT, base + k + 1)
+            if k:
+                gather(k - 1)
+        gather(nchunks - 1)
+        # no final barrier: peers read only the workspace, whose next use comes after the next call's barrier
 
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: str) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""

@@ -36,13 +36,14 @@ import torch
 
 from cocosync.runtime.group import NodeGroups, node_groups
 
-__all__ = ["Arena", "CollectiveTimeout", "Flags", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["Arena", "CollectiveTimeout", "Flags", "F_PROG_IN", "F_PROG_OUT", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "cocosync-"
 TIMEOUT_ENV = "COCOSYNC_COLLECTIVE_TIMEOUT"
-_SLOT = 32  # int64 words per local rank in the control segment (256 bytes: no false sharing of polled words)
+_SLOT = 40  # int64 words per local rank in the control segment (320 bytes: no false sharing of polled words)
 _F_SEQ, _F_ATTACH, _F_PID, _F_HDR = 0, 1, 2, 4  # slot fields; then two headers (collective metadata)
+F_PROG_IN, F_PROG_OUT = 32, 33  # chunk progress counters of pipelined collectives (copied in / reduced+published)
 HEADER_WORDS = 14  # per header; header k%2 goes with barrier k (a peer may already write the next call's header)
 _ALIGN = 4096
 
@@ -107,6 +108,7 @@ class Flags:
         self.global_ranks = global_ranks
         self.timeout = timeout
         self.seq = int(words[local_rank, _F_SEQ])
+        self.prog = int(words[local_rank, F_PROG_OUT])  # chunk counter of pipelined collectives (same on all ranks)
         self.broken: str | None = None
 
     @property
@@ -140,7 +142,7 @@ class Flags:
         self.wait(_F_SEQ, self.seq, what, timeout)
         return self.seq
 
-    def wait(self, field: int, target: int, what: str, timeout: float | None = None) -> None:
+    def wait(self, field: int, target: int, what: str, timeout: float | None = None, call: int | None = None) -> None:
         """Wait until every local rank's `field` is >= target; CollectiveTimeout on timeout or a dead peer."""
         col = self.words[:, field]
         if col.min() >= target:
@@ -168,7 +170,8 @@ class Flags:
                         return
                     dead = [lr for lr in missing if not _pid_alive(int(self.words[lr, _F_PID]))]
                     if dead or now - start > timeout:
-                        self._fail(what, target, missing, dead, now - start)
+                        self._fail(what, self.seq if call is None and field != _F_SEQ else target,
+                                   missing, dead, now - start)
 
     def _describe(self, lrs: list[int]) -> str:
         return ", ".join(f"local rank {lr} (global rank {self.global_ranks[lr]}, pid {int(self.words[lr, _F_PID])})"
@@ -231,11 +234,15 @@ class Arena:
         ctrl_bytes = _round_up(self.local_size * _SLOT * 8)
         path = f"{SHM_DIR}/{self._name}-ctl"
         buf = self._map(path, ctrl_bytes, "arena creation (control segment)")
-        words = buf.numpy().view(np.int64).reshape(-1, _SLOT)[: self.local_size]
-        self._ctrl_buf = buf
-        self.flags = Flags(words, self.local_rank, topo.local_ranks_global, self.timeout)
-        words[self.local_rank, _F_PID] = os.getpid()
-        words[self.local_rank, _F_ATTACH] = 1
+        try:
+            words = buf.numpy().view(np.int64)[: self.local_size * _SLOT].reshape(self.local_size, _SLOT)
+            self._ctrl_buf = buf
+            self.flags = Flags(words, self.local_rank, topo.local_ranks_global, self.timeout)
+            words[self.local_rank, _F_PID] = os.getpid()
+            words[self.local_rank, _F_ATTACH] = 1
+        except BaseException:
+            _unlink(path)
+            raise
         self._finish_attach(path, 1, "arena creation (control segment)")
 
     # ---- segment creation: local rank 0 creates, the others map, everyone unlinks once all have mapped ----
@@ -304,7 +311,11 @@ class Arena:
         self._nseg += 1
         path = f"{SHM_DIR}/{self._name}-s{index}"
         buf = self._map(path, total, what)
-        self.flags.publish(_F_ATTACH, index + 2)
+        try:
+            self.flags.publish(_F_ATTACH, index + 2)
+        except BaseException:
+            _unlink(path)
+            raise
         self._finish_attach(path, index + 2, what)
         seg = Segment(index=index, buf=buf, region_bytes=region_bytes, shared=shared)
         self._segments.append(seg)
