@@ -20,6 +20,7 @@ import torch
 from cocosync.dsl.ir import Node, Program
 from cocosync.runtime.fused import slice_bounds
 from cocosync.runtime.kernels import build_kernel, can_fuse
+from cocosync.runtime.overlap_step import overlap_runner
 
 Runner = Callable[[dict], None]
 
@@ -34,12 +35,14 @@ def _outside_readers(program: Program, inside: set[int]) -> set[int]:
 
 
 def prepare(step, program: Program, comm, kernels: str | None) -> Runner | None:
-    from cocosync.lower.plan import FusedCollective, Kernel as KernelStep  # (lower imports this module)
+    from cocosync.lower.plan import FusedCollective, Kernel as KernelStep, Overlap  # (lower imports this module)
 
     if isinstance(step, KernelStep):
         return _kernel_runner(step, program, kernels)
     if isinstance(step, FusedCollective):
         return _fused_collective_runner(step, program, comm, kernels)
+    if isinstance(step, Overlap):
+        return overlap_runner(step, program, comm, kernels)
     return None
 
 

@@ -1,0 +1,100 @@
+"""``cocosync bench tp``: the Megatron MLP block (tensor parallel) on 2 local ranks, one intra-op thread each.
+
+    out = dropout(all_reduce(relu(x @ w1) @ w2) + b) + x       (w1 column-sliced, w2 row-sliced)
+
+Compared side by side, round-robin in the same run (median of the per-iteration max over ranks):
+
+- eager:    plain torch ops + gloo all_reduce + torch dropout (what a Megatron layer does without cocosync);
+- plan c=1: our plan of `megatron_schedule` with chunks=1: reduce_scatter / epilogue on slices / all_gather on
+            shared memory, stage by stage (no overlap);
+- plan:     the same plan with `--chunks` chunks: the overlap step pipelines matmul -> RS -> epilogue -> AG by
+            column chunks, communication on a background thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+import torch
+import torch.distributed as dist
+
+from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved
+
+COLUMNS = ["batch x hidden x ffn", "eager+gloo", "plan c=1 (shm)", "plan overlap (shm)", "eager/plan",
+           "c=1/overlap", "overlap fast"]
+
+
+def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -> dict[str, Any]:
+    from cocosync.examples.model_parallel import megatron_mlp_program
+    from cocosync.lower import compile_plan
+    from cocosync.schedule.standard import megatron_schedule
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    out: dict[str, Any] = {}
+    for B, H, F in shapes:
+        gen = torch.Generator().manual_seed(0)
+        x, b = torch.randn(B, H, generator=gen), torch.randn(H, generator=gen)
+        w1 = (torch.randn(H, F, generator=gen) / H ** 0.5).chunk(P, 1)[rank].contiguous()
+        w2 = (torch.randn(F, H, generator=gen) / F ** 0.5).chunk(P, 0)[rank].contiguous()
+        program = megatron_mlp_program(B, H, F, p=0.1)
+        plan1 = compile_plan(megatron_schedule(program, chunks=1).lower(), backend="shm", kernels="eager")
+        planc = compile_plan(megatron_schedule(program, chunks=chunks).lower(), backend="shm", kernels="eager")
+
+        def eager() -> torch.Tensor:
+            z = torch.relu(x @ w1) @ w2
+            dist.all_reduce(z)
+            return torch.nn.functional.dropout(z + b, 0.1, training=True) + x
+
+        cases = {"eager": eager, "plan1": lambda: plan1(x=x, w1=w1, w2=w2, b=b),
+                 "plan": lambda: planc(x=x, w1=w1, w2=w2, b=b)}
+        samples = time_interleaved(cases, repeats, warmup=2, before=dist.barrier)
+        out[f"{B}x{H}x{F}"] = {"samples": samples, "fast": planc.fast_steps}
+    return out
+
+
+def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int = 2) -> dict[str, Any]:
+    from cocosync.runtime.launch import RankPool
+
+    with RankPool(P, threads=1, timeout=1800) as pool:
+        per_rank = pool.run(_bench_rank, shapes, chunks, repeats, timeout=1800)
+    result: dict[str, Any] = {"P": P, "chunks": chunks, "rows": {}}
+    for key in per_rank[0]:
+        row = {}
+        for case in per_rank[0][key]["samples"]:
+            per_iter = [max(r[key]["samples"][case][i] for r in per_rank) for i in range(repeats)]
+            row[case] = stats(per_iter).median
+        row["fast"] = any(s.startswith("overlap(") for s in per_rank[0][key]["fast"])
+        result["rows"][key] = row
+    return result
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    return [[key, fmt_seconds(r["eager"]), fmt_seconds(r["plan1"]), fmt_seconds(r["plan"]),
+             fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["plan1"] / r["plan"]), "yes" if r["fast"] else "no"]
+            for key, r in result["rows"].items()]
+
+
+def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != 3 for s in shapes):
+        raise click.BadParameter(f"{text!r}: expected comma-separated BATCHxHIDDENxFFN, e.g. 64x1024x4096")
+    return shapes  # type: ignore[return-value]
+
+
+@click.command("tp")
+@click.option("--shapes", default="64x1024x4096,512x1024x4096", show_default=True,
+              help="Comma-separated BATCHxHIDDENxFFN (batch and ffn divisible by 2 * chunks' needs).")
+@click.option("--chunks", default=4, show_default=True, type=click.IntRange(2), help="Overlap chunks.")
+@click.option("--repeats", default=20, show_default=True, type=click.IntRange(1), help="Timed repeats.")
+@click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
+def tp_cmd(shapes: str, chunks: int, repeats: int, markdown: bool) -> None:
+    """Megatron MLP block on 2 ranks: eager torch + gloo vs our plan (shm), without and with overlap."""
+    result = run_tp(_parse_shapes(shapes), chunks, repeats)
+    rows = table_rows(result)
+    print_table(f"Megatron MLP, P={result['P']}, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS, rows)
+    if markdown:
+        click.echo(markdown_table(COLUMNS, rows))

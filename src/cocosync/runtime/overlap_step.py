@@ -1,0 +1,245 @@
+"""The fast form of an Overlap step: a producer/consumer chain run pipelined by chunks.
+
+The chain (e.g. matmul -> reduce_scatter(dim 0) -> bias + dropout + residual on slices -> all_gather(dim 0)) is cut
+into `step.chunks` chunks along one dimension `d` that every stage keeps independent: no stage's value is Sliced
+along `d`, no collective works along it, and each op computes an output element at position j along `d` from
+operand elements at position j only (elementwise ops, dropout, cast, scatter, the collectives, and matmul when `d`
+is one of its output's last two dims). The chain then splits into alternating compute and communication segments:
+
+    C0 -> M0 -> C1 -> M1 -> ...      (C: local stages, main thread; M: collectives, the comm thread)
+
+and chunk i's C_j runs on the main thread while earlier chunks' communications run on one background thread
+(runtime.fused.CommThread), in the same order on every rank. Only the comm thread calls collectives while the step
+runs, and the step waits for all of them before it returns.
+
+Operands from outside the chain are cut to the chunk along their aligned dim (Replicated operands that broadcast
+along `d` stay whole); dropout takes the chunk of the exact mask the reference would use; the values of stages read
+outside the step are assembled into whole tensors in `env`. When no dimension qualifies, or a stage is not one of
+the ops above, `overlap_runner` returns None and the step runs by its reference implementation.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from cocosync.dsl.ir import Node, Program
+from cocosync.interp import ELEMENTWISE, dropout_mask
+from cocosync.runtime.fused import CommThread
+
+Runner = Callable[[dict], None]
+
+#: collectives that act elementwise along any dimension other than the one they scatter/gather
+COMM_OPS = frozenset({"reduce_scatter", "all_gather", "all_reduce", "send"})
+#: local stages with one operand of the stage's shape, cut like the stage
+_UNARY = frozenset({"cast", "dropout", "scatter"})
+
+_THREAD: list[CommThread] = []
+_THREAD_LOCK = threading.Lock()
+
+
+def comm_thread() -> CommThread:
+    """The process's comm thread for overlap steps (created on first use, shared: steps run one at a time)."""
+    with _THREAD_LOCK:
+        if not _THREAD:
+            _THREAD.append(CommThread())
+        return _THREAD[0]
+
+
+def _sliced_at(n: Node, dim: int) -> bool:
+    return n.layout.is_sliced and n.layout.dim == dim
+
+
+def _arg_cuts(s: Node, d: int) -> tuple[int | None, ...] | None:
+    """For stage `s` chunked along its dim `d`: each operand's dim to cut (None: whole), or None if unsupported."""
+    if s.op in COMM_OPS or s.op in _UNARY:
+        a = s.args[0]
+        return (d,) if a.shape == s.shape and len(s.args) == 1 else None
+    if s.op in ELEMENTWISE:
+        cuts: list[int | None] = []
+        for a in s.args:
+            da = d - (s.ndim - a.ndim)
+            if a.ndim == 0 or da < 0 or a.shape[da] == 1 and s.shape[d] != 1:
+                cuts.append(None)  # broadcast along d: every chunk reads all of it
+            elif a.shape[da] == s.shape[d]:
+                cuts.append(da)
+            else:
+                return None
+        return tuple(cuts)
+    if s.op == "matmul":
+        a, b = s.args
+        if a.ndim < 2 or b.ndim < 2:
+            return None
+        if d == s.ndim - 1:
+            return (None, b.ndim - 1)  # output columns: columns of b
+        if d == s.ndim - 2:
+            return (a.ndim - 2, None)  # output rows: rows of a
+        return None  # batch dims: not supported
+    return None  # norm, reduce_tensor, update, broadcast, reduce, ...: whole-tensor or untested here
+
+
+def chunk_plan(stages: tuple[Node, ...], d: int) -> list[tuple[int | None, ...]] | None:
+    """Per stage, the cut of each operand when the chain is chunked along `d`; None if `d` is not safe."""
+    inside = {id(s) for s in stages}
+    shape = stages[-1].shape
+    plan = []
+    for s in stages:
+        if s.shape != shape or _sliced_at(s, d):
+            return None
+        cuts = _arg_cuts(s, d)
+        if cuts is None:
+            return None
+        for a, c in zip(s.args, cuts):
+            if id(a) in inside:
+                if c != d:
+                    return None  # a chain value is only available chunk by chunk, along d
+            elif c is not None and _sliced_at(a, c):
+                return None  # cutting a rank's slice along its sliced dim: keep it simple, do not guess
+        plan.append(cuts)
+    return plan
+
+
+def choose_dim(stages: tuple[Node, ...], chunks: int) -> tuple[int, list] | None:
+    """The safe chunk dim with the most elements (ties: the later dim) and its per-stage cuts, or None."""
+    shape = stages[-1].shape
+    for d in sorted(range(len(shape)), key=lambda k: (-shape[k], -k)):
+        if shape[d] < 2:
+            break
+        plan = chunk_plan(stages, d)
+        if plan is not None:
+            return d, plan
+    return None
+
+
+def overlap_runner(step, program: Program, comm, kernels: str | None = None) -> Runner | None:
+    """A runner `run(env)` executing the Overlap step pipelined by chunks, or None (reference fallback).
+    (`kernels` is accepted for prepare()'s interface; the chunks' local stages run as torch ops.)"""
+    from cocosync.runtime.fast_steps import _outside_readers
+
+    stages = tuple(step.stages)
+    if not stages or step.chunks < 2:
+        return None
+    inside, seen = {id(s) for s in stages}, set()
+    for s in stages:  # each stage after the chain values it reads (the order we run them in)
+        if any(id(a) in inside and id(a) not in seen for a in s.args):
+            return None
+        seen.add(id(s))
+    chosen = choose_dim(stages, step.chunks)
+    if chosen is None:
+        return None
+    d, cuts = chosen
+    needed = [s for s in stages if id(s) in _outside_readers(program, inside)]
+    return _Pipelined(stages, d, cuts, step.chunks, needed, comm)
+
+
+def segments(stages: tuple[Node, ...]) -> tuple[list[list[Node]], list[list[Node]]]:
+    """(compute, comms): C0, M0, C1, M1, ... where compute[j] runs before comms[j]; C0 may be empty, and
+    len(comms) is len(compute) or len(compute) - 1."""
+    compute: list[list[Node]] = [[]]
+    comms: list[list[Node]] = []
+    for s in stages:
+        if s.op in COMM_OPS:
+            if len(comms) < len(compute):
+                comms.append([])
+            comms[-1].append(s)
+        else:
+            if len(comms) == len(compute):
+                compute.append([])
+            compute[-1].append(s)
+    return compute, comms
+
+
+class _Pipelined:
+    """The runner: chunk i's compute segment j on the calling thread; the communication segments on the comm
+    thread, in submission order (the same on every rank). At tick t, compute segment j works on chunk t - j, so
+    C0 of chunk t overlaps the communications of chunks t - 1, t - 2, ... submitted at earlier ticks."""
+
+    def __init__(self, stages, d: int, cuts, chunks: int, needed: list[Node], comm):
+        self.d, self.comm, self.needed = d, comm, needed
+        self.inside = {id(s) for s in stages}
+        self.cut_of = {id(s): c for s, c in zip(stages, cuts)}
+        self.consts = [a for s in stages for a in s.args if a.op == "const"]
+        size = stages[-1].shape[d]
+        n = min(chunks, size)
+        self.bounds = [(i * size // n, (i + 1) * size // n) for i in range(n)]
+        self.compute, self.comms = segments(stages)
+        self.masks: dict[int, torch.Tensor] = {}  # dropout stage -> this rank's keep mask, as s.dtype
+
+    def _args(self, s: Node, i: int, env: dict, local: dict) -> list[torch.Tensor]:
+        lo, hi = self.bounds[i]
+        out = []
+        for a, c in zip(s.args, self.cut_of[id(s)]):
+            if id(a) in self.inside:
+                out.append(local[id(a)])
+            else:
+                v = env[id(a)]
+                out.append(v if c is None else v.narrow(c, lo, hi - lo))
+        return out
+
+    def _mask(self, s: Node) -> torch.Tensor:
+        m = self.masks.get(id(s))
+        if m is None:  # exactly the mask executor._run_stage uses, computed once (it depends on seed/shape/rank)
+            m = self.masks[id(s)] = _reference_mask(s, self.comm)
+        return m
+
+    def _run_compute(self, j: int, i: int, env: dict, local: dict) -> None:
+        from cocosync.runtime.executor import _run_stage
+
+        lo, hi = self.bounds[i]
+        for s in self.compute[j]:
+            args = self._args(s, i, env, local)
+            if s.op == "dropout":  # the reference's formula on the chunk of the reference's mask
+                local[id(s)] = args[0] * self._mask(s).narrow(self.d, lo, hi - lo) / (1.0 - s.attr("p"))
+            else:
+                local[id(s)] = _run_stage(s, args, self.comm)
+
+    def _run_comm(self, j: int, i: int, env: dict, local: dict) -> None:
+        from cocosync.runtime.executor import _COMM_STAGE
+
+        for s in self.comms[j]:
+            local[id(s)] = _COMM_STAGE[s.op](s, self._args(s, i, env, local)[0], self.comm)
+
+    def __call__(self, env: dict) -> None:
+        for a in self.consts:
+            env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
+        n, ncomp = len(self.bounds), len(self.compute)
+        chunks: list[dict] = [{} for _ in range(n)]
+        th = comm_thread()
+        pending: dict[tuple[int, int], Future] = {}
+        order: list[Future] = []
+        try:
+            for t in range(n + ncomp - 1):
+                for j in range(ncomp):
+                    i = t - j
+                    if not 0 <= i < n:
+                        continue
+                    if j > 0:
+                        pending.pop((j - 1, i)).result()
+                    self._run_compute(j, i, env, chunks[i])
+                    if j < len(self.comms):
+                        pending[(j, i)] = f = th.submit(self._run_comm, j, i, env, chunks[i])
+                        order.append(f)
+            for f in order:
+                f.result()
+        except BaseException:
+            for f in order:  # let in-flight communication finish before unwinding
+                f.exception()
+            raise
+        for s in self.needed:
+            env[id(s)] = torch.cat([c[id(s)] for c in chunks], dim=self.d)
+
+
+def _reference_mask(s: Node, comm) -> torch.Tensor:
+    """The keep mask (as s.dtype) executor._run_stage applies to this rank's value of dropout stage `s`."""
+    from cocosync.runtime.executor import local_shape
+
+    p, seed = s.attr("p"), s.attr("seed")
+    if s.layout.is_local:
+        m = dropout_mask(local_shape(s, comm.G), p, seed, rank=comm.gid * comm.G + comm.index)
+    else:
+        m = dropout_mask(s.shape, p, seed)
+        m = comm.part(m, s.layout.dim) if s.layout.is_sliced else m
+    return m.to(s.dtype).contiguous()
