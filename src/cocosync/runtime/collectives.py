@@ -390,6 +390,8 @@ class ShmCommunicator:
 
     def _validate(self, name: str, seq: int, hdrs) -> None:
         mine = hdrs[self.me]
+        if all((h[:5] == mine[:5]).all() and (h[7:9] == mine[7:9]).all() for h in hdrs):
+            return  # the common case; the messages below are built only on a mismatch
         g = self.topo.local_ranks_global
         for lr, h in enumerate(hdrs):
             if h[0] != mine[0]:

@@ -367,7 +367,7 @@ class Arena:
             return None
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         for seg in self._segments:
-            base = seg.region(self.local_rank).data_ptr()
+            base = seg.base + (0 if seg.shared else self.local_rank * seg.region_bytes)
             if base <= ptr and ptr + nbytes <= base + seg.region_bytes:
                 return seg.index, ptr - base, seg.shared
         return None
