@@ -15,7 +15,8 @@ for low-precision collectives) and rounds the mean to the gradient dtype.
 Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
 torch.nn.utils.clip_grad_norm_; the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
 reduction over the whole tensor, so a program with clipping (or LAMB's trust ratio) runs stage by stage, not as
-one fused collective.
+one fused collective. The faster form used by cocosync.optim is two passes: `grad_norm_program` (reduce-scatter +
+norm of the slice), then g *= clip_coef (the mean is linear) and the unclipped program's fused collective.
 
 With `master_dtype == dtype` and `clip=False` each program is the paper's program (same stages).
 """
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from cocosync.dsl import (Local, Node, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, cast, float32, gt,
-                          norm, sqrt, update, where)
+                          norm, reduce_scatter, sqrt, update, where)
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
@@ -114,16 +115,34 @@ def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dty
     gin, g1 = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     lr = Scalar("lr")
-    extra: list[Node] = []
+    states: list[Node] = []
+    scalars: list[Node] = [lr]
     if weight_decay:
         wd = Scalar("wd")
-        extra.append(wd)
         g1 = g1 + wd * w
     outs: list[Node] = []
     if momentum:
         buf, mu = Tensor("buf", n, master_dtype, Replicated), Scalar("mu")
-        extra[:0] = [buf, mu]
+        states.append(buf)
+        scalars.append(mu)
         g1 = update(buf, mu * buf + g1)
         outs.append(g1)
+    if weight_decay:
+        scalars.append(wd)
     name = _mp_name("sgd_momentum" if momentum else "sgd", dtype, master_dtype, clip)
-    return Program(name, [gin[0], *ws, lr, *extra, *gin[1:]], [*_write(ws, w - lr * g1), *outs])
+    return Program(name, [gin[0], *ws, *states, *scalars, *gin[1:]], [*_write(ws, w - lr * g1), *outs])
+
+
+def grad_norm_program(n: int, dtype: torch.dtype = float32) -> Program:
+    """||mean_r(g_r)||: the L2 norm of the averaged gradient (float32), for clipping before a fused update step.
+    reduce_scatter + norm of the slice (global for a Sliced tensor): 1/P of the reduction, no all-gather."""
+    g = Tensor("g", n, dtype, Local)
+    gs = reduce_scatter(g, ReduceOp.MEAN)
+    if dtype != float32:
+        gs = cast(gs, float32)
+    return Program("grad_norm", [g], [norm(gs)])
+
+
+def clip_coef(total_norm: float, max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6))."""
+    return min(1.0, max_norm / (total_norm + CLIP_EPS))

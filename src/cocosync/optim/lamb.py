@@ -16,6 +16,10 @@ from cocosync.optim.base import DistributedOptimizer
 __all__ = ["DistributedLAMB"]
 
 
+def _peek(params: Iterable) -> list:
+    return [p for g in params for p in (list(g["params"]) if isinstance(g, dict) else [g])]
+
+
 class DistributedLAMB(DistributedOptimizer):
     """Data-parallel LAMB: Adam's moments, then w <- w - lr * (||w|| / ||r||) * r with r = m_hat / (sqrt(v_hat) +
     eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
@@ -34,6 +38,12 @@ class DistributedLAMB(DistributedOptimizer):
             raise ValueError(f"DistributedLAMB: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
             raise ValueError(f"DistributedLAMB: betas={betas} must be two numbers in [0, 1)")
+        params = list(params)
+        if master_dtype is not None and any(p.dtype != master_dtype for p in _peek(params)):
+            raise ValueError(f"DistributedLAMB: master_dtype={master_dtype} differs from the parameters' dtype; mixed "
+                             "precision is not supported for LAMB (the trust ratio's norm of the master weights "
+                             "keeps them Replicated, so the standard schedule cannot slice them). Use float32 "
+                             "parameters, or DistributedAdam/DistributedSGD for mixed precision")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
