@@ -132,8 +132,8 @@ class RankPool:
         out: dict[int, Any] = {}
         errors: list[str] = []
         while len(out) + len(errors) < self.world_size:
-            # after a first error give the others a short grace period: they may be blocked on the failed rank
-            left = deadline - time.monotonic() if not errors else min(deadline - time.monotonic(), 5.0)
+            # after a first error the others get a short grace period: they may be blocked on the failed rank
+            left = deadline - time.monotonic()
             if left <= 0:
                 break
             try:
@@ -143,11 +143,13 @@ class RankPool:
                 if dead and not errors:
                     errors.append(f"rank(s) {dead} exited (exit codes "
                                   f"{[self._procs[r].exitcode for r in dead]}) during {what}")
+                    deadline = min(deadline, time.monotonic() + 5.0)
                 continue
             if ok:
                 out[rank] = pickle.loads(payload)
             else:
                 errors.append(pickle.loads(payload))
+                deadline = min(deadline, time.monotonic() + 5.0)
         if errors:
             raise RankFailure(f"{what} failed:\n" + "\n".join(errors))
         if len(out) < self.world_size:
