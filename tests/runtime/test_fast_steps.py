@@ -28,11 +28,18 @@ def _adam_on_rank(dtype, nnodes):
     m, v = torch.zeros(N, dtype=dtype)[sl].clone(), torch.zeros(N, dtype=dtype)[sl].clone()
     for step in range(1, STEPS + 1):
         fn(g=_grad(step, rank, dtype), w=w, m=m, v=v, **adam_scalars(step, lr=0.01, weight_decay=0.01))
+    # the same with gradients in shared memory, donated: reduced in place (zero-copy)
+    donated = compile_plan(adam_schedule(adam_program(N, dtype)).lower(), donate=("g",))
+    g_arena = donated.comm.shm.arena.empty(N, dtype)
+    w2, m2, v2 = torch.linspace(-1, 1, N).to(dtype), torch.zeros_like(m), torch.zeros_like(v)
+    for step in range(1, STEPS + 1):
+        g_arena.copy_(_grad(step, rank, dtype))
+        donated(g=g_arena, w=w2, m=m2, v=v2, **adam_scalars(step, lr=0.01, weight_decay=0.01))
     sgd = compile_plan(sgd_schedule(sgd_program(N, dtype, momentum=True)).lower())
     ws, buf = torch.linspace(-1, 1, N).to(dtype), torch.zeros(N, dtype=dtype)[sl].clone()  # buf is sliced
     for step in range(1, STEPS + 1):
         sgd(g=_grad(step, rank, dtype), w=ws, buf=buf, lr=0.1, mu=0.9)
-    return {"w": w, "m": m, "v": v, "ws": ws, "fast": fn.fast_steps, "fast_sgd": sgd.fast_steps,
+    return {"w": w, "m": m, "v": v, "ws": ws, "donated": (w2, m2, v2), "fast": fn.fast_steps, "fast_sgd": sgd.fast_steps,
             "backend": fn.comm.backend}
 
 
@@ -61,6 +68,8 @@ def test_scheduled_plans_match_oracle(rank_pool, P, nnodes, dtype):
         torch.testing.assert_close(out["m"], m[sl], **tol)
         torch.testing.assert_close(out["v"], v[sl], **tol)
         torch.testing.assert_close(out["ws"], ws, **tol)
+        for a, b in zip(out["donated"], (out["w"], out["m"], out["v"])):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert out["backend"] == "shm"
         # on one node the whole Adam step is one fused shared-memory collective; across nodes it falls back
         assert bool(out["fast"]) == (nnodes == 1), out["fast"]

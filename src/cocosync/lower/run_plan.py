@@ -17,13 +17,18 @@ class CompiledPlan(CompiledProgram):
 
     Steps with a fast form (fused kernels, fused shared-memory collectives: runtime.fast_steps) use it; the
     others run their stages one by one. kernels: 'inductor' or 'eager' (default $COCOSYNC_KERNELS, else inductor).
-    `fast=False` runs every step by its reference implementation."""
+    `fast=False` runs every step by its reference implementation. donate: names of inputs the program may
+    consume (their contents are undefined afterwards), e.g. arena gradients reduced in place."""
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
-                 kernels: str | None = None, fast: bool = True):
+                 kernels: str | None = None, fast: bool = True, donate: tuple[str, ...] = ()):
         super().__init__(plan.program, group, backend)
         self.plan = plan
-        self.runners = [prepare(step, plan.program, self.comm, kernels) if fast else None for step in plan.steps]
+        unknown = set(donate) - {n.name for n in plan.program.inputs}
+        if unknown:
+            raise ValueError(f"donate={sorted(unknown)}: not inputs of {plan.program.name!r}")
+        self.runners = [prepare(step, plan.program, self.comm, kernels, frozenset(donate)) if fast else None
+                        for step in plan.steps]
 
     @property
     def fast_steps(self) -> list[str]:

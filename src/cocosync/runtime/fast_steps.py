@@ -34,13 +34,16 @@ def _outside_readers(program: Program, inside: set[int]) -> set[int]:
     return needed & inside
 
 
-def prepare(step, program: Program, comm, kernels: str | None) -> Runner | None:
+def prepare(step, program: Program, comm, kernels: str | None,
+            donate: frozenset[str] = frozenset()) -> Runner | None:
+    """donate: names of inputs whose contents the program may consume (e.g. gradients living in the arena: the
+    fused collective then reduces them in place instead of copying them into shared memory first)."""
     from cocosync.lower.plan import FusedCollective, Kernel as KernelStep, Overlap  # (lower imports this module)
 
     if isinstance(step, KernelStep):
         return _kernel_runner(step, program, kernels)
     if isinstance(step, FusedCollective):
-        return _fused_collective_runner(step, program, comm, kernels)
+        return _fused_collective_runner(step, program, comm, kernels, donate)
     if isinstance(step, Overlap):
         return overlap_runner(step, program, comm, kernels)
     return None
@@ -69,7 +72,8 @@ def _consts(nodes, env: dict) -> None:
             env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
 
 
-def _fused_collective_runner(step, program: Program, comm, kernels: str | None) -> Runner | None:
+def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
+                             donate: frozenset[str] = frozenset()) -> Runner | None:
     shm = getattr(comm, "shm", None)
     rs, ag = step.rs, step.ag
     if shm is None or shm.nnodes > 1 or rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
@@ -104,7 +108,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None) 
     if id(gathered) not in {id(b) for b in body}:
         return None
     outs = [gathered, *state_writes]
-    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}")
+    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True)
     src_of = {id(s): s.args[0] for s in scatters}
     scratch: dict[str, torch.Tensor] = {}
 
@@ -115,10 +119,13 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None) 
             run_stage(s, env, comm)
         _consts(kern.inputs, env)
         g = env[id(rs.args[0])]
-        if "g" not in scratch:  # an arena buffer: peers read it in place (allocation is collective, once)
-            scratch["g"] = shm.arena.empty(g.shape, g.dtype)
-        buf = scratch["g"]
-        buf.copy_(g)
+        if rs.args[0].op == "input" and rs.args[0].name in donate and shm.arena.locate(g) is not None:
+            buf = g  # donated and already in shared memory: reduced in place, zero-copy
+        else:
+            if "g" not in scratch:  # an arena buffer: peers read it in place (allocation is collective, once)
+                scratch["g"] = shm.arena.empty(g.shape, g.dtype)
+            buf = scratch["g"]
+            buf.copy_(g)
         if not all(env[id(s.args[0])].is_contiguous() for s in state_writes):
             return _fallback(step, env, comm)
         if w_update is not None:
@@ -145,10 +152,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None) 
             n, lo = reduced.numel(), offset - start
             args = [reduced if f is None else f[1] if f[0] == "scalar" else
                     f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n] for f in feeds]
-            new_w, *new_states = kern(*args)
-            out_chunk.copy_(new_w)
-            for view, val in zip(state_views, new_states):
-                view[lo:lo + n].copy_(val)
+            kern(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
 
         shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value)
         env[id(ag)] = out

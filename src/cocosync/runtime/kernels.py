@@ -51,9 +51,13 @@ def _line(s: Node, ref: dict[int, str]) -> str:
 
 
 class Kernel:
-    """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors."""
+    """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors.
 
-    def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel"):
+    With `into=True` the kernel writes its outputs into tensors given after the inputs,
+    `kernel(*inputs, *outs) -> None`: Inductor then fuses the stores into the one loop (no temporaries)."""
+
+    def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
+                 into: bool = False):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
@@ -69,9 +73,14 @@ class Kernel:
         for i, s in enumerate(stages):
             ref[id(s)] = f"t{i}"
             body.append(f"    t{i} = {_line(s, ref)}  # {s.name}")
-        params = ", ".join(f"in{i}" for i in range(len(self.inputs)))
-        self.source = (f"def {name}({params}):\n" + "\n".join(body)
-                       + f"\n    return ({''.join(ref[id(o)] + ', ' for o in self.outputs)})\n")
+        params = [f"in{i}" for i in range(len(self.inputs))]
+        if into:
+            params += [f"out{i}" for i in range(len(self.outputs))]
+            body += [f"    out{i}.copy_({ref[id(o)]})" for i, o in enumerate(self.outputs)]
+            ret = "None"
+        else:
+            ret = f"({''.join(ref[id(o)] + ', ' for o in self.outputs)})"
+        self.source = f"def {name}({', '.join(params)}):\n" + "\n".join(body) + f"\n    return {ret}\n"
         namespace: dict = {"ops": ELEMENTWISE, "torch": torch}
         exec(compile(self.source, f"<cocosync kernel {name}>", "exec"), namespace)  # noqa: S102 - our own source
         self.eager_fn = namespace[name]
@@ -83,7 +92,10 @@ class Kernel:
                    tuple((a.dtype, a.ndim) for a in self.inputs))
             if key not in _COMPILED:
                 _inductor_cache_dir()
-                _COMPILED[key] = torch.compile(self.eager_fn, dynamic=True, fullgraph=True)
+                _raise_recompile_limit()
+                # in-place outputs are views into larger buffers (chunks of states): Inductor's dynamic-shape
+                # handling of mutated views trips over their bases, so those kernels specialize per chunk size
+                _COMPILED[key] = torch.compile(self.eager_fn, dynamic=not into, fullgraph=True)
                 self._first = True
             self._fn = _COMPILED[key]
 
@@ -97,6 +109,15 @@ class Kernel:
         return self._fn(*args)
 
 
+def _raise_recompile_limit(limit: int = 64) -> None:
+    """Static-shape kernels compile once per distinct chunk size; keep dynamo from giving up on them."""
+    import torch._dynamo.config as cfg
+
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(cfg, name) and getattr(cfg, name) < limit:
+            setattr(cfg, name, limit)
+
+
 def _inductor_cache_dir() -> None:
     if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         path = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "cocosync" / "inductor"
@@ -105,10 +126,10 @@ def _inductor_cache_dir() -> None:
 
 
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
-                 name: str = "kernel") -> Kernel:
+                 name: str = "kernel", into: bool = False) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
     backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor)."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name)
+    return Kernel(stages, outputs, backend, name, into)
