@@ -3,8 +3,10 @@
 - ``GradBuckets``: DDP-style gradient buckets (flat buffers in reverse parameter order, ~25 MB each, the
   parameters' ``.grad`` are views into them as with ``DDP(gradient_as_bucket_view=True)``), averaged with one async
   gloo ``all_reduce`` per bucket.
-- ``ForeachLAMB``: LAMB (You et al.; torch has none) with ``torch._foreach_*`` ops, one trust ratio per parameter
-  tensor, the same equations as ``cocosync.examples.lamb.lamb_reference``.
+- ``ForeachLAMB``: LAMB (You et al.; torch has none) with ``torch._foreach_*`` ops, the equations of
+  ``cocosync.examples.lamb.lamb_reference``; the trust ratio per parameter tensor (the paper's layer-wise LAMB) or,
+  with ``per_tensor=False``, one ratio over all parameters (what ``DistributedLAMB`` computes: its program's norms
+  are over the flat vector).
 - ``small_transformer``: the small causal-free transformer LM used for the full-train-step comparison.
 """
 
@@ -71,11 +73,13 @@ class GradBuckets:
 
 def foreach_lamb_step(params: list[torch.Tensor], grads: list[torch.Tensor], ms: list[torch.Tensor],
                       vs: list[torch.Tensor], *, step: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
-                      eps: float = 1e-6, weight_decay: float = 0.0) -> None:
-    """One LAMB step over lists of tensors, in place (trust ratio per tensor), with torch._foreach ops:
+                      eps: float = 1e-6, weight_decay: float = 0.0, per_tensor: bool = True) -> None:
+    """One LAMB step over lists of tensors, in place, with torch._foreach ops:
 
     m <- b1 m + (1-b1) g;  v <- b2 v + (1-b2) g^2;  r = (m / c1) / (sqrt(v / c2) + eps) + wd w;
-    w <- w - lr * (||w|| / ||r||) r   (ratio 1 when either norm is 0)."""
+    w <- w - lr * (||w|| / ||r||) r   (ratio 1 when either norm is 0).
+
+    per_tensor: the norms (and the ratio) per tensor; False: over all the tensors together (one ratio)."""
     if not params:
         return
     b1, b2 = betas
@@ -92,20 +96,27 @@ def foreach_lamb_step(params: list[torch.Tensor], grads: list[torch.Tensor], ms:
         torch._foreach_add_(r, params, alpha=weight_decay)
     w_norm = torch.stack(torch._foreach_norm(params))
     r_norm = torch.stack(torch._foreach_norm(r))
+    if not per_tensor:
+        w_norm, r_norm = w_norm.norm().reshape(1), r_norm.norm().reshape(1)
     ratio = torch.where((w_norm > 0) & (r_norm > 0), w_norm / r_norm, torch.ones_like(w_norm))
-    torch._foreach_mul_(r, list((ratio * -lr).unbind()))
+    scale = ratio * -lr
+    if per_tensor:
+        torch._foreach_mul_(r, list(scale.unbind()))
+    else:
+        torch._foreach_mul_(r, scale[0])
     torch._foreach_add_(params, r)
 
 
 class ForeachLAMB(torch.optim.Optimizer):
-    """LAMB as a torch optimizer (one trust ratio per parameter tensor), built on ``foreach_lamb_step``."""
+    """LAMB as a torch optimizer built on ``foreach_lamb_step``: one trust ratio per parameter tensor, or with
+    ``per_tensor=False`` one per parameter group."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.0):
+                 weight_decay: float = 0.0, *, per_tensor: bool = True):
         if lr < 0 or eps < 0 or not (0 <= betas[0] < 1 and 0 <= betas[1] < 1) or weight_decay < 0:
             raise ValueError(f"ForeachLAMB: invalid hyper-parameters lr={lr}, betas={betas}, eps={eps}, "
                              f"weight_decay={weight_decay} (need lr, eps, weight_decay >= 0 and betas in [0, 1))")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, per_tensor=per_tensor))
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,7 +142,7 @@ class ForeachLAMB(torch.optim.Optimizer):
             if ps:
                 step = self.state[ps[0]]["step"]
                 foreach_lamb_step(ps, gs, ms, vs, step=step, lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                                  weight_decay=group["weight_decay"])
+                                  weight_decay=group["weight_decay"], per_tensor=group["per_tensor"])
         return loss
 
 

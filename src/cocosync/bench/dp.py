@@ -9,7 +9,8 @@ slowest rank of that iteration; medians are reported.
   on (``AdamSlice`` on flat arena buffers), DDP-style (bucketed gloo all_reduce + ``torch.optim.Adam(fused=True)``),
   ZeRO-1 (the same all_reduce + ``ZeroRedundancyOptimizer(Adam)``), FSDP2 (``fully_shard``, a batch-1
   forward/backward/step with the local forward/backward time, measured in the same run, subtracted).
-- **lamb**: ours (``DistributedLAMB``) vs bucketed gloo all_reduce + LAMB with torch._foreach ops.
+- **lamb**: ours (``DistributedLAMB``: one trust ratio over all parameters) vs bucketed gloo all_reduce + LAMB
+  with torch._foreach ops computing the same thing (and, for reference, the paper's per-tensor trust ratios).
 - **train**: a full step (forward + backward + step) of a small transformer LM: torch DDP + Adam(fused) vs ours
   (the plain model + DistributedAdam, no DDP).
 
@@ -43,7 +44,8 @@ LABELS = {
     "zero": "ZeRO-1: all_reduce(gloo) + ZeroRedundancyOptimizer(Adam)",
     "fsdp2": "FSDP2 fully_shard (fwd/bwd/step b=1 minus local fwd/bwd)",
     "lamb_ours": "ours: DistributedLAMB",
-    "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB",
+    "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB (one global trust ratio, as ours)",
+    "lamb_base_layer": "bucketed all_reduce(gloo) + foreach LAMB (per-tensor ratios)",
     "train_ours": "ours: model + DistributedAdam (no DDP)",
     "train_ddp": "torch DDP + Adam(fused)",
 }
@@ -75,8 +77,10 @@ class DpConfig:
     """Small transformer: vocabulary size."""
     sections: tuple[str, ...] = SECTIONS
     """Which comparisons to run (adam, lamb, train)."""
-    baselines: tuple[str, ...] = ("zero", "fsdp2", "adamslice")
-    """Optional adam rows (the DDP-style baseline and ours always run)."""
+    baselines: tuple[str, ...] = ("zero", "fsdp2", "adamslice", "lamb_layer")
+    """Optional rows (ours and the DDP-style / same-math LAMB baselines always run)."""
+    kernels: str | None = None
+    """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
     P: int = 2
     """Local ranks."""
     bw_bytes: int = 256 << 20
@@ -91,9 +95,12 @@ class DpConfig:
         bad = set(self.sections) - set(SECTIONS)
         if bad:
             raise ValueError(f"DpConfig.sections: unknown {sorted(bad)}; choose from {list(SECTIONS)}")
-        bad = set(self.baselines) - {"zero", "fsdp2", "adamslice"}
+        bad = set(self.baselines) - {"zero", "fsdp2", "adamslice", "lamb_layer"}
         if bad:
-            raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from zero, fsdp2, adamslice")
+            raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from zero, fsdp2, adamslice, "
+                             "lamb_layer")
+        if self.kernels not in (None, "inductor", "eager"):
+            raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
             raise ValueError(f"DpConfig.P={self.P}: data parallelism needs at least 2 ranks")
 
@@ -152,6 +159,12 @@ class _Cases:
             self.notes[key] = "n/a: " + (err or "failed on another rank")
 
 
+def _note_fast(cases: _Cases, key: str, opt: Any) -> None:
+    """Record which steps of our compiled plan run in a fast (fused) form: the first thing to look at when slow."""
+    compiled = getattr(opt, "compiled", None)
+    cases.notes[key + ":fast_steps"] = repr(getattr(compiled, "fast_steps", None))
+
+
 def _ours_adam():
     from cocosync.optim import DistributedAdam  # noqa: PLC0415 - optional: written in parallel
 
@@ -175,6 +188,7 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         opt = _ours_adam()(model.parameters(), lr=1e-4)
         _set_grads(model, grads)
         keep.append((model, opt))
+        _note_fast(cases, "ours", opt)
         return opt.step
 
     def adamslice():
@@ -275,13 +289,14 @@ def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         opt = _ours_lamb()(model.parameters(), lr=1e-4)
         _set_grads(model, grads)
         keep.append((model, opt))
+        _note_fast(cases, "lamb_ours", opt)
         return opt.step
 
-    def base():
+    def base(per_tensor: bool):
         model = _mlp(cfg)
         _set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
-        opt = ForeachLAMB(model.parameters(), lr=1e-4)
+        opt = ForeachLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
         keep.append((model, buckets, opt))
 
         def step():
@@ -290,7 +305,9 @@ def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         return step
 
     cases.add("lamb_ours", ours)
-    cases.add("lamb_base", base)
+    cases.add("lamb_base", lambda: base(False))
+    if "lamb_layer" in cfg.baselines:
+        cases.add("lamb_base_layer", lambda: base(True))
     cases.keep = keep  # type: ignore[attr-defined]
     return cases
 
@@ -322,6 +339,7 @@ def _train_cases(cfg: DpConfig) -> _Cases:
         model = make_model()
         opt = _ours_adam()(model.parameters(), lr=1e-4)
         keep.append((model, opt))
+        _note_fast(cases, "train_ours", opt)
         return train_step(model, opt)
 
     def ddp():
@@ -366,7 +384,10 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     """Run the suite on cfg.P local ranks and summarize: rows per section, ratios, fraction of the Adam bound."""
     from cocosync.runtime.launch import RankPool
 
-    with RankPool(cfg.P, threads=1, timeout=3600) as pool:
+    import os
+
+    kernels = cfg.kernels or os.environ.get("COCOSYNC_KERNELS", "inductor")
+    with RankPool(cfg.P, threads=1, timeout=3600, env={"COCOSYNC_KERNELS": kernels}) as pool:
         per_rank = pool.run(_bench_rank, cfg, timeout=3600)
     bw_samples = [sum(s) for s in zip(*(pr["bandwidth"] for pr in per_rank))]
     bw = statistics.median(bw_samples)
@@ -404,7 +425,7 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     targets = _targets(rows)
     return {"suite": "dp", "config": asdict(cfg), "P": cfg.P, "threads_per_rank": 1, "params": N,
             "train_params": _train_params(cfg), "bandwidth_Bps": bw, "bandwidth_samples_Bps": bw_samples,
-            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "adam_fused": True, "rows": rows,
+            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "adam_fused": True, "kernels": kernels, "rows": rows,
             "targets": targets, "notes": {k: v for k, v in notes.items()}}
 
 
@@ -452,7 +473,7 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
 
 def caption(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    parts = [f"P={result['P']}, 1 thread/rank; adam/lamb: {result['params'] / 1e6:.1f}M params "
+    parts = [f"P={result['P']}, 1 thread/rank, ours' kernels: {result.get('kernels')}; adam/lamb: {result['params'] / 1e6:.1f}M params "
              f"({cfg['layers']} x Linear({cfg['width']}, {cfg['width']})); bandwidth "
              f"{result['bandwidth_Bps'] / 1e9:.1f} GB/s; bound = (P+6)*N*4 B = {fmt_seconds(result['bound_s'])}; "
              f"train: {result['train_params'] / 1e6:.2f}M-param transformer ({cfg['tf_layers']} layers, "
@@ -524,12 +545,14 @@ def quick_dp_comparison(console=None) -> dict[str, Any]:
 @click.option("--tf", "tf", default=None, metavar="LAYERS,DIM,SEQ,BATCH",
               help="Small transformer shape (default 2,256,64,8).")
 @click.option("--sections", default=None, help="Which comparisons to run (default adam,lamb,train; --quick adam,train).")
+@click.option("--kernels", type=click.Choice(["inductor", "eager"]), default=None,
+              help="Fused-kernel backend of ours (default: $COCOSYNC_KERNELS, else inductor).")
 @click.option("--bw-size", default="256M", show_default=True, help="Bytes per rank of the bandwidth copy.")
 @click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
-def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, bw_size, markdown) -> None:
+def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, kernels, bw_size, markdown) -> None:
     """Data-parallel Adam/LAMB steps and a train step: ours vs DDP-style gloo, ZeRO, FSDP2 (2 ranks)."""
     cfg = QUICK if quick else DpConfig()
-    over: dict[str, Any] = {}
+    over: dict[str, Any] = {"kernels": kernels} if kernels else {}
     if sections:
         over["sections"] = tuple(s.strip() for s in sections.split(",") if s.strip())
     try:
