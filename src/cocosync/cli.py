@@ -46,6 +46,7 @@ from cocosync.bench.collectives import collectives_cmd  # noqa: E402  (`cocosync
 
 bench.add_command(collectives_cmd)
 bench.add_command(__import__("cocosync.bench.dp", fromlist=["dp_cmd"]).dp_cmd)  # `cocosync bench dp`
+bench.add_command(__import__("cocosync.bench.pp", fromlist=["pp_cmd"]).pp_cmd)  # `cocosync bench pp`
 bench.add_command(__import__("cocosync.bench.tp", fromlist=["tp_cmd"]).tp_cmd)  # `cocosync bench tp`
 
 if __name__ == "__main__":

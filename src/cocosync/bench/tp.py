@@ -8,21 +8,29 @@ Compared side by side, round-robin in the same run (median of the per-iteration 
 - plan c=1: our plan of `megatron_schedule` with chunks=1: reduce_scatter / epilogue on slices / all_gather on
             shared memory, stage by stage (no overlap);
 - plan:     the same plan with `--chunks` chunks: the overlap step pipelines matmul -> RS -> epilogue -> AG by
-            column chunks, communication on a background thread.
+            column chunks, communication on a background thread;
+- compute:  the eager block without its all_reduce (each rank's partial sums): a bound on what any communication
+            optimization can reach (eager / compute is the largest possible speedup);
+- nn c=1 / nn: the `cocosync.nn.MegatronMLP` module (training mode, no_grad forward) with the same weights,
+            chunks=1 and `--chunks`: its program adds b1 (zero here) and draws a new dropout mask per call.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved
+from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved,
+                                   write_json)
 
-COLUMNS = ["batch x hidden x ffn", "eager+gloo", "plan c=1 (shm)", "plan overlap (shm)", "eager/plan",
-           "c=1/overlap", "overlap fast"]
+COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)", "plan overlap (shm)", "nn c=1",
+           "nn overlap", "eager/compute (max)", "eager/plan", "eager/nn c=1", "eager/nn overlap", "overlap fast"]
+CASES = {"eager": "eager+gloo", "compute": "compute only (no all_reduce)", "plan1": "plan c=1", "plan": "plan overlap", "nn1": "nn.MegatronMLP c=1",
+         "nn": "nn.MegatronMLP overlap"}
 
 
 def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -> dict[str, Any]:
@@ -46,9 +54,21 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -
             dist.all_reduce(z)
             return torch.nn.functional.dropout(z + b, 0.1, training=True) + x
 
-        cases = {"eager": eager, "plan1": lambda: plan1(x=x, w1=w1, w2=w2, b=b),
+        def compute() -> torch.Tensor:  # the eager block without its all_reduce: no comm optimization beats it
+            z = torch.relu(x @ w1) @ w2
+            return torch.nn.functional.dropout(z + b, 0.1, training=True) + x
+
+        cases = {"eager": eager, "compute": compute, "plan1": lambda: plan1(x=x, w1=w1, w2=w2, b=b),
                  "plan": lambda: planc(x=x, w1=w1, w2=w2, b=b)}
-        samples = time_interleaved(cases, repeats, warmup=2, before=dist.barrier)
+        for key, c in (("nn1", 1), ("nn", chunks)):
+            from cocosync.nn import MegatronMLP
+
+            block = MegatronMLP(H, F, p=0.1, chunks=c, kernels="eager", backend="shm")
+            with torch.no_grad():
+                block.w1.copy_(w1), block.w2.copy_(w2), block.b2.copy_(b)
+            cases[key] = lambda block=block: block(x)
+        with torch.no_grad():
+            samples = time_interleaved(cases, repeats, warmup=2, before=dist.barrier)
         out[f"{B}x{H}x{F}"] = {"samples": samples, "fast": planc.fast_steps}
     return out
 
@@ -58,20 +78,23 @@ def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int
 
     with RankPool(P, threads=1, timeout=1800) as pool:
         per_rank = pool.run(_bench_rank, shapes, chunks, repeats, timeout=1800)
-    result: dict[str, Any] = {"P": P, "chunks": chunks, "rows": {}}
+    result: dict[str, Any] = {"P": P, "chunks": chunks, "repeats": repeats, "rows": {}}
     for key in per_rank[0]:
         row = {}
         for case in per_rank[0][key]["samples"]:
             per_iter = [max(r[key]["samples"][case][i] for r in per_rank) for i in range(repeats)]
-            row[case] = stats(per_iter).median
+            st = stats(per_iter)
+            row[case], row[f"{case}_p10"], row[f"{case}_p90"] = st.median, st.p10, st.p90
         row["fast"] = any(s.startswith("overlap(") for s in per_rank[0][key]["fast"])
         result["rows"][key] = row
     return result
 
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
-    return [[key, fmt_seconds(r["eager"]), fmt_seconds(r["plan1"]), fmt_seconds(r["plan"]),
-             fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["plan1"] / r["plan"]), "yes" if r["fast"] else "no"]
+    return [[key, fmt_seconds(r["eager"]), fmt_seconds(r["compute"]), fmt_seconds(r["plan1"]), fmt_seconds(r["plan"]),
+             fmt_seconds(r["nn1"]), fmt_seconds(r["nn"]), fmt_ratio(r["eager"] / r["compute"]),
+             fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["eager"] / r["nn1"]),
+             fmt_ratio(r["eager"] / r["nn"]), "yes" if r["fast"] else "no"]
             for key, r in result["rows"].items()]
 
 
@@ -90,11 +113,22 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
               help="Comma-separated BATCHxHIDDENxFFN (batch and ffn divisible by 2 * chunks' needs).")
 @click.option("--chunks", default=4, show_default=True, type=click.IntRange(2), help="Overlap chunks.")
 @click.option("--repeats", default=20, show_default=True, type=click.IntRange(1), help="Timed repeats.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
+              help="Write results as JSON (and a PNG bar chart next to it, same name with .png).")
+@click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Bar chart path (PNG).")
 @click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
-def tp_cmd(shapes: str, chunks: int, repeats: int, markdown: bool) -> None:
+def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_path: str | None,
+           markdown: bool) -> None:
     """Megatron MLP block on 2 ranks: eager torch + gloo vs our plan (shm), without and with overlap."""
     result = run_tp(_parse_shapes(shapes), chunks, repeats)
     rows = table_rows(result)
     print_table(f"Megatron MLP, P={result['P']}, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS, rows)
     if markdown:
         click.echo(markdown_table(COLUMNS, rows))
+    if json_path:
+        click.echo(f"wrote {write_json(json_path, {'suite': 'tp', **result})}")
+        png_path = png_path or str(Path(json_path).with_suffix(".png"))
+    if png_path:
+        from cocosync.bench.pp import bar_png
+
+        click.echo(f"wrote {bar_png(result, png_path, CASES, {'plan1', 'plan', 'nn1', 'nn'}, 'tp: Megatron MLP block, 2 ranks')}")
