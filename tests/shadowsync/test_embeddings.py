@@ -12,7 +12,10 @@ from cocosync.shadowsync.embeddings import SharedEmbeddings
 
 
 def _shm() -> set[str]:
-    return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    """Named segments in /dev/shm, less multiprocessing's semaphores (other processes' queues come and go)."""
+    if not os.path.isdir("/dev/shm"):
+        return set()
+    return {f for f in os.listdir("/dev/shm") if not f.startswith("sem.mp-")}
 
 
 def test_views_and_validation():
