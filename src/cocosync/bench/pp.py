@@ -25,7 +25,8 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved, write_json
+from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved,
+                                   write_json)
 
 __all__ = ["run_pp", "table_rows", "bar_png", "pp_cmd"]
 
@@ -164,4 +165,5 @@ def pp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_pa
         click.echo(f"wrote {write_json(json_path, {'suite': 'pp', **result})}")
         png_path = png_path or str(Path(json_path).with_suffix(".png"))
     if png_path:
-        click.echo(f"wrote {bar_png(result, png_path, CASES, {'ours1', 'ours'}, 'pp: 2 stages x 2 ranks, send of one activation')}")
+        title = "pp: 2 stages x 2 ranks, send of one activation"
+        click.echo(f"wrote {bar_png(result, png_path, CASES, {'ours1', 'ours'}, title)}")

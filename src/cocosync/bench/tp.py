@@ -12,7 +12,8 @@ Compared side by side, round-robin in the same run (median of the per-iteration 
 - compute:  the eager block without its all_reduce (each rank's partial sums): a bound on what any communication
             optimization can reach (eager / compute is the largest possible speedup);
 - nn c=1 / nn: the `cocosync.nn.MegatronMLP` module (training mode, no_grad forward) with the same weights,
-            chunks=1 and `--chunks`: its program adds b1 (zero here) and draws a new dropout mask per call.
+            chunks=1 and `--chunks`, its fused kernels compiled by Inductor (the default; the plan columns use eager
+            kernels): its program adds b1 (zero here) and draws a new dropout mask per call.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, print
 
 COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)", "plan overlap (shm)", "nn c=1",
            "nn overlap", "eager/compute (max)", "eager/plan", "eager/nn c=1", "eager/nn overlap", "overlap fast"]
-CASES = {"eager": "eager+gloo", "compute": "compute only (no all_reduce)", "plan1": "plan c=1", "plan": "plan overlap", "nn1": "nn.MegatronMLP c=1",
-         "nn": "nn.MegatronMLP overlap"}
+CASES = {"eager": "eager+gloo", "compute": "compute only (no all_reduce)", "plan1": "plan c=1", "plan": "plan overlap",
+         "nn1": "nn.MegatronMLP c=1", "nn": "nn.MegatronMLP overlap"}
 
 
 def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -> dict[str, Any]:
@@ -63,7 +64,7 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -
         for key, c in (("nn1", 1), ("nn", chunks)):
             from cocosync.nn import MegatronMLP
 
-            block = MegatronMLP(H, F, p=0.1, chunks=c, kernels="eager", backend="shm")
+            block = MegatronMLP(H, F, p=0.1, chunks=c, backend="shm")  # default kernels: Inductor (as users get)
             with torch.no_grad():
                 block.w1.copy_(w1), block.w2.copy_(w2), block.b2.copy_(b)
             cases[key] = lambda block=block: block(x)
@@ -131,4 +132,5 @@ def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_pa
     if png_path:
         from cocosync.bench.pp import bar_png
 
-        click.echo(f"wrote {bar_png(result, png_path, CASES, {'plan1', 'plan', 'nn1', 'nn'}, 'tp: Megatron MLP block, 2 ranks')}")
+        title = "tp: Megatron MLP block, 2 ranks"
+        click.echo(f"wrote {bar_png(result, png_path, CASES, {'plan1', 'plan', 'nn1', 'nn'}, title)}")
