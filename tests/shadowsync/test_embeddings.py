@@ -12,10 +12,11 @@ from cocosync.shadowsync.embeddings import SharedEmbeddings
 
 
 def _shm() -> set[str]:
-    """Named segments in /dev/shm, less multiprocessing's semaphores (other processes' queues come and go)."""
+    """Named segments in /dev/shm, less multiprocessing's semaphores and the runtime arena's cocosync-* segments
+    (other suites running concurrently create and remove them)."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {f for f in os.listdir("/dev/shm") if not f.startswith("sem.mp-")}
+    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.mp-", "cocosync-"))}
 
 
 def test_views_and_validation():

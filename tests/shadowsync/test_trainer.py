@@ -115,8 +115,8 @@ def test_foreground_easgd_runs_and_counts_its_sync_gap(tmp_path):
 # ------------------------------------------------------------------------------------------- failures
 def _start_cli(tmp_path, *extra: str) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "400000", "--no-progress",
-           "--batch-size", "128", "--out", str(out), "--timeout", "120", "--config", str(tmp_path / "c.toml"), *extra]
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "150000", "--eval-examples", "4000",
+           "--no-progress", "--batch-size", "64", "--out", str(out), "--timeout", "120", "--config", str(tmp_path / "c.toml"), *extra]
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -168,7 +168,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["interrupted"] and 0 < summary["examples"] < 400_000
+    assert summary["interrupted"] and 0 < summary["examples"] < 150_000
     assert (out / "checkpoint.pt").exists() and "eval_ne" in summary
     time.sleep(0.5)
     assert not any(_alive(t) for t in trainers)
