@@ -60,6 +60,12 @@ def _on_rank(P):
         res.append({"out": o.detach(), "dx": xr.grad})
     with torch.no_grad():
         ev = mlp.eval()(_inputs((8,), seed=4)[0])
+    wrong = MegatronMLP.from_dense(fc1, fc2, (rank + 1) % P, P)  # shards of another rank
+    try:
+        wrong(_inputs((8,))[0])
+        out["wrong"] = None
+    except ValueError as e:
+        out["wrong"] = str(e)
     out["mlp"] = {"calls": res, "grads": _grads(mlp), "eval": ev, "n": mlp.calls,
                   "fast": [s for plan in mlp._plans.plans.values() for s in plan.fast_steps]}
     return out
@@ -113,7 +119,8 @@ def test_tp_layers_match_single_process(rank_pool, P):
     torch.testing.assert_close(mg("w1", 1), fc1.weight.grad.t(), **TOL)
     torch.testing.assert_close(mg("b1", 0), fc1.bias.grad, **TOL)
     torch.testing.assert_close(mg("w2", 0), fc2.weight.grad.t(), **TOL)
-    for r in got:
+    for rank, r in enumerate(got):
+        assert f"cut for rank {(rank + 1) % P} of {P}, but this process is rank {rank}" in r["wrong"]
         torch.testing.assert_close(r["mlp"]["grads"]["b2"], fc2.bias.grad, **TOL)
         torch.testing.assert_close(r["mlp"]["eval"], want_eval, **TOL)
         assert r["mlp"]["n"] == 2  # eval calls draw no mask

@@ -118,7 +118,7 @@ class MegatronMLP(nn.Module):
         _init_weight(self.w2, ffn)
         self._plans = PlanCache(lambda key: tp_schedule(mlp_program(key[0], hidden, ffn, key[1], dropout=key[2],
                                                                     bias=bias), chunks, key[0], world),
-                                group, backend=backend, kernels=kernels)
+                                group, backend=backend, kernels=kernels, rank=rank, world=world)
 
     @classmethod
     def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, rank: int, world: int, **kwargs: Any) -> "MegatronMLP":

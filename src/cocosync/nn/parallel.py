@@ -78,8 +78,9 @@ class PlanCache:
     `build(key) -> Schedule` and compiled for `group`. Keeps the `size` most recently used."""
 
     def __init__(self, build: Callable[[Any], Any], group: dist.ProcessGroup | None, *, backend: str | None = None,
-                 kernels: str | None = None, size: int = 8):
+                 kernels: str | None = None, size: int = 8, rank: int | None = None, world: int | None = None):
         self.build, self.group, self.backend, self.kernels, self.size = build, group, backend, kernels, size
+        self.rank, self.world = rank, world  # what the layer's shards were cut for (checked against the group)
         self.plans: dict[Any, Any] = {}
 
     def get(self, key: Any):
@@ -88,6 +89,10 @@ class PlanCache:
         plan = self.plans.pop(key, None)
         if plan is None:
             plan = compile_plan(self.build(key).lower(), self.group, backend=self.backend, kernels=self.kernels)
+            if self.world is not None and (plan.comm.G, plan.comm.index) != (self.world, self.rank):
+                raise ValueError(f"the layer's shards were cut for rank {self.rank} of {self.world}, but this process "
+                                 f"is rank {plan.comm.index} of {plan.comm.G} in its group; pass the group's rank "
+                                 "and size to from_dense (or leave rank/world out)")
             while len(self.plans) >= self.size:
                 self.plans.pop(next(iter(self.plans)))
         self.plans[key] = plan  # most recent last
@@ -175,7 +180,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=dtype)) if bias else None
         _init_weight(self.weight, in_features)
         self._plans = PlanCache(lambda key: _schedule_plain(column_program(
-            key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels)
+            key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels, rank=rank, world=world)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, rank: int, world: int, **kwargs: Any) -> "ColumnParallelLinear":
@@ -264,7 +269,7 @@ class RowParallelLinear(nn.Module):
         _init_weight(self.weight, in_features)
         self._plans = PlanCache(lambda key: tp_schedule(row_program(key[0], in_features, out_features, key[1], bias),
                                                         chunks, key[0], world), group, backend=backend,
-                                kernels=kernels)
+                                kernels=kernels, rank=rank, world=world)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, rank: int, world: int, **kwargs: Any) -> "RowParallelLinear":
