@@ -9,9 +9,12 @@ stays an ordinary elementwise stage that fuses into the epilogue). The schedule 
 (`parallel.tp_schedule`): all_reduce -> reduce_scatter + all_gather, bias + dropout + residual on the slices,
 matmul -> RS -> epilogue -> AG overlapped by column chunks.
 
-Backward (hand-written torch ops + the plan's shared-memory communicator): dZ = dOut * mask, db2 = sum(dZ), the
-all_reduce's backward is the identity, dW2 = h^T dZ, dh = (dZ W2^T) * (h > 0), dW1 = x^T dh, db1 = sum(dh),
-dX = dOut + all_reduce(dh W1^T). `h` (this rank's activation slice) is a second output of the forward plan.
+Backward: a second DSL program (`mlp_backward_program`) with the same schedule; its inputs are the transposed views
+x^T, h^T, W1^T, W2^T (the DSL has no transpose op). dZ = dOut * mask, the all_reduce's backward is the identity,
+dW2 = h^T dZ, dh = relu'(h) * (dZ W2^T), dW1 = x^T dh, and dX = all_reduce(dh W1^T) + dOut: Megatron's "f"
+all_reduce of the dX partials, split into reduce_scatter -> + dOut on slices -> all_gather and overlapped with the
+last matmul, like the forward's. db1 = sum(dh), db2 = sum(dZ) are torch row sums (the DSL reduces whole tensors
+only). `h` (this rank's activation slice) is a second output of the forward plan.
 """
 
 from __future__ import annotations
@@ -23,11 +26,10 @@ import torch.distributed as dist
 from torch import nn
 
 from cocosync.dsl import Program, Replicated, Sliced, Tensor, all_reduce, gt, where
-from cocosync.dsl.types import ReduceOp
 from cocosync.interp import dropout_mask
 from cocosync.nn.parallel import PlanCache, _init_weight, check_divisible, group_info, tp_schedule
 
-__all__ = ["MegatronMLP", "mlp_program"]
+__all__ = ["MegatronMLP", "mlp_program", "mlp_backward_program"]
 
 
 def mlp_program(rows: int, hidden: int, ffn: int, dtype: torch.dtype = torch.float32, *, dropout: bool = True,
@@ -55,6 +57,26 @@ def mlp_program(rows: int, hidden: int, ffn: int, dtype: torch.dtype = torch.flo
     return Program("megatron_mlp_block", inputs, {"out": z + x, "h": h})
 
 
+def mlp_backward_program(rows: int, hidden: int, ffn: int, dtype: torch.dtype = torch.float32, *,
+                         dropout: bool = True) -> Program:
+    """Gradients of `mlp_program` given dOut (the same on every rank); see the module docstring."""
+    dout = Tensor("dout", (rows, hidden), dtype, Replicated)
+    x_t = Tensor("x_t", (hidden, rows), dtype, Replicated)
+    h = Tensor("h", (rows, ffn), dtype, Sliced(1))
+    h_t = Tensor("h_t", (ffn, rows), dtype, Sliced(0))
+    w1_t = Tensor("w1_t", (ffn, hidden), dtype, Sliced(0))
+    w2_t = Tensor("w2_t", (hidden, ffn), dtype, Sliced(1))
+    inputs, dz = [dout, x_t, h, h_t, w1_t, w2_t], dout
+    if dropout:
+        mask = Tensor("mask", (rows, hidden), dtype, Replicated)
+        inputs.append(mask)
+        dz = dout * mask
+    dh = where(gt(h, 0.0), dz @ w2_t, 0.0)
+    dx = all_reduce(dh @ w1_t) + dout
+    return Program("megatron_mlp_block_backward", inputs, {"dx": dx, "dw1": x_t @ dh, "dw2": h_t @ dz, "dh": dh,
+                                                           "dz": dz})
+
+
 class _MLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, mask, block):
@@ -66,23 +88,21 @@ class _MLPFn(torch.autograd.Function):
             inputs["mask"] = mask
         res = plan(**inputs)
         ctx.save_for_backward(x2, w1, w2, res["h"], mask)
-        ctx.plan, ctx.has_bias = plan, b1 is not None
+        ctx.block, ctx.has_bias = block, b1 is not None
         return res["out"]
 
     @staticmethod
     def backward(ctx, dout):
         x2, w1, w2, h, mask = ctx.saved_tensors
-        dout = dout.contiguous()
-        dz = dout * mask if mask is not None else dout
-        dw2 = h.t() @ dz
-        dh = (dz @ w2.t()).mul_(h > 0)
-        dw1 = x2.t() @ dh
-        dx = None
-        if ctx.needs_input_grad[0]:
-            dx = ctx.plan.comm.all_reduce(dh @ w1.t(), ReduceOp.SUM).add_(dout)
-        db1 = dh.sum(0) if ctx.has_bias else None
-        db2 = dz.sum(0) if ctx.has_bias else None
-        return dx, dw1, db1, dw2, db2, None, None
+        plan = ctx.block._backward_plans.get((x2.shape[0], x2.dtype, mask is not None))
+        inputs = {"dout": dout.contiguous(), "x_t": x2.t(), "h": h, "h_t": h.t(), "w1_t": w1.detach().t(),
+                  "w2_t": w2.detach().t()}
+        if mask is not None:
+            inputs["mask"] = mask
+        g = plan(**inputs)
+        db1 = g["dh"].sum(0) if ctx.has_bias else None
+        db2 = g["dz"].sum(0) if ctx.has_bias else None
+        return g["dx"], g["dw1"], db1, g["dw2"], db2, None, None
 
 
 class MegatronMLP(nn.Module):
@@ -119,6 +139,9 @@ class MegatronMLP(nn.Module):
         self._plans = PlanCache(lambda key: tp_schedule(mlp_program(key[0], hidden, ffn, key[1], dropout=key[2],
                                                                     bias=bias), chunks, key[0], world),
                                 group, backend=backend, kernels=kernels, rank=rank, world=world)
+        self._backward_plans = PlanCache(lambda key: tp_schedule(mlp_backward_program(
+            key[0], hidden, ffn, key[1], dropout=key[2]), chunks, key[0], world), group, backend=backend,
+            kernels=kernels, rank=rank, world=world)
 
     @classmethod
     def from_dense(cls, fc1: nn.Linear, fc2: nn.Linear, rank: int, world: int, **kwargs: Any) -> "MegatronMLP":
