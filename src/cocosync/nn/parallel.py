@@ -180,7 +180,8 @@ class ColumnParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=dtype)) if bias else None
         _init_weight(self.weight, in_features)
         self._plans = PlanCache(lambda key: _schedule_plain(column_program(
-            key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels, rank=rank, world=world)
+            key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels,
+            rank=rank, world=world)
 
     @classmethod
     def from_dense(cls, linear: nn.Linear, rank: int, world: int, **kwargs: Any) -> "ColumnParallelLinear":
