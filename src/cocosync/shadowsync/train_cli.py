@@ -84,7 +84,9 @@ def train(config_path: str | None, progress: bool | None, json_out: bool, **opts
         sys.exit(130)
     _print_result(console, result)
     if json_out:
-        click.echo(json.dumps(result.summary, default=str))
+        from .trainer import json_safe
+
+        click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:
         sys.exit(130)
 
@@ -139,4 +141,6 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     ev = {"name": ckpt.get("name", checkpoint), **ev, "trained_examples": int(ckpt["positions"].sum())}
     _console().print(summary_table([ev], title=f"eval {checkpoint}"))
     if json_out:
-        click.echo(json.dumps(ev, default=str))
+        from .trainer import json_safe
+
+        click.echo(json.dumps(json_safe(ev), default=str))

@@ -40,7 +40,18 @@ from .sync import FlatParams, ShadowThread, make_sync
 from .train_config import ConfigError, TrainConfig, config_to_dict
 
 __all__ = ["Trainer", "TrainerFailure", "RunResult", "SharedState", "run_training", "build_configs",
-           "make_source", "eval_batches", "load_checkpoint_model"]
+           "make_source", "eval_batches", "load_checkpoint_model", "json_safe"]
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with NaN/inf floats replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 class TrainerFailure(RuntimeError):
@@ -503,8 +514,10 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
                         total = sum(m["trainer_examples"] for m in latest.values())
                         nes = [m["train_ne"] for m in latest.values() if math.isfinite(m["train_ne"])]
                         rec = {"event": "train", "examples": total, "train_ne": float(np.mean(nes)) if nes else None,
-                               "eps": total / max(time.time() - t_start, 1e-9), **msg}
-                        logger.log(rec)
+                               "eps": total / max(time.time() - t_start, 1e-9), "trainer": r,
+                               "trainer_examples": msg["trainer_examples"], "trainer_ne": msg["train_ne"],
+                               "trainer_eps": msg["trainer_eps"], "syncs": msg["syncs"]}
+                        logger.log(json_safe(rec))
                         if bar:
                             bar.update(task, completed=int(state.positions.sum()),
                                        ne=f"{rec['train_ne']:.4f}" if rec["train_ne"] else "-",
@@ -593,7 +606,7 @@ def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: Fla
     logger.log(event="eval", examples=examples, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **summary)
     logger.close()
-    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
     result = RunResult(name=name, summary=summary, records=records + [{"examples": examples, "eval_ne": ev["ne"]}],
                        out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
