@@ -59,3 +59,15 @@ def test_kernel_writes_into_chunk_views(backend):
         assert k(x[lo:hi], y[lo:hi], out0[lo:hi], out1[lo:hi]) is None
     torch.testing.assert_close(out0, x * 2 + y)
     torch.testing.assert_close(out1, (x * 2 + y).abs().sqrt())
+
+
+def test_kernel_with_constant_operands_of_maximum_and_minimum():
+    x = cs.Tensor("x", (16,), cs.float32, cs.Replicated)
+    outs = [cs.maximum(x * 2, 0.0), cs.minimum(1.0, x), cs.where(x > 0, x, 0.5)]
+    p = cs.Program("p", [x], outs)
+    k = build_kernel(p.stages, list(p.outputs), backend="eager")
+    t = torch.randn(16)
+    a, b, c = k(t)
+    want = cs.interpret(p, 1, {"x": t})[0]
+    torch.testing.assert_close(a, want["maximum1"]), torch.testing.assert_close(b, want["minimum1"])
+    torch.testing.assert_close(c, want["where1"])

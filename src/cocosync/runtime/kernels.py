@@ -41,8 +41,15 @@ def can_fuse(stage: Node) -> bool:
     return OPS[stage.op].kind == "elementwise" and stage.op != "dropout" or stage.op == "update"
 
 
+_SCALAR_OK = {"maximum": "clamp_min", "minimum": "clamp_max"}  # torch.maximum/minimum reject Python numbers
+
+
 def _line(s: Node, ref: dict[int, str]) -> str:
     args = [ref[id(a)] if id(a) in ref else repr(float(a.attr("value"))) for a in s.args]
+    if s.op in _SCALAR_OK and len(s.args) == 2 and s.args[1].op == "const" and id(s.args[0]) in ref:
+        return f"torch.{_SCALAR_OK[s.op]}({args[0]}, {args[1]})"
+    if s.op in _SCALAR_OK and len(s.args) == 2 and s.args[0].op == "const" and id(s.args[1]) in ref:
+        return f"torch.{_SCALAR_OK[s.op]}({args[1]}, {args[0]})"
     if s.op == "update":
         return args[1] if s.args[1].shape == s.shape else f"{args[1]}.expand_as({args[0]})"
     if s.op == "cast":
