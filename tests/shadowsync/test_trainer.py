@@ -183,3 +183,30 @@ def test_a_raising_trainer_is_reported(tmp_path):
     cfg = _cfg(tmp_path, "none", data="/nonexistent/criteo.tsv")
     with pytest.raises((TrainerFailure, FileNotFoundError)):
         run_training(cfg)
+
+
+def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):
+    import threading
+
+    cfg = _cfg(tmp_path, "shadow-ma", examples=30_000, batch_size=32, log_every=0.2)
+
+    def interrupt_once_training():
+        metrics = Path(cfg.out_dir) / "metrics.jsonl"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if metrics.exists() and '"event": "train"' in metrics.read_text():
+                os.kill(os.getpid(), signal.SIGINT)  # the launcher's handler: stop, keep what was measured
+                return
+            time.sleep(0.05)
+
+    threading.Thread(target=interrupt_once_training, daemon=True).start()
+    first = run_training(cfg)
+    assert first.interrupted and 0 < first.summary["examples"] < 30_000
+    done = first.summary["examples"]
+    second = run_training(cfg, resume=first.checkpoint)
+    assert not second.interrupted
+    assert second.summary["resumed_from"] == done
+    assert second.summary["examples"] == 30_000 - done  # every example exactly once over both sessions
+    assert second.summary["eval_ne"] < 0.95
+    with pytest.raises(ConfigError, match="trained with trainers=2"):
+        run_training(_cfg(tmp_path, "shadow-ma", examples=30_000, batch_size=32, trainers=1), resume=first.checkpoint)

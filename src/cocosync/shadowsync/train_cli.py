@@ -52,8 +52,10 @@ def _console():
 @click.option("--timeout", type=float, help="abort the run after this many seconds.")
 @click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest).")
 @click.option("--progress/--no-progress", default=None, help="progress bar while training.")
+@click.option("--resume", type=click.Path(dir_okay=False),
+              help="continue a run (e.g. one stopped by Ctrl-C) from its checkpoint.pt, with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
-def train(config_path: str | None, progress: bool | None, json_out: bool, **opts) -> None:
+def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
@@ -65,14 +67,19 @@ def train(config_path: str | None, progress: bool | None, json_out: bool, **opts
     if progress is not None:
         overrides["progress"] = progress
     try:
-        cfg = load_train_config(config_path, **overrides) if config_path else config_from_dict({}, **overrides)
+        if config_path:
+            cfg = load_train_config(config_path, **overrides)
+        elif resume:
+            cfg = config_from_dict(_checkpoint_config(resume), **overrides)
+        else:
+            cfg = config_from_dict({}, **overrides)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples of {cfg.data!r} -> {cfg.out_dir}/")
     try:
-        result = run_training(cfg, console=console)
+        result = run_training(cfg, console=console, resume=resume)
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     except TrainerFailure as e:
@@ -91,6 +98,15 @@ def train(config_path: str | None, progress: bool | None, json_out: bool, **opts
         sys.exit(130)
 
 
+def _checkpoint_config(path: str) -> dict:
+    import torch
+
+    try:
+        return dict(torch.load(path, map_location="cpu", weights_only=False)["config"])
+    except (OSError, KeyError, RuntimeError) as e:
+        raise ConfigError(f"cannot resume from {path!r}: {e}") from None
+
+
 def _print_result(console, result) -> None:
     from rich.table import Table
 
@@ -107,8 +123,12 @@ def _print_result(console, result) -> None:
     for k, v in rows:
         table.add_row(k, "-" if v in ("nan", "-nan") else v)
     console.print(table)
+    if s.get("resumed_from"):
+        console.print(f"resumed after {s['resumed_from']:,} examples of an earlier session"
+                      + ("; nothing was left to train" if s["examples"] == 0 else ""))
     if result.interrupted:
-        console.print("[yellow]interrupted: the numbers cover the examples trained before Ctrl-C")
+        console.print("[yellow]interrupted: the numbers cover the examples trained before Ctrl-C"
+                      + (f" (continue with: cocosync train --resume {result.checkpoint})" if result.checkpoint else ""))
     console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json")
     if result.plot:
         console.print(f"plot: {result.plot}")

@@ -162,14 +162,16 @@ class SharedState:
     syncs: torch.Tensor  # int64 [T]: syncs of each trainer
     stop: torch.Tensor  # int32 [1]: set by the parent (Ctrl-C, failure) -> trainers finish now
     go: torch.Tensor  # int32 [1]: set by the parent once every trainer is built -> all start together
+    init_dense: torch.Tensor  # the common starting point of every dense replica (fresh init or a checkpoint)
 
     @classmethod
-    def create(cls, cfg: TrainConfig, embeddings: SharedEmbeddings, init_flat: torch.Tensor | None) -> "SharedState":
+    def create(cls, cfg: TrainConfig, embeddings: SharedEmbeddings, init_flat: torch.Tensor) -> "SharedState":
         T, W = cfg.trainers, cfg.workers
         center = init_flat.clone().share_memory_() if cfg.sync.method == "easgd" else None
         return cls(embeddings.share_memory_(), center, torch.zeros(T, W, dtype=torch.int64).share_memory_(),
                    torch.zeros(T, dtype=torch.int64).share_memory_(), torch.zeros(T, dtype=torch.int64).share_memory_(),
-                   torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_())
+                   torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
+                   init_flat.clone().share_memory_())
 
 
 def _new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:
@@ -195,6 +197,7 @@ class Trainer:
         self.dense = self.model.dense_parameters()
         self.emb_params = self.model.embedding_parameters()
         self.flat = FlatParams(self.dense)
+        self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
         self.sync = make_sync(self.flat.flat, cfg.sync, center=state.center, group=group)
         self._counter = itertools.count(1)
@@ -432,8 +435,11 @@ def _stop_processes(procs: list, grace: float) -> None:
 
 
 def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = None,
-                 extra_summary: dict | None = None) -> RunResult:
-    """Train T trainers x W workers as configured; returns the measurements (see module doc)."""
+                 extra_summary: dict | None = None, resume: str | os.PathLike | None = None) -> RunResult:
+    """Train T trainers x W workers as configured; returns the measurements (see module doc).
+
+    `resume`: a checkpoint of a run with the same data, budget, T and W (e.g. one stopped by Ctrl-C):
+    training restarts from its dense and embedding weights at its reader positions."""
     from rich.console import Console
 
     from .metrics import MetricsLogger
@@ -447,10 +453,21 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     source = make_source(cfg, data)
     if isinstance(source, InMemorySource):
         source.share_memory_()
+    ckpt = _resume_checkpoint(resume, cfg) if resume is not None else None
     embeddings = _new_embeddings(cfg, data, model_cfg)
+    if ckpt is not None:
+        embeddings.weight.copy_(ckpt["embeddings"]["weight"])
+        embeddings.accumulator.copy_(ckpt["embeddings"]["accumulator"])
     model = _build_model(data, model_cfg, embeddings)
+    if ckpt is not None:
+        model.load_state_dict(ckpt["dense"], strict=False)
     parent_flat = FlatParams(model.dense_parameters())
     state = SharedState.create(cfg, embeddings, parent_flat.flat)
+    resumed_from = 0
+    if ckpt is not None:
+        state.positions.copy_(ckpt["positions"])
+        resumed_from = int(ckpt["positions"].sum())
+        extra_summary = {**(extra_summary or {}), "resumed_from": resumed_from}
     T = cfg.trainers
     store = None
     if cfg.sync.method in ("ma", "bmuf") and T > 1:
@@ -460,8 +477,8 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
 
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120),
                               wait_for_workers=False)
-    logger = MetricsLogger(out / "metrics.jsonl")
-    logger.log(event="start", name=name, config=config_to_dict(cfg))
+    logger = MetricsLogger(out / "metrics.jsonl", append=ckpt is not None)
+    logger.log(event="start", name=name, config=config_to_dict(cfg), resumed_from=resumed_from)
     ctx = mp.get_context("spawn")
     procs, conns = [], {}
     interrupts = _Interrupts()
@@ -511,7 +528,7 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
                         continue
                     if msg["kind"] == "train":
                         latest[r] = msg
-                        total = sum(m["trainer_examples"] for m in latest.values())
+                        total = resumed_from + sum(m["trainer_examples"] for m in latest.values())
                         nes = [m["train_ne"] for m in latest.values() if math.isfinite(m["train_ne"])]
                         rec = {"event": "train", "examples": total, "train_ne": float(np.mean(nes)) if nes else None,
                                "eps": total / max(time.time() - t_start, 1e-9), "trainer": r,
@@ -553,6 +570,23 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     interrupted = bool(state.stop[0])
     return _finish(cfg, name, data, model, parent_flat, state, results, logger, out, interrupted,
                    [dict(r) for r in _records_of(out / "metrics.jsonl")], extra_summary or {})
+
+
+def _resume_checkpoint(path: str | os.PathLike, cfg: TrainConfig) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"cannot resume: no checkpoint at {str(p)!r}")
+    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    old = ckpt["config"]
+    for key in ("data", "examples", "trainers", "workers", "seed", "batch_size", "model", "data_options"):
+        new = config_to_dict(cfg)[key]
+        if old[key] != new:
+            raise ConfigError(f"cannot resume {str(p)!r}: it was trained with {key}={old[key]!r}, this run has "
+                              f"{key}={new!r} (the reader positions only mean something for the same data and shards)")
+    if ckpt["embeddings"]["optimizer"] != cfg.embedding_optimizer:
+        raise ConfigError(f"cannot resume {str(p)!r}: embedding_optimizer {ckpt['embeddings']['optimizer']!r} "
+                          f"!= {cfg.embedding_optimizer!r}")
+    return ckpt
 
 
 def _records_of(path: Path) -> list[dict]:
@@ -603,11 +637,12 @@ def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: Fla
         "syncs": int(sum(r["syncs"] for r in results.values())),
         "seconds": seconds, "interrupted": interrupted, **extra,
     }
-    logger.log(event="eval", examples=examples, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
+    seen = examples + int(extra.get("resumed_from", 0))  # the x axis of the plots counts earlier sessions too
+    logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **summary)
     logger.close()
     (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
-    result = RunResult(name=name, summary=summary, records=records + [{"examples": examples, "eval_ne": ev["ne"]}],
+    result = RunResult(name=name, summary=summary, records=records + [{"examples": seen, "eval_ne": ev["ne"]}],
                        out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
         ckpt = {
