@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import click
 
+from cocosync.bench.collectives import collectives_cmd
+from cocosync.bench.dp import dp_cmd
+from cocosync.bench.pp import pp_cmd
+from cocosync.bench.shadowsync import shadowsync as shadowsync_cmd
+from cocosync.bench.tp import tp_cmd
+from cocosync.shadowsync.data_cli import data
+from cocosync.shadowsync.train_cli import eval_checkpoint, train
+from cocosync.show_cli import show
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cocosync")
@@ -25,29 +34,10 @@ def demo() -> None:
         raise SystemExit(1)
 
 
-from cocosync.shadowsync.data_cli import data  # noqa: E402  (registers `cocosync data ...`)
-
-main.add_command(data)
-
-from cocosync.shadowsync.train_cli import eval_checkpoint, train  # noqa: E402
-
-main.add_command(train)
-main.add_command(eval_checkpoint)
-
-from cocosync.bench.shadowsync import shadowsync as bench_shadowsync  # noqa: E402
-
-bench.add_command(bench_shadowsync)
-
-from cocosync.show_cli import show  # noqa: E402  (registers `cocosync show FILE.py|NAME`)
-
-main.add_command(show)
-
-from cocosync.bench.collectives import collectives_cmd  # noqa: E402  (`cocosync bench collectives`)
-
-bench.add_command(collectives_cmd)
-bench.add_command(__import__("cocosync.bench.dp", fromlist=["dp_cmd"]).dp_cmd)  # `cocosync bench dp`
-bench.add_command(__import__("cocosync.bench.pp", fromlist=["pp_cmd"]).pp_cmd)  # `cocosync bench pp`
-bench.add_command(__import__("cocosync.bench.tp", fromlist=["tp_cmd"]).tp_cmd)  # `cocosync bench tp`
+for _cmd in (train, eval_checkpoint, data, show):
+    main.add_command(_cmd)
+for _cmd in (collectives_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd):
+    bench.add_command(_cmd)
 
 if __name__ == "__main__":
     main()
