@@ -494,7 +494,7 @@ def write_png(result: dict[str, Any], path: str | Path) -> Path:
 
     sections = [s for s in SECTIONS if any(r["section"] == s and r.get("median_s") for r in result["rows"])] or ["adam"]
     counts = [max(1, sum(1 for r in result["rows"] if r["section"] == s and r.get("median_s"))) for s in sections]
-    fig, axes = plt.subplots(len(sections), 1, figsize=(10, 0.9 * len(sections) + 0.42 * sum(counts)), squeeze=False,
+    fig, axes = plt.subplots(len(sections), 1, figsize=(11, 0.9 * len(sections) + 0.42 * sum(counts)), squeeze=False,
                              gridspec_kw={"height_ratios": counts})
     for ax, section in zip(axes[:, 0], sections):
         rows = [r for r in result["rows"] if r["section"] == section and r.get("median_s")]
@@ -506,7 +506,7 @@ def write_png(result: dict[str, Any], path: str | Path) -> Path:
             ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
         if section in ("adam", "lamb"):
             ax.axvline(result["bound_s"] * 1e3, color="tab:red", ls="--", lw=1, label="memory-traffic bound")
-            ax.legend(fontsize=7, loc="lower right")
+            ax.legend(fontsize=7, loc="best")
         ax.set_title(f"{section}: median time per step (ms), P={result['P']}, 1 thread/rank", fontsize=9)
         ax.tick_params(labelsize=7)
         ax.set_xlim(0, max(vals, default=1.0) * 1.25)
@@ -525,11 +525,12 @@ def show(result: dict[str, Any], console=None, markdown: bool = False) -> None:
         click.echo(markdown_table(COLUMNS, table_rows(result)))
 
 
-def quick_dp_comparison(console=None) -> dict[str, Any]:
+def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, Any]:
     """The demo's dp comparison (QUICK: ~30-60 s on a loaded 2-core box): the 16.8M-parameter Adam step (ours,
     DDP-style, ZeRO-1) and the small-transformer train step (ours vs DDP), 3 repeats. Prints the table; returns
-    the result dict (see run_dp)."""
-    result = run_dp(QUICK)
+    the result dict (see run_dp). kernels: ours' fused-kernel backend ('eager' avoids Inductor's cold compile,
+    which can outlast the 60 s collective timeout on a fresh machine); None: $COCOSYNC_KERNELS, else inductor."""
+    result = run_dp(replace(QUICK, kernels=kernels))
     show(result, console=console)
     return result
 
