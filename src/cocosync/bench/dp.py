@@ -41,6 +41,7 @@ LABELS = {
     "ours": "ours: DistributedAdam (fused shm RS->Adam->AG)",
     "adamslice": "runtime AdamSlice (arena grads, node-shared params)",
     "ddp": "DDP-style: bucketed all_reduce(gloo) + Adam(fused)",
+    "naive": "one all_reduce(gloo) of all grads, then Adam (foreach, torch's default)",
     "zero": "ZeRO-1: all_reduce(gloo) + ZeroRedundancyOptimizer(Adam)",
     "fsdp2": "FSDP2 fully_shard (fwd/bwd/step b=1 minus local fwd/bwd)",
     "lamb_ours": "ours: DistributedLAMB",
@@ -77,7 +78,7 @@ class DpConfig:
     """Small transformer: vocabulary size."""
     sections: tuple[str, ...] = SECTIONS
     """Which comparisons to run (adam, lamb, train)."""
-    baselines: tuple[str, ...] = ("zero", "fsdp2", "adamslice", "lamb_layer")
+    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_layer")
     """Optional rows (ours and the DDP-style / same-math LAMB baselines always run)."""
     kernels: str | None = None
     """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
@@ -95,10 +96,10 @@ class DpConfig:
         bad = set(self.sections) - set(SECTIONS)
         if bad:
             raise ValueError(f"DpConfig.sections: unknown {sorted(bad)}; choose from {list(SECTIONS)}")
-        bad = set(self.baselines) - {"zero", "fsdp2", "adamslice", "lamb_layer"}
+        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_layer"}
         if bad:
-            raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from zero, fsdp2, adamslice, "
-                             "lamb_layer")
+            raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from naive, zero, fsdp2, "
+                             "adamslice, lamb_layer")
         if self.kernels not in (None, "inductor", "eager"):
             raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
@@ -221,6 +222,20 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
             opt.step()
         return step
 
+    def naive():  # what the collectives suite's "gloo all_reduce + torch Adam" row does: one flat all_reduce
+        from cocosync.bench.baselines import GradBuckets
+
+        model = _mlp(cfg)
+        _set_grads(model, grads)
+        buckets = GradBuckets(model.parameters(), 1 << 62)  # one bucket holding every gradient
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+        keep.append((model, buckets, opt))
+
+        def step():
+            buckets.all_reduce_mean()
+            opt.step()
+        return step
+
     def zero():
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -268,6 +283,8 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     if "adamslice" in cfg.baselines:
         cases.add("adamslice", adamslice)
     cases.add("ddp", ddp)
+    if "naive" in cfg.baselines:
+        cases.add("naive", naive)
     if "zero" in cfg.baselines:
         cases.add("zero", zero)
     if "fsdp2" in cfg.baselines:
