@@ -20,6 +20,7 @@ bandwidth measured in the same run (both ranks copying at once).
 
 from __future__ import annotations
 
+import os
 import statistics
 import traceback
 from dataclasses import asdict, dataclass, replace
@@ -399,9 +400,8 @@ def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
 
 def run_dp(cfg: DpConfig) -> dict[str, Any]:
     """Run the suite on cfg.P local ranks and summarize: rows per section, ratios, fraction of the Adam bound."""
+    from cocosync.bench.baselines import adam_fused_ok
     from cocosync.runtime.launch import RankPool
-
-    import os
 
     kernels = cfg.kernels or os.environ.get("COCOSYNC_KERNELS", "inductor")
     with RankPool(cfg.P, threads=1, timeout=3600, env={"COCOSYNC_KERNELS": kernels}) as pool:
@@ -442,7 +442,7 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     targets = _targets(rows)
     return {"suite": "dp", "config": asdict(cfg), "P": cfg.P, "threads_per_rank": 1, "params": N,
             "train_params": _train_params(cfg), "bandwidth_Bps": bw, "bandwidth_samples_Bps": bw_samples,
-            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "adam_fused": True, "kernels": kernels, "rows": rows,
+            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
             "targets": targets, "notes": {k: v for k, v in notes.items()}}
 
 
