@@ -71,3 +71,22 @@ def test_kernel_with_constant_operands_of_maximum_and_minimum():
     want = cs.interpret(p, 1, {"x": t})[0]
     torch.testing.assert_close(a, want["maximum1"]), torch.testing.assert_close(b, want["minimum1"])
     torch.testing.assert_close(c, want["where1"])
+
+
+def test_inductor_kernel_updating_state_in_place_across_buffers_of_other_sizes():
+    """A state read and written in place (reads_out) in chunks of buffers of different sizes: the compiled
+    function is shared, and must not assume the size of the first buffer it saw."""
+    m = cs.Tensor("m", (64,), cs.float32, cs.Sliced(0))
+    g = cs.Tensor("g", (64,), cs.float32, cs.Sliced(0))
+    m_new = cs.update(m, m * 0.5 + g)
+    p = cs.Program("p", [m, g], [m_new])
+    body = list(p.stages)
+    k = build_kernel(body, list(p.outputs), backend="inductor", into=True, reads_out={id(p.inputs[0]): 0})
+    assert [a.name for a in k.inputs] == ["g"]
+    for n in (3000, 1000):
+        state, grad = torch.randn(n), torch.randn(n)
+        want = state * 0.5 + grad
+        for lo, hi in ((0, 512), (512, 1024)):
+            k(grad[lo:hi], state[lo:hi])
+        torch.testing.assert_close(state[:1024], want[:1024])
+        torch.testing.assert_close(state[1024:], want[1024:] * 0 + state[1024:])

@@ -23,6 +23,7 @@ from cocosync.runtime.kernels import build_kernel, can_fuse
 from cocosync.runtime.overlap_step import overlap_runner
 
 Runner = Callable[[dict], None]
+FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
 
 
 def _outside_readers(program: Program, inside: set[int]) -> set[int]:
@@ -108,9 +109,15 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
     if id(gathered) not in {id(b) for b in body}:
         return None
     outs = [gathered, *state_writes]
-    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True)
     src_of = {id(s): s.args[0] for s in scatters}
+    # inputs that are the memory an output is written to: the state read and updated in place (m, v), and the
+    # slice of w when the all-gathered result goes straight into w; the kernel reads them from its outputs
+    reads_out = {id(s.args[0]): 1 + j for j, s in enumerate(state_writes)}
+    if w_update is not None:
+        reads_out.update({id(sc): 0 for sc in scatters if src_of[id(sc)] is w_update.args[0]})
+    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True, reads_out=reads_out)
     scratch: dict[str, torch.Tensor] = {}
+    compiling = [True] if kern.backend == "inductor" else []
 
     def run(env: dict) -> None:
         from cocosync.runtime.executor import run_stage
@@ -154,7 +161,14 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
                     f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n] for f in feeds]
             kern(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
 
-        shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value)
+        timeout = shm.flags.timeout
+        if compiling:  # the first call compiles the kernel inside the collective: peers wait longer, once
+            shm.flags.timeout = max(timeout, FIRST_CALL_TIMEOUT)
+        try:
+            shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value)
+        finally:
+            shm.flags.timeout = timeout
+            compiling.clear()
         env[id(ag)] = out
         if w_update is not None:
             env[id(w_update)] = out

@@ -61,10 +61,14 @@ class Kernel:
     """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors.
 
     With `into=True` the kernel writes its outputs into tensors given after the inputs,
-    `kernel(*inputs, *outs) -> None`: Inductor then fuses the stores into the one loop (no temporaries)."""
+    `kernel(*inputs, *outs) -> None`: Inductor then fuses the stores into the one loop (no temporaries).
+    `reads_out` maps inputs that are the very memory of an output (a state updated in place) to that output's
+    index: the kernel reads them from the output tensor and they are not passed (`self.inputs` omits them), so
+    no two arguments alias (aliased arguments make Inductor compile against their common base, whose size it then
+    wrongly assumes for other calls)."""
 
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
-                 into: bool = False):
+                 into: bool = False, reads_out: dict[int, int] | None = None):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
@@ -74,8 +78,13 @@ class Kernel:
             for a in s.args:
                 if id(a) not in inside and a.op != "const" and all(a is not x for x in self.inputs):
                     self.inputs.append(a)
-        self.outputs, self.backend, self.name = list(outputs), backend, name
+        self.outputs, self.backend, self.name, self.into = list(outputs), backend, name, into
+        reads_out = reads_out or {}
+        if reads_out and not into:
+            raise ValueError(f"kernel {name!r}: reads_out needs into=True")
+        self.inputs = [a for a in self.inputs if id(a) not in reads_out]
         ref = {id(a): f"in{i}" for i, a in enumerate(self.inputs)}
+        ref.update({i: f"out{j}" for i, j in reads_out.items()})
         body = []
         for i, s in enumerate(stages):
             ref[id(s)] = f"t{i}"
@@ -133,10 +142,10 @@ def _inductor_cache_dir() -> None:
 
 
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
-                 name: str = "kernel", into: bool = False) -> Kernel:
+                 name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
     backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor)."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into)
+    return Kernel(stages, outputs, backend, name, into, reads_out)
