@@ -74,8 +74,18 @@ def shadowsync_demo(console: Console) -> bool:
     return True
 
 
+def dp_demo(console: Console) -> bool:
+    """A short `cocosync bench dp --quick`: DistributedAdam vs DDP-style gloo all_reduce + fused Adam and ZeRO-1."""
+    from cocosync.bench.dp import quick_dp_comparison
+
+    console.rule("[bold]Data-parallel Adam step on 2 ranks: cocosync.optim vs PyTorch (`cocosync bench dp --quick`)")
+    quick_dp_comparison(console)
+    return True
+
+
 def run_demo() -> bool:
     console = Console()
     ok = shadowsync_demo(console)
     ok &= dsl_adam_demo(console)
+    ok &= dp_demo(console)
     return ok

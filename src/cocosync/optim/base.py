@@ -44,6 +44,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     state_names: dict[str, str] = {}
+    #: on one node with the fused path, keep the parameters once per node in shared memory (every rank's model
+    #: reads the same memory; no all-gather within the node). All ranks hold identical parameters in data
+    #: parallelism; after loading new weights into the model on every rank, have ranks meet (dist.barrier())
+    #: before the next forward. Set to False for a private copy per rank.
+    node_shared_params = True
     TWO_PASS_CLIP = True  # False: clip inside the update program (one program, stage by stage; for comparison)
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
@@ -78,7 +83,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.schedule = sharded_update_schedule(self.program, states)
         self.compiled: Callable | None = None
         self.compiled_norm: Callable | None = None
-        alloc = None
+        alloc = param_alloc = None
         if self._distributed:
             from cocosync.lower.lower import lower
             from cocosync.lower.run_plan import compile_plan
@@ -89,10 +94,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shm = self.compiled.comm.shm
             if shm is not None:
                 alloc = shm.arena.empty
+                if self.node_shared_params and shm.nnodes == 1 and any(
+                        s.startswith("fused_collective") for s in self.compiled.fast_steps):
+                    # Replicated parameters stored once per node: each rank's fused step writes its slice of
+                    # the update in place and no all-gather is needed within the node
+                    param_alloc = shm.arena.shared_empty
             self.index, self.G = self.compiled.comm.index, self.compiled.comm.G
         else:
             self.index, self.G = 0, 1
-        self.flat = FlatParams(params, self.world, alloc)
+        self.flat = FlatParams(params, self.world, alloc, param_alloc)
+        if param_alloc is not None:
+            shm.barrier()  # every local rank has copied its (identical) parameters in before anyone reads them
         n = self.flat.padded // self.G
         self._slice = slice(self.index * n, (self.index + 1) * n)
         self.local_state = {s: torch.zeros(n, dtype=self.master_dtype) for s in self.state_names}

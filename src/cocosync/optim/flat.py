@@ -36,7 +36,8 @@ class FlatParams:
             builds its FlatParams with the same parameter shapes in the same order).
     """
 
-    def __init__(self, params: Sequence[torch.Tensor], multiple: int = 1, alloc: Alloc | None = None):
+    def __init__(self, params: Sequence[torch.Tensor], multiple: int = 1, alloc: Alloc | None = None,
+                 param_alloc: Alloc | None = None):
         params = list(params)
         if not params:
             raise ValueError("FlatParams: no parameters")
@@ -61,7 +62,7 @@ class FlatParams:
             self.offsets.append(self.offsets[-1] + k)
         self.numel = self.offsets[-1]  # without padding
         self.padded = -(-self.numel // multiple) * multiple
-        self.flat = alloc(self.padded, self.dtype)
+        self.flat = (param_alloc or alloc)(self.padded, self.dtype)  # param_alloc: e.g. one copy per node
         self.grad = alloc(self.padded, self.dtype)
         self.flat.zero_()
         self.grad.zero_()
