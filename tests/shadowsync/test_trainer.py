@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
-from cocosync.shadowsync.trainer import TrainerFailure, load_checkpoint_model, run_training
+from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
+from cocosync.shadowsync.trainer import TrainerFailure
 
 SMALL = {"table_size": 2000}
 MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}

@@ -26,7 +26,7 @@ COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS median", "EPS best", "v
 
 def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
     from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
-    from cocosync.shadowsync.trainer import run_training
+    from cocosync.shadowsync.launcher import run_training
 
     sync = kw.pop("sync")
     cfg = TrainConfig(**{**base, **kw, "out_dir": str(out / name.replace(" ", "_").replace("=", "")),

@@ -61,7 +61,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
     a second Ctrl-C aborts.
     """
-    from .trainer import TrainerFailure, run_training
+    from .launcher import run_training
+    from .trainer import TrainerFailure
 
     overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
     if progress is not None:
@@ -146,7 +147,8 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     import dataclasses
 
     from .metrics import evaluate, summary_table
-    from .trainer import eval_batches, load_checkpoint_model
+    from .launcher import load_checkpoint_model
+    from .trainer import eval_batches
 
     try:
         model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
