@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from rich.console import Console
 from rich.table import Table
@@ -84,7 +86,7 @@ def dp_demo(console: Console) -> bool:
 
 
 def run_demo() -> bool:
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)  # piped (make demo | tee): keep tables readable
     ok = shadowsync_demo(console)
     ok &= dsl_adam_demo(console)
     ok &= dp_demo(console)
