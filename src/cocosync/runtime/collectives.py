@@ -24,14 +24,14 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.group import NodeGroups, node_groups
+from cocosync.runtime.reduction import (REDUCE_OPS, SUPPORTED_DTYPES, _check_dtype, _check_op, _elsize,
+                                        _reduce_chunk, split_bounds)
 from cocosync.runtime.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
 
 __all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
-SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
-REDUCE_OPS = ("sum", "mean", "max", "min")
 _OP_CODE = {op: i + 1 for i, op in enumerate(REDUCE_OPS)}
 _COLL_CODE = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "fused_all_reduce", "barrier"])}
@@ -41,36 +41,6 @@ DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
 # here every per-chunk flag wait can cost a scheduling quantum, and it measured slower than the 3-phase path.
 DEFAULT_PIPELINE_BYTES = 0
-
-
-def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
-    """[start, stop) of `parts` nearly equal contiguous pieces of range(n) (the first ones one longer)."""
-    q, r = divmod(n, parts)
-    out, start = [], 0
-    for i in range(parts):
-        stop = start + q + (1 if i < r else 0)
-        out.append((start, stop))
-        start = stop
-    return out
-
-
-def _check_dtype(name: str, t: torch.Tensor) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _DTYPE_CODE:
-        raise TypeError(f"{name}: unsupported dtype {t.dtype}; supported: "
-                        f"{', '.join(str(d) for d in SUPPORTED_DTYPES)}")
-    if t.device.type != "cpu":
-        raise ValueError(f"{name}: the shared-memory path needs CPU tensors, got device {t.device}")
-
-
-def _check_op(name: str, op: str) -> str:
-    key = str(op).lower().rsplit(".", 1)[-1]
-    if key == "avg":
-        key = "mean"
-    if key not in _OP_CODE:
-        raise ValueError(f"{name}: unsupported op {op!r}; supported: {', '.join(REDUCE_OPS)}")
-    return key
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,40 +571,3 @@ class ShmCommunicator:
 
 _rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _elsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
-
-
-def _reduce_chunk(dst: torch.Tensor, srcs: list[torch.Tensor], op: str, acc_buf, scale: float | None) -> None:
-    """dst = reduce(srcs) in rank order; float32 accumulation for 16-bit sums. dst may alias any src."""
-    if op in ("max", "min"):
-        f = torch.maximum if op == "max" else torch.minimum
-        # exact and order-free: start with an aliased source (if any) so nothing is overwritten before it is read
-        order = sorted(range(len(srcs)), key=lambda i: srcs[i].data_ptr() != dst.data_ptr())
-        f(srcs[order[0]], srcs[order[1]], out=dst)
-        for i in order[2:]:
-            f(dst, srcs[i], out=dst)
-        return
-    f32 = srcs[0].dtype == torch.float32
-    if f32 and len(srcs) == 2:
-        torch.add(srcs[0], srcs[1], out=dst)
-        if scale is not None:
-            dst.mul_(scale)
-        return
-    aliased_late = any(s.data_ptr() == dst.data_ptr() for s in srcs[2:])
-    if f32 and not aliased_late:
-        torch.add(srcs[0], srcs[1], out=dst)
-        for s in srcs[2:]:
-            dst.add_(s)
-        if scale is not None:
-            dst.mul_(scale)
-        return
-    acc = acc_buf(dst.numel())
-    acc.copy_(srcs[0])
-    for s in srcs[1:]:
-        acc.add_(s)
-    if scale is not None:
-        acc.mul_(scale)
-    dst.copy_(acc)
