@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "fmt_bytes", "fmt_seconds", "fmt_ratio",
+__all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "parse_shapes", "fmt_bytes", "fmt_seconds", "fmt_ratio",
            "copy_bandwidth", "bound_seconds", "machine_info", "print_table", "markdown_table", "write_json"]
 
 
@@ -87,6 +87,20 @@ def parse_size(text: str) -> int:
     if not m or m.group(2).upper() not in _UNITS:
         raise ValueError(f"cannot parse size {text!r}: use a number with an optional unit K, M or G (e.g. 4K, 64M)")
     return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def parse_shapes(text: str, dims: int, form: str) -> list[tuple[int, ...]]:
+    """'64x1024,512x1024' -> [(64, 1024), (512, 1024)]; `form` (e.g. 'ROWSxHIDDEN') names the dims in errors."""
+    import click
+
+    try:
+        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",")]
+    except ValueError:
+        shapes = []
+    if not shapes or any(len(s) != dims or min(s) < 1 for s in shapes):
+        example = "x".join(["64", "1024", "4096"][:dims])
+        raise click.BadParameter(f"{text!r}: expected comma-separated {form} (positive ints), e.g. {example}")
+    return shapes
 
 
 def fmt_bytes(n: float) -> str:

@@ -25,8 +25,8 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved,
-                                   write_json)
+from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, stats,
+                                   time_interleaved, write_json)
 
 __all__ = ["run_pp", "table_rows", "bar_png", "pp_cmd"]
 
@@ -133,16 +133,6 @@ def bar_png(result: dict[str, Any], path: str | Path, cases: dict[str, str], our
     return out
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int]]:
-    try:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 2 or min(s) < 1 for s in shapes):
-        raise click.BadParameter(f"{text!r}: expected comma-separated ROWSxHIDDEN, e.g. 512x1024")
-    return shapes  # type: ignore[return-value]
-
-
 @click.command("pp")
 @click.option("--shapes", default="64x1024,512x1024,2048x1024", show_default=True,
               help="Comma-separated ROWSxHIDDEN of the activation (rows even: the stage has 2 ranks).")
@@ -155,7 +145,7 @@ def _parse_shapes(text: str) -> list[tuple[int, int]]:
 def pp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_path: str | None,
            markdown: bool) -> None:
     """Pipeline send, 2 stages x 2 ranks: plain (gloo all_reduce + full send) vs cocosync.nn.PipelineSend."""
-    result = run_pp(_parse_shapes(shapes), chunks, repeats)
+    result = run_pp(parse_shapes(shapes, 2, "ROWSxHIDDEN"), chunks, repeats)
     rows = table_rows(result)
     print_table(f"Pipeline send, 2 stages x 2 ranks, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS,
                 rows)

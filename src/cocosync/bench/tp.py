@@ -25,8 +25,8 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, print_table, stats, time_interleaved,
-                                   write_json)
+from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, stats,
+                                   time_interleaved, write_json)
 
 COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)", "plan overlap (shm)", "nn c=1",
            "nn overlap", "eager/compute (max)", "eager/plan", "eager/nn c=1", "eager/nn overlap", "overlap fast"]
@@ -99,16 +99,6 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
             for key, r in result["rows"].items()]
 
 
-def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
-    try:
-        shapes = [tuple(int(v) for v in s.lower().split("x")) for s in text.split(",")]
-    except ValueError:
-        shapes = []
-    if not shapes or any(len(s) != 3 for s in shapes):
-        raise click.BadParameter(f"{text!r}: expected comma-separated BATCHxHIDDENxFFN, e.g. 64x1024x4096")
-    return shapes  # type: ignore[return-value]
-
-
 @click.command("tp")
 @click.option("--shapes", default="64x1024x4096,512x1024x4096", show_default=True,
               help="Comma-separated BATCHxHIDDENxFFN (batch and ffn divisible by 2 * chunks' needs).")
@@ -121,7 +111,7 @@ def _parse_shapes(text: str) -> list[tuple[int, int, int]]:
 def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_path: str | None,
            markdown: bool) -> None:
     """Megatron MLP block on 2 ranks: eager torch + gloo vs our plan (shm), without and with overlap."""
-    result = run_tp(_parse_shapes(shapes), chunks, repeats)
+    result = run_tp(parse_shapes(shapes, 3, "BATCHxHIDDENxFFN"), chunks, repeats)
     rows = table_rows(result)
     print_table(f"Megatron MLP, P={result['P']}, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS, rows)
     if markdown:
