@@ -16,17 +16,15 @@ from cocosync.optim.base import DistributedOptimizer
 __all__ = ["DistributedLAMB"]
 
 
-def _peek(params: Iterable) -> list:
-    return [p for g in params for p in (list(g["params"]) if isinstance(g, dict) else [g])]
-
-
 class DistributedLAMB(DistributedOptimizer):
     """Data-parallel LAMB: Adam's moments, then w <- w - lr * (||w|| / ||r||) * r with r = m_hat / (sqrt(v_hat) +
     eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
 
     The trust ratio is ONE ratio over all the parameters of the optimizer (the program's norms are over the flat
-    vector), not one per tensor: for per-layer ratios, build one DistributedLAMB per layer. The norms make the step
-    run stage by stage (shared-memory collectives, eager ops) rather than as one fused collective.
+    vector), not one per tensor: for per-layer ratios, build one DistributedLAMB per layer. The norms split the
+    fused collective into two phases (runtime/norm_step.py): RS -> moments, r and partial norms per chunk ->
+    all-reduce of two numbers -> w - lr * ratio * r on the slice -> AG. With bfloat16/float16 parameters and
+    `master_dtype=torch.float32`, ||w|| is the norm of the float32 master weights, computed on their slices.
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -38,12 +36,6 @@ class DistributedLAMB(DistributedOptimizer):
             raise ValueError(f"DistributedLAMB: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
             raise ValueError(f"DistributedLAMB: betas={betas} must be two numbers in [0, 1)")
-        params = list(params)
-        if master_dtype is not None and any(p.dtype != master_dtype for p in _peek(params)):
-            raise ValueError(f"DistributedLAMB: master_dtype={master_dtype} differs from the parameters' dtype; mixed "
-                             "precision is not supported for LAMB (the trust ratio's norm of the master weights "
-                             "keeps them Replicated, so the standard schedule cannot slice them). Use float32 "
-                             "parameters, or DistributedAdam/DistributedSGD for mixed precision")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 

@@ -26,7 +26,7 @@ Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
 
 
-def _outside_readers(program: Program, inside: set[int]) -> set[int]:
+def outside_readers(program: Program, inside: set[int]) -> set[int]:
     """ids of the step's stages whose values are read outside the step or are program outputs."""
     needed = {id(o) for o in program.outputs}
     for s in program.stages:
@@ -44,6 +44,10 @@ def prepare(step, program: Program, comm, kernels: str | None,
     if isinstance(step, KernelStep):
         return _kernel_runner(step, program, kernels)
     if isinstance(step, FusedCollective):
+        if any(s.op == "norm" for s in step.compute):
+            from cocosync.runtime.norm_step import norm_collective_runner
+
+            return norm_collective_runner(step, program, comm, kernels, donate)
         return _fused_collective_runner(step, program, comm, kernels, donate)
     if isinstance(step, Overlap):
         return overlap_runner(step, program, comm, kernels)
@@ -55,19 +59,19 @@ def _kernel_runner(step, program: Program, kernels: str | None) -> Runner | None
     if len(stages) < 2 or not all(can_fuse(s) for s in stages):
         return None
     inside = {id(s) for s in stages}
-    outs = [s for s in stages if id(s) in _outside_readers(program, inside)]
+    outs = [s for s in stages if id(s) in outside_readers(program, inside)]
     if any(s.op == "update" or s.shape != stages[-1].shape for s in stages):
         return None  # broadcasting / state writes: keep the reference semantics
     k = build_kernel(stages, outs, kernels, name=f"k_{stages[0].name}")
 
     def run(env: dict) -> None:
-        _consts(k.inputs, env)
+        put_consts(k.inputs, env)
         for node, val in zip(outs, k(*(env[id(a)] for a in k.inputs))):
             env[id(node)] = val
     return run
 
 
-def _consts(nodes, env: dict) -> None:
+def put_consts(nodes, env: dict) -> None:
     for a in nodes:
         if a.op == "const":
             env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
@@ -97,7 +101,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
         for a in s.args:
             if id(a) not in inside and a.op != "const" and a.ndim and not (a.layout == rs.layout and a.shape == shape):
                 return None
-    needed = _outside_readers(program, inside)
+    needed = outside_readers(program, inside)
     gathered = ag.args[0]
     state_writes = [s for s in body if s.op == "update"]
     users = program.users()
@@ -124,7 +128,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
 
         for s in scalars:
             run_stage(s, env, comm)
-        _consts(kern.inputs, env)
+        put_consts(kern.inputs, env)
         g = env[id(rs.args[0])]
         if rs.args[0].op == "input" and rs.args[0].name in donate and shm.arena.locate(g) is not None:
             buf = g  # donated and already in shared memory: reduced in place, zero-copy

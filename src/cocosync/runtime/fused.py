@@ -20,7 +20,7 @@ import torch
 
 from cocosync.runtime.collectives import ShmCommunicator, _check_dtype, _check_op, split_bounds
 
-__all__ = ["fused_all_reduce", "slice_bounds", "adam_chunk_update", "AdamSlice", "CommThread", "overlap_chunks"]
+__all__ = ["fused_all_reduce", "gather_slices", "slice_bounds", "adam_chunk_update", "AdamSlice", "CommThread", "overlap_chunks"]
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -67,6 +67,25 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     comm._all_reduce_flat(name, x, ranges, op, inter=comm.nnodes > 1, fn=fn,
                           fn_out=y, gather=gather)
     return out
+
+
+def gather_slices(comm: ShmCommunicator, out: torch.Tensor) -> None:
+    """Each rank has written its slice (`slice_bounds`) of the flat `out`; afterwards every rank's `out` holds all
+    of them: the all-gather half of a fused all-reduce, for steps that compute their slice in several phases.
+    A node-shared `out` (``Arena.shared_empty``) only waits for the peers' writes; an arena `out` is read in place."""
+    y = out.view(-1)
+    if comm.world == 1:
+        return
+    if comm.nnodes > 1:
+        raise ValueError("gather_slices: one node only (across nodes each local rank's slice is split again)")
+    where = comm.arena.locate(y)
+    if where is not None and where[2]:
+        comm.flags.barrier("gather_slices (slices written)")
+        return
+    s, e = slice_bounds(comm, y.numel())
+    if y.numel() % comm.world:
+        raise ValueError(f"gather_slices: {y.numel()} elements do not split evenly over {comm.world} ranks")
+    comm.all_gather(y[s:e], out=y)
 
 
 _FUSED_ADAM = getattr(torch, "_fused_adam_", None)

@@ -117,7 +117,7 @@ def choose_dim(stages: tuple[Node, ...], chunks: int) -> tuple[int, list] | None
 def overlap_runner(step, program: Program, comm, kernels: str | None = None) -> Runner | None:
     """A runner `run(env)` executing the Overlap step pipelined by chunks, or None (reference fallback).
     (`kernels` is accepted for prepare()'s interface; the chunks' local stages run as torch ops.)"""
-    from cocosync.runtime.fast_steps import _outside_readers
+    from cocosync.runtime.fast_steps import outside_readers
 
     stages = tuple(step.stages)
     if not stages or step.chunks < 2:
@@ -131,7 +131,7 @@ def overlap_runner(step, program: Program, comm, kernels: str | None = None) -> 
     if chosen is None:
         return None
     d, cuts = chosen
-    needed = [s for s in stages if id(s) in _outside_readers(program, inside)]
+    needed = [s for s in stages if id(s) in outside_readers(program, inside)]
     return _Pipelined(stages, d, cuts, step.chunks, needed, comm)
 
 

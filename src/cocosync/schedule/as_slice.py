@@ -3,7 +3,8 @@
 After `reorder`, a Replicated state m is read only as `m_s = scatter(m)` and written as `update(m, all_gather(x))`
 with x its new slice. as_slice re-declares the input m as Sliced(d): the caller passes only its slice, the
 scatter disappears (readers read m), and the update writes the slice: `update(m, x)`. Readers of the updated m
-outside the update (rare after reorder) read `all_gather(m_new)`.
+outside the update (rare after reorder) read `all_gather(m_new)`. Whole-tensor reductions (norm, reduce_tensor)
+may read m as it is: their value is the same for the Replicated tensor and for its slices (e.g. LAMB's ||w||).
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import Sliced
 from cocosync.schedule._rewrite import Namer, Ref, finish, named, names_of, resolve
 from cocosync.schedule.errors import ScheduleError
+
+
+WHOLE_TENSOR = ("norm", "reduce_tensor")  # reductions to a scalar over the whole tensor, whatever its layout
 
 
 def as_slice(program: Program, tensors: Sequence[Ref]) -> Program:
@@ -40,7 +44,7 @@ def _as_slice_one(program: Program, ref: Ref) -> Program:
     for u in users[m.name]:
         if u.op == "scatter":
             dims.add(u.layout.dim)
-        elif u is upd:
+        elif u is upd or u.op in WHOLE_TENSOR:
             continue
         else:
             raise ScheduleError("as_slice", u.name, f"reads {m.name!r} as Replicated; as_slice({m.name}) needs every "
