@@ -64,6 +64,20 @@ def _fused_adam_cases(steps: int) -> dict[str, float]:
     t = xs[r].clone()
     comm.fused_all_reduce(t, lambda off, g, o: o.copy_(g + off), op="max")
     errs["inplace"] = (t - (torch.stack(xs).amax(0) + _offsets(comm, N))).abs().max().item()
+    # fn_bytes: fn gets several reduced chunks at once; plain out (published per group) and arena out
+    for kind in ("plain", "arena"):
+        t = comm.arena.empty(N)
+        t.copy_(xs[r])
+        out = torch.zeros(N) if kind == "plain" else comm.arena.empty(N)
+        calls: list[tuple[int, int]] = []
+
+        def fn(off, g, o):
+            calls.append((off, g.numel()))
+            o.copy_(g * 3)
+        comm.fused_all_reduce(t, fn, out=out, fn_bytes=3 * comm.chunk_bytes)
+        errs[f"grouped_{kind}"] = (out - torch.stack(xs).sum(0) * 3).abs().max().item()
+        errs[f"grouped_{kind}_calls"] = calls
+    errs["slice"] = (s, e)
     return errs
 
 
@@ -86,6 +100,12 @@ def test_fused_adam_matches_torch_optim(rank_pool, world, nnodes):
             assert res[key] < 1e-5, (key, res)
         assert res["sliced"] < 1e-5 and res["sliced_rest_untouched"] == 0.0, res
         assert res["inplace"] < 1e-4, res
+        s, e = res["slice"]
+        for kind in ("plain", "arena"):
+            assert res[f"grouped_{kind}"] < 1e-4, res
+            calls = res[f"grouped_{kind}_calls"]  # consecutive groups of 3 chunks covering the slice once
+            assert [c[0] for c in calls] == list(range(s, e, 3 * 64 << 10 >> 2)), calls
+            assert sum(c[1] for c in calls) == e - s and len(calls) < -(-(e - s) // (64 << 10 >> 2)), calls
     assert leftover_segments() == []
 
 

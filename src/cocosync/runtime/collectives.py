@@ -256,11 +256,12 @@ class ShmCommunicator:
         return t
 
     def fused_all_reduce(self, t: torch.Tensor, fn: Callable[[int, torch.Tensor, torch.Tensor], None], *,
-                         out: torch.Tensor | None = None, op: str = "sum", gather: bool = True) -> torch.Tensor:
+                         out: torch.Tensor | None = None, op: str = "sum", gather: bool = True,
+                         fn_bytes: int = 0) -> torch.Tensor:
         """Reduce-scatter -> fn per reduced chunk -> all-gather, as one operation (see runtime.fused)."""
         from cocosync.runtime.fused import fused_all_reduce
 
-        return fused_all_reduce(self, t, fn, out=out, op=op, gather=gather)
+        return fused_all_reduce(self, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes)
 
     def barrier(self) -> None:
         """All ranks of this node (and, with several nodes, of the job) reach this point."""
@@ -399,27 +400,33 @@ class ShmCommunicator:
                        dst: torch.Tensor, scale: float | None = None,
                        publish: torch.Tensor | None = None,
                        fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-                       fn_out: torch.Tensor | None = None) -> None:
+                       fn_out: torch.Tensor | None = None, fn_bytes: int = 0) -> None:
         """Reduce this rank's `ranges` over the sources, chunk by chunk, into the packed `dst` (ranges end to end).
 
         own: this rank's flat data (read for its own contribution). publish: also copy each result chunk there
         (at the same offsets as the ranges). fn(offset, reduced_chunk, out_chunk): fused computation per chunk,
-        writing into fn_out[offset:...] (then published from there).
+        writing into fn_out[offset:...] (then published from there); with fn_bytes > chunk_bytes, fn gets several
+        consecutive reduced chunks at once (fewer calls of a kernel with a fixed cost per call).
         """
         srcs = [own if lr == self.me else call.sources[lr] for lr in range(self.L)]
         step = max(1, self.chunk_bytes // own.element_size())
+        fn_step = max(step, fn_bytes // own.element_size())
         pos = 0
         for s, e in ranges:
+            pending = s  # start of the reduced chunks not yet passed to fn
             for a in range(s, e, step):
                 b = min(a + step, e)
                 d = dst[pos + a - s:pos + b - s]
                 _reduce_chunk(d, [src[a:b] for src in srcs], op, self._acc_buf, scale)
                 if fn is not None:
+                    if b - pending < fn_step and b < e:
+                        continue
                     assert fn_out is not None
-                    oc = fn_out[a:b]
-                    fn(a, d, oc)
+                    oc = fn_out[pending:b]
+                    fn(pending, dst[pos + pending - s:pos + b - s], oc)
                     if publish is not None and publish.data_ptr() != fn_out.data_ptr():
-                        publish[a:b].copy_(oc)
+                        publish[pending:b].copy_(oc)
+                    pending = b
                 elif publish is not None:
                     publish[a:b].copy_(d)
             pos += e - s
@@ -434,7 +441,8 @@ class ShmCommunicator:
                 y[s:e].copy_(src[s:e])
 
     def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str,
-                         inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True) -> None:
+                         inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True,
+                         fn_bytes: int = 0) -> None:
         """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x."""
         s, e = ranges[self.me][0]
         out = x if fn_out is None else fn_out
@@ -461,7 +469,7 @@ class ShmCommunicator:
             publish = None if (shared_out or out_zc) else ws_me
         if not inter:
             self._reduce_ranges(call, ranges[self.me], op, x, x[s:e], scale=self._scale(op),
-                                publish=publish if fn is None else publish, fn=fn, fn_out=fn_out)
+                                publish=publish, fn=fn, fn_out=fn_out, fn_bytes=fn_bytes)
         else:
             part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
             self._reduce_ranges(call, ranges[self.me], op, x, part)
@@ -472,7 +480,7 @@ class ShmCommunicator:
                 if part.data_ptr() != x.data_ptr() + s * x.element_size():
                     x[s:e].copy_(part)
             if fn is not None:
-                step = max(1, self.chunk_bytes // x.element_size())
+                step = max(1, max(self.chunk_bytes, fn_bytes) // x.element_size())
                 for a in range(s, e, step):
                     b = min(a + step, e)
                     fn(a, x[a:b], out[a:b])

@@ -13,6 +13,7 @@ the interpreter in the tests; when a precondition does not hold we fall back rat
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 import torch
@@ -24,6 +25,9 @@ from cocosync.runtime.overlap_step import overlap_runner
 
 Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
+# bytes (of gradient) per call of a fused collective's kernel: each call of a compiled kernel costs ~30 us of
+# guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once
+KERNEL_BYTES = int(os.environ.get("COCOSYNC_KERNEL_BYTES", 2 << 20))  # 2 MB: best of 0.25-8 MB (bench dp)
 
 
 def outside_readers(program: Program, inside: set[int]) -> set[int]:
@@ -169,7 +173,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
         if compiling:  # the first call compiles the kernel inside the collective: peers wait longer, once
             shm.flags.timeout = max(timeout, FIRST_CALL_TIMEOUT)
         try:
-            shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value)
+            shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value, fn_bytes=KERNEL_BYTES)
         finally:
             shm.flags.timeout = timeout
             compiling.clear()

@@ -32,7 +32,7 @@ def slice_bounds(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 
 def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
-                     op: str = "sum", gather: bool = True) -> torch.Tensor:
+                     op: str = "sum", gather: bool = True, fn_bytes: int = 0) -> torch.Tensor:
     """Reduce `t` over all ranks; on this rank's slice call ``fn(offset, reduced_chunk, out_chunk)`` chunk by chunk;
     then (if `gather`) all-gather the results so every rank's `out` holds all of them.
 
@@ -45,6 +45,8 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
         out: where the results go (same numel and dtype as `t`; default `t` itself). A node-shared arena tensor is
             updated in place by each rank for its slice, with no all-gather within the node.
         gather: False keeps only this rank's slice updated (the "sliced" use, e.g. a sharded optimizer).
+        fn_bytes: call fn on up to this many bytes of consecutive reduced chunks at once (default: one chunk,
+            `comm.chunk_bytes`): fewer calls for a compiled kernel whose every call has a fixed cost.
     Returns:
         out.
     """
@@ -60,12 +62,12 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     x, y = t.view(-1), out.view(-1)
     ranges = [[b] for b in split_bounds(x.numel(), comm.L)]
     if comm.world == 1:
-        step = max(1, comm.chunk_bytes // x.element_size())
+        step = max(1, max(comm.chunk_bytes, fn_bytes) // x.element_size())
         for a in range(0, x.numel(), step):
             fn(a, x[a:a + step], y[a:a + step])
         return out
-    comm._all_reduce_flat(name, x, ranges, op, inter=comm.nnodes > 1, fn=fn,
-                          fn_out=y, gather=gather)
+    comm._all_reduce_flat(name, x, ranges, op, inter=comm.nnodes > 1, fn=fn, fn_out=y, gather=gather,
+                          fn_bytes=fn_bytes)
     return out
 
 

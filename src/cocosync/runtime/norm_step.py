@@ -111,7 +111,7 @@ class _Layout:
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import put_consts
+    from cocosync.runtime.fast_steps import KERNEL_BYTES, put_consts
 
     shm = getattr(comm, "shm", None)
     lay = _Layout(step, program, shm)
@@ -204,9 +204,9 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
         try:
             chunk, norms = phase(0)
             shm.fused_all_reduce(buf, lambda offset, red, _out: chunk(offset, red.numel()),
-                                 op=rs.attr("op").value, gather=False)
+                                 op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
             finish_norms(norms, 1)
-            step_elems = max(1, shm.chunk_bytes // buf.element_size())
+            step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
             for k in range(1, lay.K + 1):
                 chunk, norms = phase(k)
                 for a in range(start, stop, step_elems):
