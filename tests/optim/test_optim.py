@@ -135,7 +135,7 @@ def test_two_ranks_match_torch_optim(rank_pool):
             params, fast = got[r][i]
             for p, q in zip(params, ref):
                 torch.testing.assert_close(p, q, **tol, msg=lambda m: f"case {i} {kind} {kw} rank {r}: {m}")
-        # the update is one fused collective (clipping: after a grad-norm pass; LAMB: in two phases around its norms)
+        # the update is one fused collective (with clipping or LAMB's norms: in phases around the norms)
         assert any(f.startswith("fused_collective") for f in got[0][i][1]), (i, got[0][i][1])
     ref = _reference("adam", {})
     for r in range(2):

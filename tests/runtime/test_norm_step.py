@@ -51,7 +51,11 @@ def _on_rank(name, dtype, donate):
     for step in range(1, STEPS + 1):
         g.copy_(_grad(step, rank, gdt))
         fn(g=g, **state, **adam_scalars(step, lr=0.05, weight_decay=WD), **extra)
-    return {"state": state, "fast": fn.fast_steps}
+    from cocosync.runtime.norm_step import _Phases
+
+    phases = _Phases(fn.plan.steps[0], fn.plan.program, fn.comm.shm)
+    shape = [[s.name for s in k[0]] for k in phases.kernels] if phases.ok else None
+    return {"state": state, "fast": fn.fast_steps, "phases": shape}
 
 
 def _oracle(name, P, dtype):
@@ -80,6 +84,16 @@ def test_norm_collective_matches_oracle(rank_pool, name, P, nnodes, donate):
             exp = want[k][r * N // P:(r + 1) * N // P] if k in sliced else want[k]
             tol = dict(rtol=1e-2, atol=1e-2) if v.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(v, exp, **tol, msg=lambda m: f"{name} rank {r} {k}: {m}")
+
+
+def test_phases_recompute_instead_of_storing(rank_pool):
+    """Clipped Adam: phase 0 only sums squares of the reduced gradient (no kernel stages, nothing stored); the
+    update runs once, in phase 1. LAMB: phase 1 recomputes r from the new moments (read from m, v) and w."""
+    clip, lamb = rank_pool(2).run(_on_rank, "adam_clip", torch.float32, True)[0], \
+        rank_pool(2).run(_on_rank, "lamb", torch.float32, True)[0]
+    assert clip["phases"][0] == [] and "m_new" in clip["phases"][1] and len(clip["phases"]) == 2, clip["phases"]
+    p0, p1 = lamb["phases"]
+    assert {"m_new", "v_new"} <= set(p0) and not {"m_new", "v_new", "add1", "add2"} & set(p1), lamb["phases"]
 
 
 def test_norm_collective_changes_the_weights_by_the_trust_ratio(rank_pool):

@@ -14,9 +14,8 @@ for low-precision collectives) and rounds the mean to the gradient dtype.
 
 Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
 torch.nn.utils.clip_grad_norm_; the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
-reduction over the whole tensor, so a program with clipping (or LAMB's trust ratio) runs stage by stage, not as
-one fused collective. The faster form used by cocosync.optim is two passes: `grad_norm_program` (reduce-scatter +
-norm of the slice), then g *= clip_coef (the mean is linear) and the unclipped program's fused collective.
+reduction over the whole tensor: the runtime runs such a fused collective in phases around it (runtime/norm_step.py),
+still one reduction of the gradients. `grad_norm_program` is the norm alone (reduce-scatter + norm of the slice).
 
 With `master_dtype == dtype` and `clip=False` each program is the paper's program (same stages).
 """
@@ -141,8 +140,3 @@ def grad_norm_program(n: int, dtype: torch.dtype = float32) -> Program:
     if dtype != float32:
         gs = cast(gs, float32)
     return Program("grad_norm", [g], [norm(gs)])
-
-
-def clip_coef(total_norm: float, max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_'s factor: min(1, max_norm / (norm + 1e-6))."""
-    return min(1.0, max_norm / (total_norm + CLIP_EPS))

@@ -22,7 +22,6 @@ import torch
 import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
-from cocosync.examples.mixed_precision import clip_coef, grad_norm_program
 from cocosync.optim.flat import FlatParams
 from cocosync.schedule.standard import sharded_update_schedule
 
@@ -49,7 +48,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     #: parallelism; after loading new weights into the model on every rank, have ranks meet (dist.barrier())
     #: before the next forward. Set to False for a private copy per rank.
     node_shared_params = True
-    TWO_PASS_CLIP = True  # False: clip inside the update program (one program, stage by stage; for comparison)
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
                  master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
@@ -73,24 +71,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.world = dist.get_world_size(group) if self._distributed else 1
         self._structure = self._structure_of(self.param_groups[0])
         n_pad = -(-sum(p.numel() for p in params) // self.world) * self.world
-        # clipping: one program with the norm inside (runs stage by stage), or two passes (a small grad-norm
-        # program, then g *= coef and the unclipped program's fused collective): the default when distributed
-        clip = max_grad_norm is not None
-        self.two_pass_clip = clip and self._distributed and self.TWO_PASS_CLIP
+        # clipping is inside the update program: its norm splits the fused collective into two phases
+        # (runtime/norm_step.py), still one reduction of the gradients
         self.program = self._program(n_pad, dtype, self.master_dtype if self.mixed else None,
-                                     clip=clip and not self.two_pass_clip, **self._structure)
+                                     clip=max_grad_norm is not None, **self._structure)
         states = tuple(s for s in self._program_states() if s in self.program.updates)
         self.schedule = sharded_update_schedule(self.program, states)
         self.compiled: Callable | None = None
-        self.compiled_norm: Callable | None = None
         alloc = param_alloc = None
         if self._distributed:
-            from cocosync.lower.lower import lower
             from cocosync.lower.run_plan import compile_plan
 
             self.compiled = compile_plan(self.schedule.lower(), group, donate=("g",))
-            if self.two_pass_clip:
-                self.compiled_norm = compile_plan(lower(grad_norm_program(n_pad, dtype)), group)
             shm = self.compiled.comm.shm
             if shm is not None:
                 alloc = shm.arena.empty
@@ -158,12 +150,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps += 1
         inputs: dict[str, Any] = {"g": self.flat.grad, "w": self.flat.flat, **self.local_state,
                                   **self._scalars(group, self.steps)}
-        if self.two_pass_clip:
-            total = float(next(iter(self.compiled_norm(g=self.flat.grad).values())))
-            coef = clip_coef(total, float(self.max_grad_norm))
-            if coef < 1.0:
-                self.flat.grad.mul_(coef)  # the mean over ranks is linear: mean(coef * g) = coef * mean(g)
-        elif self.max_grad_norm is not None:
+        if self.max_grad_norm is not None:
             inputs["max_norm"] = float(self.max_grad_norm)
         if self.compiled is not None:
             self.compiled(**inputs)

@@ -61,23 +61,27 @@ class Kernel:
     """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors.
 
     With `into=True` the kernel writes its outputs into tensors given after the inputs,
-    `kernel(*inputs, *outs) -> None`: Inductor then fuses the stores into the one loop (no temporaries).
+    `kernel(*inputs, *outs, *sqs) -> None`: Inductor then fuses the stores into the one loop (no temporaries).
+    `sumsq` lists values (stages or inputs) whose float32 sum of squares the kernel also writes, each into a 0-dim
+    tensor `sqs[i]`, in the same loop: the partial sums of a norm over this call's elements.
     `reads_out` maps inputs that are the very memory of an output (a state updated in place) to that output's
     index: the kernel reads them from the output tensor and they are not passed (`self.inputs` omits them), so
     no two arguments alias (aliased arguments make Inductor compile against their common base, whose size it then
     wrongly assumes for other calls)."""
 
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
-                 into: bool = False, reads_out: dict[int, int] | None = None):
+                 into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = ()):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
         inside = {id(s) for s in stages}
+        self.sumsq = list(sumsq)
+        if self.sumsq and not into:
+            raise ValueError(f"kernel {name!r}: sumsq needs into=True")
         self.inputs: list[Node] = []
-        for s in stages:
-            for a in s.args:
-                if id(a) not in inside and a.op != "const" and all(a is not x for x in self.inputs):
-                    self.inputs.append(a)
+        for a in [x for s in stages for x in s.args] + [x for x in self.sumsq if id(x) not in inside]:
+            if id(a) not in inside and a.op != "const" and all(a is not x for x in self.inputs):
+                self.inputs.append(a)
         self.outputs, self.backend, self.name, self.into = list(outputs), backend, name, into
         reads_out = reads_out or {}
         if reads_out and not into:
@@ -91,7 +95,9 @@ class Kernel:
             body.append(f"    t{i} = {_line(s, ref)}  # {s.name}")
         params = [f"in{i}" for i in range(len(self.inputs))]
         if into:
-            params += [f"out{i}" for i in range(len(self.outputs))]
+            params += [f"out{i}" for i in range(len(self.outputs))] + [f"sq{i}" for i in range(len(self.sumsq))]
+            # sums first: an operand may be read from an output's memory (reads_out) that the copies overwrite
+            body += [f"    sq{i}.copy_({ref[id(x)]}.float().square().sum())" for i, x in enumerate(self.sumsq)]
             body += [f"    out{i}.copy_({ref[id(o)]})" for i, o in enumerate(self.outputs)]
             ret = "None"
         else:
@@ -142,10 +148,11 @@ def _inductor_cache_dir() -> None:
 
 
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
-                 name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None) -> Kernel:
+                 name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None,
+                 sumsq: Sequence[Node] = ()) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
     backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor)."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into, reads_out)
+    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq)
