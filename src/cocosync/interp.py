@@ -135,6 +135,12 @@ def _to_scalar(node: Node, x: _Val, fn: Callable[[torch.Tensor], torch.Tensor], 
     return _Val(node.layout, [fn(t.float()).to(node.dtype) for t in x.parts])
 
 
+def segment_norms(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    """segment_norm on a whole (global) 1-D tensor: each element becomes the L2 norm of its segment (float32)."""
+    norms = torch.stack([part.float().norm() for part in x.split(list(sizes))])
+    return norms.repeat_interleave(torch.tensor(sizes))
+
+
 _SCALAR_REDUCE = {ReduceOp.SUM: torch.sum, ReduceOp.MEAN: torch.mean, ReduceOp.MAX: torch.amax,
                   ReduceOp.MIN: torch.amin}
 
@@ -191,6 +197,8 @@ def interpret(program: Program, world_size: int, inputs: Mapping[str, Any]) -> l
             env[id(s)] = _matmul(s, *args, w)
         elif s.op == "norm":
             env[id(s)] = _to_scalar(s, args[0], torch.linalg.vector_norm, w)
+        elif s.op == "segment_norm":
+            env[id(s)] = _Val(s.layout, [segment_norms(t, s.attr("sizes")).to(s.dtype) for t in args[0].parts])
         elif s.op == "reduce_tensor":
             env[id(s)] = _to_scalar(s, args[0], _SCALAR_REDUCE[s.attr("op")], w)
         elif s.op == "update":

@@ -130,3 +130,24 @@ def test_listing_and_names():
     assert p.stage(s).name == "all_reduce1" and p.stage("mul1").op == "mul"
     with pytest.raises(DslError, match="no stage named 'nope'"):
         p.stage("nope")
+
+
+@pytest.mark.parametrize("build, msg", [
+    (lambda: cs.segment_norm(T("m"), (16, 16)), "segment_norm: operand m: f32\\[8, 4\\] R must be a 1-D tensor"),
+    (lambda: cs.segment_norm(T("v", (10,)), (4, 5)), "add up to 10 .* 2 sizes adding up to 9"),
+    (lambda: cs.segment_norm(T("v", (10,)), (12, -2)), "must be positive"),
+    (lambda: cs.segment_norm(T("v", (10,)), "ab"), "sizes must be a sequence of integers"),
+])
+def test_segment_norm_errors(build, msg):
+    with pytest.raises(DslError, match=msg):
+        build()
+
+
+def test_segment_norm_keeps_shape_and_layout_and_equals_per_segment_norms():
+    v = T("v", (10,), layout=Sliced(0))
+    s = cs.segment_norm(v, (3, 7))
+    assert s.shape == (10,) and str(s.layout) == "S[0]" and "sizes=(3, 7)" in str(cs.Program("p", [v], [s]))
+    x, xin = torch.arange(10.0), T("x", (10,))
+    out = cs.interpret(cs.Program("p", [xin], [cs.segment_norm(xin, (3, 7))]), 1, {"x": x})[0]
+    want = torch.cat([x[:3].norm().expand(3), x[3:].norm().expand(7)])
+    torch.testing.assert_close(next(iter(out.values())), want)

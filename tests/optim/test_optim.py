@@ -53,7 +53,7 @@ def _train(net, opt, steps, rank, P, dtype=torch.float32):
 CASES = [("adam", {}), ("sgd", {}), ("lamb", {}), ("adam", {"max_grad_norm": CLIP}), ("sgd", {"max_grad_norm": CLIP}),
          ("adam", {"master_dtype": torch.float32, "dtype": torch.bfloat16}),
          ("sgd", {"master_dtype": torch.float32, "dtype": torch.bfloat16}), ("lamb", {"max_grad_norm": CLIP}),
-         ("lamb", {"master_dtype": torch.float32, "dtype": torch.bfloat16})]
+         ("lamb", {"master_dtype": torch.float32, "dtype": torch.bfloat16}), ("lamb", {"per_tensor": False})]
 
 
 def _on_rank(state_from_p1=None):
@@ -82,10 +82,11 @@ def _on_rank(state_from_p1=None):
 
 
 def _reference(kind, kw):
-    """Single process on the whole batch: torch.optim (LAMB: lamb_reference on the flat vector)."""
+    """Single process on the whole batch: torch.optim (LAMB: lamb_reference, per tensor or on the flat vector)."""
     kw = dict(kw)
     dtype, master = kw.pop("dtype", torch.float32), kw.pop("master_dtype", None)
     clip = kw.pop("max_grad_norm", None)
+    per_tensor = kw.pop("per_tensor", True)
     net = Net().to(dtype)
     params = list(net.parameters())
     masters = [p.detach().float().clone().requires_grad_() for p in params] if master else params
@@ -107,8 +108,9 @@ def _reference(kind, kw):
             torch.nn.utils.clip_grad_norm_(masters, clip)
         with torch.no_grad():
             if kind == "lamb":
+                sizes = tuple(p.numel() for p in params) if per_tensor else None
                 w, m, v = lamb_reference(flat(masters), m, v, flat(q.grad for q in masters), step,
-                                         lr=hp["lr"], wd=hp["weight_decay"])
+                                         lr=hp["lr"], wd=hp["weight_decay"], sizes=sizes)
                 for p, q, new in zip(params, masters, w.split([p.numel() for p in params])):
                     q.copy_(new.view(p.shape))
                     p.copy_(q)

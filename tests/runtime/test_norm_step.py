@@ -10,7 +10,8 @@ from cocosync.examples.mixed_precision import adam_mp_program, lamb_mp_program
 from cocosync.examples.optimizers import adam_scalars
 from cocosync.schedule.standard import sharded_update_schedule
 
-N, STEPS = 4096, 3
+N, STEPS = 160_000, 3  # 2 ranks: 80k elements each, two kernel calls per phase (64k + 16k)
+SIZES = (70_000, 1_000, 50_000, 38_999, 1)  # parameter tensors: across the chunk (65536) and rank (80000) bounds
 WD = 0.01
 
 
@@ -21,6 +22,9 @@ def _programs(dtype):
         "lamb_mp": (lamb_mp_program(N, dtype, torch.float32), ("master", "m", "v"), {}),
         "adam_clip": (adam_mp_program(N, clip=True), ("m", "v"), {"max_norm": 0.5}),
         "lamb_clip": (lamb_mp_program(N, clip=True), ("m", "v"), {"max_norm": 0.5}),
+        "lamb_per_tensor": (lamb_program(N, sizes=SIZES), ("m", "v"), {}),
+        "lamb_per_tensor_mp": (lamb_mp_program(N, dtype, torch.float32, clip=True, sizes=SIZES),
+                               ("master", "m", "v"), {"max_norm": 0.5}),
     }
 
 
@@ -30,8 +34,9 @@ def _grad(step, rank, dtype):
 
 def _init(name, dtype):
     w = torch.linspace(-1, 1, N)
-    state = {"w": w.to(dtype) if name == "lamb_mp" else w.clone(), "m": torch.zeros(N), "v": torch.zeros(N)}
-    if name == "lamb_mp":
+    mp = name.endswith("_mp")
+    state = {"w": w.to(dtype) if mp else w.clone(), "m": torch.zeros(N), "v": torch.zeros(N)}
+    if mp:
         state["master"] = w.clone()
     return state
 
@@ -46,7 +51,7 @@ def _on_rank(name, dtype, donate):
     fn = compile_plan(sharded_update_schedule(program, sliced).lower(), donate=("g",) if donate else ())
     sl = slice(rank * N // P, (rank + 1) * N // P)
     state = {k: (v[sl].clone() if k in sliced else v) for k, v in _init(name, dtype).items()}
-    gdt = dtype if name == "lamb_mp" else torch.float32
+    gdt = dtype if name.endswith("_mp") else torch.float32
     g = fn.comm.shm.arena.empty(N, gdt) if donate else torch.empty(N, dtype=gdt)
     for step in range(1, STEPS + 1):
         g.copy_(_grad(step, rank, gdt))
@@ -54,14 +59,14 @@ def _on_rank(name, dtype, donate):
     from cocosync.runtime.norm_step import _Phases
 
     phases = _Phases(fn.plan.steps[0], fn.plan.program, fn.comm.shm)
-    shape = [[s.name for s in k[0]] for k in phases.kernels] if phases.ok else None
+    shape = [[s.name for s in k.stages] for k in phases.kernels] if phases.ok else None
     return {"state": state, "fast": fn.fast_steps, "phases": shape}
 
 
 def _oracle(name, P, dtype):
     program, _, extra = _programs(dtype)[name]
     state = _init(name, dtype)
-    gdt = dtype if name == "lamb_mp" else torch.float32
+    gdt = dtype if name.endswith("_mp") else torch.float32
     for step in range(1, STEPS + 1):
         o = cs.interpret(program, P, {"g": [_grad(step, r, gdt) for r in range(P)], **state,
                                       **adam_scalars(step, lr=0.05, weight_decay=WD), **extra})[0]
@@ -71,7 +76,8 @@ def _oracle(name, P, dtype):
 
 @pytest.mark.parametrize("name, P, nnodes, donate", [
     ("lamb", 2, 1, True), ("lamb", 4, 1, False), ("lamb", 4, 2, False), ("lamb_mp", 2, 1, True),
-    ("adam_clip", 2, 1, True), ("lamb_clip", 4, 1, True)])
+    ("adam_clip", 2, 1, True), ("lamb_clip", 4, 1, True), ("lamb_per_tensor", 2, 1, False),
+    ("lamb_per_tensor", 4, 1, True), ("lamb_per_tensor", 4, 2, False), ("lamb_per_tensor_mp", 2, 1, True)])
 def test_norm_collective_matches_oracle(rank_pool, name, P, nnodes, donate):
     dtype = torch.bfloat16
     got = rank_pool(P, nnodes=nnodes).run(_on_rank, name, dtype, donate)
@@ -82,7 +88,8 @@ def test_norm_collective_matches_oracle(rank_pool, name, P, nnodes, donate):
         assert bool(out["fast"]) == (nnodes == 1) and all("fused_collective" in f for f in out["fast"]), out["fast"]
         for k, v in out["state"].items():
             exp = want[k][r * N // P:(r + 1) * N // P] if k in sliced else want[k]
-            tol = dict(rtol=1e-2, atol=1e-2) if v.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+            # float32: the norms sum 160k squares in different orders (chunks, ranks) than the interpreter
+            tol = dict(rtol=1e-2, atol=1e-2) if v.dtype == torch.bfloat16 else dict(rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(v, exp, **tol, msg=lambda m: f"{name} rank {r} {k}: {m}")
 
 

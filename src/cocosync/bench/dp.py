@@ -9,8 +9,8 @@ slowest rank of that iteration; medians are reported.
   on (``AdamSlice`` on flat arena buffers), DDP-style (bucketed gloo all_reduce + ``torch.optim.Adam(fused=True)``),
   ZeRO-1 (the same all_reduce + ``ZeroRedundancyOptimizer(Adam)``), FSDP2 (``fully_shard``, a batch-1
   forward/backward/step with the local forward/backward time, measured in the same run, subtracted).
-- **lamb**: ours (``DistributedLAMB``: one trust ratio over all parameters) vs bucketed gloo all_reduce + LAMB
-  with torch._foreach ops computing the same thing (and, for reference, the paper's per-tensor trust ratios).
+- **lamb**: ours (``DistributedLAMB``: one trust ratio per parameter tensor, as published) vs bucketed gloo
+  all_reduce + LAMB with torch._foreach ops computing the same thing; and both with one global ratio.
 - **train**: a full step (forward + backward + step) of a small transformer LM: torch DDP + Adam(fused) vs ours
   (the plain model + DistributedAdam, no DDP).
 
@@ -45,9 +45,10 @@ LABELS = {
     "naive": "one all_reduce(gloo) of all grads, then Adam (foreach, torch's default)",
     "zero": "ZeRO-1: all_reduce(gloo) + ZeroRedundancyOptimizer(Adam)",
     "fsdp2": "FSDP2 fully_shard (fwd/bwd/step b=1 minus local fwd/bwd)",
-    "lamb_ours": "ours: DistributedLAMB",
-    "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB (one global trust ratio, as ours)",
-    "lamb_base_layer": "bucketed all_reduce(gloo) + foreach LAMB (per-tensor ratios)",
+    "lamb_ours": "ours: DistributedLAMB (per-tensor trust ratios)",
+    "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB (per-tensor ratios)",
+    "lamb_ours_global": "ours: DistributedLAMB(per_tensor=False) (one global ratio)",
+    "lamb_base_global": "bucketed all_reduce(gloo) + foreach LAMB (one global ratio)",
     "train_ours": "ours: model + DistributedAdam (no DDP)",
     "train_ddp": "torch DDP + Adam(fused)",
 }
@@ -78,7 +79,7 @@ class DpConfig:
     """Small transformer: vocabulary size."""
     sections: tuple[str, ...] = SECTIONS
     """Which comparisons to run (adam, lamb, train)."""
-    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_layer")
+    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_global")
     """Optional rows (ours and the DDP-style / same-math LAMB baselines always run)."""
     kernels: str | None = None
     """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
@@ -96,10 +97,10 @@ class DpConfig:
         bad = set(self.sections) - set(SECTIONS)
         if bad:
             raise ValueError(f"DpConfig.sections: unknown {sorted(bad)}; choose from {list(SECTIONS)}")
-        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_layer"}
+        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_global"}
         if bad:
             raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from naive, zero, fsdp2, "
-                             "adamslice, lamb_layer")
+                             "adamslice, lamb_global")
         if self.kernels not in (None, "inductor", "eager"):
             raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
@@ -301,12 +302,12 @@ def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     cases = _Cases()
     keep: list[Any] = []
 
-    def ours():
+    def ours(per_tensor: bool, key: str):
         model = _mlp(cfg)
-        opt = _ours_lamb()(model.parameters(), lr=1e-4)
+        opt = _ours_lamb()(model.parameters(), lr=1e-4, per_tensor=per_tensor)
         _set_grads(model, grads)
         keep.append((model, opt))
-        _note_fast(cases, "lamb_ours", opt)
+        _note_fast(cases, key, opt)
         return opt.step
 
     def base(per_tensor: bool):
@@ -321,10 +322,11 @@ def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
             opt.step()
         return step
 
-    cases.add("lamb_ours", ours)
-    cases.add("lamb_base", lambda: base(False))
-    if "lamb_layer" in cfg.baselines:
-        cases.add("lamb_base_layer", lambda: base(True))
+    cases.add("lamb_ours", lambda: ours(True, "lamb_ours"))
+    cases.add("lamb_base", lambda: base(True))
+    if "lamb_global" in cfg.baselines:
+        cases.add("lamb_ours_global", lambda: ours(False, "lamb_ours_global"))
+        cases.add("lamb_base_global", lambda: base(False))
     cases.keep = keep  # type: ignore[attr-defined]
     return cases
 

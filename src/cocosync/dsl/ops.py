@@ -36,7 +36,7 @@ _def("elementwise", "neg", "abs", "sqrt", "rsqrt", "exp", "log", "cast", "dropou
 for _n, _s in {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "le": "<=", "gt": ">",
                "ge": ">=", "eq": "==", "ne": "!="}.items():
     _def("elementwise", _n, symbol=_s)
-_def("compute", "matmul", "norm", "reduce_tensor", "update")
+_def("compute", "matmul", "norm", "segment_norm", "reduce_tensor", "update")
 _def("comm", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter", "send")
 _def("leaf", "input", "const")
 
@@ -260,6 +260,21 @@ def norm(x: Node) -> Node:
     return _node("norm", (x,), (), x.dtype, _to_scalar_layout(x))
 
 
+def segment_norm(x: Node, sizes: Any) -> Node:
+    """Per-segment L2 norms, broadcast back: x (1-D) is cut into consecutive segments of `sizes` elements (e.g. the
+    parameter tensors of a flat buffer) and each element becomes the norm of its segment. Same shape and layout as
+    x; over the whole tensor for Sliced x (a segment may span ranks). LAMB's per-tensor trust ratio reads it."""
+    _need("segment_norm", x, "a 1-D tensor", isinstance(x, Node) and x.ndim == 1)
+    try:
+        sizes = tuple(int(n) for n in sizes)
+    except (TypeError, ValueError):
+        raise DslError(f"segment_norm: sizes must be a sequence of integers, got {sizes!r:.80}") from None
+    if not sizes or min(sizes) < 1 or sum(sizes) != x.shape[0]:
+        raise DslError(f"segment_norm: sizes must be positive and add up to {x.shape[0]} (the length of "
+                       f"{_desc(x)}), got {len(sizes)} sizes adding up to {sum(sizes)}")
+    return _node("segment_norm", (x,), x.shape, x.dtype, x.layout, sizes=sizes)
+
+
 def reduce_tensor(x: Node, op: ReduceOp | str = ReduceOp.SUM) -> Node:
     """Reduce all elements of x to a scalar (sum/max/min/mean); over the whole tensor for Sliced inputs."""
     _float_operands("reduce_tensor", (x,))
@@ -358,5 +373,5 @@ def send(x: Node, *, groups: int) -> Node:
 
 PUBLIC = ["Tensor", "Scalar", "const", "add", "sub", "mul", "div", "pow", "maximum", "minimum", "neg", "abs", "sqrt",
           "rsqrt", "exp", "log", "lt", "le", "gt", "ge", "eq", "ne", "where", "cast", "dropout", "matmul", "norm",
-          "reduce_tensor", "update", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
+          "segment_norm", "reduce_tensor", "update", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
           "send"]

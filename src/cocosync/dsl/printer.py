@@ -28,6 +28,8 @@ def _attr_str(k: str, v: object) -> str:
         return v.value
     if k == "to":
         return DTYPE_SHORT.get(v, str(v))
+    if k == "sizes" and len(v) > 4:  # segment_norm over many parameter tensors
+        return f"sizes=({v[0]}, {v[1]}, ..., {v[-1]}: {len(v)} segments)"
     return f"{k}={v}"
 
 

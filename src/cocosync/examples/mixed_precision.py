@@ -27,6 +27,8 @@ import torch
 from cocosync.dsl import (Local, Node, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, cast, float32, gt,
                           norm, reduce_scatter, sqrt, update, where)
 
+from cocosync.examples.lamb import trust_ratio  # noqa: E402 - after the DSL imports it uses
+
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
 
@@ -89,8 +91,9 @@ def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
 
 
 def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                    clip: bool = False) -> Program:
-    """LAMB (as `lamb_program`: one trust ratio ||w|| / ||r|| over the whole vector) on master weights."""
+                    clip: bool = False, sizes: tuple[int, ...] | None = None) -> Program:
+    """LAMB (as `lamb_program`: trust ratio ||w|| / ||r|| over the whole vector, or per segment of `sizes`) on
+    master weights."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1 = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
@@ -99,10 +102,8 @@ def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
     m1 = update(m, beta1 * m + (1 - beta1) * g1)
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
     r = (m1 / c1) / (sqrt(v1 / c2) + eps) + wd * w
-    w_norm, r_norm = norm(w), norm(r)
-    ratio = where(gt(w_norm, 0.0), where(gt(r_norm, 0.0), w_norm / r_norm, 1.0), 1.0)
-    outs = _write(ws, w - lr * ratio * r)
-    return Program(_mp_name("lamb", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
+    outs = _write(ws, w - lr * trust_ratio(w, r, sizes) * r)
+    return Program(_mp_name("lamb" if sizes is None else "lamb_per_tensor", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
                                                                   *gin[1:]], [*outs, m1, v1])
 
 

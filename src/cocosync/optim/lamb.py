@@ -20,29 +20,39 @@ class DistributedLAMB(DistributedOptimizer):
     """Data-parallel LAMB: Adam's moments, then w <- w - lr * (||w|| / ||r||) * r with r = m_hat / (sqrt(v_hat) +
     eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
 
-    The trust ratio is ONE ratio over all the parameters of the optimizer (the program's norms are over the flat
-    vector), not one per tensor: for per-layer ratios, build one DistributedLAMB per layer. The norms split the
-    fused collective into two phases (runtime/norm_step.py): RS -> moments, r and partial norms per chunk ->
-    all-reduce of two numbers -> w - lr * ratio * r on the slice -> AG. With bfloat16/float16 parameters and
-    `master_dtype=torch.float32`, ||w|| is the norm of the float32 master weights, computed on their slices.
+    per_tensor=True (default, LAMB as published and as apex's FusedLAMB): one trust ratio per parameter tensor
+    (`segment_norm` over the flat buffer, one segment per parameter); False: ONE ratio over all parameters (the
+    norms over the whole flat vector, as `cocosync.examples.lamb.lamb_program` without sizes).
+
+    The norms split the fused collective into two phases (runtime/norm_step.py): RS -> moments and partial sums
+    of squares per chunk -> all-reduce of those few sums -> w - lr * ratio * r on the slice -> AG. With
+    bfloat16/float16 parameters and `master_dtype=torch.float32`, ||w|| is the norm of the float32 master weights,
+    computed on their slices.
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, max_grad_norm: float | None = None,
-                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 per_tensor: bool = True):
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
             raise ValueError(f"DistributedLAMB: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
         if not all(0.0 <= b < 1.0 for b in betas) or len(betas) != 2:
             raise ValueError(f"DistributedLAMB: betas={betas} must be two numbers in [0, 1)")
+        self.per_tensor = bool(per_tensor)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool) -> Program:
+        sizes = None
+        if self.per_tensor:  # one segment per parameter, in FlatParams' order, then the zero padding
+            sizes = [p.numel() for p in self.param_groups[0]["params"]]
+            sizes += [n - sum(sizes)] if n > sum(sizes) else []
+            sizes = tuple(sizes)
         if master_dtype is None and not clip:
-            return lamb_program(n, dtype)  # the paper's program
-        return lamb_mp_program(n, dtype, master_dtype, clip=clip)
+            return lamb_program(n, dtype, sizes)  # the paper's program
+        return lamb_mp_program(n, dtype, master_dtype, clip=clip, sizes=sizes)
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         return adam_scalars(step, lr=group["lr"], betas=group["betas"], eps=group["eps"],

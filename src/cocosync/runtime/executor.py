@@ -147,6 +147,22 @@ class _Comm:
         return x.chunk(self.G, dim=dim)[self.index]
 
 
+def _segment_norm(s: Node, x: torch.Tensor, comm: "_Comm") -> torch.Tensor:
+    """segment_norm of this rank's part: for a Sliced operand, sums of squares of the segments' pieces in this
+    slice, summed over the group, then each element of the slice gets its segment's norm."""
+    from cocosync.interp import segment_norms
+
+    sizes = s.attr("sizes")
+    if not s.args[0].layout.is_sliced or comm.G == 1:
+        return segment_norms(x, sizes).to(s.dtype)
+    lo = comm.index * -(-s.shape[0] // comm.G)  # this slice's start (torch.chunk's split)
+    ends = torch.tensor(sizes).cumsum(0)
+    seg = torch.searchsorted(ends, torch.arange(lo, lo + x.numel()), right=True)  # segment of each element
+    sums = torch.zeros(len(sizes), dtype=torch.float64).index_add_(0, seg, x.double() ** 2)
+    sums = comm.all_reduce(sums.float(), ReduceOp.SUM)
+    return sums.sqrt()[seg].to(s.dtype)
+
+
 def _align(arg: Node, value: torch.Tensor, out: Node, comm: _Comm) -> torch.Tensor:
     """A Replicated operand of a Sliced result: keep the part that lines up with this rank's slice."""
     if not (out.layout.is_sliced and arg.layout.is_replicated and comm.G > 1):
@@ -177,6 +193,8 @@ def _run_stage(s: Node, args: list[torch.Tensor], comm: _Comm) -> torch.Tensor:
         return ELEMENTWISE[op](*(_align(a, v, s, comm) for a, v in zip(s.args, args))).to(s.dtype)
     if op == "matmul":
         return args[0] @ args[1]
+    if op == "segment_norm":
+        return _segment_norm(s, args[0], comm)
     if op in ("norm", "reduce_tensor"):
         (x,), arg = args, s.args[0]
         rop = ReduceOp.SUM if op == "norm" else s.attr("op")

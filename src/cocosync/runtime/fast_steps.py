@@ -48,7 +48,7 @@ def prepare(step, program: Program, comm, kernels: str | None,
     if isinstance(step, KernelStep):
         return _kernel_runner(step, program, kernels)
     if isinstance(step, FusedCollective):
-        if any(s.op == "norm" for s in step.compute):
+        if any(s.op in ("norm", "segment_norm") for s in step.compute):
             from cocosync.runtime.norm_step import norm_collective_runner
 
             return norm_collective_runner(step, program, comm, kernels, donate)

@@ -61,25 +61,27 @@ class Kernel:
     """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors.
 
     With `into=True` the kernel writes its outputs into tensors given after the inputs,
-    `kernel(*inputs, *outs, *sqs) -> None`: Inductor then fuses the stores into the one loop (no temporaries).
+    `kernel(*inputs, *outs, *sqs, *sqvs) -> None`: Inductor then fuses the stores into the one loop (no temporaries).
     `sumsq` lists values (stages or inputs) whose float32 sum of squares the kernel also writes, each into a 0-dim
-    tensor `sqs[i]`, in the same loop: the partial sums of a norm over this call's elements.
+    tensor `sqs[i]`, in the same loop: the partial sums of a norm over this call's elements; `squares` lists values
+    whose float32 squares it writes element by element (after the sums), for per-segment sums by the caller.
     `reads_out` maps inputs that are the very memory of an output (a state updated in place) to that output's
     index: the kernel reads them from the output tensor and they are not passed (`self.inputs` omits them), so
     no two arguments alias (aliased arguments make Inductor compile against their common base, whose size it then
     wrongly assumes for other calls)."""
 
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
-                 into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = ()):
+                 into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = (),
+                 squares: Sequence[Node] = ()):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
         inside = {id(s) for s in stages}
-        self.sumsq = list(sumsq)
-        if self.sumsq and not into:
-            raise ValueError(f"kernel {name!r}: sumsq needs into=True")
+        self.sumsq, self.squares = list(sumsq), list(squares)
+        if (self.sumsq or self.squares) and not into:
+            raise ValueError(f"kernel {name!r}: sumsq and squares need into=True")
         self.inputs: list[Node] = []
-        for a in [x for s in stages for x in s.args] + [x for x in self.sumsq if id(x) not in inside]:
+        for a in [x for s in stages for x in s.args] + [x for x in self.sumsq + self.squares if id(x) not in inside]:
             if id(a) not in inside and a.op != "const" and all(a is not x for x in self.inputs):
                 self.inputs.append(a)
         self.outputs, self.backend, self.name, self.into = list(outputs), backend, name, into
@@ -96,8 +98,10 @@ class Kernel:
         params = [f"in{i}" for i in range(len(self.inputs))]
         if into:
             params += [f"out{i}" for i in range(len(self.outputs))] + [f"sq{i}" for i in range(len(self.sumsq))]
+            params += [f"sqv{i}" for i in range(len(self.squares))]
             # sums first: an operand may be read from an output's memory (reads_out) that the copies overwrite
             body += [f"    sq{i}.copy_({ref[id(x)]}.float().square().sum())" for i, x in enumerate(self.sumsq)]
+            body += [f"    sqv{i}.copy_({ref[id(x)]}.float().square())" for i, x in enumerate(self.squares)]
             body += [f"    out{i}.copy_({ref[id(o)]})" for i, o in enumerate(self.outputs)]
             ret = "None"
         else:
@@ -149,10 +153,10 @@ def _inductor_cache_dir() -> None:
 
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
                  name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None,
-                 sumsq: Sequence[Node] = ()) -> Kernel:
+                 sumsq: Sequence[Node] = (), squares: Sequence[Node] = ()) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
     backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor)."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq)
+    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares)

@@ -18,6 +18,9 @@ values it needs (LAMB's r) from the reduced gradient (still in place), the input
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 
 from cocosync.dsl.ir import Node, Program
@@ -25,14 +28,25 @@ from cocosync.runtime.fused import gather_slices, slice_bounds
 from cocosync.runtime.kernels import build_kernel, can_fuse
 
 FIRST_CALL_TIMEOUT = 900.0  # as fast_steps: the first call compiles inside the collective
+NORMS = ("norm", "segment_norm")  # a segment_norm is a norm per segment (LAMB's per-tensor ratio): same phases
 
 
 def _levels(step) -> dict[int, int]:
     """id -> level (norms on the longest path from the inputs) for every stage of the step."""
     level: dict[int, int] = {}
     for s in step.order:
-        level[id(s)] = max((level.get(id(a), 0) for a in s.args), default=0) + (s.op == "norm")
+        level[id(s)] = max((level.get(id(a), 0) for a in s.args), default=0) + (s.op in NORMS)
     return level
+
+
+class _Kernel:
+    """What one phase's kernel computes: `stages` for the `roots` (state writes, the gathered slice), and the sums
+    of squares of the `operands` of the next level's `norms` (whole, or per segment for a segment_norm)."""
+
+    def __init__(self, stages: list[Node], roots: list[Node], norms: list[Node], operands: list[Node]):
+        self.stages, self.roots = stages, roots
+        self.whole = [(nm, x) for nm, x in zip(norms, operands) if nm.op == "norm"]
+        self.segmented = [(nm, x) for nm, x in zip(norms, operands) if nm.op == "segment_norm"]
 
 
 class _Phases:
@@ -43,15 +57,15 @@ class _Phases:
         rs, ag = step.rs, step.ag
         if shm is None or shm.nnodes > 1 or rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
             return  # across nodes the slices repeat per node: partial sums would count each nnodes times
-        self.norms = [s for s in step.compute if s.op == "norm"]
+        self.norms = [s for s in step.compute if s.op in NORMS]
         if not self.norms:
             return
         self.rs, self.ag, self.shape, self.gathered = rs, ag, rs.shape, ag.args[0]
         self.inside, self.level = {id(s) for s in step.order}, _levels(step)
         self.w_update = next((o for o in program.stages if o.op == "update" and o.args[1] is ag), None)
-        self.scalars = [s for s in step.compute if s.ndim == 0 and s.op != "norm"]
+        self.scalars = [s for s in step.compute if s.ndim == 0 and s.op not in NORMS]
         scatters = [s for s in step.compute if s.op == "scatter"]
-        body = [s for s in step.compute if s.ndim > 0 and s.op != "scatter" and s is not self.w_update]
+        body = [s for s in step.compute if s.ndim > 0 and s.op not in ("scatter", *NORMS) and s is not self.w_update]
         if not all(can_fuse(s) and s.shape == self.shape for s in body) or not all(map(can_fuse, self.scalars)):
             return
         if not all(s.layout.dim == 0 and s.args[0].shape == self.shape for s in scatters):
@@ -69,27 +83,30 @@ class _Phases:
         if self.w_update is not None:
             self.written_at[id(self.w_update.args[0])] = self.level[id(self.gathered)]
         order = {id(s): i for i, s in enumerate(step.order)}
-        self.kernels = []  # per phase: (stages, outputs, norm operands, leaves read from earlier phases' outputs)
+        self.kernels: list[_Kernel] = []  # one per phase
         for k in range(self.K + 1):
             roots = [*([self.gathered] if self.level[id(self.gathered)] == k else []), *self.writes[k]]
             # an input that the step also reads through its scatter is read once, as that slice (no aliasing)
             scatter_of = {id(src): self.program_stage(sc) for sc, src in self.src_of.items()}
-            operands = [scatter_of.get(id(nm.args[0]), nm.args[0]) for nm in self.norms
-                        if self.level[id(nm)] == k + 1]
+            norms = [nm for nm in self.norms if self.level[id(nm)] == k + 1]
+            operands = [scatter_of.get(id(nm.args[0]), nm.args[0]) for nm in norms]
             stages, leaves = self._closure(roots + operands, k, body)
             if stages is None:
                 return
             stages.sort(key=lambda s: order[id(s)])
-            self.kernels.append((stages, roots, operands, leaves))
+            self.kernels.append(_Kernel(stages, roots, norms, operands))
         self.ok = self._outside_safe(program)
 
     def program_stage(self, i: int) -> Node:
         return self._scatters[i]
 
     def kind(self, a: Node) -> str | None:
-        """How this rank reads its slice of operand `a` ('reduced', 'stage', 'global', 'local', 'scalar')."""
+        """How this rank reads its slice of operand `a` ('reduced', 'segnorm', 'stage', 'global', 'local',
+        'scalar')."""
         if a is self.rs:
             return "reduced"
+        if a.op == "segment_norm" and id(a) in self.inside:
+            return "segnorm"
         if id(a) in self.inside and a.ndim and id(a) not in self.src_of:
             return "stage"
         if id(a) in self.src_of or (a.ndim and a.layout.is_replicated and a.shape == self.shape
@@ -143,6 +160,16 @@ class _Phases:
         return all(i in allowed for i in outside_readers(program, self.inside))
 
 
+def _pieces(ends: list[int], offset: int, n: int):
+    """(segment index, start, stop) of the segments' pieces within [offset, offset + n); `ends` are cumulative."""
+    i = bisect.bisect_right(ends, offset)
+    lo = offset
+    while lo < offset + n:
+        hi = min(ends[i], offset + n)
+        yield i, lo, hi
+        lo, i = hi, i + 1
+
+
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
     from cocosync.runtime.fast_steps import KERNEL_BYTES, put_consts
@@ -153,15 +180,18 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
         return None
     rs, ag, w_update, gathered = ph.rs, ph.ag, ph.w_update, ph.gathered
     kerns = []
-    for k, (stages, roots, operands, leaves) in enumerate(ph.kernels):
-        first = 1 if gathered in roots else 0
+    for k, kp in enumerate(ph.kernels):
+        first = 1 if gathered in kp.roots else 0
         reads_out = {id(s.args[0]): first + j for j, s in enumerate(ph.writes[k])}
         if first and w_update is not None:
             reads_out.update({sc: 0 for sc, src in ph.src_of.items() if src is w_update.args[0]})
-        kerns.append(build_kernel(stages, roots, kernels, name=f"fused_{rs.name}_{k}", into=True,
-                                  reads_out=reads_out, sumsq=operands) if stages or operands else None)
+        kerns.append(build_kernel(kp.stages, kp.roots, kernels, name=f"fused_{rs.name}_{k}", into=True,
+                                  reads_out=reads_out, sumsq=[x for _, x in kp.whole],
+                                  squares=[x for _, x in kp.segmented])
+                     if kp.stages or kp.whole or kp.segmented else None)
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
-    scratch: dict[str, torch.Tensor] = {}
+    ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in ph.norms if nm.op == "segment_norm"}
+    scratch: dict = {}
 
     def run(env: dict) -> None:
         from cocosync.runtime.executor import run_stage
@@ -188,13 +218,24 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
             return step.run(env, comm)
         flat_out = out.view(-1)
         start, stop = slice_bounds(shm, buf.numel())
+        step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
         values = {id(s.args[1]): state[id(s)] for s in writes}  # new values of states, read from the states
         values[id(gathered)] = flat_out[start:stop]
+
+        def chunk_buffer(key, dtype: torch.dtype, n: int) -> torch.Tensor:
+            if key not in scratch:
+                scratch[key] = torch.empty(step_elems, dtype=dtype)
+            return scratch[key][:n]
 
         def view(a: Node, offset: int, n: int) -> torch.Tensor:
             k, lo = ph.kind(a), offset - start
             if k == "reduced":
                 return buf[offset:offset + n]
+            if k == "segnorm":  # each element gets its segment's norm (pieces filled in a cached buffer)
+                b = chunk_buffer(("seg", id(a)), a.dtype, n)
+                for i, p0, p1 in _pieces(ends[id(a)], offset, n):
+                    b[p0 - offset:p1 - offset].fill_(env[id(a)][i])
+                return b
             if k == "stage":
                 return values[id(a)][lo:lo + n]
             if k == "global":
@@ -204,27 +245,35 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
             return env[id(a)]
 
         def phase(k: int):
-            kern, writes_k = kerns[k], ph.writes[k]
-            has_out = gathered in ph.kernels[k][1]
-            sqs = [torch.zeros((), dtype=torch.float32) for _ in ph.kernels[k][2]]  # separate: never aliased
-            acc = torch.zeros(len(sqs), dtype=torch.float64)
+            kern, kp, writes_k = kerns[k], ph.kernels[k], ph.writes[k]
+            has_out = gathered in kp.roots
+            sqs = [torch.zeros((), dtype=torch.float32) for _ in kp.whole]  # separate: never aliased
+            acc = [torch.zeros(len(sqs), dtype=torch.float64),
+                   *(torch.zeros(len(nm.attr("sizes")), dtype=torch.float64) for nm, _ in kp.segmented)]
 
             def chunk(offset: int, n: int) -> None:
                 if kern is None:
                     return
                 lo = offset - start
+                sqvs = [chunk_buffer(("sq", j), torch.float32, n) for j in range(len(kp.segmented))]
                 kern(*(view(a, offset, n) for a in kern.inputs), *([flat_out[offset:offset + n]] * has_out),
-                     *(state[id(s)][lo:lo + n] for s in writes_k), *sqs)
+                     *(state[id(s)][lo:lo + n] for s in writes_k), *sqs, *sqvs)
                 for j, sq in enumerate(sqs):
-                    acc[j] += sq
+                    acc[0][j] += sq
+                for j, (nm, _) in enumerate(kp.segmented):
+                    for i, p0, p1 in _pieces(ends[id(nm)], offset, n):
+                        acc[1 + j][i] += sqvs[j][p0 - offset:p1 - offset].sum()
             return chunk, acc
 
-        def finish_norms(acc: torch.Tensor, k: int) -> None:
-            norms = [nm for nm in ph.norms if ph.level[id(nm)] == k]
-            if norms:
-                sums = shm.all_reduce(acc.float(), "sum")
-                for j, nm in enumerate(norms):
-                    env[id(nm)] = sums[j].sqrt().to(nm.dtype)
+        def finish_norms(acc: list[torch.Tensor], kp: _Kernel, k: int) -> None:
+            if kp.whole or kp.segmented:  # one all-reduce of every partial sum of this level
+                sums = shm.all_reduce(torch.cat(acc).float(), "sum").sqrt()
+                for j, (nm, _) in enumerate(kp.whole):
+                    env[id(nm)] = sums[j].to(nm.dtype)
+                at = len(kp.whole)
+                for nm, _ in kp.segmented:
+                    env[id(nm)] = sums[at:at + len(nm.attr("sizes"))].to(nm.dtype)
+                    at += len(nm.attr("sizes"))
             scalars_at(k)
 
         timeout = shm.flags.timeout
@@ -234,13 +283,12 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
             chunk, acc = phase(0)
             shm.fused_all_reduce(buf, lambda offset, red, _out: chunk(offset, red.numel()),
                                  op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
-            finish_norms(acc, 1)
-            step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
+            finish_norms(acc, ph.kernels[0], 1)
             for k in range(1, ph.K + 1):
                 chunk, acc = phase(k)
                 for a in range(start, stop, step_elems):
                     chunk(a, min(step_elems, stop - a))
-                finish_norms(acc, k + 1)
+                finish_norms(acc, ph.kernels[k], k + 1)
             gather_slices(shm, flat_out)
         finally:
             shm.flags.timeout = timeout

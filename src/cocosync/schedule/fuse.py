@@ -13,7 +13,7 @@ from cocosync.schedule._rewrite import Ref, connected, graph, outside_path, reso
 from cocosync.schedule.errors import ScheduleError
 
 #: computations a fused kernel may hold (matmul stays its own kernel; scatter is a local slice, no communication)
-FUSABLE = ("update", "norm", "reduce_tensor", "scatter")
+FUSABLE = ("update", "norm", "segment_norm", "reduce_tensor", "scatter")
 
 
 def group_members(program: Program, stages: Sequence[Ref], directive: str, *, min_size: int = 1) -> list[Node]:

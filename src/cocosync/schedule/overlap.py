@@ -14,7 +14,7 @@ from cocosync.schedule.errors import ScheduleError
 from cocosync.schedule.fuse import check_convex, group_members
 
 #: ops that cannot be cut into chunks (they reduce a whole tensor to a scalar)
-UNCHUNKABLE = ("norm", "reduce_tensor")
+UNCHUNKABLE = ("norm", "segment_norm", "reduce_tensor")
 
 
 def overlap(program: Program, stages: Sequence[Ref], *, chunks: int = 4) -> Program:

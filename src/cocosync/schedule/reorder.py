@@ -12,7 +12,8 @@ Representation (documented once here, relied on by as_slice and fuse):
   new value is gathered), and readers of the updated w among the moved computations read `value_slice`. After
   `as_slice(w)` it becomes `update(w, value_slice)` with w Sliced state;
 * norm and reduce_tensor of a moved value read the slice: their Sliced semantics are global, the result is the
-  same Replicated scalar; `send` of a slice sends each rank's slice (send(all_gather(x)) == all_gather(send(x))).
+  same Replicated scalar; segment_norm (per-element, like an elementwise op) of a slice is the slice of the
+  segment norms, and of a Replicated input it reads `scatter(input)`; `send` of a slice sends each rank's slice (send(all_gather(x)) == all_gather(send(x))).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from cocosync.schedule._rewrite import Namer, Ref, connected, finish, graph, nam
 from cocosync.schedule.errors import ScheduleError
 
 #: ops that reorder moves onto slices besides the elementwise ones
-MOVABLE = ("update", "norm", "reduce_tensor", "send")
+MOVABLE = ("update", "norm", "segment_norm", "reduce_tensor", "send")
 
 
 def reorder(program: Program, computations: Sequence[Ref], all_gather: Ref) -> Program:
@@ -90,6 +91,10 @@ def reorder(program: Program, computations: Sequence[Ref], all_gather: Ref) -> P
             out = dataclasses.replace(c, args=tuple(args), layout=args[0].layout)
         elif c.op in ("norm", "reduce_tensor"):
             out = dataclasses.replace(c, args=tuple(args))
+        elif c.op == "segment_norm":  # per element, like an elementwise op: on slices its value is the slice
+            if args[0].layout.is_replicated and args[0].shape == ag.shape:
+                args[0] = scatter(args[0], d0)
+            out = dataclasses.replace(c, args=tuple(args), layout=args[0].layout)
         else:
             ds = d0 + c.ndim - ag.ndim
             if 0 <= ds < c.ndim and c.shape[ds] == ag.shape[d0]:

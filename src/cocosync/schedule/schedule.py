@@ -175,7 +175,8 @@ class Schedule:
     def movable(self, all_gather: Ref) -> list[str]:
         """The computations `reorder` can move before `all_gather`: every elementwise/norm/reduce_tensor/update/send
         stage that reads it (transitively), plus the Replicated tensor computations that only they read and that
-        depend on inputs alone (like `beta1 * m`), so state tensors end up read only through slices."""
+        depend on inputs alone (like `beta1 * m`, or LAMB's per-tensor norms of w), so state tensors end up read
+        only through slices."""
         from cocosync.dsl.ops import OPS
         from cocosync.schedule.reorder import MOVABLE
 
@@ -188,7 +189,7 @@ class Schedule:
                 down.add(id(s))
         pure: set[int] = set()  # Replicated tensor computations of inputs only
         for s in p.stages:
-            if OPS[s.op].kind == "elementwise" and s.layout.is_replicated and all(
+            if (OPS[s.op].kind == "elementwise" or s.op == "segment_norm") and s.layout.is_replicated and all(
                     a.is_leaf and not a.layout.is_local or id(a) in pure for a in s.args):
                 pure.add(id(s))
         users = p.users()
