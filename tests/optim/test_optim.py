@@ -202,3 +202,32 @@ def test_flat_views_and_single_process():
     assert all(p.data_ptr() == opt.flat.view(opt.flat.flat, i).data_ptr() for i, p in enumerate(net.parameters()))
     for p, q in zip(net.parameters(), ref.parameters()):
         torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def _first_half(kind):
+    import torch.distributed as dist
+
+    net = Net()
+    opt = _make(kind, net.parameters())
+    _train(net, opt, range(1, STEPS // 2 + 1), dist.get_rank(), dist.get_world_size())
+    return net.state_dict(), opt.state_dict()
+
+
+def _second_half(kind, saved):
+    import torch.distributed as dist
+
+    net = Net()
+    net.load_state_dict(saved[0])
+    opt = _make(kind, net.parameters())
+    opt.load_state_dict(saved[1])
+    return _train(net, opt, range(STEPS // 2 + 1, STEPS + 1), dist.get_rank(), dist.get_world_size())
+
+
+@pytest.mark.parametrize("kind", ["adam", "lamb"])
+def test_state_dict_moves_from_two_ranks_to_four(rank_pool, kind):
+    """Saved on 2 ranks (sliced state gathered in full), loaded on 4 (re-sliced): the run continues as one."""
+    saved = rank_pool(2).run(_first_half, kind)[0]
+    ref = _reference(kind, {})
+    for r, params in enumerate(rank_pool(4).run(_second_half, kind, saved)):
+        for p, q in zip(params, ref):
+            torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} rank {r}: {m}")
