@@ -163,8 +163,10 @@ def _shadow_ma_rank():
 
 def test_shadow_ma_keeps_every_worker_update(rank_pool):
     (m0, a0, s0), (m1, a1, s1) = rank_pool(2).run(_shadow_ma_rank)
-    # sum of all updates is conserved by averaging: (200 + 100) / 2 per element, and both end equal
-    assert m0 == pytest.approx(150.0) and m1 == pytest.approx(150.0)
+    # sum of all updates is conserved by averaging: (200 + 100) / 2 per element, and both end equal. Within 2:
+    # the worker's add_ and the write-back's add_ may meet on an element (Hogwild: rare, at most one update
+    # each), while a write-back that overwrote x (x = average) would drop every update made during a sync
+    assert abs(m0 - 150.0) <= 2.0 and m0 == pytest.approx(m1)
     assert a0 >= 2 and s0 == s1  # both ranks ran the same number of collectives
 
 
