@@ -111,8 +111,9 @@ class DpConfig:
         return self.layers * (self.width * self.width + self.width)
 
 
-QUICK = DpConfig(repeats=3, sections=("adam", "train"), baselines=("zero",))
-"""The --quick run (and the demo): the full 16.8M-parameter Adam step and the transformer train step, 3 repeats;
+QUICK = DpConfig(repeats=7, sections=("adam", "train"), baselines=("zero",))
+"""The --quick run (and the demo): the full 16.8M-parameter Adam step and the transformer train step, 7 repeats
+(3 gave medians that swung 3.0-3.9x between runs);
 no LAMB, FSDP2 or AdamSlice rows."""
 
 
@@ -512,7 +513,7 @@ def show(result: dict[str, Any], console=None, markdown: bool = False) -> None:
 
 def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, Any]:
     """The demo's dp comparison (QUICK: ~30-60 s on a loaded 2-core box): the 16.8M-parameter Adam step (ours,
-    DDP-style, ZeRO-1) and the small-transformer train step (ours vs DDP), 3 repeats. Prints the table; returns
+    DDP-style, ZeRO-1) and the small-transformer train step (ours vs DDP), 7 repeats. Prints the table; returns
     the result dict (see run_dp). kernels: ours' fused-kernel backend ('eager' avoids Inductor's cold compile,
     which can outlast the 60 s collective timeout on a fresh machine); None: $COCOSYNC_KERNELS, else inductor."""
     result = run_dp(replace(QUICK, kernels=kernels))
@@ -524,8 +525,8 @@ def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, A
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None,
               help="Write results as JSON (and a PNG bar chart next to it, same name with .png).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Bar chart path (PNG).")
-@click.option("--quick", is_flag=True, help="3 repeats, adam and train only, no FSDP2 (the demo's variant).")
-@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repeats (default 7; --quick 3).")
+@click.option("--quick", is_flag=True, help="Adam and train only, ZeRO-1 the only extra baseline (the demo's variant).")
+@click.option("--repeats", type=click.IntRange(1), default=None, help="Timed repeats (default 7).")
 @click.option("--layers", type=click.IntRange(1), default=None, help="Linear layers of the Adam/LAMB model (16).")
 @click.option("--width", type=click.IntRange(1), default=None, help="Width of those layers (1024).")
 @click.option("--tf", "tf", default=None, metavar="LAYERS,DIM,SEQ,BATCH",
