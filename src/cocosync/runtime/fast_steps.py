@@ -14,6 +14,7 @@ the interpreter in the tests; when a precondition does not hold we fall back rat
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -133,14 +134,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
         for s in scalars:
             run_stage(s, env, comm)
         put_consts(kern.inputs, env)
-        g = env[id(rs.args[0])]
-        if rs.args[0].op == "input" and rs.args[0].name in donate and shm.arena.locate(g) is not None:
-            buf = g  # donated and already in shared memory: reduced in place, zero-copy
-        else:
-            if "g" not in scratch:  # an arena buffer: peers read it in place (allocation is collective, once)
-                scratch["g"] = shm.arena.empty(g.shape, g.dtype)
-            buf = scratch["g"]
-            buf.copy_(g)
+        buf = reduce_buffer(rs, env, shm, donate, scratch)
         if not all(env[id(s.args[0])].is_contiguous() for s in state_writes):
             return _fallback(step, env, comm)
         if w_update is not None:
@@ -169,21 +163,47 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
                     f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n] for f in feeds]
             kern(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
 
-        timeout = shm.flags.timeout
-        if compiling:  # the first call compiles the kernel inside the collective: peers wait longer, once
-            shm.flags.timeout = max(timeout, FIRST_CALL_TIMEOUT)
-        try:
+        with first_call_timeout(shm, compiling):
             shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value, fn_bytes=KERNEL_BYTES)
-        finally:
-            shm.flags.timeout = timeout
-            compiling.clear()
-        env[id(ag)] = out
-        if w_update is not None:
-            env[id(w_update)] = out
-        for s in state_writes:
-            env[id(s)] = env[id(s.args[0])]
+        store_results(env, ag, w_update, out, state_writes)
     return run
 
 
 def _fallback(step, env: dict, comm) -> None:
     step.run(env, comm)
+
+
+def reduce_buffer(rs: Node, env: dict, shm, donate: frozenset[str], scratch: dict) -> torch.Tensor:
+    """The arena tensor the fused collective reduces in place: the donated gradient itself when it already lives
+    in shared memory (zero-copy), else a copy in an arena buffer allocated once (collectively) per runner."""
+    g = env[id(rs.args[0])]
+    if rs.args[0].op == "input" and rs.args[0].name in donate and shm.arena.locate(g) is not None:
+        return g
+    if "g" not in scratch:
+        scratch["g"] = shm.arena.empty(g.shape, g.dtype)
+    scratch["g"].copy_(g)
+    return scratch["g"]
+
+
+@contextmanager
+def first_call_timeout(shm, compiling: list):
+    """While `compiling` (the first call, which compiles Inductor kernels inside the collective), peers wait up to
+    FIRST_CALL_TIMEOUT; afterwards the communicator's own timeout again."""
+    timeout = shm.flags.timeout
+    if compiling:
+        shm.flags.timeout = max(timeout, FIRST_CALL_TIMEOUT)
+    try:
+        yield
+    finally:
+        shm.flags.timeout = timeout
+        compiling.clear()
+
+
+def store_results(env: dict, ag: Node, w_update: Node | None, out: torch.Tensor, writes) -> None:
+    """After a fused collective: the gathered value (also the Replicated state's new value) and the states written
+    in place."""
+    env[id(ag)] = out
+    if w_update is not None:
+        env[id(w_update)] = out
+    for s in writes:
+        env[id(s)] = env[id(s.args[0])]

@@ -27,7 +27,6 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.runtime.fused import gather_slices, slice_bounds
 from cocosync.runtime.kernels import build_kernel, can_fuse
 
-FIRST_CALL_TIMEOUT = 900.0  # as fast_steps: the first call compiles inside the collective
 NORMS = ("norm", "segment_norm")  # a segment_norm is a norm per segment (LAMB's per-tensor ratio): same phases
 
 
@@ -71,7 +70,6 @@ class _Phases:
         if not all(s.layout.dim == 0 and s.args[0].shape == self.shape for s in scatters):
             return
         self.src_of = {id(s): s.args[0] for s in scatters}
-        self._scatters = {id(s): s for s in scatters}
         if any(self.kind(a) is None for s in body + self.norms for a in s.args if a.op != "const"):
             return
         self.K = max(self.level[id(s)] for s in body)
@@ -83,22 +81,19 @@ class _Phases:
         if self.w_update is not None:
             self.written_at[id(self.w_update.args[0])] = self.level[id(self.gathered)]
         order = {id(s): i for i, s in enumerate(step.order)}
+        # an input that the step also reads through its scatter is read once, as that slice (no aliasing)
+        scatter_of = {id(sc.args[0]): sc for sc in scatters}
         self.kernels: list[_Kernel] = []  # one per phase
         for k in range(self.K + 1):
             roots = [*([self.gathered] if self.level[id(self.gathered)] == k else []), *self.writes[k]]
-            # an input that the step also reads through its scatter is read once, as that slice (no aliasing)
-            scatter_of = {id(src): self.program_stage(sc) for sc, src in self.src_of.items()}
             norms = [nm for nm in self.norms if self.level[id(nm)] == k + 1]
             operands = [scatter_of.get(id(nm.args[0]), nm.args[0]) for nm in norms]
-            stages, leaves = self._closure(roots + operands, k, body)
+            stages = self._closure(roots + operands, k, body)
             if stages is None:
                 return
             stages.sort(key=lambda s: order[id(s)])
             self.kernels.append(_Kernel(stages, roots, norms, operands))
         self.ok = self._outside_safe(program)
-
-    def program_stage(self, i: int) -> Node:
-        return self._scatters[i]
 
     def kind(self, a: Node) -> str | None:
         """How this rank reads its slice of operand `a` ('reduced', 'segnorm', 'stage', 'global', 'local',
@@ -118,11 +113,11 @@ class _Phases:
         return "scalar"
 
     def _closure(self, roots: list[Node], k: int, body: list[Node]):
-        """The stages phase k computes for `roots` (recomputing earlier values), and the values it reads from
-        outputs of earlier phases; (None, None) when it would read a state's old value after it was written."""
+        """The stages phase k computes for `roots`, recomputing earlier values (those written by earlier phases are
+        read back from where they were written); None when it would read a state's old value after it was
+        overwritten."""
         bodyset = {id(s) for s in body}
         stages: list[Node] = []
-        leaves: list[Node] = []
         seen: set[int] = set()
         todo = list(roots)
         while todo:
@@ -132,19 +127,17 @@ class _Phases:
             seen.add(id(s))
             at = self.value_at.get(id(s))
             if at is not None and at[0] < k:  # a state's new value, written by an earlier phase: read the state
-                leaves.append(s)
                 continue
             if s is self.gathered and self.level[id(s)] < k:
-                leaves.append(s)
                 continue
             if id(s) not in bodyset:  # a leaf: reduced, scalar, input, slice of an input
                 src = self.src_of.get(id(s), s)
                 if self.written_at.get(id(src), k) < k:
-                    return None, None  # that state was overwritten by an earlier phase
+                    return None  # that state was overwritten by an earlier phase
                 continue
             stages.append(s)
             todo.extend(a for a in s.args if a.op != "const")
-        return stages, leaves
+        return stages
 
     def _outside_safe(self, program: Program) -> bool:
         """States are written in place: nobody outside the step may read their old value, and no other value of
@@ -172,7 +165,8 @@ def _pieces(ends: list[int], offset: int, n: int):
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import KERNEL_BYTES, put_consts
+    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, put_consts, reduce_buffer,
+                                             store_results)
 
     shm = getattr(comm, "shm", None)
     ph = _Phases(step, program, shm)
@@ -190,6 +184,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
                                   squares=[x for _, x in kp.segmented])
                      if kp.stages or kp.whole or kp.segmented else None)
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
+    kinds = {id(a): ph.kind(a) for k in kerns if k is not None for a in [*k.inputs, *k.sumsq, *k.squares]}
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in ph.norms if nm.op == "segment_norm"}
     scratch: dict = {}
 
@@ -203,14 +198,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
 
         scalars_at(0)
         put_consts([a for k in kerns if k is not None for a in k.inputs], env)
-        g = env[id(rs.args[0])]
-        if rs.args[0].op == "input" and rs.args[0].name in donate and shm.arena.locate(g) is not None:
-            buf = g.view(-1)  # donated arena gradients: reduced in place
-        else:
-            if "g" not in scratch:
-                scratch["g"] = shm.arena.empty(g.shape, g.dtype)
-            buf = scratch["g"].view(-1)
-            buf.copy_(g.view(-1))
+        buf = reduce_buffer(rs, env, shm, donate, scratch).view(-1)
         writes = [s for w in ph.writes for s in w]
         state = {id(s): env[id(s.args[0])].view(-1) for s in writes if env[id(s.args[0])].is_contiguous()}
         out = env[id(w_update.args[0])] if w_update is not None else torch.empty(ag.shape, dtype=ag.dtype)
@@ -228,7 +216,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
             return scratch[key][:n]
 
         def view(a: Node, offset: int, n: int) -> torch.Tensor:
-            k, lo = ph.kind(a), offset - start
+            k, lo = kinds[id(a)], offset - start
             if k == "reduced":
                 return buf[offset:offset + n]
             if k == "segnorm":  # each element gets its segment's norm (pieces filled in a cached buffer)
@@ -276,10 +264,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
                     at += len(nm.attr("sizes"))
             scalars_at(k)
 
-        timeout = shm.flags.timeout
-        if compiling:  # the first call compiles the kernels inside the collective: peers wait longer, once
-            shm.flags.timeout = max(timeout, FIRST_CALL_TIMEOUT)
-        try:
+        with first_call_timeout(shm, compiling):
             chunk, acc = phase(0)
             shm.fused_all_reduce(buf, lambda offset, red, _out: chunk(offset, red.numel()),
                                  op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
@@ -290,12 +275,5 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
                     chunk(a, min(step_elems, stop - a))
                 finish_norms(acc, ph.kernels[k], k + 1)
             gather_slices(shm, flat_out)
-        finally:
-            shm.flags.timeout = timeout
-            compiling.clear()
-        env[id(ag)] = out
-        if w_update is not None:
-            env[id(w_update)] = out
-        for s in writes:
-            env[id(s)] = env[id(s.args[0])]
+        store_results(env, ag, w_update, out, writes)
     return run
