@@ -48,3 +48,38 @@ def test_executor_input_errors_are_clear(rank_pool):
     assert "'g'" in errors[2] and "(8,)" in errors[2] and "(4,)" in errors[2]
     assert "float64" in errors[3]
     assert "'g' must be a tensor" in errors[4]
+
+
+def _groups_with_backends(group_ranks):
+    """The 'groups' case (2 stages) with its backend, and the backend of a program over an explicit group."""
+    import torch.distributed as dist
+
+    out = run_cases_on_rank(["groups"])
+    program, _ = CASES["groups"](dist.get_world_size())
+    backends = {"stages": cs.compile(program).comm.backend}
+    sub = dist.new_group(group_ranks)  # collective over the world; only members compile over it
+    if dist.get_rank() in group_ranks:
+        from cocosync.examples.optimizers import sgd_program
+
+        fn = cs.compile(sgd_program(8), sub)
+        g = torch.full((8,), float(dist.get_rank()))
+        backends["explicit"] = fn.comm.backend
+        out["explicit"] = fn(g=g, w=torch.zeros(8), lr=1.0)
+    return out, backends
+
+
+@pytest.mark.parametrize("nnodes", [1, 2])
+def test_subgroups_on_one_node_use_shared_memory(rank_pool, nnodes):
+    # 4 ranks; with 2 nodes each stage (2 consecutive ranks) is one node, and the group {0, 2} spans both
+    got = rank_pool(4, nnodes=nnodes).run(_groups_with_backends, [0, 2])
+    program, inputs = CASES["groups"](4)
+    expected = cs.interpret(program, 4, inputs)
+    for r, (out, backends) in enumerate(got):
+        assert backends["stages"] == "shm", (r, backends)
+        for name, want in expected[r].items():
+            torch.testing.assert_close(out["groups"][name], want, rtol=1e-5, atol=1e-5, msg=f"{name} rank {r}")
+        if r in (0, 2):
+            assert backends["explicit"] == ("shm" if nnodes == 1 else "torch"), (r, nnodes, backends)
+            # sgd on the group's mean gradient (0 + 2) / 2 with lr 1
+            (w_new,) = out["explicit"].values()
+            torch.testing.assert_close(w_new, torch.full((8,), -1.0))

@@ -61,7 +61,7 @@ def _schedule(program: Program, chunks: int, rows: int, gsize: int):
 class _SendFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, b, mask, mod):
-        plan = mod._plans.get((y.shape[0], y.dtype, mask is not None))
+        plan = mod._plans.get((y.shape[0], y.dtype, mod.training and mod.p > 0))
         inputs = {"y": y.detach(), "b": b.detach()}
         if mask is not None:
             inputs["mask"] = mask
@@ -99,10 +99,13 @@ class PipelineSend(nn.Module):
     y: (..., hidden) partial sums of this rank (e.g. x @ W_rows of a row-parallel layer whose all_reduce is left to
     this module). Returns (..., hidden): on stage k+1, what stage k computed (the same on every rank of the stage);
     on stage 0, zeros. `stages` groups of world / stages consecutive ranks. bias: (hidden,) parameter, replicated
-    within a stage. Dropout: a new mask per training call (seed + call index), none in eval mode or with p=0."""
+    within a stage. Dropout: a new mask per training call (seed + call index), none in eval mode or with p=0.
+    backend: 'auto' (default: a stage whose ranks share a node reduces and gathers in shared memory; the send
+    between stages is torch.distributed), 'shm' or 'torch' (see cocosync.compile)."""
 
     def __init__(self, hidden: int, *, stages: int = 2, p: float = 0.1, seed: int = 0, chunks: int = 2,
-                 group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32):
+                 group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
+                 backend: str | None = None):
         super().__init__()
         _, world = group_info(group, "PipelineSend")
         if stages < 2 or world % stages:
@@ -119,7 +122,7 @@ class PipelineSend(nn.Module):
         self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype))
         self._plans = PlanCache(lambda key: _schedule(pipeline_send_program(key[0], hidden, stages, key[1],
                                                                             dropout=key[2]), chunks, key[0],
-                                                      self.gsize), group, backend="torch")
+                                                      self.gsize), group, backend=backend)
 
     def mask(self, shape: tuple[int, ...], call: int, dtype: torch.dtype) -> torch.Tensor:
         """The scaled keep-mask of training call `call`: DSL dropout(p, seed + call)'s mask / (1 - p)."""
@@ -135,7 +138,9 @@ class PipelineSend(nn.Module):
         y2 = y.reshape(-1, self.hidden)
         mask = None
         if self.training and self.p > 0:
-            mask = self.mask(tuple(y2.shape), self.calls, y.dtype)
+            plan = self._plans.get((y2.shape[0], y.dtype, True))
+            if "mask" not in plan.unused_inputs:  # the last stage sends nothing: no mask to draw
+                mask = self.mask(tuple(y2.shape), self.calls, y.dtype)
             self.calls += 1
         return _SendFn.apply(y2, self.bias, mask, self).reshape(y.shape)
 

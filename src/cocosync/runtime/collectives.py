@@ -363,11 +363,11 @@ class ShmCommunicator:
         mine = hdrs[self.me]
         if all((h[:5] == mine[:5]).all() and (h[7:9] == mine[7:9]).all() for h in hdrs):
             return  # the common case; the messages below are built only on a mismatch
-        g = self.topo.local_ranks_global
+        g = self.groups.local_ranks_global
         for lr, h in enumerate(hdrs):
             if h[0] != mine[0]:
                 raise RuntimeError(f"{name} (call #{seq}): ranks called different collectives: global rank {g[lr]} "
-                                   f"called {_CODE_COLL.get(int(h[0]), '?')}, global rank {self.rank} called {name}")
+                                   f"called {_CODE_COLL.get(int(h[0]), '?')}, global rank {g[self.me]} called {name}")
         desc = ", ".join(f"rank {g[lr]}: {int(h[2])} x {_CODE_DTYPE.get(int(h[1]))}" for lr, h in enumerate(hdrs))
         if any(h[1] != mine[1] for h in hdrs):
             raise TypeError(f"{name} (call #{seq}): dtype differs across ranks ({desc})")

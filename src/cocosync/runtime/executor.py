@@ -17,6 +17,7 @@ from cocosync.dsl.check import check_world, program_groups
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import DslError, ReduceOp
 from cocosync.interp import ELEMENTWISE, dropout_mask
+from cocosync.runtime.prune import prune
 
 __all__ = ["compile", "CompiledProgram", "local_shape", "run_stage"]
 
@@ -36,6 +37,7 @@ def local_shape(node: Node, gsize: int) -> tuple[int, ...]:
 
 BACKENDS = ("auto", "shm", "torch")
 _SHM: list = []  # one shared-memory communicator per process, shared by every compiled program
+_GROUP_SHM: dict[tuple[int, ...], Any] = {}  # per node-local subgroup (its members' global ranks)
 
 
 def shared_communicator():
@@ -47,12 +49,27 @@ def shared_communicator():
     return _SHM[0]
 
 
+def group_communicator(members: list[int], group: dist.ProcessGroup):
+    """A ShmCommunicator over a subgroup whose members all live on this node (None if they span nodes), created
+    on first use (collective over the members) and shared by every program over the same members."""
+    key = tuple(members)
+    if key not in _GROUP_SHM:
+        from cocosync.runtime.collectives import ShmCommunicator
+        from cocosync.runtime.group import subgroup_node_groups
+
+        ng = subgroup_node_groups(list(members), group)
+        _GROUP_SHM[key] = ShmCommunicator(ng) if ng is not None else None
+    return _GROUP_SHM[key]
+
+
 class _Comm:
     """This rank's view of the (sub)group a program's communication runs in.
 
     backend 'shm': collectives through the node's shared memory (and torch.distributed between nodes);
-    'torch': torch.distributed only; 'auto' (default, or $COCOSYNC_BACKEND): shm when the program talks over the
-    whole world on CPU, torch otherwise (subgroups, explicit groups, send).
+    'torch': torch.distributed only; 'auto' (default, or $COCOSYNC_BACKEND): shm on CPU when the program talks
+    over the whole world, or over subgroups whose ranks share a node (e.g. the tensor-parallel ranks of a pipeline
+    stage); torch otherwise. Point-to-point `send` always goes through torch.distributed (between pipeline stages,
+    usually between nodes).
     """
 
     def __init__(self, program: Program, group: dist.ProcessGroup | None, backend: str | None = None):
@@ -75,12 +92,17 @@ class _Comm:
         backend = backend or os.environ.get("COCOSYNC_BACKEND", "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-        whole_world = ngroups == 1 and (group is None or group is dist.group.WORLD) and self.world > 1
-        if backend == "shm" and not whole_world:
-            raise ValueError("backend='shm' needs a program that communicates over the whole world (groups=1, "
-                             "no explicit group) and more than one rank; use backend='torch' or 'auto'")
-        self.shm = shared_communicator() if backend != "torch" and whole_world else None
+        whole_world = list(self.members) == list(range(dist.get_world_size()))
+        self.shm = None
+        if backend != "torch" and self.G > 1:
+            self.shm = shared_communicator() if whole_world else group_communicator(self.members, self.group)
+        if backend == "shm" and self.shm is None:
+            raise ValueError(f"backend='shm' needs more than one rank and a (sub)group on one node or the whole "
+                             f"world; this program's group is global ranks {self.members}: use 'torch' or 'auto'")
         self.backend = "shm" if self.shm is not None else "torch"
+        self.pruning = prune(program, self.gid, ngroups)
+        # roots are numbered in the group; the world communicator takes global ranks, a subgroup's its own
+        self._shm_root = (lambda r: self.members[r]) if whole_world else (lambda r: r)
 
     # each collective works in float32 for low-precision inputs, matching the oracle's accumulation
     def _on_shm(self, x: torch.Tensor) -> bool:
@@ -116,13 +138,13 @@ class _Comm:
     def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor:
         t = x.clone(memory_format=torch.contiguous_format)
         if self._on_shm(x):
-            return self.shm.broadcast(t, self.members[root])
+            return self.shm.broadcast(t, self._shm_root(root))
         dist.broadcast(t, src=self.members[root], group=self.group)
         return t
 
     def reduce(self, x: torch.Tensor, op: ReduceOp, root: int) -> torch.Tensor:
         if self._on_shm(x):
-            return self.shm.reduce(x.clone(memory_format=torch.contiguous_format), op.value, self.members[root])
+            return self.shm.reduce(x.clone(memory_format=torch.contiguous_format), op.value, self._shm_root(root))
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.reduce(t, dst=self.members[root], op=_DIST_OP[op], group=self.group)
         if self.index != root:
@@ -131,11 +153,15 @@ class _Comm:
             t /= self.G
         return t.to(x.dtype)
 
-    def send(self, x: torch.Tensor) -> torch.Tensor:
+    def send(self, x: torch.Tensor | None, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Send x to the next group, return what the previous group sent (zeros on the first group). x None: the
+        last group, whose send only receives (a tensor of `shape`, `dtype`)."""
         pos = self.gid * self.G + self.index
-        out = torch.zeros_like(x)
+        out = torch.zeros(shape, dtype=dtype) if x is None else torch.zeros_like(x)
         reqs = []
         if pos + self.G < self.world:
+            if x is None:
+                raise RuntimeError(f"send on global rank {self.global_ranks[pos]}: nothing to send to the next group")
             reqs.append(dist.isend(x.contiguous(), self.global_ranks[pos + self.G]))
         if pos - self.G >= 0:
             reqs.append(dist.irecv(out, self.global_ranks[pos - self.G]))
@@ -213,12 +239,18 @@ def _run_stage(s: Node, args: list[torch.Tensor], comm: _Comm) -> torch.Tensor:
 
 
 def run_stage(s: Node, env: dict[int, torch.Tensor], comm: _Comm) -> torch.Tensor:
-    """Run stage `s` on this rank: read its arguments from `env` (keyed by id(node)), store and return its value."""
+    """Run stage `s` on this rank: read its arguments from `env` (keyed by id(node)), store and return its value.
+    Stages this rank prunes (runtime.prune) are not run: dead ones store nothing, zero ones store zeros."""
+    if comm.pruning and comm.pruning.touches((s,)):
+        if id(s) in comm.pruning.zero:
+            device = next((env[id(a)].device for a in s.args if id(a) in env), None)
+            env[id(s)] = torch.zeros(local_shape(s, comm.G), dtype=s.dtype, device=device)
+        return env.get(id(s))
     args = []
     for a in s.args:
         if a.op == "const":
             env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
-        args.append(env[id(a)])
+        args.append(env.get(id(a)) if s.op == "send" else env[id(a)])  # the last group's send needs no value
     env[id(s)] = out = _run_stage(s, args, comm)
     return out
 
@@ -230,7 +262,7 @@ _COMM_STAGE: dict[str, Callable[[Node, torch.Tensor, _Comm], torch.Tensor]] = {
     "broadcast": lambda s, x, c: c.broadcast(x, s.attr("root")),
     "reduce": lambda s, x, c: c.reduce(x, s.attr("op"), s.attr("root")),
     "scatter": lambda s, x, c: c.part(x, s.layout.dim).contiguous(),
-    "send": lambda s, x, c: c.send(x),
+    "send": lambda s, x, c: c.send(x, local_shape(s, c.G), s.dtype),
 }
 
 
@@ -248,13 +280,16 @@ class CompiledProgram:
     def _check_inputs(self, inputs: Mapping[str, Any]) -> dict[str, torch.Tensor]:
         p = self.program
         names = {n.name for n in p.inputs}
-        if missing := sorted(names - set(inputs)):
+        unused = self.comm.pruning.unused_inputs
+        if missing := sorted(names - set(inputs) - unused):
             raise DslError(f"{p.name}: missing inputs {missing}")
         if extra := sorted(set(inputs) - names):
             raise DslError(f"{p.name}: unknown inputs {extra}; the program takes {sorted(names)}")
         out = {}
         device = None
         for n in p.inputs:
+            if n.name not in inputs:
+                continue  # not read on this rank (see unused_inputs)
             v = inputs[n.name]
             if isinstance(v, (int, float)) and n.attr("kind") == "scalar":
                 v = torch.tensor(float(v), dtype=n.dtype)
@@ -270,11 +305,17 @@ class CompiledProgram:
             out[n.name] = v
         return out
 
+    @property
+    def unused_inputs(self) -> frozenset[str]:
+        """Inputs this rank's program does not read (e.g. what the last pipeline stage would send): may be omitted."""
+        return self.comm.pruning.unused_inputs
+
     def __call__(self, **inputs: Any) -> dict[str, torch.Tensor]:
         env: dict[int, torch.Tensor] = {}
         given = self._check_inputs(inputs)
         for n in self.program.inputs:
-            env[id(n)] = given[n.name]
+            if n.name in given:
+                env[id(n)] = given[n.name]
         self._run(env)
         return self._finish(env, given)
 

@@ -46,6 +46,8 @@ def prepare(step, program: Program, comm, kernels: str | None,
     fused collective then reduces them in place instead of copying them into shared memory first)."""
     from cocosync.lower.plan import FusedCollective, Kernel as KernelStep, Overlap  # (lower imports this module)
 
+    if comm.pruning.touches(step.stages) and not isinstance(step, Overlap):
+        return None  # stage by stage, skipping what this rank prunes (runtime.prune)
     if isinstance(step, KernelStep):
         return _kernel_runner(step, program, kernels)
     if isinstance(step, FusedCollective):

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "NodeGroups", "topology_from_env", "node_groups"]
+__all__ = ["Topology", "NodeGroups", "topology_from_env", "node_groups", "subgroup_node_groups"]
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -92,7 +92,14 @@ class NodeGroups:
     """Process group of this node's ranks (None when torch.distributed is not initialized)."""
     inter: Any = None
     """Process group of the ranks with this local rank, one per node (None when there is a single node)."""
+    members: list[int] | None = None
+    """Global ranks of a subgroup's members in `topo` order (None: `topo` numbers the job's own ranks)."""
     _cache_key: Any = field(default=None, repr=False)
+
+    @property
+    def local_ranks_global(self) -> list[int]:
+        """Global ranks (in the job) of the ranks sharing this node's memory, in local-rank order (for messages)."""
+        return list(self.members) if self.members is not None else self.topo.local_ranks_global
 
 
 _groups: dict[Any, NodeGroups] = {}
@@ -143,3 +150,23 @@ def node_groups(topo: Topology | None = None) -> NodeGroups:
     ng = NodeGroups(topo=topo, job_id=obj[0], intra=intra, inter=inter, _cache_key=key)
     _groups[key] = ng
     return ng
+
+
+def subgroup_node_groups(members: list[int], group: Any) -> NodeGroups | None:
+    """NodeGroups of a torch.distributed subgroup whose `members` (global ranks, in group order) all live on this
+    node, numbered 0..len-1 as one single-node job; None when they span nodes (use torch.distributed then).
+
+    Collective over the members only (a job-id broadcast within `group`), so a tensor-parallel group can build it
+    without the rest of the job.
+    """
+    topo = topology_from_env()
+    if topo.rank not in members:
+        raise ValueError(f"rank {topo.rank} is not a member of the subgroup {members}")
+    if any(r // topo.local_world_size != topo.node for r in members):
+        return None
+    obj = [f"g{members[0]}-{uuid.uuid4().hex[:12]}"]
+    if len(members) > 1:
+        dist.broadcast_object_list(obj, src=members[0], group=group)
+    i, size = members.index(topo.rank), len(members)
+    sub = Topology(rank=i, world_size=size, local_rank=i, local_world_size=size, node=0)
+    return NodeGroups(topo=sub, job_id=obj[0], intra=group, members=list(members))

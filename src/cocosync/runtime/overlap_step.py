@@ -131,7 +131,7 @@ def overlap_runner(step, program: Program, comm, kernels: str | None = None) -> 
     if chosen is None:
         return None
     d, cuts = chosen
-    needed = [s for s in stages if id(s) in outside_readers(program, inside)]
+    needed = [s for s in stages if id(s) in outside_readers(program, inside) and id(s) not in comm.pruning.dead]
     return _Pipelined(stages, d, cuts, step.chunks, needed, comm)
 
 
@@ -173,7 +173,7 @@ class _Pipelined:
         out = []
         for a, c in zip(s.args, self.cut_of[id(s)]):
             if id(a) in self.inside:
-                out.append(local[id(a)])
+                out.append(local.get(id(a)))  # None: pruned on this rank (the last group's send argument)
             else:
                 v = env[id(a)]
                 out.append(v if c is None else v.narrow(c, lo, hi - lo))
@@ -185,11 +185,30 @@ class _Pipelined:
             m = self.masks[id(s)] = _reference_mask(s, self.comm)
         return m
 
+    def _pruned(self, s: Node, i: int, local: dict) -> bool:
+        """Whether this rank skips `s` (runtime.prune); zero stages get their chunk of zeros."""
+        pr = self.comm.pruning
+        if not pr.touches((s,)):
+            return False
+        if id(s) in pr.zero:
+            device = next((local[id(a)].device for a in s.args if id(a) in local), None)
+            local[id(s)] = torch.zeros(self._chunk_shape(s, i), dtype=s.dtype, device=device)
+        return True
+
+    def _chunk_shape(self, s: Node, i: int) -> tuple[int, ...]:
+        from cocosync.runtime.executor import local_shape
+
+        shape = list(local_shape(s, self.comm.G))
+        shape[self.d] = self.bounds[i][1] - self.bounds[i][0]
+        return tuple(shape)
+
     def _run_compute(self, j: int, i: int, env: dict, local: dict) -> None:
         from cocosync.runtime.executor import _run_stage
 
         lo, hi = self.bounds[i]
         for s in self.compute[j]:
+            if self._pruned(s, i, local):
+                continue
             args = self._args(s, i, env, local)
             if s.op == "dropout":  # the reference's formula on the chunk of the reference's mask
                 local[id(s)] = args[0] * self._mask(s).narrow(self.d, lo, hi - lo) / (1.0 - s.attr("p"))
@@ -200,7 +219,13 @@ class _Pipelined:
         from cocosync.runtime.executor import _COMM_STAGE
 
         for s in self.comms[j]:
-            local[id(s)] = _COMM_STAGE[s.op](s, self._args(s, i, env, local)[0], self.comm)
+            if self._pruned(s, i, local):
+                continue
+            x = self._args(s, i, env, local)[0]
+            if x is None:  # the last group's send: only receives
+                local[id(s)] = self.comm.send(None, self._chunk_shape(s, i), s.dtype)
+            else:
+                local[id(s)] = _COMM_STAGE[s.op](s, x, self.comm)
 
     def __call__(self, env: dict) -> None:
         for a in self.consts:

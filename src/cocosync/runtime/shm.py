@@ -49,7 +49,7 @@ _ALIGN = 4096
 
 _pending: set[str] = set()  # segment paths created or attached by this process and not yet unlinked
 _pending_lock = threading.Lock()
-_arena_ids = itertools.count()
+_arena_ids: dict[str, itertools.count] = {}  # per job id: a subgroup's arenas are numbered among its members
 
 
 class CollectiveTimeout(RuntimeError):
@@ -228,7 +228,7 @@ class Arena:
         topo = self.groups.topo
         self.local_rank, self.local_size = topo.local_rank, topo.local_world_size
         self.timeout = default_timeout() if timeout is None else float(timeout)
-        self._name = f"{SHM_PREFIX}{self.groups.job_id}-n{topo.node}-a{next(_arena_ids)}"
+        self._name = f"{SHM_PREFIX}{self.groups.job_id}-n{topo.node}-a{next(_arena_ids.setdefault(self.groups.job_id, itertools.count()))}"
         self._segments: list[Segment] = []
         self._nseg = 0
         ctrl_bytes = _round_up(self.local_size * _SLOT * 8)
@@ -237,7 +237,7 @@ class Arena:
         try:
             words = buf.numpy().view(np.int64)[: self.local_size * _SLOT].reshape(self.local_size, _SLOT)
             self._ctrl_buf = buf
-            self.flags = Flags(words, self.local_rank, topo.local_ranks_global, self.timeout)
+            self.flags = Flags(words, self.local_rank, self.groups.local_ranks_global, self.timeout)
             words[self.local_rank, _F_PID] = os.getpid()
             words[self.local_rank, _F_ATTACH] = 1
         except BaseException:
@@ -290,7 +290,7 @@ class Arena:
                 os.close(fd)
             if time.monotonic() > deadline:
                 _unlink(path)
-                raise CollectiveTimeout(f"{what}: local rank 0 (global rank {self.groups.topo.local_ranks_global[0]}) "
+                raise CollectiveTimeout(f"{what}: local rank 0 (global rank {self.groups.local_ranks_global[0]}) "
                                         f"did not create {path} (size {nbytes}) within {self.timeout:.1f}s")
             time.sleep(delay)
             delay = min(delay * 2, 5e-3)
