@@ -11,9 +11,10 @@ Compared round-robin in the same run (median of the per-iteration max over the 4
             stage 1, stage by stage;
 - ours:     the same with `--chunks` chunks (the Overlap step: RS -> epilogue -> send -> AG pipelined by chunks).
 
-Every rank runs PipelineSend (it is a collective over the world): stage 1's ranks also reduce-scatter their zeros
-and stage 0's also all-gather zeros (the program's semantics: every stage sends to the next); the plain baseline
-does only the useful half. Both go through gloo (the plan's backend for subgroups and send).
+Every rank runs PipelineSend (it is a collective over the world). Each rank skips what its stage does not need
+(runtime.prune: the last stage only receives and all-gathers, the first stage's received value is zeros). The
+collectives within a stage go through shared memory (its ranks share this node); the sends between stages go
+through gloo in both, as they would between nodes.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def _bench_rank(shapes: list[tuple[int, int]], chunks: int, repeats: int, p: flo
             cases[key] = lambda mod=mod: mod(y)
         with torch.no_grad():
             samples = time_interleaved(cases, repeats, warmup=2, before=dist.barrier)
-        fast = [s for plan in mods["ours"]._plans.plans.values() for s in plan.fast_steps]
-        out[f"{rows}x{hidden}"] = {"samples": samples, "fast": fast, "bytes": rows * hidden * 4, "index": index}
+        plans = list(mods["ours"]._plans.plans.values())
+        fast = [s for plan in plans for s in plan.fast_steps]
+        out[f"{rows}x{hidden}"] = {"samples": samples, "fast": fast, "bytes": rows * hidden * 4, "index": index,
+                                   "backend": plans[0].comm.backend}
     return out
 
 
@@ -89,6 +92,7 @@ def run_pp(shapes: list[tuple[int, int]], chunks: int, repeats: int, p: float = 
             row[case] = st.median
             row[f"{case}_p10"], row[f"{case}_p90"] = st.p10, st.p90
         row["overlap_fast"] = any(s.startswith("overlap(") for s in per_rank[0][key]["fast"])
+        row["stage_backend"] = per_rank[0][key]["backend"]
         result["rows"][key] = row
     return result
 

@@ -29,7 +29,8 @@ from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse
                                    time_interleaved, write_json)
 
 COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)", "plan overlap (shm)", "nn c=1",
-           "nn overlap", "eager/compute (max)", "eager/plan", "eager/nn c=1", "eager/nn overlap", "overlap fast"]
+           "nn overlap", "eager/compute (max)", "eager/plan c=1", "eager/plan", "eager/nn c=1", "eager/nn overlap",
+           "overlap fast"]
 CASES = {"eager": "eager+gloo", "compute": "compute only (no all_reduce)", "plan1": "plan c=1", "plan": "plan overlap",
          "nn1": "nn.MegatronMLP c=1", "nn": "nn.MegatronMLP overlap"}
 
@@ -94,7 +95,7 @@ def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     return [[key, fmt_seconds(r["eager"]), fmt_seconds(r["compute"]), fmt_seconds(r["plan1"]), fmt_seconds(r["plan"]),
              fmt_seconds(r["nn1"]), fmt_seconds(r["nn"]), fmt_ratio(r["eager"] / r["compute"]),
-             fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["eager"] / r["nn1"]),
+             fmt_ratio(r["eager"] / r["plan1"]), fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["eager"] / r["nn1"]),
              fmt_ratio(r["eager"] / r["nn"]), "yes" if r["fast"] else "no"]
             for key, r in result["rows"].items()]
 

@@ -1,0 +1,39 @@
+"""`cocosync bench tp` and `bench pp` end to end on tiny shapes: every case is timed, the JSON and chart are
+written, and the plans really ran their fast forms (the overlap step; shared memory inside each stage)."""
+
+import json
+
+from click.testing import CliRunner
+
+from cocosync.bench.pp import CASES as PP_CASES, pp_cmd
+from cocosync.bench.tp import CASES as TP_CASES, COLUMNS as TP_COLUMNS, tp_cmd
+
+
+def _check_rows(data, cases, key):
+    row = data["rows"][key]
+    for case in cases:
+        assert row[case] > 0 and row[f"{case}_p10"] <= row[f"{case}_p90"], (case, row)
+    return row
+
+
+def test_bench_tp_end_to_end(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCOSYNC_KERNELS", "eager")  # no Inductor compile in CI
+    path = tmp_path / "tp.json"
+    res = CliRunner().invoke(tp_cmd, ["--shapes", "8x16x32", "--chunks", "2", "--repeats", "2", "--json", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    data = json.loads(path.read_text())
+    assert data["suite"] == "tp" and data["P"] == 2 and data["chunks"] == 2
+    assert _check_rows(data, TP_CASES, "8x16x32")["fast"] is True  # the overlap step ran in its fast form
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
+    assert "eager/plan c=1" in TP_COLUMNS
+
+
+def test_bench_pp_end_to_end(tmp_path):
+    path = tmp_path / "pp.json"
+    res = CliRunner().invoke(pp_cmd, ["--shapes", "8x16", "--chunks", "2", "--repeats", "2", "--json", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    data = json.loads(path.read_text())
+    assert data["suite"] == "pp" and data["P"] == 4 and data["stages"] == 2
+    row = _check_rows(data, PP_CASES, "8x16")
+    assert row["bytes"] == 8 * 16 * 4 and row["overlap_fast"] is True and row["stage_backend"] == "shm"
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
