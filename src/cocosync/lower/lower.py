@@ -28,7 +28,7 @@ def lower(program: Program, dump: bool = False) -> Plan:
     2. dce             dead stages and scatter(all_gather(x)) disappear
     3. form_units      each fuse/overlap group is one unit, every other stage its own
     4. order_units     units in a topological order of the unit graph (stable: earliest first stage first)
-    5. merge_kernels   adjacent local elementwise units merge into one kernel
+    5. merge_kernels   adjacent local units merge into one kernel (after a matmul: its epilogue)
     6. to_steps        units become Kernel / Collective / FusedCollective / Overlap steps
     """
     def show(name: str, what) -> None:
@@ -88,11 +88,12 @@ def order_units(program: Program, units: list[Unit]) -> list[Unit]:
 
 
 def merge_kernels(units: list[Unit]) -> list[Unit]:
+    """Adjacent local units merge into one kernel; a matmul starts a new one and takes what follows as its
+    epilogue (bias, activation: folded into the GEMM call at run time)."""
     out: list[Unit] = []
     for u in units:
         simple = u.kind == "compute" and u.stages[0].op != "matmul"
-        if simple and out and out[-1].kind == "compute" \
-                and out[-1].stages[0].op != "matmul":
+        if simple and out and out[-1].kind == "compute":
             out[-1].stages.extend(u.stages)
         else:
             out.append(Unit(u.kind, list(u.stages), dict(u.attrs)))

@@ -4,7 +4,8 @@
 None (the step then runs its reference implementation, stage by stage). Every fast form is checked against
 the interpreter in the tests; when a precondition does not hold we fall back rather than guess.
 
-- Kernel: its fusable stages become one generated function (runtime.kernels), compiled once.
+- Kernel: its fusable stages become one generated function (runtime.kernels), compiled once; a matmul and its
+  epilogue fold the bias and relu into the GEMM call (runtime.matmul_step).
 - FusedCollective (RS -> elementwise compute -> AG over dim 0 on one node, shared memory): CoCoNeT's
   FusedAllReduce. Each rank reduces its slice chunk by chunk; while the chunk is in cache the fused kernel
   computes the sliced stages on it (slices of Replicated inputs are read in place, Sliced states are updated
@@ -49,7 +50,7 @@ def prepare(step, program: Program, comm, kernels: str | None,
     if comm.pruning.touches(step.stages) and not isinstance(step, Overlap):
         return None  # stage by stage, skipping what this rank prunes (runtime.prune)
     if isinstance(step, KernelStep):
-        return _kernel_runner(step, program, kernels)
+        return _kernel_runner(step, program, comm, kernels)
     if isinstance(step, FusedCollective):
         if any(s.op in ("norm", "segment_norm") for s in step.compute):
             from cocosync.runtime.norm_step import norm_collective_runner
@@ -61,8 +62,12 @@ def prepare(step, program: Program, comm, kernels: str | None,
     return None
 
 
-def _kernel_runner(step, program: Program, kernels: str | None) -> Runner | None:
+def _kernel_runner(step, program: Program, comm, kernels: str | None) -> Runner | None:
     stages = list(step.stages)
+    if stages[0].op == "matmul":  # a GEMM and its epilogue (lower.merge_kernels puts them in one step)
+        from cocosync.runtime.matmul_step import matmul_runner
+
+        return matmul_runner(step, program, comm, kernels, outside_readers(program, {id(s) for s in stages}))
     if len(stages) < 2 or not all(can_fuse(s) for s in stages):
         return None
     inside = {id(s) for s in stages}
