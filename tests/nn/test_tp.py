@@ -171,3 +171,27 @@ def test_bad_inputs():
         row(torch.randn(3, F))  # the full input instead of this rank's slice
     with pytest.raises(ValueError, match="do not form hidden->ffn->hidden"):
         MegatronMLP.from_dense(nn.Linear(H, F), nn.Linear(F, H + 2), 0, 2)
+
+
+def test_chunks_default_follows_the_device():
+    from cocosync.nn.parallel import check_chunks, resolve_chunks
+
+    assert resolve_chunks(None, "cpu") == 1 and resolve_chunks(None, "cuda") == 2  # overlap where comm has its engine
+    assert resolve_chunks(3, "cpu") == 3
+    with pytest.raises(ValueError, match=r"chunks=1\.5 must be an int >= 1, or None"):
+        check_chunks("RowParallelLinear", 1.5)
+
+
+def _default_chunk_steps():
+    import torch.distributed as dist
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    fc1, fc2 = _dense()
+    mlp = MegatronMLP.from_dense(fc1, fc2, rank, P)  # chunks=None
+    mlp(torch.randn(8, H))
+    return [str(s) for plan in mlp._plans.plans.values() for s in plan.plan.steps]
+
+
+def test_default_chunks_on_cpu_run_without_overlap(rank_pool):
+    for steps in rank_pool(2).run(_default_chunk_steps):
+        assert steps and not any(s.startswith("overlap(") for s in steps), steps

@@ -27,7 +27,7 @@ from torch import nn
 
 from cocosync.dsl import Program, Replicated, Sliced, Tensor, all_reduce, gt, where
 from cocosync.interp import dropout_mask
-from cocosync.nn.parallel import PlanCache, _init_weight, check_divisible, group_info, tp_schedule
+from cocosync.nn.parallel import PlanCache, _init_weight, check_chunks, check_divisible, group_info, tp_schedule
 
 __all__ = ["MegatronMLP", "mlp_program", "mlp_backward_program"]
 
@@ -80,7 +80,7 @@ def mlp_backward_program(rows: int, hidden: int, ffn: int, dtype: torch.dtype = 
 class _MLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, w1, b1, w2, b2, mask, block):
-        plan = block._plans.get((x2.shape[0], x2.dtype, mask is not None))
+        plan = block._plans.get((x2.shape[0], x2.dtype, mask is not None), x2.device)
         inputs = {"x": x2.detach(), "w1": w1.detach(), "w2": w2.detach()}
         if b1 is not None:
             inputs.update(b1=b1.detach(), b2=b2.detach())
@@ -94,7 +94,7 @@ class _MLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         x2, w1, w2, h, mask = ctx.saved_tensors
-        plan = ctx.block._backward_plans.get((x2.shape[0], x2.dtype, mask is not None))
+        plan = ctx.block._backward_plans.get((x2.shape[0], x2.dtype, mask is not None), x2.device)
         inputs = {"dout": dout.contiguous(), "x_t": x2.t(), "h": h, "h_t": h.t(), "w1_t": w1.detach().t(),
                   "w2_t": w2.detach().t()}
         if mask is not None:
@@ -111,9 +111,11 @@ class MegatronMLP(nn.Module):
 
     Input/output: (..., hidden), the same on every rank. Parameters: w1 (hidden, ffn / world), b1 (ffn / world,),
     w2 (ffn / world, hidden), b2 (hidden,) (replicated). Dropout draws a new mask per training call (seed + call
-    index, identical on every rank); in eval mode, or with p=0, it is skipped. chunks: overlap chunks (1: none)."""
+    index, identical on every rank); in eval mode, or with p=0, it is skipped. chunks: overlap chunks (1: none;
+    None, the default: 1 for CPU inputs, 2 on GPUs, see nn.parallel.resolve_chunks)."""
 
-    def __init__(self, hidden: int, ffn: int, *, p: float = 0.1, seed: int = 0, bias: bool = True, chunks: int = 2,
+    def __init__(self, hidden: int, ffn: int, *, p: float = 0.1, seed: int = 0, bias: bool = True,
+                 chunks: int | None = None,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  backend: str | None = None, kernels: str | None = None, rank: int | None = None,
                  world: int | None = None):
@@ -125,8 +127,7 @@ class MegatronMLP(nn.Module):
             raise ValueError(f"MegatronMLP: p={p} must be in [0, 1)")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"MegatronMLP: seed={seed!r} must be a non-negative int")
-        if chunks < 1:
-            raise ValueError(f"MegatronMLP: chunks={chunks} must be >= 1")
+        check_chunks("MegatronMLP", chunks)
         self.hidden, self.ffn, self.p, self.seed, self.chunks = hidden, ffn, p, seed, chunks
         self.rank, self.world, self.group = rank, world, group
         self.calls = 0  # training calls so far: call i uses the mask of seed + i
@@ -136,11 +137,11 @@ class MegatronMLP(nn.Module):
         self.b2 = nn.Parameter(torch.zeros(hidden, dtype=dtype)) if bias else None
         _init_weight(self.w1, hidden)
         _init_weight(self.w2, ffn)
-        self._plans = PlanCache(lambda key: tp_schedule(mlp_program(key[0], hidden, ffn, key[1], dropout=key[2],
-                                                                    bias=bias), chunks, key[0], world),
-                                group, backend=backend, kernels=kernels, rank=rank, world=world)
-        self._backward_plans = PlanCache(lambda key: tp_schedule(mlp_backward_program(
-            key[0], hidden, ffn, key[1], dropout=key[2]), chunks, key[0], world), group, backend=backend,
+        self._plans = PlanCache(lambda key, c: tp_schedule(mlp_program(key[0], hidden, ffn, key[1], dropout=key[2],
+                                                                       bias=bias), c, key[0], world),
+                                group, chunks=chunks, backend=backend, kernels=kernels, rank=rank, world=world)
+        self._backward_plans = PlanCache(lambda key, c: tp_schedule(mlp_backward_program(
+            key[0], hidden, ffn, key[1], dropout=key[2]), c, key[0], world), group, chunks=chunks, backend=backend,
             kernels=kernels, rank=rank, world=world)
 
     @classmethod

@@ -73,22 +73,40 @@ def tp_schedule(program: Program, chunks: int, rows: int, world: int):
     return s
 
 
-class PlanCache:
-    """Compiled plans of one layer, keyed by a hashable key (rows, dtype, ...), built on first use by
-    `build(key) -> Schedule` and compiled for `group`. Keeps the `size` most recently used."""
+def check_chunks(what: str, chunks: int | None) -> None:
+    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"{what}: chunks={chunks!r} must be an int >= 1, or None (1 on CPU, 2 on GPU)")
 
-    def __init__(self, build: Callable[[Any], Any], group: dist.ProcessGroup | None, *, backend: str | None = None,
-                 kernels: str | None = None, size: int = 8, rank: int | None = None, world: int | None = None):
+
+def resolve_chunks(chunks: int | None, device_type: str) -> int:
+    """Overlap chunks for inputs on `device_type`; chunks=None picks 2 (the paper's overlap) where communication
+    has its own engine (GPUs), 1 on CPU, where the communication costs the same cores the compute needs and
+    overlapping measured slower (BENCHMARKS.md, tp and pp)."""
+    return chunks if chunks is not None else (1 if device_type == "cpu" else 2)
+
+
+class PlanCache:
+    """Compiled plans of one layer, keyed by a hashable key (rows, dtype, ...) and the inputs' device type, built on
+    first use by `build(key, chunks) -> Schedule` (chunks: `resolve_chunks(chunks, device type)`) and compiled for
+    `group`. Keeps the `size` most recently used."""
+
+    def __init__(self, build: Callable[[Any, int], Any], group: dist.ProcessGroup | None, *,
+                 chunks: int | None = 1, backend: str | None = None, kernels: str | None = None, size: int = 8,
+                 rank: int | None = None, world: int | None = None):
         self.build, self.group, self.backend, self.kernels, self.size = build, group, backend, kernels, size
+        self.chunks = chunks
         self.rank, self.world = rank, world  # what the layer's shards were cut for (checked against the group)
         self.plans: dict[Any, Any] = {}
 
-    def get(self, key: Any):
+    def get(self, key: tuple, device: torch.device | str = "cpu"):
         from cocosync.lower import compile_plan
 
+        dev = torch.device(device).type
+        key = (*key, dev)
         plan = self.plans.pop(key, None)
         if plan is None:
-            plan = compile_plan(self.build(key).lower(), self.group, backend=self.backend, kernels=self.kernels)
+            schedule = self.build(key[:-1], resolve_chunks(self.chunks, dev))
+            plan = compile_plan(schedule.lower(), self.group, backend=self.backend, kernels=self.kernels)
             if self.world is not None and (plan.comm.G, plan.comm.index) != (self.world, self.rank):
                 raise ValueError(f"the layer's shards were cut for rank {self.rank} of {self.world}, but this process "
                                  f"is rank {plan.comm.index} of {plan.comm.G} in its group; pass the group's rank "
@@ -135,7 +153,7 @@ def column_program(rows: int, in_features: int, out_features: int, dtype: torch.
 class _ColumnFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, layer):  # x2: (rows, in) Replicated
-        plan = layer._plans.get((x2.shape[0], x2.dtype))
+        plan = layer._plans.get((x2.shape[0], x2.dtype), x2.device)
         inputs = {"x": x2.detach(), "w": weight.detach()}
         if bias is not None:
             inputs["b"] = bias.detach()
@@ -179,7 +197,7 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(in_features, out_features // world, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=dtype)) if bias else None
         _init_weight(self.weight, in_features)
-        self._plans = PlanCache(lambda key: _schedule_plain(column_program(
+        self._plans = PlanCache(lambda key, _: _schedule_plain(column_program(
             key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels,
             rank=rank, world=world)
 
@@ -227,7 +245,7 @@ def row_program(rows: int, in_features: int, out_features: int, dtype: torch.dty
 class _RowFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2, weight, bias, layer):  # x2: (rows, in / world), this rank's columns of the input
-        plan = layer._plans.get((x2.shape[0], x2.dtype))
+        plan = layer._plans.get((x2.shape[0], x2.dtype), x2.device)
         inputs = {"x": x2.detach(), "w": weight.detach()}
         if bias is not None:
             inputs["b"] = bias.detach()
@@ -251,9 +269,10 @@ class RowParallelLinear(nn.Module):
 
     Input: (..., in_features / world), this rank's slice of the features (e.g. a ColumnParallelLinear's output).
     Output: (..., out_features), the same on every rank. Parameters: weight (in_features / world, out_features),
-    bias (out_features,) (replicated). chunks: overlap chunks of the Megatron schedule (1: no overlap step)."""
+    bias (out_features,) (replicated). chunks: overlap chunks of the Megatron schedule (1: no overlap step; None,
+    the default: 1 for CPU inputs, 2 on GPUs, see resolve_chunks)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, chunks: int = 2,
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, chunks: int | None = None,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  backend: str | None = None, kernels: str | None = None, rank: int | None = None,
                  world: int | None = None):
@@ -261,15 +280,14 @@ class RowParallelLinear(nn.Module):
         if rank is None or world is None:
             rank, world = group_info(group, type(self).__name__)
         check_divisible(type(self).__name__, "in_features", in_features, world)
-        if chunks < 1:
-            raise ValueError(f"{type(self).__name__}: chunks={chunks} must be >= 1")
+        check_chunks(type(self).__name__, chunks)
         self.in_features, self.out_features, self.world, self.rank = in_features, out_features, world, rank
         self.chunks, self.group = chunks, group
         self.weight = nn.Parameter(torch.empty(in_features // world, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
         _init_weight(self.weight, in_features)
-        self._plans = PlanCache(lambda key: tp_schedule(row_program(key[0], in_features, out_features, key[1], bias),
-                                                        chunks, key[0], world), group, backend=backend,
+        self._plans = PlanCache(lambda key, c: tp_schedule(row_program(key[0], in_features, out_features, key[1], bias),
+                                                           c, key[0], world), group, chunks=chunks, backend=backend,
                                 kernels=kernels, rank=rank, world=world)
 
     @classmethod

@@ -30,7 +30,7 @@ from torch import nn
 
 from cocosync.dsl import Local, Program, Replicated, Tensor, all_reduce, send
 from cocosync.interp import dropout_mask
-from cocosync.nn.parallel import PlanCache, group_info
+from cocosync.nn.parallel import PlanCache, check_chunks, group_info
 
 __all__ = ["PipelineSend", "pipeline_send_program"]
 
@@ -61,7 +61,7 @@ def _schedule(program: Program, chunks: int, rows: int, gsize: int):
 class _SendFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, b, mask, mod):
-        plan = mod._plans.get((y.shape[0], y.dtype, mod.training and mod.p > 0))
+        plan = mod._plans.get((y.shape[0], y.dtype, mod.training and mod.p > 0), y.device)
         inputs = {"y": y.detach(), "b": b.detach()}
         if mask is not None:
             inputs["mask"] = mask
@@ -101,9 +101,10 @@ class PipelineSend(nn.Module):
     on stage 0, zeros. `stages` groups of world / stages consecutive ranks. bias: (hidden,) parameter, replicated
     within a stage. Dropout: a new mask per training call (seed + call index), none in eval mode or with p=0.
     backend: 'auto' (default: a stage whose ranks share a node reduces and gathers in shared memory; the send
-    between stages is torch.distributed), 'shm' or 'torch' (see cocosync.compile)."""
+    between stages is torch.distributed), 'shm' or 'torch' (see cocosync.compile). chunks: overlap chunks (None,
+    the default: 1 for CPU inputs, 2 on GPUs, see nn.parallel.resolve_chunks)."""
 
-    def __init__(self, hidden: int, *, stages: int = 2, p: float = 0.1, seed: int = 0, chunks: int = 2,
+    def __init__(self, hidden: int, *, stages: int = 2, p: float = 0.1, seed: int = 0, chunks: int | None = None,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
                  backend: str | None = None):
         super().__init__()
@@ -114,15 +115,14 @@ class PipelineSend(nn.Module):
             raise ValueError(f"PipelineSend: p={p} must be in [0, 1)")
         if not isinstance(seed, int) or seed < 0:
             raise ValueError(f"PipelineSend: seed={seed!r} must be a non-negative int")
-        if chunks < 1:
-            raise ValueError(f"PipelineSend: chunks={chunks} must be >= 1")
+        check_chunks("PipelineSend", chunks)
         self.hidden, self.stages, self.p, self.seed, self.chunks = hidden, stages, p, seed, chunks
         self.gsize = world // stages
         self.calls = 0
         self.bias = nn.Parameter(torch.zeros(hidden, dtype=dtype))
-        self._plans = PlanCache(lambda key: _schedule(pipeline_send_program(key[0], hidden, stages, key[1],
-                                                                            dropout=key[2]), chunks, key[0],
-                                                      self.gsize), group, backend=backend)
+        self._plans = PlanCache(lambda key, c: _schedule(pipeline_send_program(key[0], hidden, stages, key[1],
+                                                                               dropout=key[2]), c, key[0],
+                                                         self.gsize), group, chunks=chunks, backend=backend)
 
     def mask(self, shape: tuple[int, ...], call: int, dtype: torch.dtype) -> torch.Tensor:
         """The scaled keep-mask of training call `call`: DSL dropout(p, seed + call)'s mask / (1 - p)."""
@@ -138,7 +138,7 @@ class PipelineSend(nn.Module):
         y2 = y.reshape(-1, self.hidden)
         mask = None
         if self.training and self.p > 0:
-            plan = self._plans.get((y2.shape[0], y.dtype, True))
+            plan = self._plans.get((y2.shape[0], y.dtype, True), y2.device)
             if "mask" not in plan.unused_inputs:  # the last stage sends nothing: no mask to draw
                 mask = self.mask(tuple(y2.shape), self.calls, y.dtype)
             self.calls += 1
