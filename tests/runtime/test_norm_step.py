@@ -84,8 +84,7 @@ def test_norm_collective_matches_oracle(rank_pool, name, P, nnodes, donate):
     want = _oracle(name, P, dtype)
     sliced = _programs(dtype)[name][1]
     for r, out in enumerate(got):
-        # the two-phase fused collective on one node; across nodes the reference path (same values)
-        assert bool(out["fast"]) == (nnodes == 1) and all("fused_collective" in f for f in out["fast"]), out["fast"]
+        assert out["fast"] and all("fused_collective" in f for f in out["fast"]), out["fast"]  # 2x2 too
         for k, v in out["state"].items():
             exp = want[k][r * N // P:(r + 1) * N // P] if k in sliced else want[k]
             # float32: the norms sum 160k squares in different orders (chunks, ranks) than the interpreter

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.fused import slice_bounds
+from cocosync.runtime.fused import owned_slice, reduce_and_apply
 from cocosync.runtime.kernels import build_kernel, can_fuse
 from cocosync.runtime.overlap_step import overlap_runner
 
@@ -93,7 +93,7 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
                              donate: frozenset[str] = frozenset()) -> Runner | None:
     shm = getattr(comm, "shm", None)
     rs, ag = step.rs, step.ag
-    if shm is None or shm.nnodes > 1 or rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
+    if shm is None or rs.layout.dim != 0 or ag.args[0].layout.dim != 0 or not across_nodes_ok(shm, rs):
         return None
     shape = rs.shape
     inside = {id(s) for s in step.order}
@@ -151,7 +151,9 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
         else:
             out = torch.empty(ag.shape, dtype=ag.dtype)
         flat_out = out.view(-1)
-        start = slice_bounds(shm, buf.numel())[0]
+        if shm.nnodes > 1 and node_shared(shm, flat_out):
+            return _fallback(step, env, comm)
+        start = owned_slice(shm, buf.numel())[0]
         feeds = []
         for a in kern.inputs:
             if a is rs:
@@ -171,13 +173,23 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
             kern(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
 
         with first_call_timeout(shm, compiling):
-            shm.fused_all_reduce(buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value, fn_bytes=KERNEL_BYTES)
+            reduce_and_apply(shm, buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value, fn_bytes=KERNEL_BYTES)
         store_results(env, ag, w_update, out, state_writes)
     return run
 
 
 def _fallback(step, env: dict, comm) -> None:
     step.run(env, comm)
+
+
+def across_nodes_ok(shm, rs: Node) -> bool:
+    """One node, or several with the reduce-scatter's length divisible by the world (each rank owns 1/P)."""
+    return shm.nnodes == 1 or torch.Size(rs.args[0].shape).numel() % shm.world == 0
+
+
+def node_shared(shm, t: torch.Tensor) -> bool:
+    where = shm.arena.locate(t)
+    return where is not None and where[2]
 
 
 def reduce_buffer(rs: Node, env: dict, shm, donate: frozenset[str], scratch: dict) -> torch.Tensor:

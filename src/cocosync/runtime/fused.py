@@ -20,7 +20,8 @@ import torch
 
 from cocosync.runtime.collectives import ShmCommunicator, _check_dtype, _check_op, split_bounds
 
-__all__ = ["fused_all_reduce", "gather_slices", "slice_bounds", "adam_chunk_update", "AdamSlice", "CommThread", "overlap_chunks"]
+__all__ = ["fused_all_reduce", "reduce_and_apply", "gather_slices", "slice_bounds", "owned_slice", "adam_chunk_update",
+           "AdamSlice", "CommThread", "overlap_chunks"]
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -71,15 +72,56 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     return out
 
 
+def owned_slice(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
+    """[start, stop) of the flat slice this rank computes in `reduce_and_apply`: on one node its `slice_bounds`;
+    across nodes its 1/P in rank order (the DSL's Sliced order), so numel must divide by the world size."""
+    if comm.nnodes == 1:
+        return slice_bounds(comm, numel)
+    if numel % comm.world:
+        raise ValueError(f"owned_slice: {numel} elements do not split evenly over {comm.world} ranks on "
+                         f"{comm.nnodes} nodes")
+    c = numel // comm.world
+    return comm.rank * c, (comm.rank + 1) * c
+
+
+def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
+                     op: str = "sum", gather: bool = True, fn_bytes: int = 0) -> torch.Tensor:
+    """Reduce `t` over all ranks, call `fn(offset, reduced, out_chunk)` on this rank's `owned_slice`, then (if
+    `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does.
+
+    One node: `fused_all_reduce` (fn on each chunk while it is in cache). Across nodes: the hierarchical
+    reduce_scatter (shared memory, then torch.distributed among the ranks with this local rank), fn on this rank's
+    1/P, and the hierarchical all_gather: every rank computes a different slice, so the sliced state of a DSL
+    program (Sliced over all P ranks) lines up, and partial sums over slices count each element once."""
+    if comm.nnodes == 1:
+        return fused_all_reduce(comm, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes)
+    out = t if out is None else out
+    x, y = t.view(-1), out.view(-1)
+    start, stop = owned_slice(comm, x.numel())
+    x[start:stop].copy_(comm.reduce_scatter(x, op))
+    step = max(1, max(comm.chunk_bytes, fn_bytes) // x.element_size())
+    for a in range(start, stop, step):
+        b = min(stop, a + step)
+        fn(a, x[a:b], y[a:b])
+    if gather:
+        gather_slices(comm, y)
+    return out
+
+
 def gather_slices(comm: ShmCommunicator, out: torch.Tensor) -> None:
-    """Each rank has written its slice (`slice_bounds`) of the flat `out`; afterwards every rank's `out` holds all
+    """Each rank has written its slice (`owned_slice`) of the flat `out`; afterwards every rank's `out` holds all
     of them: the all-gather half of a fused all-reduce, for steps that compute their slice in several phases.
-    A node-shared `out` (``Arena.shared_empty``) only waits for the peers' writes; an arena `out` is read in place."""
+    A node-shared `out` (``Arena.shared_empty``) only waits for the peers' writes; an arena `out` is read in place.
+    Across nodes: the hierarchical all_gather (a node-shared `out` is refused: every local rank would write it)."""
     y = out.view(-1)
     if comm.world == 1:
         return
     if comm.nnodes > 1:
-        raise ValueError("gather_slices: one node only (across nodes each local rank's slice is split again)")
+        if comm.arena.locate(y) is not None and comm.arena.locate(y)[2]:
+            raise ValueError("gather_slices: a node-shared out across nodes (each local rank would write all of it)")
+        s, e = owned_slice(comm, y.numel())
+        comm.all_gather(y[s:e].clone(), out=y)
+        return
     where = comm.arena.locate(y)
     if where is not None and where[2]:
         comm.flags.barrier("gather_slices (slices written)")

@@ -24,7 +24,7 @@ import itertools
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.fused import gather_slices, slice_bounds
+from cocosync.runtime.fused import gather_slices, owned_slice, reduce_and_apply
 from cocosync.runtime.kernels import build_kernel, can_fuse
 
 NORMS = ("norm", "segment_norm")  # a segment_norm is a norm per segment (LAMB's per-tensor ratio): same phases
@@ -52,10 +52,12 @@ class _Phases:
     """The step cut into phases, checked; `ok` False means: use the reference path."""
 
     def __init__(self, step, program: Program, shm):
+        from cocosync.runtime.fast_steps import across_nodes_ok
+
         self.ok = False
         rs, ag = step.rs, step.ag
-        if shm is None or shm.nnodes > 1 or rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
-            return  # across nodes the slices repeat per node: partial sums would count each nnodes times
+        if shm is None or rs.layout.dim != 0 or ag.args[0].layout.dim != 0 or not across_nodes_ok(shm, rs):
+            return
         self.norms = [s for s in step.compute if s.op in NORMS]
         if not self.norms:
             return
@@ -165,8 +167,8 @@ def _pieces(ends: list[int], offset: int, n: int):
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, put_consts, reduce_buffer,
-                                             store_results)
+    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, node_shared, put_consts,
+                                             reduce_buffer, store_results)
 
     shm = getattr(comm, "shm", None)
     ph = _Phases(step, program, shm)
@@ -202,10 +204,10 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
         writes = [s for w in ph.writes for s in w]
         state = {id(s): env[id(s.args[0])].view(-1) for s in writes if env[id(s.args[0])].is_contiguous()}
         out = env[id(w_update.args[0])] if w_update is not None else torch.empty(ag.shape, dtype=ag.dtype)
-        if len(state) < len(writes) or not out.is_contiguous():
+        if len(state) < len(writes) or not out.is_contiguous() or shm.nnodes > 1 and node_shared(shm, out):
             return step.run(env, comm)
         flat_out = out.view(-1)
-        start, stop = slice_bounds(shm, buf.numel())
+        start, stop = owned_slice(shm, buf.numel())
         step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
         values = {id(s.args[1]): state[id(s)] for s in writes}  # new values of states, read from the states
         values[id(gathered)] = flat_out[start:stop]
@@ -266,8 +268,8 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
 
         with first_call_timeout(shm, compiling):
             chunk, acc = phase(0)
-            shm.fused_all_reduce(buf, lambda offset, red, _out: chunk(offset, red.numel()),
-                                 op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
+            reduce_and_apply(shm, buf, lambda offset, red, _out: chunk(offset, red.numel()),
+                             op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
             finish_norms(acc, ph.kernels[0], 1)
             for k in range(1, ph.K + 1):
                 chunk, acc = phase(k)
