@@ -93,6 +93,8 @@ def test_config_errors_name_the_value():
         DpConfig(sections=("adam", "bogus"))
     with pytest.raises(ValueError, match="tf_dim=30"):
         DpConfig(tf_dim=30)
+    with pytest.raises(ValueError, match="nnodes=3 must be >= 1 and divide P=4"):
+        DpConfig(P=4, nnodes=3)
 
 
 def test_bench_dp_end_to_end_writes_json_and_png(tmp_path):

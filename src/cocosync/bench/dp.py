@@ -84,7 +84,10 @@ class DpConfig:
     kernels: str | None = None
     """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
     P: int = 2
-    """Local ranks."""
+    """Ranks (all on this machine)."""
+    nnodes: int = 1
+    """Simulated nodes (torchrun numbering, P / nnodes ranks each): > 1 exercises the cross-node paths (gloo between
+    the "nodes"), on this one machine; the memory-traffic bound is then not reported."""
     bw_bytes: int = 256 << 20
     """Bytes each rank copies to measure the memory bandwidth (well above the L3 cache)."""
 
@@ -105,6 +108,8 @@ class DpConfig:
             raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
             raise ValueError(f"DpConfig.P={self.P}: data parallelism needs at least 2 ranks")
+        if self.nnodes < 1 or self.P % self.nnodes:
+            raise ValueError(f"DpConfig.nnodes={self.nnodes} must be >= 1 and divide P={self.P}")
 
     @property
     def params(self) -> int:
@@ -406,7 +411,7 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     from cocosync.runtime.launch import RankPool
 
     kernels = cfg.kernels or os.environ.get("COCOSYNC_KERNELS", "inductor")
-    with RankPool(cfg.P, threads=1, timeout=3600, env={"COCOSYNC_KERNELS": kernels}) as pool:
+    with RankPool(cfg.P, nnodes=cfg.nnodes, threads=1, timeout=3600, env={"COCOSYNC_KERNELS": kernels}) as pool:
         per_rank = pool.run(_bench_rank, cfg, timeout=3600)
     bw_samples = [sum(s) for s in zip(*(pr["bandwidth"] for pr in per_rank))]
     bw = statistics.median(bw_samples)
@@ -437,7 +442,7 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
                 row.update(s.as_dict())
                 row["over_ours"] = s.median / ours.median if ours else None
                 row["base_over"] = base.median / s.median if base else None
-                row["bound_over"] = bound / s.median if section in ("adam", "lamb") else None
+                row["bound_over"] = bound / s.median if section in ("adam", "lamb") and cfg.nnodes == 1 else None
             else:
                 row.update({"median_s": None, "note": notes[key]})
             rows.append(row)
@@ -535,8 +540,12 @@ def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, A
 @click.option("--kernels", type=click.Choice(["inductor", "eager"]), default=None,
               help="Fused-kernel backend of ours (default: $COCOSYNC_KERNELS, else inductor).")
 @click.option("--bw-size", default="256M", show_default=True, help="Bytes per rank of the bandwidth copy.")
+@click.option("--ranks", type=click.IntRange(2), default=None, help="Ranks on this machine (2).")
+@click.option("--nnodes", type=click.IntRange(1), default=None,
+              help="Simulated nodes (ranks / nnodes each; gloo between them): the cross-node paths.")
 @click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
-def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, kernels, bw_size, markdown) -> None:
+def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, kernels, bw_size, ranks, nnodes,
+           markdown) -> None:
     """Data-parallel Adam/LAMB steps and a train step: ours vs DDP-style gloo, ZeRO, FSDP2 (2 ranks)."""
     cfg = QUICK if quick else DpConfig()
     over: dict[str, Any] = {"kernels": kernels} if kernels else {}
@@ -548,6 +557,10 @@ def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, ker
         raise click.BadParameter(str(e), param_hint="--bw-size") from None
     if repeats:
         over["repeats"] = repeats
+    if ranks:
+        over["P"] = ranks
+    if nnodes:
+        over["nnodes"] = nnodes
     if layers:
         over["layers"] = layers
     if width:
