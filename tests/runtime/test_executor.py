@@ -83,3 +83,21 @@ def test_subgroups_on_one_node_use_shared_memory(rank_pool, nnodes):
             # sgd on the group's mean gradient (0 + 2) / 2 with lr 1
             (w_new,) = out["explicit"].values()
             torch.testing.assert_close(w_new, torch.full((8,), -1.0))
+
+
+def _subgroup_without_torchrun_env():
+    import os
+
+    import torch.distributed as dist
+
+    from cocosync.runtime.group import subgroup_node_groups
+
+    saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")}
+    try:  # init_process_group without torchrun's variables: nodes unknown -> torch.distributed
+        return subgroup_node_groups([0, 1], dist.group.WORLD)
+    finally:
+        os.environ.update(saved)
+
+
+def test_subgroups_without_torchrun_environment_use_torch(rank_pool):
+    assert rank_pool(2).run(_subgroup_without_torchrun_env) == [None, None]

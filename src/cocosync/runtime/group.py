@@ -154,12 +154,15 @@ def node_groups(topo: Topology | None = None) -> NodeGroups:
 
 def subgroup_node_groups(members: list[int], group: Any) -> NodeGroups | None:
     """NodeGroups of a torch.distributed subgroup whose `members` (global ranks, in group order) all live on this
-    node, numbered 0..len-1 as one single-node job; None when they span nodes (use torch.distributed then).
+    node, numbered 0..len-1 as one single-node job; None when they span nodes, or when the torchrun environment
+    does not describe this job (use torch.distributed then).
 
     Collective over the members only (a job-id broadcast within `group`), so a tensor-parallel group can build it
     without the rest of the job.
     """
     topo = topology_from_env()
+    if (topo.world_size, topo.rank) != (dist.get_world_size(), dist.get_rank()):
+        return None  # no torchrun environment (or another one): the node of each rank is unknown
     if topo.rank not in members:
         raise ValueError(f"rank {topo.rank} is not a member of the subgroup {members}")
     if any(r // topo.local_world_size != topo.node for r in members):
