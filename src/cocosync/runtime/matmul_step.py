@@ -33,7 +33,7 @@ def _readers(stages: list[Node], n: Node) -> list[Node]:
 
 def _relu_fold(tail: list[Node], head: Node, outside: set[int]) -> tuple[Node | None, bool, int]:
     """(the stage whose value is relu(head), whether NaN must become 0, how many tail stages it takes) or None."""
-    if not tail or id(head) in outside:
+    if not tail or id(head) in outside or tail[0].dtype != head.dtype:  # relu_ keeps head's dtype
         return None, False, 0
     readers = {id(r) for r in _readers(tail, head)}
     mx = tail[0]
@@ -43,7 +43,7 @@ def _relu_fold(tail: list[Node], head: Node, outside: set[int]) -> tuple[Node | 
         gt, wh = tail[0], tail[1]
         if (gt.op == "gt" and gt.args[0] is head and _is_zero(gt.args[1]) and id(gt) not in outside
                 and wh.op == "where" and wh.args[0] is gt and wh.args[1] is head and _is_zero(wh.args[2])
-                and _readers(tail, gt) == [wh] and readers <= {id(gt), id(wh)}):
+                and _readers(tail, gt) == [wh] and readers <= {id(gt), id(wh)} and wh.dtype == head.dtype):
             return wh, True, 2
     return None, False, 0
 
@@ -62,7 +62,8 @@ def matmul_runner(step, program: Program, comm, kernels: str | None, outside: se
     if first.op == "add" and id(mm) not in outside and _readers(rest, mm) == [first] and first.shape == mm.shape:
         other = first.args[1] if first.args[0] is mm else first.args[0]
         replicated_into_slice = first.layout.is_sliced and other.layout.is_replicated
-        if other is not mm and other.ndim == 1 and other.op != "const" and not replicated_into_slice:
+        same_dtype = other.dtype == mm.dtype == first.dtype  # addmm does not promote
+        if other is not mm and other.ndim == 1 and other.op != "const" and not replicated_into_slice and same_dtype:
             head, bias = first, other
     tail = [s for s in rest if s is not head]
     relu, nan_to_zero, taken = _relu_fold(tail, head, outside)
