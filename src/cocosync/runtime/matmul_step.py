@@ -33,11 +33,13 @@ def _readers(stages: list[Node], n: Node) -> list[Node]:
 
 def _relu_fold(tail: list[Node], head: Node, outside: set[int]) -> tuple[Node | None, bool, int]:
     """(the stage whose value is relu(head), whether NaN must become 0, how many tail stages it takes) or None."""
-    if not tail or id(head) in outside or tail[0].dtype != head.dtype:  # relu_ keeps head's dtype
+    if not tail or id(head) in outside:
         return None, False, 0
     readers = {id(r) for r in _readers(tail, head)}
     mx = tail[0]
-    if mx.op == "maximum" and mx.args[0] is head and _is_zero(mx.args[1]) and readers == {id(mx)}:
+    # (relu_ keeps head's dtype: the relu stage must have it too)
+    if mx.op == "maximum" and mx.args[0] is head and _is_zero(mx.args[1]) and readers == {id(mx)} \
+            and mx.dtype == head.dtype:
         return mx, False, 1
     if len(tail) >= 2:
         gt, wh = tail[0], tail[1]
@@ -92,4 +94,5 @@ def matmul_runner(step, program: Program, comm, kernels: str | None, outside: se
         else:
             for s in tail:  # e.g. the scatter of an input merged into this step: as the reference runs it
                 run_stage(s, env, comm)
+    run.folds = ("bias",) * (bias is not None) + ("relu",) * (relu is not None)  # type: ignore[attr-defined]
     return run
