@@ -101,6 +101,7 @@ class _Comm:
                              f"world; this program's group is global ranks {self.members}: use 'torch' or 'auto'")
         self.backend = "shm" if self.shm is not None else "torch"
         self.pruning = prune(program, self.gid, ngroups)
+        self.device = torch.device("cpu")  # the inputs' device, set by each call
         # roots are numbered in the group; the world communicator takes global ranks, a subgroup's its own
         self._shm_root = (lambda r: self.members[r]) if whole_world else (lambda r: r)
 
@@ -157,7 +158,7 @@ class _Comm:
         """Send x to the next group, return what the previous group sent (zeros on the first group). x None: the
         last group, whose send only receives (a tensor of `shape`, `dtype`)."""
         pos = self.gid * self.G + self.index
-        out = torch.zeros(shape, dtype=dtype) if x is None else torch.zeros_like(x)
+        out = torch.zeros(shape, dtype=dtype, device=self.device) if x is None else torch.zeros_like(x)
         reqs = []
         if pos + self.G < self.world:
             if x is None:
@@ -243,7 +244,7 @@ def run_stage(s: Node, env: dict[int, torch.Tensor], comm: _Comm) -> torch.Tenso
     Stages this rank prunes (runtime.prune) are not run: dead ones store nothing, zero ones store zeros."""
     if comm.pruning and comm.pruning.touches((s,)):
         if id(s) in comm.pruning.zero:
-            device = next((env[id(a)].device for a in s.args if id(a) in env), None)
+            device = next((env[id(a)].device for a in s.args if id(a) in env), comm.device)
             env[id(s)] = torch.zeros(local_shape(s, comm.G), dtype=s.dtype, device=device)
         return env.get(id(s))
     args = []
@@ -303,6 +304,7 @@ class CompiledProgram:
                 raise DslError(f"{p.name}: input {n.name!r} is on {v.device}, other inputs are on {device}")
             device = device or (v.device if n.ndim else None)
             out[n.name] = v
+        self.comm.device = device or torch.device("cpu")  # where values a pruned rank makes up (zeros) live
         return out
 
     @property

@@ -191,7 +191,7 @@ class _Pipelined:
         if not pr.touches((s,)):
             return False
         if id(s) in pr.zero:
-            device = next((local[id(a)].device for a in s.args if id(a) in local), None)
+            device = next((local[id(a)].device for a in s.args if id(a) in local), self.comm.device)
             local[id(s)] = torch.zeros(self._chunk_shape(s, i), dtype=s.dtype, device=device)
         return True
 
