@@ -121,3 +121,17 @@ def test_bench_dp_end_to_end_writes_json_and_png(tmp_path):
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "DDP-style" in res.output
+
+
+def test_bench_dp_train_sweep_end_to_end(tmp_path):
+    path = tmp_path / "sweep.json"
+    res = CliRunner().invoke(dp_cmd, ["--tf", "1,32,8,2", "--tf-batches", "1,3", "--repeats", "1", "--kernels", "eager",
+                                      "--json", str(path)])
+    assert res.exit_code == 0, res.output + repr(res.exception)
+    data = json.loads(path.read_text())
+    assert data["suite"] == "dp-train-sweep" and [r["batch"] for r in data["rows"]] == [1, 3]
+    assert [r["tokens"] for r in data["rows"]] == [8, 24]
+    for r in data["rows"]:
+        assert r["ddp_s"] > 0 and (r["ours_s"] > 0 if _have_ours() else r["ours_s"] is None), r
+    bad = CliRunner().invoke(dp_cmd, ["--tf-batches", "1,x"])
+    assert bad.exit_code != 0 and "expected comma-separated positive integers" in bad.output

@@ -540,12 +540,14 @@ def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, A
 @click.option("--kernels", type=click.Choice(["inductor", "eager"]), default=None,
               help="Fused-kernel backend of ours (default: $COCOSYNC_KERNELS, else inductor).")
 @click.option("--bw-size", default="256M", show_default=True, help="Bytes per rank of the bandwidth copy.")
+@click.option("--tf-batches", default=None, metavar="B1,B2,...",
+              help="Sweep the train step over these per-rank batch sizes (ours vs DDP per tokens per rank).")
 @click.option("--ranks", type=click.IntRange(2), default=None, help="Ranks on this machine (2).")
 @click.option("--nnodes", type=click.IntRange(1), default=None,
               help="Simulated nodes (ranks / nnodes each; gloo between them): the cross-node paths.")
 @click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
-def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, kernels, bw_size, ranks, nnodes,
-           markdown) -> None:
+def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, kernels, bw_size, tf_batches, ranks,
+           nnodes, markdown) -> None:
     """Data-parallel Adam/LAMB steps and a train step: ours vs DDP-style gloo, ZeRO, FSDP2 (2 ranks)."""
     cfg = QUICK if quick else DpConfig()
     over: dict[str, Any] = {"kernels": kernels} if kernels else {}
@@ -576,6 +578,14 @@ def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, ker
         cfg = replace(cfg, **over)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if tf_batches:
+        from cocosync.bench.dp_sweep import parse_batches, run_train_sweep, show_sweep
+
+        sweep = run_train_sweep(cfg, parse_batches(tf_batches))
+        show_sweep(sweep, markdown=markdown)
+        if json_path:
+            click.echo(f"wrote {write_json(json_path, sweep)}")
+        return
     result = run_dp(cfg)
     show(result, markdown=markdown)
     if json_path:

@@ -1,0 +1,65 @@
+"""``cocosync bench dp --tf-batches 1,2,4,8``: the train step (ours vs DDP) against the tokens each rank processes.
+
+What ours saves per step is nearly constant (DDP's gloo all-reduce that backward does not hide, its bucket copies),
+while forward + backward grow with the tokens: the ratio says in which regime the optimizer's communication
+matters. One `run_dp` (a fresh RankPool) per batch size, the train section only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import click
+
+from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table
+
+__all__ = ["run_train_sweep", "sweep_rows", "show_sweep", "parse_batches", "COLUMNS"]
+
+COLUMNS = ["batch / rank", "tokens / rank", "ours", "DDP + Adam(fused)", "DDP / ours", "target"]
+
+
+def parse_batches(text: str) -> list[int]:
+    try:
+        batches = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected comma-separated positive integers, e.g. 1,2,4,8",
+                                 param_hint="--tf-batches") from None
+    if not batches or min(batches) < 1:
+        raise click.BadParameter(f"{text!r}: expected comma-separated positive integers, e.g. 1,2,4,8",
+                                 param_hint="--tf-batches")
+    return batches
+
+
+def run_train_sweep(cfg, batches: list[int]) -> dict[str, Any]:
+    """cfg: a DpConfig (its transformer shape and repeats); one train-section run per per-rank batch size."""
+    from cocosync.bench.dp import TARGETS, run_dp
+
+    rows = []
+    for b in batches:
+        res = run_dp(replace(cfg, sections=("train",), tf_batch=b, bw_bytes=min(cfg.bw_bytes, 16 << 20)))
+        med = {r["case"]: r.get("median_s") for r in res["rows"]}
+        rows.append({"batch": b, "tokens": b * cfg.tf_seq, "ours_s": med.get("train_ours"),
+                     "ddp_s": med.get("train_ddp"), "notes": res["notes"]})
+    return {"suite": "dp-train-sweep", "P": cfg.P, "config": {"tf_layers": cfg.tf_layers, "tf_dim": cfg.tf_dim,
+            "tf_seq": cfg.tf_seq, "repeats": cfg.repeats}, "target": TARGETS["train"], "rows": rows}
+
+
+def sweep_rows(result: dict[str, Any]) -> list[list[str]]:
+    out = []
+    for r in result["rows"]:
+        ok = r["ours_s"] and r["ddp_s"]
+        ratio = r["ddp_s"] / r["ours_s"] if ok else None
+        out.append([str(r["batch"]), str(r["tokens"]), fmt_seconds(r["ours_s"]) if r["ours_s"] else "n/a",
+                    fmt_seconds(r["ddp_s"]) if r["ddp_s"] else "n/a", fmt_ratio(ratio) if ratio else "n/a",
+                    "-" if ratio is None else ("met" if ratio >= result["target"] else "missed")])
+    return out
+
+
+def show_sweep(result: dict[str, Any], markdown: bool = False) -> None:
+    c = result["config"]
+    title = (f"train step vs tokens per rank: {c['tf_layers']}-layer transformer, d={c['tf_dim']}, seq {c['tf_seq']}, "
+             f"P={result['P']}, median of {c['repeats']} (target {result['target']}x)")
+    print_table(title, COLUMNS, sweep_rows(result))
+    if markdown:
+        click.echo(markdown_table(COLUMNS, sweep_rows(result)))
