@@ -133,5 +133,6 @@ def test_bench_dp_train_sweep_end_to_end(tmp_path):
     assert [r["tokens"] for r in data["rows"]] == [8, 24]
     for r in data["rows"]:
         assert r["ddp_s"] > 0 and (r["ours_s"] > 0 if _have_ours() else r["ours_s"] is None), r
+    assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     bad = CliRunner().invoke(dp_cmd, ["--tf-batches", "1,x"])
     assert bad.exit_code != 0 and "expected comma-separated positive integers" in bad.output

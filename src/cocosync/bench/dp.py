@@ -579,12 +579,15 @@ def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, ker
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if tf_batches:
-        from cocosync.bench.dp_sweep import parse_batches, run_train_sweep, show_sweep
+        from cocosync.bench.dp_sweep import parse_batches, run_train_sweep, show_sweep, sweep_png
 
         sweep = run_train_sweep(cfg, parse_batches(tf_batches))
         show_sweep(sweep, markdown=markdown)
         if json_path:
             click.echo(f"wrote {write_json(json_path, sweep)}")
+            png_path = png_path or str(Path(json_path).with_suffix(".png"))
+        if png_path:
+            click.echo(f"wrote {sweep_png(sweep, png_path)}")
         return
     result = run_dp(cfg)
     show(result, markdown=markdown)

@@ -8,13 +8,14 @@ matters. One `run_dp` (a fresh RankPool) per batch size, the train section only.
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import click
 
 from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table
 
-__all__ = ["run_train_sweep", "sweep_rows", "show_sweep", "parse_batches", "COLUMNS"]
+__all__ = ["run_train_sweep", "sweep_rows", "show_sweep", "sweep_png", "parse_batches", "COLUMNS"]
 
 COLUMNS = ["batch / rank", "tokens / rank", "ours", "DDP + Adam(fused)", "DDP / ours", "target"]
 
@@ -63,3 +64,32 @@ def show_sweep(result: dict[str, Any], markdown: bool = False) -> None:
     print_table(title, COLUMNS, sweep_rows(result))
     if markdown:
         click.echo(markdown_table(COLUMNS, sweep_rows(result)))
+
+
+def sweep_png(result: dict[str, Any], path: str | Path) -> Path:
+    """DDP / ours against tokens per rank, with the target as a dashed line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pts = [(r["tokens"], r["ddp_s"] / r["ours_s"]) for r in result["rows"] if r["ours_s"] and r["ddp_s"]]
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    if pts:
+        ax.plot(*zip(*pts), marker="o", color="tab:green", label="DDP / ours (median)")
+        for x, y in pts:
+            ax.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=8)
+    ax.axhline(result["target"], color="tab:gray", linestyle="--", label=f"target {result['target']}x")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)  # speedups from zero: the gaps read at their true size
+    ax.set_xlabel("tokens per rank per step")
+    ax.set_ylabel("speedup over DDP")
+    c = result["config"]
+    ax.set_title(f"train step: {c['tf_layers']}-layer transformer, d={c['tf_dim']}, P={result['P']}", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
