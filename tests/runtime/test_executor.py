@@ -54,9 +54,14 @@ def _groups_with_backends(group_ranks):
     """The 'groups' case (2 stages) with its backend, and the backend of a program over an explicit group."""
     import torch.distributed as dist
 
+    from cocosync.interp import rank_inputs
+
     out = run_cases_on_rank(["groups"])
-    program, _ = CASES["groups"](dist.get_world_size())
+    program, inputs = CASES["groups"](dist.get_world_size())
     backends = {"stages": cs.compile(program).comm.backend}
+    torch_fn = cs.compile(program, backend="torch")  # the gloo path for subgroups, pruned the same way
+    backends["forced"] = torch_fn.comm.backend
+    out["groups_torch"] = torch_fn(**rank_inputs(program, dist.get_world_size(), inputs, dist.get_rank()))
     sub = dist.new_group(group_ranks)  # collective over the world; only members compile over it
     if dist.get_rank() in group_ranks:
         from cocosync.examples.optimizers import sgd_program
@@ -75,9 +80,10 @@ def test_subgroups_on_one_node_use_shared_memory(rank_pool, nnodes):
     program, inputs = CASES["groups"](4)
     expected = cs.interpret(program, 4, inputs)
     for r, (out, backends) in enumerate(got):
-        assert backends["stages"] == "shm", (r, backends)
+        assert backends["stages"] == "shm" and backends["forced"] == "torch", (r, backends)
         for name, want in expected[r].items():
-            torch.testing.assert_close(out["groups"][name], want, rtol=1e-5, atol=1e-5, msg=f"{name} rank {r}")
+            for key in ("groups", "groups_torch"):
+                torch.testing.assert_close(out[key][name], want, rtol=1e-5, atol=1e-5, msg=f"{key}.{name} rank {r}")
         if r in (0, 2):
             assert backends["explicit"] == ("shm" if nnodes == 1 else "torch"), (r, nnodes, backends)
             # sgd on the group's mean gradient (0 + 2) / 2 with lr 1
