@@ -10,6 +10,8 @@ the interpreter in the tests; when a precondition does not hold we fall back rat
   FusedAllReduce. Each rank reduces its slice chunk by chunk; while the chunk is in cache the fused kernel
   computes the sliced stages on it (slices of Replicated inputs are read in place, Sliced states are updated
   in place), and the all-gathered value is written straight into the Replicated state it updates (e.g. w).
+  Across nodes: the hierarchical reduce-scatter, the kernel on this rank's 1/P, the hierarchical all-gather
+  (`fused.reduce_and_apply`).
 """
 
 from __future__ import annotations

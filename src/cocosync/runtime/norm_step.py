@@ -14,6 +14,8 @@ one all-gather of the data. A stage's level is the number of norms on its longes
 Nothing crosses phases through memory except the program's own outputs: a later phase recomputes the earlier
 values it needs (LAMB's r) from the reduced gradient (still in place), the inputs and the states already written
 (a new moment is read from the moment), which moves fewer bytes than writing and re-reading them.
+Across nodes the reduce-scatter and all-gather are hierarchical (`fused.reduce_and_apply`): each rank owns a
+distinct 1/P, so partial sums over slices count every element once.
 """
 
 from __future__ import annotations
