@@ -6,7 +6,7 @@ import json
 from click.testing import CliRunner
 
 from cocosync.bench.pp import CASES as PP_CASES, pp_cmd
-from cocosync.bench.tp import CASES as TP_CASES, COLUMNS as TP_COLUMNS, tp_cmd
+from cocosync.bench.tp import CASES as TP_CASES, COLUMNS as TP_COLUMNS, TRAIN_CASES, tp_cmd
 
 
 def _check_rows(data, cases, key):
@@ -24,6 +24,8 @@ def test_bench_tp_end_to_end(tmp_path, monkeypatch):
     data = json.loads(path.read_text())
     assert data["suite"] == "tp" and data["P"] == 2 and data["chunks"] == 2
     assert _check_rows(data, TP_CASES, "8x16x32")["fast"] is True  # the overlap step ran in its fast form
+    _check_rows(data, TRAIN_CASES, "8x16x32")  # forward + backward, eager with Megatron's f/g vs the module
+    assert "training step (forward + backward)" in res.output
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "eager/plan c=1" in TP_COLUMNS
 

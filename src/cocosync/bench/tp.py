@@ -14,6 +14,10 @@ Compared side by side, round-robin in the same run (median of the per-iteration 
 - nn c=1 / nn: the `cocosync.nn.MegatronMLP` module (training mode, no_grad forward) with the same weights,
             chunks=1 and `--chunks`, its fused kernels compiled by Inductor (the default; the plan columns use eager
             kernels): its program adds b1 (zero here) and draws a new dropout mask per call.
+
+A second table times a training step of the block, forward + backward (input, weight and bias gradients):
+eager torch autograd with Megatron's two communication functions (all_reduce in the forward, identity in its
+backward; identity in the forward, all_reduce of dX in the backward) vs `MegatronMLP` with its default chunks.
 """
 
 from __future__ import annotations
@@ -33,11 +37,62 @@ COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)
            "overlap fast"]
 CASES = {"eager": "eager+gloo", "compute": "compute only (no all_reduce)", "plan1": "plan c=1", "plan": "plan overlap",
          "nn1": "nn.MegatronMLP c=1", "nn": "nn.MegatronMLP overlap"}
+TRAIN_CASES = {"train_eager": "fwd+bwd eager+gloo", "train_compute": "fwd+bwd compute only",
+               "train_nn": "fwd+bwd nn.MegatronMLP"}
+TRAIN_COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "nn.MegatronMLP", "eager/compute (max)",
+                 "eager/nn"]
+
+
+class _ReduceForward(torch.autograd.Function):
+    """Megatron's g: all_reduce in the forward, identity in the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        z = x.clone()
+        dist.all_reduce(z)
+        return z
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+class _ReduceBackward(torch.autograd.Function):
+    """Megatron's f: identity in the forward, all_reduce of the gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        g = grad.clone()
+        dist.all_reduce(g)
+        return g
+
+
+def _train_cases(x, b, w1, w2, H: int, F: int, comm: bool = True):
+    """The eager training step (fwd + bwd) with or without its two all_reduces."""
+    w1e, w2e = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    b1e, b2e = torch.zeros(w1.shape[1], requires_grad=True), b.clone().requires_grad_()
+    dout = torch.ones_like(x)
+
+    def step() -> None:
+        for p in (w1e, w2e, b1e, b2e):
+            p.grad = None
+        xr = x.clone().requires_grad_()
+        a = _ReduceBackward.apply(xr) if comm else xr
+        z = torch.relu(a @ w1e + b1e) @ w2e
+        z = _ReduceForward.apply(z) if comm else z
+        out = torch.nn.functional.dropout(z + b2e, 0.1, training=True) + xr
+        out.backward(dout)
+    return step
 
 
 def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -> dict[str, Any]:
     from cocosync.examples.model_parallel import megatron_mlp_program
     from cocosync.lower import compile_plan
+    from cocosync.nn import MegatronMLP
     from cocosync.schedule.standard import megatron_schedule
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -63,14 +118,25 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -
         cases = {"eager": eager, "compute": compute, "plan1": lambda: plan1(x=x, w1=w1, w2=w2, b=b),
                  "plan": lambda: planc(x=x, w1=w1, w2=w2, b=b)}
         for key, c in (("nn1", 1), ("nn", chunks)):
-            from cocosync.nn import MegatronMLP
-
             block = MegatronMLP(H, F, p=0.1, chunks=c, backend="shm")  # default kernels: Inductor (as users get)
             with torch.no_grad():
                 block.w1.copy_(w1), block.w2.copy_(w2), block.b2.copy_(b)
             cases[key] = lambda block=block: block(x)
         with torch.no_grad():
             samples = time_interleaved(cases, repeats, warmup=2, before=dist.barrier)
+        block = MegatronMLP(H, F, p=0.1)  # chunks=None: the CPU default
+        with torch.no_grad():
+            block.w1.copy_(w1), block.w2.copy_(w2), block.b2.copy_(b)
+        dout = torch.ones_like(x)
+
+        def nn_train() -> None:
+            block.zero_grad(set_to_none=True)
+            xr = x.clone().requires_grad_()
+            block(xr).backward(dout)
+        train = {"train_eager": _train_cases(x, b, w1, w2, H, F), "train_compute": _train_cases(x, b, w1, w2, H, F,
+                                                                                                  comm=False),
+                 "train_nn": nn_train}
+        samples.update(time_interleaved(train, repeats, warmup=2, before=dist.barrier))
         out[f"{B}x{H}x{F}"] = {"samples": samples, "fast": planc.fast_steps}
     return out
 
@@ -100,6 +166,12 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
             for key, r in result["rows"].items()]
 
 
+def train_rows(result: dict[str, Any]) -> list[list[str]]:
+    return [[key, fmt_seconds(r["train_eager"]), fmt_seconds(r["train_compute"]), fmt_seconds(r["train_nn"]),
+             fmt_ratio(r["train_eager"] / r["train_compute"]), fmt_ratio(r["train_eager"] / r["train_nn"])]
+            for key, r in result["rows"].items()]
+
+
 @click.command("tp")
 @click.option("--shapes", default="64x1024x4096,512x1024x4096", show_default=True,
               help="Comma-separated BATCHxHIDDENxFFN (batch and ffn divisible by 2 * chunks' needs).")
@@ -117,6 +189,10 @@ def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_pa
     print_table(f"Megatron MLP, P={result['P']}, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS, rows)
     if markdown:
         click.echo(markdown_table(COLUMNS, rows))
+    print_table(f"Megatron MLP training step (forward + backward), P={result['P']}, median of {repeats}",
+                TRAIN_COLUMNS, train_rows(result))
+    if markdown:
+        click.echo(markdown_table(TRAIN_COLUMNS, train_rows(result)))
     if json_path:
         click.echo(f"wrote {write_json(json_path, {'suite': 'tp', **result})}")
         png_path = png_path or str(Path(json_path).with_suffix(".png"))
