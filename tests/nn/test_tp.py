@@ -187,11 +187,24 @@ def _default_chunk_steps():
 
     rank, P = dist.get_rank(), dist.get_world_size()
     fc1, fc2 = _dense()
-    mlp = MegatronMLP.from_dense(fc1, fc2, rank, P)  # chunks=None
-    mlp(torch.randn(8, H))
-    return [str(s) for plan in mlp._plans.plans.values() for s in plan.plan.steps]
+    x, dout = _inputs((8,), seed=9)
+    results, steps = [], []
+    for chunks in (None, 2):  # None: 1 on CPU (GEMM + epilogue steps, no overlap), 2: the overlap steps
+        mlp = MegatronMLP.from_dense(fc1, fc2, rank, P, p=0.25, seed=5, chunks=chunks)
+        xr = x.clone().requires_grad_()
+        out = mlp(xr)
+        out.backward(dout)
+        results.append((out.detach(), xr.grad, _grads(mlp)))
+        plans = [*mlp._plans.plans.values(), *mlp._backward_plans.plans.values()]
+        steps.append([str(s) for plan in plans for s in plan.plan.steps])
+    return results, steps
 
 
-def test_default_chunks_on_cpu_run_without_overlap(rank_pool):
-    for steps in rank_pool(2).run(_default_chunk_steps):
-        assert steps and not any(s.startswith("overlap(") for s in steps), steps
+def test_default_chunks_on_cpu_match_overlap_and_skip_it(rank_pool):
+    for (default, overlap), (default_steps, overlap_steps) in rank_pool(2).run(_default_chunk_steps):
+        assert not any(s.startswith("overlap(") for s in default_steps), default_steps
+        assert any(s.startswith("overlap(") for s in overlap_steps), overlap_steps  # chunks=2 really overlapped
+        torch.testing.assert_close(default[0], overlap[0], **TOL)
+        torch.testing.assert_close(default[1], overlap[1], **TOL)
+        for name in default[2]:
+            torch.testing.assert_close(default[2][name], overlap[2][name], **TOL, msg=name)

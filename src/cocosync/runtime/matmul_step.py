@@ -3,7 +3,7 @@
 A bias add right after the matmul goes into the GEMM (`torch.addmm`), and relu, written either DSL way, runs in
 place on the GEMM's output: `maximum(t, 0)` as `relu_` (both propagate NaN), `where(gt(t, 0), t, 0)` as `relu_` +
 `nan_to_num_` (where() turns NaN into 0). What else follows becomes one fused kernel (runtime.kernels) when it can,
-else runs stage by stage.
+else runs stage by stage (e.g. backward's where(gt(h, 0), dz @ w2^T, 0): the GEMM, then one kernel).
 
 Why: right after a GEMM of any size, the next torch call runs with cold caches: a compiled kernel then costs
 ~0.25-0.3 ms and an eager op ~0.1 ms, even on a few KB (measured on these 2-core machines). Folding the
@@ -70,9 +70,9 @@ def matmul_runner(step, program: Program, comm, kernels: str | None, outside: se
     tail = [s for s in rest if s is not head]
     relu, nan_to_zero, taken = _relu_fold(tail, head, outside)
     tail = tail[taken:]
-    if head is mm and relu is None:
-        return None  # nothing to fold into the GEMM: the plain path is as good
     fusable = bool(tail) and all(can_fuse(s) and s.op != "update" and s.shape == mm.shape for s in tail)
+    if head is mm and relu is None and not fusable:
+        return None  # nothing folds and nothing fuses: the reference runs the stages as they are
     outs = [s for s in tail if id(s) in outside]
     kernel = build_kernel(tail, outs, kernels, name=f"k_{mm.name}_epilogue") if fusable else None
     a_id, b_id = id(mm.args[0]), id(mm.args[1])
