@@ -186,3 +186,15 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"machine": machine_info(), **payload}, indent=2, default=str) + "\n")
     return p
+
+
+def save_figure(fig, path: str | os.PathLike) -> Path:
+    """Lay out, write (PNG, creating the folder) and close a matplotlib figure; returns the path."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from cocosync.bench.common import save_figure
+
 SECTIONS = ("adam", "lamb", "train")
 OURS_OF = {"adam": "ours", "lamb": "lamb_ours", "train": "train_ours"}  # the case that is ours, per section
 
@@ -34,9 +36,4 @@ def write_png(result: dict[str, Any], path: str | Path) -> Path:
         ax.set_title(f"{section}: median time per step (ms), P={result['P']}, 1 thread/rank", fontsize=9)
         ax.tick_params(labelsize=7)
         ax.set_xlim(0, max(vals, default=1.0) * 1.25)
-    fig.tight_layout()
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p, dpi=110)
-    plt.close(fig)
-    return p
+    return save_figure(fig, path)

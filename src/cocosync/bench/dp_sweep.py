@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table
+from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table, save_figure
 
 __all__ = ["run_train_sweep", "sweep_rows", "show_sweep", "sweep_png", "parse_batches", "COLUMNS"]
 
@@ -24,8 +24,7 @@ def parse_batches(text: str) -> list[int]:
     try:
         batches = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
-        raise click.BadParameter(f"{text!r}: expected comma-separated positive integers, e.g. 1,2,4,8",
-                                 param_hint="--tf-batches") from None
+        batches = []
     if not batches or min(batches) < 1:
         raise click.BadParameter(f"{text!r}: expected comma-separated positive integers, e.g. 1,2,4,8",
                                  param_hint="--tf-batches")
@@ -87,9 +86,4 @@ def sweep_png(result: dict[str, Any], path: str | Path) -> Path:
     c = result["config"]
     ax.set_title(f"train step: {c['tf_layers']}-layer transformer, d={c['tf_dim']}, P={result['P']}", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)

@@ -26,8 +26,8 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, stats,
-                                   time_interleaved, write_json)
+from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, save_figure,
+                                   stats, time_interleaved, write_json)
 
 __all__ = ["run_pp", "table_rows", "bar_png", "pp_cmd"]
 
@@ -129,12 +129,7 @@ def bar_png(result: dict[str, Any], path: str | Path, cases: dict[str, str], our
     ax.set_ylabel("median ms (max over ranks)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return save_figure(fig, path)
 
 
 @click.command("pp")

@@ -71,7 +71,7 @@ class _ReduceBackward(torch.autograd.Function):
         return g
 
 
-def _train_cases(x, b, w1, w2, H: int, F: int, comm: bool = True):
+def _eager_train_step(x, b, w1, w2, comm: bool = True):
     """The eager training step (fwd + bwd) with or without its two all_reduces."""
     w1e, w2e = w1.clone().requires_grad_(), w2.clone().requires_grad_()
     b1e, b2e = torch.zeros(w1.shape[1], requires_grad=True), b.clone().requires_grad_()
@@ -133,9 +133,8 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -
             block.zero_grad(set_to_none=True)
             xr = x.clone().requires_grad_()
             block(xr).backward(dout)
-        train = {"train_eager": _train_cases(x, b, w1, w2, H, F), "train_compute": _train_cases(x, b, w1, w2, H, F,
-                                                                                                  comm=False),
-                 "train_nn": nn_train}
+        train = {"train_eager": _eager_train_step(x, b, w1, w2),
+                 "train_compute": _eager_train_step(x, b, w1, w2, comm=False), "train_nn": nn_train}
         samples.update(time_interleaved(train, repeats, warmup=2, before=dist.barrier))
         out[f"{B}x{H}x{F}"] = {"samples": samples, "fast": planc.fast_steps}
     return out

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cocosync.dsl import Program, Replicated, Sliced, Tensor, all_reduce, gt, where
-from cocosync.interp import dropout_mask
-from cocosync.nn.parallel import PlanCache, _init_weight, check_chunks, check_divisible, group_info, tp_schedule
+from cocosync.nn.parallel import (PlanCache, _init_weight, check_chunks, check_divisible, check_dropout, group_info,
+                                  scaled_keep_mask, tp_schedule)
 
 __all__ = ["MegatronMLP", "mlp_program", "mlp_backward_program"]
 
@@ -123,10 +123,7 @@ class MegatronMLP(nn.Module):
         if rank is None or world is None:
             rank, world = group_info(group, type(self).__name__)
         check_divisible(type(self).__name__, "ffn", ffn, world)
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"MegatronMLP: p={p} must be in [0, 1)")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"MegatronMLP: seed={seed!r} must be a non-negative int")
+        check_dropout("MegatronMLP", p, seed)
         check_chunks("MegatronMLP", chunks)
         self.hidden, self.ffn, self.p, self.seed, self.chunks = hidden, ffn, p, seed, chunks
         self.rank, self.world, self.group = rank, world, group
@@ -164,7 +161,7 @@ class MegatronMLP(nn.Module):
 
     def mask(self, shape: tuple[int, ...], call: int, dtype: torch.dtype) -> torch.Tensor:
         """The scaled keep-mask of training call `call`: DSL dropout(p, seed + call)'s mask / (1 - p)."""
-        return dropout_mask(shape, self.p, self.seed + call).to(dtype).div_(1.0 - self.p)
+        return scaled_keep_mask(shape, self.p, self.seed + call, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not isinstance(x, torch.Tensor):

@@ -73,6 +73,20 @@ def tp_schedule(program: Program, chunks: int, rows: int, world: int):
     return s
 
 
+def check_dropout(what: str, p: float, seed: int) -> None:
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"{what}: p={p} must be in [0, 1)")
+    if not isinstance(seed, int) or seed < 0:
+        raise ValueError(f"{what}: seed={seed!r} must be a non-negative int")
+
+
+def scaled_keep_mask(shape: tuple[int, ...], p: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """DSL dropout(p, seed)'s keep-mask / (1 - p), as `dtype`: the modules multiply by it (one plan per shape)."""
+    from cocosync.interp import dropout_mask
+
+    return dropout_mask(shape, p, seed).to(dtype).div_(1.0 - p)
+
+
 def check_chunks(what: str, chunks: int | None) -> None:
     if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
         raise ValueError(f"{what}: chunks={chunks!r} must be an int >= 1, or None (1 on CPU, 2 on GPU)")

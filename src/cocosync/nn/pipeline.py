@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cocosync.dsl import Local, Program, Replicated, Tensor, all_reduce, send
-from cocosync.interp import dropout_mask
-from cocosync.nn.parallel import PlanCache, check_chunks, group_info
+from cocosync.nn.parallel import PlanCache, check_chunks, check_dropout, group_info, scaled_keep_mask
 
 __all__ = ["PipelineSend", "pipeline_send_program"]
 
@@ -60,20 +59,19 @@ def _schedule(program: Program, chunks: int, rows: int, gsize: int):
 
 class _SendFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, b, mask, mod):
-        plan = mod._plans.get((y.shape[0], y.dtype, mod.training and mod.p > 0), y.device)
+    def forward(ctx, y, b, mask, plan):
         inputs = {"y": y.detach(), "b": b.detach()}
         if mask is not None:
             inputs["mask"] = mask
         recv = plan(**inputs)["recv"]
         ctx.save_for_backward(mask)
-        ctx.plan, ctx.mod = plan, mod
+        ctx.plan = plan
         return recv
 
     @staticmethod
     def backward(ctx, drecv):
         (mask,) = ctx.saved_tensors
-        comm, mod = ctx.plan.comm, ctx.mod
+        comm = ctx.plan.comm
         drecv = drecv.contiguous()
         rows, G = drecv.shape[0], comm.G
         pos = comm.gid * G + comm.index
@@ -111,10 +109,7 @@ class PipelineSend(nn.Module):
         _, world = group_info(group, "PipelineSend")
         if stages < 2 or world % stages:
             raise ValueError(f"PipelineSend: stages={stages} must be >= 2 and divide the world size {world}")
-        if not 0.0 <= p < 1.0:
-            raise ValueError(f"PipelineSend: p={p} must be in [0, 1)")
-        if not isinstance(seed, int) or seed < 0:
-            raise ValueError(f"PipelineSend: seed={seed!r} must be a non-negative int")
+        check_dropout("PipelineSend", p, seed)
         check_chunks("PipelineSend", chunks)
         self.hidden, self.stages, self.p, self.seed, self.chunks = hidden, stages, p, seed, chunks
         self.gsize = world // stages
@@ -126,7 +121,7 @@ class PipelineSend(nn.Module):
 
     def mask(self, shape: tuple[int, ...], call: int, dtype: torch.dtype) -> torch.Tensor:
         """The scaled keep-mask of training call `call`: DSL dropout(p, seed + call)'s mask / (1 - p)."""
-        return dropout_mask(shape, self.p, self.seed + call).to(dtype).div_(1.0 - self.p)
+        return scaled_keep_mask(shape, self.p, self.seed + call, dtype)
 
     def forward(self, y: torch.Tensor) -> torch.Tensor:
         if not isinstance(y, torch.Tensor):
@@ -136,13 +131,14 @@ class PipelineSend(nn.Module):
         if y.dtype != self.bias.dtype:
             raise ValueError(f"PipelineSend: input dtype {y.dtype} differs from the bias's {self.bias.dtype}")
         y2 = y.reshape(-1, self.hidden)
+        dropout = self.training and self.p > 0
+        plan = self._plans.get((y2.shape[0], y.dtype, dropout), y2.device)
         mask = None
-        if self.training and self.p > 0:
-            plan = self._plans.get((y2.shape[0], y.dtype, True), y2.device)
+        if dropout:
             if "mask" not in plan.unused_inputs:  # the last stage sends nothing: no mask to draw
                 mask = self.mask(tuple(y2.shape), self.calls, y.dtype)
             self.calls += 1
-        return _SendFn.apply(y2, self.bias, mask, self).reshape(y.shape)
+        return _SendFn.apply(y2, self.bias, mask, plan).reshape(y.shape)
 
     def extra_repr(self) -> str:
         return f"hidden={self.hidden}, stages={self.stages} x {self.gsize} ranks, p={self.p}, chunks={self.chunks}"

@@ -23,7 +23,7 @@ from typing import Callable
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.fused import owned_slice, reduce_and_apply
+from cocosync.runtime.fused import node_shared, owned_slice, reduce_and_apply
 from cocosync.runtime.kernels import build_kernel, can_fuse
 from cocosync.runtime.overlap_step import overlap_runner
 
@@ -187,11 +187,6 @@ def _fallback(step, env: dict, comm) -> None:
 def across_nodes_ok(shm, rs: Node) -> bool:
     """One node, or several with the reduce-scatter's length divisible by the world (each rank owns 1/P)."""
     return shm.nnodes == 1 or torch.Size(rs.args[0].shape).numel() % shm.world == 0
-
-
-def node_shared(shm, t: torch.Tensor) -> bool:
-    where = shm.arena.locate(t)
-    return where is not None and where[2]
 
 
 def reduce_buffer(rs: Node, env: dict, shm, donate: frozenset[str], scratch: dict) -> torch.Tensor:

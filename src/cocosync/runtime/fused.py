@@ -20,8 +20,8 @@ import torch
 
 from cocosync.runtime.collectives import ShmCommunicator, _check_dtype, _check_op, split_bounds
 
-__all__ = ["fused_all_reduce", "reduce_and_apply", "gather_slices", "slice_bounds", "owned_slice", "adam_chunk_update",
-           "AdamSlice", "CommThread", "overlap_chunks"]
+__all__ = ["fused_all_reduce", "reduce_and_apply", "gather_slices", "slice_bounds", "owned_slice", "node_shared",
+           "adam_chunk_update", "AdamSlice", "CommThread", "overlap_chunks"]
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor], None]
 
@@ -72,6 +72,12 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     return out
 
 
+def node_shared(comm: ShmCommunicator, t: torch.Tensor) -> bool:
+    """Whether `t` is a node-shared arena tensor (``Arena.shared_empty``: one copy per node)."""
+    where = comm.arena.locate(t)
+    return where is not None and where[2]
+
+
 def owned_slice(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
     """[start, stop) of the flat slice this rank computes in `reduce_and_apply`: on one node its `slice_bounds`;
     across nodes its 1/P in rank order (the DSL's Sliced order), so numel must divide by the world size."""
@@ -116,14 +122,14 @@ def gather_slices(comm: ShmCommunicator, out: torch.Tensor) -> None:
     y = out.view(-1)
     if comm.world == 1:
         return
+    shared = node_shared(comm, y)
     if comm.nnodes > 1:
-        if comm.arena.locate(y) is not None and comm.arena.locate(y)[2]:
+        if shared:
             raise ValueError("gather_slices: a node-shared out across nodes (each local rank would write all of it)")
         s, e = owned_slice(comm, y.numel())
         comm.all_gather(y[s:e].clone(), out=y)
         return
-    where = comm.arena.locate(y)
-    if where is not None and where[2]:
+    if shared:
         comm.flags.barrier("gather_slices (slices written)")
         return
     s, e = slice_bounds(comm, y.numel())

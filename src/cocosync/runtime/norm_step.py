@@ -26,7 +26,7 @@ import itertools
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.fused import gather_slices, owned_slice, reduce_and_apply
+from cocosync.runtime.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
 from cocosync.runtime.kernels import build_kernel, can_fuse
 
 NORMS = ("norm", "segment_norm")  # a segment_norm is a norm per segment (LAMB's per-tensor ratio): same phases
@@ -169,8 +169,8 @@ def _pieces(ends: list[int], offset: int, n: int):
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, node_shared, put_consts,
-                                             reduce_buffer, store_results)
+    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, put_consts, reduce_buffer,
+                                             store_results)
 
     shm = getattr(comm, "shm", None)
     ph = _Phases(step, program, shm)
