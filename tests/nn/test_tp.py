@@ -203,8 +203,30 @@ def _default_chunk_steps():
 def test_default_chunks_on_cpu_match_overlap_and_skip_it(rank_pool):
     for (default, overlap), (default_steps, overlap_steps) in rank_pool(2).run(_default_chunk_steps):
         assert not any(s.startswith("overlap(") for s in default_steps), default_steps
+        # small enough to reduce one-shot: the all_reduces stay whole (forward and backward), no RS/AG pair
+        assert sum(s.startswith("collective(") and s.endswith("= all_reduce)") for s in default_steps) == 2, \
+            default_steps
+        assert not any("reduce_scatter" in s for s in default_steps), default_steps
         assert any(s.startswith("overlap(") for s in overlap_steps), overlap_steps  # chunks=2 really overlapped
         torch.testing.assert_close(default[0], overlap[0], **TOL)
         torch.testing.assert_close(default[1], overlap[1], **TOL)
         for name in default[2]:
             torch.testing.assert_close(default[2][name], overlap[2][name], **TOL, msg=name)
+
+
+def test_tp_schedule_keeps_small_all_reduces_whole_without_overlap():
+    """chunks=1: an all_reduce the shared-memory runtime reduces one-shot stays whole (the epilogue runs once on
+    the reduced rows); a larger one is split into reduce_scatter -> epilogue on slices -> all_gather; chunks>1
+    always splits (the overlap pipelines matmul -> RS -> epilogue -> AG)."""
+    from cocosync.nn.parallel import tp_schedule
+    from cocosync.runtime.collectives import DEFAULT_ONE_SHOT_BYTES
+
+    def ops(rows, hidden, chunks, world=2):
+        return [s.op for s in tp_schedule(mlp_program(rows, hidden, 64), chunks, rows, world).program.stages]
+
+    small = ops(8, 16, 1)
+    assert "all_reduce" in small and "reduce_scatter" not in small
+    rows = DEFAULT_ONE_SHOT_BYTES // (4 * 256) + 2  # (world - 1) x bytes just above the one-shot limit
+    assert "reduce_scatter" in ops(rows, 256, 1) and "all_reduce" not in ops(rows, 256, 1)
+    assert "reduce_scatter" in ops(rows // 4 * 2, 256, 1, world=4)  # 3 peers' copies to read: split sooner
+    assert "reduce_scatter" in ops(8, 16, 2)

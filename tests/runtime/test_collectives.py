@@ -37,6 +37,8 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _all_cases() -> list[str]:
     """Run every collective x dtype x op x size (plain and arena tensors); return the failing cases."""
     comm = ShmCommunicator(timeout=60)
+    # the same arena, all_reduce always in three phases (the default runs small vectors one-shot)
+    phased = ShmCommunicator(timeout=60, one_shot_bytes=0, arena=comm.arena)
     r, W = dist.get_rank(), dist.get_world_size()
     bad: list[str] = []
     seed = 0
@@ -45,9 +47,15 @@ def _all_cases() -> list[str]:
             for op in OPS:
                 seed += 1
                 xs = _inputs(W, shape, dt, seed)
-                t = xs[r].clone()
-                if comm.all_reduce(t, op) is not t or not _close(t, _ref(xs, op)):
-                    bad.append(f"all_reduce {dt} {shape} {op}")
+                for c, how in ((comm, "one-shot" if comm.nnodes == 1 else "phased"), (phased, "phased")):
+                    t = xs[r].clone()
+                    if c.all_reduce(t, op) is not t or not _close(t, _ref(xs, op)):
+                        bad.append(f"all_reduce {how} {dt} {shape} {op}")
+                    out = torch.full_like(t, float("nan"))
+                    if c.all_reduce(xs[r], op, out=out) is not out or not _close(out, _ref(xs, op)):
+                        bad.append(f"all_reduce out= {how} {dt} {shape} {op}")
+                if not torch.equal(xs[r], _inputs(W, shape, dt, seed)[r]):
+                    bad.append(f"all_reduce out= modified its input {dt} {shape} {op}")
             # reduce_scatter / reduce / all_gather / broadcast (first dim divisible by W)
             rows = (shape[0] // W + 1) * W
             seed += 1
@@ -75,15 +83,21 @@ def _all_cases() -> list[str]:
         n = W * 30_001
         xs = _inputs(W, (n,), dt, 1000)
         a = comm.arena.empty((n,), dt)
-        a.copy_(xs[r])
-        comm.all_reduce(a)
-        if not _close(a, _ref(xs, "sum")):
-            bad.append(f"arena all_reduce {dt}")
-        a.copy_(xs[r])
-        mixed = a if r % 2 == 0 else xs[r].clone()
-        comm.all_reduce(mixed, "max")
-        if not _close(mixed, _ref(xs, "max")):
-            bad.append(f"mixed arena/plain all_reduce {dt}")
+        for c, how in ((comm, "one-shot"), (phased, "phased")):
+            a.copy_(xs[r])
+            c.all_reduce(a)
+            if not _close(a, _ref(xs, "sum")):
+                bad.append(f"arena all_reduce {how} {dt}")
+            a.copy_(xs[r])
+            mixed = a if r % 2 == 0 else xs[r].clone()
+            c.all_reduce(mixed, "max")
+            if not _close(mixed, _ref(xs, "max")):
+                bad.append(f"mixed arena/plain all_reduce {how} {dt}")
+            a.copy_(xs[r])
+            out = torch.empty_like(a)
+            c.all_reduce(a, out=out)
+            if not (_close(out, _ref(xs, "sum")) and torch.equal(a, xs[r])):
+                bad.append(f"arena all_reduce out= {how} {dt}")
         a.copy_(xs[r])
         if not _close(comm.reduce_scatter(a), _ref(xs, "sum").chunk(W)[r]):
             bad.append(f"arena reduce_scatter {dt}")
@@ -106,14 +120,15 @@ def _all_cases() -> list[str]:
                 bad.append(f"pipelined all_reduce {dt} {op}")
     # non-contiguous input, results bitwise identical on every rank
     x = _inputs(W, (64, 30), torch.float32, 7)
-    t = x[r].clone().t()
-    comm.all_reduce(t)
-    if not _close(t, _ref([y.t() for y in x], "sum")):
-        bad.append("non-contiguous all_reduce")
-    gathered = [torch.empty_like(t) for _ in range(W)]
-    dist.all_gather(gathered, t.contiguous())
-    if not all(torch.equal(g, gathered[0]) for g in gathered):
-        bad.append("ranks disagree bitwise")
+    for c, how in ((comm, "one-shot"), (phased, "phased")):
+        t = x[r].clone().t()
+        c.all_reduce(t)
+        if not _close(t, _ref([y.t() for y in x], "sum")):
+            bad.append(f"non-contiguous all_reduce {how}")
+        gathered = [torch.empty_like(t) for _ in range(W)]
+        dist.all_gather(gathered, t.contiguous())
+        if not all(torch.equal(g, gathered[0]) for g in gathered):
+            bad.append(f"ranks disagree bitwise {how}")
     return bad
 
 
@@ -136,6 +151,9 @@ def _bad_inputs() -> dict[str, str]:
         "op": lambda: comm.all_reduce(torch.ones(4), op="prod"),
         "root": lambda: comm.broadcast(torch.ones(4), root=5),
         "gather_size": lambda: comm.all_gather(torch.ones(2 + r)),
+        "out_shape": lambda: comm.all_reduce(torch.ones(4), out=torch.empty(2, 2)),
+        "one_shot": lambda: ShmCommunicator(arena=comm.arena, one_shot_bytes=r).all_reduce(torch.ones(4)),
+        "one_shot_value": lambda: ShmCommunicator(arena=comm.arena, one_shot_bytes=-1),
     }.items():
         try:
             fn()
@@ -158,4 +176,7 @@ def test_bad_inputs_name_the_problem(rank_pool):
         assert "unsupported op 'prod'" in m["op"]
         assert "root=5" in m["root"]
         assert "number of elements differs" in m["gather_size"]
+        assert "out has shape (2, 2)" in m["out_shape"] and "expected (4,)" in m["out_shape"]
+        assert "one_shot_bytes differ" in m["one_shot"] and "rank 1: 262144/0/1" in m["one_shot"]
+        assert "one_shot_bytes=-1 must be >= 0" in m["one_shot_value"]
         assert m["after"] == "2.0"

@@ -5,7 +5,14 @@ import torch
 
 import cocosync as cs
 from cocosync.examples.optimizers import adam_program, adam_scalars
+from cocosync.runtime import kernels
 from cocosync.runtime.kernels import build_kernel, can_fuse
+
+
+@pytest.fixture(autouse=True)
+def always_compiled(monkeypatch):
+    """Inductor kernels compile whatever the size here (they run their eager source below EAGER_WORK)."""
+    monkeypatch.setattr(kernels, "EAGER_WORK", 0)
 
 
 def _adam_update_kernel(backend):
@@ -90,3 +97,19 @@ def test_inductor_kernel_updating_state_in_place_across_buffers_of_other_sizes()
             k(grad[lo:hi], state[lo:hi])
         torch.testing.assert_close(state[:1024], want[:1024])
         torch.testing.assert_close(state[1024:], want[1024:] * 0 + state[1024:])
+
+
+def test_inductor_kernel_runs_eagerly_below_its_work_threshold(monkeypatch):
+    """Small calls skip the compiled function (its per-call cost exceeds a few eager ops there); large ones use it.
+    The threshold is elements x stages: 3 stages and EAGER_WORK=3000 -> compiled from 1000 elements."""
+    monkeypatch.setattr(kernels, "EAGER_WORK", 3000)
+    x = cs.Tensor("x", (8,), cs.float32, cs.Replicated)
+    y = cs.Tensor("y", (8,), cs.float32, cs.Replicated)
+    p = cs.Program("p", [x, y], [(x + y) * 3.0 - y])
+    k = build_kernel(p.stages, list(p.outputs), backend="inductor", name="small_eager")
+    a, b = torch.randn(999), torch.randn(999)
+    torch.testing.assert_close(k(a, b)[0], (a + b) * 3 - b)
+    assert k.compile_seconds == 0 and k._first  # not compiled yet
+    a, b = torch.randn(1000), torch.randn(1000)
+    torch.testing.assert_close(k(a, b)[0], (a + b) * 3 - b)
+    assert k.compile_seconds > 0 and not k._first

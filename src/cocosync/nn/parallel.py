@@ -46,18 +46,25 @@ def check_divisible(what: str, name: str, value: int, world: int) -> None:
 
 
 def tp_schedule(program: Program, chunks: int, rows: int, world: int):
-    """The paper's Megatron schedule for `... -> all_reduce -> elementwise epilogue`: split the all_reduce into
-    reduce_scatter + all_gather (over rows), move the epilogue onto the slices, and overlap matmul -> RS ->
-    epilogue -> AG by `chunks` column chunks (chunks=1: no overlap step). When `rows` is not divisible by
-    `world` the all_reduce stays whole (a Schedule with no directives)."""
+    """The schedule of `... matmul -> all_reduce -> elementwise epilogue` for `chunks` overlap chunks.
+
+    chunks > 1: the paper's Megatron schedule: split the all_reduce into reduce_scatter + all_gather (over rows),
+    move the epilogue onto the slices, and overlap matmul -> RS -> epilogue -> AG by column chunks.
+    chunks = 1 (no overlap): the all_reduce stays whole when the shared-memory runtime reduces it one-shot (one
+    barrier; see ShmCommunicator's one_shot_bytes), which measured faster than two collectives with the epilogue on
+    slices between them; larger ones are split (the epilogue then runs on 1/world of the rows).
+    When `rows` is not divisible by `world` the all_reduce stays whole (a Schedule with no directives)."""
+    from cocosync.runtime.collectives import DEFAULT_ONE_SHOT_BYTES
     from cocosync.schedule import Schedule
 
     s = Schedule(program)
     if rows % world:
         return s
-    ar = next(st.name for st in program.stages if st.op == "all_reduce")
-    producer = program.stage(ar).args[0].name
-    rs, ag = s.split(ar)
+    ar = program.stage(next(st.name for st in program.stages if st.op == "all_reduce"))
+    if chunks == 1 and ar.dtype.itemsize * torch.Size(ar.shape).numel() * (world - 1) <= DEFAULT_ONE_SHOT_BYTES:
+        return s
+    producer = ar.args[0].name
+    rs, ag = s.split(ar.name)
     movable = s.movable(ag)
     if movable:
         s.reorder(movable, ag)

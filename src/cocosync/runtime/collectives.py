@@ -41,6 +41,9 @@ DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
 # here every per-chunk flag wait can cost a scheduling quantum, and it measured slower than the 3-phase path.
 DEFAULT_PIPELINE_BYTES = 0
+# all_reduce within a node reads every peer's whole vector (one barrier) while (L - 1) x its bytes stay below this:
+# small vectors are latency-bound, and a barrier right after a large GEMM costs more than the extra reads
+DEFAULT_ONE_SHOT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +74,8 @@ class ShmCommunicator:
         chunk_bytes: bytes reduced at a time (cache blocking).
         pipeline_bytes: > 0 runs single-node all_reduce of plain tensors as one pipelined pass with flag waits
             every `pipeline_bytes` (chunks stay in the shared L3); 0 (default) uses three phases with barriers.
+        one_shot_bytes: a single-node all_reduce whose (local ranks - 1) x bytes are at most this runs one-shot:
+            every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never).
 
     All ranks must call the same collectives in the same order (as with torch.distributed), and one thread at a
     time per rank (e.g. only the CommThread while an overlap is in flight). Mismatched calls are detected through
@@ -79,7 +84,7 @@ class ShmCommunicator:
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
                  timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pipeline_bytes: int = DEFAULT_PIPELINE_BYTES):
+                 pipeline_bytes: int = DEFAULT_PIPELINE_BYTES, one_shot_bytes: int = DEFAULT_ONE_SHOT_BYTES):
         self.groups = groups or node_groups()
         self.arena = arena or Arena(self.groups, timeout=timeout)
         if timeout is not None:
@@ -95,22 +100,32 @@ class ShmCommunicator:
         if pipeline_bytes < 0:
             raise ValueError(f"pipeline_bytes={pipeline_bytes} must be >= 0 (0 disables pipelining)")
         self.pipeline_bytes = int(pipeline_bytes)
+        if one_shot_bytes < 0:
+            raise ValueError(f"one_shot_bytes={one_shot_bytes} must be >= 0 (0 disables one-shot all_reduce)")
+        self.one_shot_bytes = int(one_shot_bytes)
         self._ws: list[Segment | None] = [None, None]
         self._calls = 0
         self._acc: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ public collectives
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce `t` over all ranks, in place; returns t. op: sum, mean, max, min."""
+    def all_reduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+        """Reduce `t` over all ranks, in place (returns t), or into `out` (returns out; t is not modified).
+        op: sum, mean, max, min."""
         name = "all_reduce"
         _check_dtype(name, t)
         op = _check_op(name, op)
-        x, writeback = self._flat(t)
-        n = x.numel()
+        if out is not None:
+            self._check_out(name, out, t.shape, t.dtype)
         if self.world == 1:
-            return t
-        ranges = [[b] for b in split_bounds(n, self.L)]
+            return t if out is None else out.copy_(t)
+        x, writeback = self._flat(t)
+        if self.nnodes == 1 and x.numel() * x.element_size() * (self.L - 1) <= self.one_shot_bytes:
+            return self._all_reduce_one_shot(name, t, x, op, out)
+        if out is not None:
+            t = out.copy_(t)
+            x, writeback = self._flat(t)
+        ranges = [[b] for b in split_bounds(x.numel(), self.L)]
         self._all_reduce_flat(name, x, ranges, op, inter=self.nnodes > 1)
         if writeback:
             t.copy_(x.view(t.shape))
@@ -337,9 +352,10 @@ class ShmCommunicator:
             fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
             filled = True
         self.flags.set_header([_COLL_CODE[name.split(" ")[0]], _DTYPE_CODE[x.dtype], x.numel() if numel is None
-                               else numel, _OP_CODE[op], root, seg, off, self.chunk_bytes, self.pipeline_bytes])
+                               else numel, _OP_CODE[op], root, seg, off, self.chunk_bytes, self.pipeline_bytes,
+                               self.one_shot_bytes])
         seq = self.flags.barrier(name)
-        hdrs = [self.flags.header(lr, seq).copy() for lr in range(self.L)]
+        hdrs = self.flags.headers(seq)
         self._validate(name, seq, hdrs)
         need_ws = always_ws or any(h[5] < 0 for h in hdrs)
         if need_ws and not fits:  # same decision on every rank: the headers agree
@@ -354,14 +370,14 @@ class ShmCommunicator:
             if lr == self.me:
                 sources.append(data)
             elif hdrs[lr][5] >= 0:
-                sources.append(self.arena.view(int(hdrs[lr][5]), lr, int(hdrs[lr][6]), (data.numel(),), x.dtype))
+                sources.append(self.arena.view(hdrs[lr][5], lr, hdrs[lr][6], (data.numel(),), x.dtype))
             else:
                 sources.append(self._ws_view(ws, lr, x.numel(), x.dtype))
         return _Call(name=name, seq=seq, sources=sources, zc=tuple(bool(h[5] >= 0) for h in hdrs), ws=ws)
 
-    def _validate(self, name: str, seq: int, hdrs) -> None:
+    def _validate(self, name: str, seq: int, hdrs: list[list[int]]) -> None:
         mine = hdrs[self.me]
-        if all((h[:5] == mine[:5]).all() and (h[7:9] == mine[7:9]).all() for h in hdrs):
+        if all(h[:5] == mine[:5] and h[7:10] == mine[7:10] for h in hdrs):
             return  # the common case; the messages below are built only on a mismatch
         g = self.groups.local_ranks_global
         for lr, h in enumerate(hdrs):
@@ -376,10 +392,10 @@ class ShmCommunicator:
         if any(h[3] != mine[3] for h in hdrs):
             ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1]}" for lr, h in enumerate(hdrs))
             raise ValueError(f"{name} (call #{seq}): reduce op differs across ranks ({ops})")
-        if any(h[7] != mine[7] or h[8] != mine[8] for h in hdrs):
-            cb = ", ".join(f"rank {g[lr]}: {int(h[7])}/{int(h[8])}" for lr, h in enumerate(hdrs))
-            raise ValueError(f"{name} (call #{seq}): ShmCommunicator chunk_bytes/pipeline_bytes differ across "
-                             f"ranks ({cb})")
+        if any(h[7:10] != mine[7:10] for h in hdrs):
+            cb = ", ".join(f"rank {g[lr]}: {int(h[7])}/{int(h[8])}/{int(h[9])}" for lr, h in enumerate(hdrs))
+            raise ValueError(f"{name} (call #{seq}): ShmCommunicator chunk_bytes/pipeline_bytes/one_shot_bytes "
+                             f"differ across ranks ({cb})")
         if any(h[4] != mine[4] for h in hdrs):
             roots = ", ".join(f"rank {g[lr]}: {int(h[4])}" for lr, h in enumerate(hdrs))
             raise ValueError(f"{name} (call #{seq}): root differs across ranks ({roots})")
@@ -512,6 +528,25 @@ class ShmCommunicator:
             return
         self._gather_ranges(call, ranges, x)
         self._end(call)
+
+    def _all_reduce_one_shot(self, name: str, t: torch.Tensor, x: torch.Tensor, op: str,
+                             out: torch.Tensor | None) -> torch.Tensor:
+        """One barrier, then every rank reduces the whole vector from all ranks' copies, in rank order (the same bits
+        on every rank). Each rank reads L times the data: for small vectors, where the barriers of the three-phase
+        algorithm cost more than the reads."""
+        call = self._begin(name, x, op=op, fill=lambda ws: ws.copy_(x))
+        if out is not None and out.is_contiguous():
+            dst = out.view(-1)
+        elif call.zc[self.me] or out is not None:  # peers read x itself until the closing barrier
+            dst = torch.empty_like(x)
+        else:  # peers read this rank's workspace copy: reduce in place
+            dst = x
+        self._reduce_ranges(call, [(0, x.numel())], op, x, dst, scale=self._scale(op))
+        self._end(call)
+        target = t if out is None else out
+        if dst.data_ptr() != target.data_ptr():
+            target.copy_(dst.view(target.shape))
+        return target
 
     def _pipelined(self, call: _Call, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str) -> None:
         """All-reduce of plain tensors within a node, one pass in chunks: for chunk k, copy this rank's part of

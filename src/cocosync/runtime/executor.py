@@ -111,7 +111,7 @@ class _Comm:
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if self._on_shm(x):
-            return self.shm.all_reduce(x.clone(memory_format=torch.contiguous_format), op.value)
+            return self.shm.all_reduce(x, op.value, out=torch.empty_like(x, memory_format=torch.contiguous_format))
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.all_reduce(t, _DIST_OP[op], group=self.group)
         if op is ReduceOp.MEAN:

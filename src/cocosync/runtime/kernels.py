@@ -26,6 +26,10 @@ __all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse"]
 
 BACKENDS = ("inductor", "eager")
 _COMPILED: dict[tuple, object] = {}
+# elements x stages below which an Inductor kernel runs its eager source instead: a compiled call costs 25-80 us of
+# guards and wrappers (0.3 ms right after a large GEMM, with cold caches), more than a few eager ops on small
+# tensors; measured crossover of a 3-op epilogue: ~128K elements (BENCHMARKS.md, tp session 4)
+EAGER_WORK = int(os.environ.get("COCOSYNC_EAGER_WORK", 1 << 18))
 
 
 def default_backend() -> str:
@@ -111,6 +115,7 @@ class Kernel:
         exec(compile(self.source, f"<cocosync kernel {name}>", "exec"), namespace)  # noqa: S102 - our own source
         self.eager_fn = namespace[name]
         self._fn = self.eager_fn
+        self._eager_below = -(-EAGER_WORK // max(1, len(stages)))  # elements
         self.compile_seconds = 0.0
         self._first = False
         if backend == "inductor":  # one compiled function per distinct computation, shared by kernels
@@ -126,6 +131,8 @@ class Kernel:
             self._fn = _COMPILED[key]
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self._fn is not self.eager_fn and max(a.numel() for a in args) < self._eager_below:
+            return self.eager_fn(*args)
         if self._first:  # torch.compile compiles on the first call: time it apart from the steps
             t0 = time.perf_counter()
             out = self._fn(*args)

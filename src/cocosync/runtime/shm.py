@@ -122,9 +122,9 @@ class Flags:
         start = _F_HDR + (seq % 2) * HEADER_WORDS
         return slice(start, start + HEADER_WORDS)
 
-    def header(self, local_rank: int, seq: int) -> np.ndarray:
-        """The header local rank `local_rank` published with barrier number `seq` (read after that barrier)."""
-        return self.words[local_rank, self._hdr_slice(seq)]
+    def headers(self, seq: int) -> list[list[int]]:
+        """Every local rank's header of barrier number `seq`, as lists of ints (one copy out of shared memory)."""
+        return self.words[:, self._hdr_slice(seq)].tolist()
 
     def set_header(self, values: list[int]) -> None:
         """Publish this rank's header for the next barrier."""
@@ -230,6 +230,7 @@ class Arena:
         self.timeout = default_timeout() if timeout is None else float(timeout)
         self._name = f"{SHM_PREFIX}{self.groups.job_id}-n{topo.node}-a{next(_arena_ids.setdefault(self.groups.job_id, itertools.count()))}"
         self._segments: list[Segment] = []
+        self._views: dict[tuple, torch.Tensor] = {}  # Arena.view results: collectives ask for the same ones per call
         self._nseg = 0
         ctrl_bytes = _round_up(self.local_size * _SLOT * 8)
         path = f"{SHM_DIR}/{self._name}-ctl"
@@ -347,9 +348,14 @@ class Arena:
     def release(self, seg: Segment) -> None:
         """Forget a segment (its memory is unmapped once no tensor views it). Local, not collective."""
         self._segments = [s for s in self._segments if s is not seg]
+        self._views = {k: v for k, v in self._views.items() if k[0] != seg.index}
 
     def view(self, seg_index: int, local_rank: int, offset: int, shape, dtype: torch.dtype) -> torch.Tensor:
         """The tensor of `shape`/`dtype` at byte `offset` of local rank `local_rank`'s region of a segment."""
+        key = (seg_index, local_rank, offset, tuple(shape), dtype)
+        view = self._views.get(key)
+        if view is not None:
+            return view
         seg = next((s for s in self._segments if s.index == seg_index), None)
         if seg is None:
             raise ValueError(f"segment {seg_index} is not mapped in {self!r}")
@@ -358,7 +364,10 @@ class Arena:
         if offset + nbytes > seg.region_bytes:
             raise ValueError(f"view of {nbytes} bytes at offset {offset} overflows segment {seg_index} "
                              f"(region of {seg.region_bytes} bytes)")
-        return seg.region(local_rank)[offset:offset + nbytes].view(dtype).view(shape)
+        if len(self._views) >= 256:
+            self._views.clear()
+        view = self._views[key] = seg.region(local_rank)[offset:offset + nbytes].view(dtype).view(shape)
+        return view
 
     def locate(self, t: torch.Tensor) -> tuple[int, int, bool] | None:
         """(segment index, byte offset in this rank's region, node-shared?) when `t` is a contiguous tensor that
