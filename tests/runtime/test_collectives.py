@@ -54,6 +54,10 @@ def _all_cases() -> list[str]:
                     out = torch.full_like(t, float("nan"))
                     if c.all_reduce(xs[r], op, out=out) is not out or not _close(out, _ref(xs, op)):
                         bad.append(f"all_reduce out= {how} {dt} {shape} {op}")
+                    if len(shape) == 2:  # a non-contiguous out
+                        out = torch.empty(shape[::-1], dtype=dt).t()
+                        if not _close(c.all_reduce(xs[r], op, out=out), _ref(xs, op)):
+                            bad.append(f"all_reduce non-contiguous out= {how} {dt} {shape} {op}")
                 if not torch.equal(xs[r], _inputs(W, shape, dt, seed)[r]):
                     bad.append(f"all_reduce out= modified its input {dt} {shape} {op}")
             # reduce_scatter / reduce / all_gather / broadcast (first dim divisible by W)
