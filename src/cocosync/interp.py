@@ -22,14 +22,20 @@ from cocosync.dsl.check import check_world, program_groups
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import DslError, Layout, ReduceOp
 
-__all__ = ["interpret", "rank_inputs", "dropout_mask", "reduce_tensors", "ELEMENTWISE"]
+__all__ = ["interpret", "rank_inputs", "dropout_mask", "dropout_uniform", "reduce_tensors", "ELEMENTWISE"]
+
+
+def dropout_uniform(shape: Sequence[int], seed: int, rank: int | None = None) -> torch.Tensor:
+    """The float32 uniform draw behind dropout's keep-mask (element kept where >= p). rank=None
+    (Replicated/Sliced values): one draw for the whole tensor from seed alone; a rank (Local values): the draw
+    depends on seed and rank. Part of the language's definition."""
+    gen = torch.Generator().manual_seed(seed if rank is None else seed * 1_000_003 + rank + 1)
+    return torch.rand(tuple(shape), generator=gen)
 
 
 def dropout_mask(shape: Sequence[int], p: float, seed: int, rank: int | None = None) -> torch.Tensor:
-    """Keep-mask of dropout. rank=None (Replicated/Sliced values): one mask for the whole tensor from seed alone;
-    a rank (Local values): the mask depends on seed and rank. Part of the language's definition."""
-    gen = torch.Generator().manual_seed(seed if rank is None else seed * 1_000_003 + rank + 1)
-    return torch.rand(tuple(shape), generator=gen) >= p
+    """Keep-mask of dropout(p, seed): `dropout_uniform(shape, seed, rank) >= p`."""
+    return dropout_uniform(shape, seed, rank) >= p
 
 
 def reduce_tensors(xs: Sequence[torch.Tensor], op: ReduceOp) -> torch.Tensor:

@@ -230,3 +230,13 @@ def test_tp_schedule_keeps_small_all_reduces_whole_without_overlap():
     assert "reduce_scatter" in ops(rows, 256, 1) and "all_reduce" not in ops(rows, 256, 1)
     assert "reduce_scatter" in ops(rows // 4 * 2, 256, 1, world=4)  # 3 peers' copies to read: split sooner
     assert "reduce_scatter" in ops(8, 16, 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_scaled_keep_mask_is_the_dsl_dropout_mask(dtype):
+    from cocosync.nn.parallel import scaled_keep_mask
+
+    got = scaled_keep_mask((33, 17), 0.3, 12, dtype)
+    want = dropout_mask((33, 17), 0.3, 12).to(dtype) / 0.7
+    assert got.dtype == dtype and torch.equal(got, want)
+    assert 0 < (got == 0).sum() < got.numel()  # some dropped, some kept

@@ -88,10 +88,12 @@ def check_dropout(what: str, p: float, seed: int) -> None:
 
 
 def scaled_keep_mask(shape: tuple[int, ...], p: float, seed: int, dtype: torch.dtype) -> torch.Tensor:
-    """DSL dropout(p, seed)'s keep-mask / (1 - p), as `dtype`: the modules multiply by it (one plan per shape)."""
-    from cocosync.interp import dropout_mask
+    """DSL dropout(p, seed)'s keep-mask / (1 - p), as `dtype`: the modules multiply by it (one plan per shape).
+    Built in place on the uniform draw (compare, scale): two passes instead of four, no bool temporary."""
+    from cocosync.interp import dropout_uniform
 
-    return dropout_mask(shape, p, seed).to(dtype).div_(1.0 - p)
+    u = dropout_uniform(shape, seed).ge_(p)  # 1.0 where kept, 0.0 where dropped
+    return (u if dtype == torch.float32 else u.to(dtype)).div_(1.0 - p)
 
 
 def check_chunks(what: str, chunks: int | None) -> None:
