@@ -131,7 +131,7 @@ class Kernel:
             self._fn = _COMPILED[key]
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if self._fn is not self.eager_fn and max(a.numel() for a in args) < self._eager_below:
+        if self._fn is not self.eager_fn and max((a.numel() for a in args), default=0) < self._eager_below:
             return self.eager_fn(*args)
         if self._first:  # torch.compile compiles on the first call: time it apart from the steps
             t0 = time.perf_counter()
