@@ -7,6 +7,7 @@ from click.testing import CliRunner
 
 from cocosync.bench.pp import CASES as PP_CASES, pp_cmd
 from cocosync.bench.tp import CASES as TP_CASES, COLUMNS as TP_COLUMNS, TRAIN_CASES, tp_cmd
+from cocosync.lower.profile import WAIT
 
 
 def _check_rows(data, cases, key):
@@ -19,7 +20,8 @@ def _check_rows(data, cases, key):
 def test_bench_tp_end_to_end(tmp_path, monkeypatch):
     monkeypatch.setenv("COCOSYNC_KERNELS", "eager")  # no Inductor compile in CI
     path = tmp_path / "tp.json"
-    res = CliRunner().invoke(tp_cmd, ["--shapes", "8x16x32", "--chunks", "2", "--repeats", "2", "--json", str(path)])
+    res = CliRunner().invoke(tp_cmd, ["--shapes", "8x16x32", "--chunks", "2", "--repeats", "2", "--json", str(path),
+                                      "--breakdown"])
     assert res.exit_code == 0, res.output + repr(res.exception)
     data = json.loads(path.read_text())
     assert data["suite"] == "tp" and data["P"] == 2 and data["chunks"] == 2
@@ -28,6 +30,12 @@ def test_bench_tp_end_to_end(tmp_path, monkeypatch):
     assert "training step (forward + backward)" in res.output
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "eager/plan c=1" in TP_COLUMNS
+    # --breakdown: every step of the module's forward and backward plans, timed on both ranks
+    fwd = data["rows"]["8x16x32"]["breakdown"]["forward"]
+    assert [r["step"] for r in fwd][0].startswith("kernel(matmul1") and fwd[-1]["step"] == WAIT
+    assert any("all_reduce" in r["step"] and r["median_ms"] > 0 for r in fwd), fwd
+    assert len(data["rows"]["8x16x32"]["breakdown"]["backward"]) > len(fwd)
+    assert "MegatronMLP backward plan, 8x16x32" in res.output
 
 
 def test_bench_pp_end_to_end(tmp_path):

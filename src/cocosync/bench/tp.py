@@ -89,7 +89,19 @@ def _eager_train_step(x, b, w1, w2, comm: bool = True):
     return step
 
 
-def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -> dict[str, Any]:
+def _breakdown(block, x, train_step, repeats: int) -> dict[str, list[dict[str, Any]]]:
+    """Per-step times of the module's forward and backward plans over `repeats` training steps (after a barrier of
+    the ranks before each step, so collectives show their own time)."""
+    fwd = block._plans.get((x.shape[0], x.dtype, True), x.device)
+    bwd = block._backward_plans.get((x.shape[0], x.dtype, True), x.device)
+    with fwd.profile(sync=True) as pf, bwd.profile(sync=True) as pb:
+        for _ in range(repeats):
+            train_step()
+    return {"forward": pf.rows(), "backward": pb.rows()}
+
+
+def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int,
+                breakdown: bool = False) -> dict[str, Any]:
     from cocosync.examples.model_parallel import megatron_mlp_program
     from cocosync.lower import compile_plan
     from cocosync.nn import MegatronMLP
@@ -137,14 +149,17 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int) -
                  "train_compute": _eager_train_step(x, b, w1, w2, comm=False), "train_nn": nn_train}
         samples.update(time_interleaved(train, repeats, warmup=2, before=dist.barrier))
         out[f"{B}x{H}x{F}"] = {"samples": samples, "fast": planc.fast_steps}
+        if breakdown:
+            out[f"{B}x{H}x{F}"]["breakdown"] = _breakdown(block, x, nn_train, repeats)
     return out
 
 
-def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int = 2) -> dict[str, Any]:
+def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int = 2,
+           breakdown: bool = False) -> dict[str, Any]:
     from cocosync.runtime.launch import RankPool
 
     with RankPool(P, threads=1, timeout=1800) as pool:
-        per_rank = pool.run(_bench_rank, shapes, chunks, repeats, timeout=1800)
+        per_rank = pool.run(_bench_rank, shapes, chunks, repeats, breakdown, timeout=1800)
     result: dict[str, Any] = {"P": P, "chunks": chunks, "repeats": repeats, "rows": {}}
     for key in per_rank[0]:
         row = {}
@@ -153,6 +168,11 @@ def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int
             st = stats(per_iter)
             row[case], row[f"{case}_p10"], row[f"{case}_p90"] = st.median, st.p10, st.p90
         row["fast"] = any(s.startswith("overlap(") for s in per_rank[0][key]["fast"])
+        if breakdown:  # per step, the slower rank's median
+            row["breakdown"] = {part: [{**rows[0], "median_ms": max(r[key]["breakdown"][part][i]["median_ms"]
+                                                                   for r in per_rank)}
+                                       for i, rows in enumerate(zip(*(r[key]["breakdown"][part] for r in per_rank)))]
+                                for part in ("forward", "backward")}
         result["rows"][key] = row
     return result
 
@@ -163,6 +183,15 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
              fmt_ratio(r["eager"] / r["plan1"]), fmt_ratio(r["eager"] / r["plan"]), fmt_ratio(r["eager"] / r["nn1"]),
              fmt_ratio(r["eager"] / r["nn"]), "yes" if r["fast"] else "no"]
             for key, r in result["rows"].items()]
+
+
+BREAKDOWN_COLUMNS = ["step", "fast form", "median (slower rank)", "share"]
+
+
+def breakdown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    total = sum(r["median_ms"] for r in rows) or 1.0
+    return [[r["step"], {True: "yes", False: "no", None: ""}[r["fast"]], fmt_seconds(r["median_ms"] / 1e3),
+             f"{100 * r['median_ms'] / total:.0f}%"] for r in rows]
 
 
 def train_rows(result: dict[str, Any]) -> list[list[str]]:
@@ -180,10 +209,12 @@ def train_rows(result: dict[str, Any]) -> list[list[str]]:
               help="Write results as JSON (and a PNG bar chart next to it, same name with .png).")
 @click.option("--png", "png_path", type=click.Path(dir_okay=False), default=None, help="Bar chart path (PNG).")
 @click.option("--markdown", is_flag=True, help="Also print the table as markdown (for BENCHMARKS.md).")
+@click.option("--breakdown", is_flag=True,
+              help="Also time each step of nn.MegatronMLP's forward and backward plans (default chunks).")
 def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_path: str | None,
-           markdown: bool) -> None:
+           markdown: bool, breakdown: bool) -> None:
     """Megatron MLP block on 2 ranks: eager torch + gloo vs our plan (shm), without and with overlap."""
-    result = run_tp(parse_shapes(shapes, 3, "BATCHxHIDDENxFFN"), chunks, repeats)
+    result = run_tp(parse_shapes(shapes, 3, "BATCHxHIDDENxFFN"), chunks, repeats, breakdown=breakdown)
     rows = table_rows(result)
     print_table(f"Megatron MLP, P={result['P']}, 1 thread/rank, median of {repeats} (chunks={chunks})", COLUMNS, rows)
     if markdown:
@@ -192,6 +223,13 @@ def tp_cmd(shapes: str, chunks: int, repeats: int, json_path: str | None, png_pa
                 TRAIN_COLUMNS, train_rows(result))
     if markdown:
         click.echo(markdown_table(TRAIN_COLUMNS, train_rows(result)))
+    for key, row in result["rows"].items() if breakdown else ():
+        for part in ("forward", "backward"):
+            rows = breakdown_rows(row["breakdown"][part])
+            print_table(f"nn.MegatronMLP {part} plan, {key}: per step, after a barrier (median of {repeats})",
+                        BREAKDOWN_COLUMNS, rows)
+            if markdown:
+                click.echo(markdown_table(BREAKDOWN_COLUMNS, rows))
     if json_path:
         click.echo(f"wrote {write_json(json_path, {'suite': 'tp', **result})}")
         png_path = png_path or str(Path(json_path).with_suffix(".png"))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 import torch.distributed as dist
 
 from cocosync.lower.plan import Plan
+from cocosync.lower.profile import StepProfile, timed_steps
 from cocosync.runtime.executor import CompiledProgram
 from cocosync.runtime.fast_steps import prepare
 
@@ -29,13 +31,28 @@ class CompiledPlan(CompiledProgram):
             raise ValueError(f"donate={sorted(unknown)}: not inputs of {plan.program.name!r}")
         self.runners = [prepare(step, plan.program, self.comm, kernels, frozenset(donate)) if fast else None
                         for step in plan.steps]
+        self._profile: StepProfile | None = None
 
     @property
     def fast_steps(self) -> list[str]:
         """The steps that run in a fast form (for reports and tests)."""
         return [str(s) for s, r in zip(self.plan.steps, self.runners) if r is not None]
 
+    @contextmanager
+    def profile(self, sync: bool = False) -> Iterator[StepProfile]:
+        """Time every step of the calls made inside the block (see lower.profile); sync=True: the node's ranks meet
+        before each step, so a step's time excludes waiting for a slower peer (every rank must profile then)."""
+        if self._profile is not None:
+            raise RuntimeError(f"{self.program.name}: profile() is already active")
+        self._profile = StepProfile([str(s) for s in self.plan.steps], [r is not None for r in self.runners], sync)
+        try:
+            yield self._profile
+        finally:
+            self._profile = None
+
     def _run(self, env: dict[int, torch.Tensor]) -> None:
+        if self._profile is not None:
+            return timed_steps(self, env, self._profile)
         for step, runner in zip(self.plan.steps, self.runners):
             if runner is not None:
                 runner(env)
