@@ -41,7 +41,8 @@ class CompiledPlan(CompiledProgram):
     @contextmanager
     def profile(self, sync: bool = False) -> Iterator[StepProfile]:
         """Time every step of the calls made inside the block (see lower.profile); sync=True: the node's ranks meet
-        before each step, so a step's time excludes waiting for a slower peer (every rank must profile then)."""
+        before each step, so a step's time excludes waiting for a slower peer (every rank must profile then; it needs
+        the shared-memory backend and is ignored with torch collectives)."""
         if self._profile is not None:
             raise RuntimeError(f"{self.program.name}: profile() is already active")
         self._profile = StepProfile([str(s) for s in self.plan.steps], [r is not None for r in self.runners], sync)
