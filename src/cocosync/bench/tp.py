@@ -168,10 +168,8 @@ def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int
             st = stats(per_iter)
             row[case], row[f"{case}_p10"], row[f"{case}_p90"] = st.median, st.p10, st.p90
         row["fast"] = any(s.startswith("overlap(") for s in per_rank[0][key]["fast"])
-        if breakdown:  # per step, the slower rank's median
-            row["breakdown"] = {part: [{**rows[0], "median_ms": max(r[key]["breakdown"][part][i]["median_ms"]
-                                                                   for r in per_rank)}
-                                       for i, rows in enumerate(zip(*(r[key]["breakdown"][part] for r in per_rank)))]
+        if breakdown:
+            row["breakdown"] = {part: _slower_rank([r[key]["breakdown"][part] for r in per_rank])
                                 for part in ("forward", "backward")}
         result["rows"][key] = row
     return result
@@ -188,10 +186,16 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
 BREAKDOWN_COLUMNS = ["step", "fast form", "median (slower rank)", "share"]
 
 
-def breakdown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+def _slower_rank(per_rank: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Each step's profile row with the slower rank's median, shares recomputed."""
+    rows = [{**same[0], "median_ms": max(r["median_ms"] for r in same)} for same in zip(*per_rank)]
     total = sum(r["median_ms"] for r in rows) or 1.0
+    return [{**r, "share": r["median_ms"] / total} for r in rows]
+
+
+def breakdown_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
     return [[r["step"], {True: "yes", False: "no", None: ""}[r["fast"]], fmt_seconds(r["median_ms"] / 1e3),
-             f"{100 * r['median_ms'] / total:.0f}%"] for r in rows]
+             f"{100 * r['share']:.0f}%"] for r in rows]
 
 
 def train_rows(result: dict[str, Any]) -> list[list[str]]:

@@ -24,18 +24,13 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.group import NodeGroups, node_groups
+from cocosync.runtime.headers import header, validate
 from cocosync.runtime.reduction import (REDUCE_OPS, SUPPORTED_DTYPES, _check_dtype, _check_op, _elsize,
                                         _reduce_chunk, split_bounds)
 from cocosync.runtime.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
 
 __all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
-_DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
-_CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
-_OP_CODE = {op: i + 1 for i, op in enumerate(REDUCE_OPS)}
-_COLL_CODE = {name: i + 1 for i, name in enumerate(
-    ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "fused_all_reduce", "barrier"])}
-_CODE_COLL = {v: k for k, v in _COLL_CODE.items()}
 _DIST_OP = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
@@ -352,12 +347,11 @@ class ShmCommunicator:
         if fill is not None and not zc and fits:
             fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
             filled = True
-        self.flags.set_header([_COLL_CODE[name.split(" ")[0]], _DTYPE_CODE[x.dtype], x.numel() if numel is None
-                               else numel, _OP_CODE[op], root, seg, off, self.chunk_bytes, self.pipeline_bytes,
-                               self.one_shot_bytes])
+        self.flags.set_header(header(name, x.dtype, x.numel() if numel is None else numel, op, root, seg, off,
+                                     (self.chunk_bytes, self.pipeline_bytes, self.one_shot_bytes)))
         seq = self.flags.barrier(name)
         hdrs = self.flags.headers(seq)
-        self._validate(name, seq, hdrs)
+        validate(name, seq, hdrs, self.me, self.groups.local_ranks_global)
         need_ws = always_ws or any(h[5] < 0 for h in hdrs)
         if need_ws and not fits:  # same decision on every rank: the headers agree
             ws = self._ensure_ws(parity, nbytes)
@@ -375,31 +369,6 @@ class ShmCommunicator:
             else:
                 sources.append(self._ws_view(ws, lr, x.numel(), x.dtype))
         return _Call(name=name, seq=seq, sources=sources, zc=tuple(bool(h[5] >= 0) for h in hdrs), ws=ws)
-
-    def _validate(self, name: str, seq: int, hdrs: list[list[int]]) -> None:
-        mine = hdrs[self.me]
-        if all(h[:5] == mine[:5] and h[7:10] == mine[7:10] for h in hdrs):
-            return  # the common case; the messages below are built only on a mismatch
-        g = self.groups.local_ranks_global
-        for lr, h in enumerate(hdrs):
-            if h[0] != mine[0]:
-                raise RuntimeError(f"{name} (call #{seq}): ranks called different collectives: global rank {g[lr]} "
-                                   f"called {_CODE_COLL.get(int(h[0]), '?')}, global rank {g[self.me]} called {name}")
-        desc = ", ".join(f"rank {g[lr]}: {int(h[2])} x {_CODE_DTYPE.get(int(h[1]))}" for lr, h in enumerate(hdrs))
-        if any(h[1] != mine[1] for h in hdrs):
-            raise TypeError(f"{name} (call #{seq}): dtype differs across ranks ({desc})")
-        if any(h[2] != mine[2] for h in hdrs):
-            raise ValueError(f"{name} (call #{seq}): number of elements differs across ranks ({desc})")
-        if any(h[3] != mine[3] for h in hdrs):
-            ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1]}" for lr, h in enumerate(hdrs))
-            raise ValueError(f"{name} (call #{seq}): reduce op differs across ranks ({ops})")
-        if any(h[7:10] != mine[7:10] for h in hdrs):
-            cb = ", ".join(f"rank {g[lr]}: {int(h[7])}/{int(h[8])}/{int(h[9])}" for lr, h in enumerate(hdrs))
-            raise ValueError(f"{name} (call #{seq}): ShmCommunicator chunk_bytes/pipeline_bytes/one_shot_bytes "
-                             f"differ across ranks ({cb})")
-        if any(h[4] != mine[4] for h in hdrs):
-            roots = ", ".join(f"rank {g[lr]}: {int(h[4])}" for lr, h in enumerate(hdrs))
-            raise ValueError(f"{name} (call #{seq}): root differs across ranks ({roots})")
 
     def _end(self, call: _Call, skip_barrier: bool = False) -> None:
         # peers read this rank's own memory (zero-copy): wait until they are done before returning it to the user.
