@@ -12,8 +12,8 @@ from cocosync.schedule.standard import adam_schedule, sgd_schedule
 N, STEPS = 4096, 3
 
 
-def _grad(step, rank, dtype):
-    return torch.randn(N, generator=torch.Generator().manual_seed(step * 100 + rank)).to(dtype)
+def _grad(step, rank, dtype, n=N):
+    return torch.randn(n, generator=torch.Generator().manual_seed(step * 100 + rank)).to(dtype)
 
 
 def _adam_on_rank(dtype, nnodes):
@@ -43,12 +43,12 @@ def _adam_on_rank(dtype, nnodes):
             "backend": fn.comm.backend}
 
 
-def _oracle(P, dtype):
-    adam, sgd = adam_program(N, dtype), sgd_program(N, dtype, momentum=True)
-    w, m, v = torch.linspace(-1, 1, N).to(dtype), torch.zeros(N, dtype=dtype), torch.zeros(N, dtype=dtype)
-    ws, buf = torch.linspace(-1, 1, N).to(dtype), torch.zeros(N, dtype=dtype)
+def _oracle(P, dtype, n=N):
+    adam, sgd = adam_program(n, dtype), sgd_program(n, dtype, momentum=True)
+    w, m, v = torch.linspace(-1, 1, n).to(dtype), torch.zeros(n, dtype=dtype), torch.zeros(n, dtype=dtype)
+    ws, buf = torch.linspace(-1, 1, n).to(dtype), torch.zeros(n, dtype=dtype)
     for step in range(1, STEPS + 1):
-        gs = [_grad(step, r, dtype) for r in range(P)]
+        gs = [_grad(step, r, dtype, n) for r in range(P)]
         o = cs.interpret(adam, P, {"g": gs, "w": w, "m": m, "v": v, **adam_scalars(step, lr=0.01, weight_decay=0.01)})
         w, m, v = o[0]["w"], o[0]["m"], o[0]["v"]
         o = cs.interpret(sgd, P, {"g": gs, "w": ws, "buf": buf, "lr": 0.1, "mu": 0.9})
@@ -72,3 +72,49 @@ def test_scheduled_plans_match_oracle(rank_pool, P, nnodes, dtype):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
         assert out["backend"] == "shm"
         assert out["fast"], out["fast"]  # across nodes too: hierarchical reduce-scatter, kernel, all-gather
+
+
+def _fused_reduction_on_rank(dtype, fuse, n):
+    """The Adam plan as DistributedAdam runs it (gradients donated in the arena, w node-shared), with the reduction
+    inside the kernel (fuse) or before it."""
+    import torch.distributed as dist
+
+    import cocosync.runtime.fast_steps as fs
+    from cocosync.lower import compile_plan
+
+    rank = dist.get_rank()
+    fs.FUSE_REDUCTION = fuse
+    try:
+        plan = compile_plan(adam_schedule(adam_program(n, dtype)).lower(), donate=("g",))
+    finally:
+        fs.FUSE_REDUCTION = True
+    shm = plan.comm.shm
+    g, w = shm.arena.empty(n, dtype), shm.arena.shared_empty(n, dtype)
+    w.copy_(torch.linspace(-1, 1, n).to(dtype))
+    shm.barrier()
+    m, v = (torch.zeros(n // dist.get_world_size(), dtype=dtype) for _ in range(2))
+    untouched = True
+    for step in range(1, STEPS + 1):
+        g.copy_(_grad(step, rank, dtype, n))
+        plan(g=g, w=w, m=m, v=v, **adam_scalars(step, lr=0.01, weight_decay=0.01))
+        untouched &= bool(torch.equal(g, _grad(step, rank, dtype, n)))  # no reduced values written back into g
+    return {"w": w.clone(), "m": m, "v": v, "g_untouched": untouched, "fast": plan.fast_steps}
+
+
+@pytest.mark.parametrize("P, dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
+def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dtype):
+    """Within a node the fused step's kernel reads every rank's gradients and sums them itself (FUSE_REDUCTION): the
+    same bits as reducing into the gradient buffer first, g left as it was, and the interpreter's result."""
+    n = N - N % P  # 4095 on 3 ranks: a mean scaled by 1/3
+    fused = rank_pool(P).run(_fused_reduction_on_rank, dtype, True, n)
+    first = rank_pool(P).run(_fused_reduction_on_rank, dtype, False, n)
+    w, m, v = _oracle(P, dtype, n)[:3]
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-6)
+    for r, (a, b) in enumerate(zip(fused, first)):
+        assert any(s.startswith("fused_collective") for s in a["fast"]), a["fast"]
+        assert a["g_untouched"] and not b["g_untouched"]
+        for k in ("w", "m", "v"):
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)
+        sl = slice(r * n // P, (r + 1) * n // P)
+        torch.testing.assert_close(a["w"], w, **tol)
+        torch.testing.assert_close(a["m"], m[sl], **tol), torch.testing.assert_close(a["v"], v[sl], **tol)

@@ -113,3 +113,47 @@ def test_inductor_kernel_runs_eagerly_below_its_work_threshold(monkeypatch):
     a, b = torch.randn(1000), torch.randn(1000)
     torch.testing.assert_close(k(a, b)[0], (a + b) * 3 - b)
     assert k.compile_seconds > 0 and not k._first
+
+
+@pytest.mark.parametrize("backend, dtype, count", [("eager", torch.float32, 2), ("eager", torch.bfloat16, 3),
+                                                   ("inductor", torch.float32, 3), ("inductor", torch.bfloat16, 2)])
+def test_kernel_reducing_its_input_equals_reducing_first(backend, dtype, count):
+    """reduce_of: the kernel sums the ranks' chunks itself (the fused collective's one pass) and gets the same bits
+    as the collectives' chunk reduction followed by the kernel on the reduced chunk. Inductor keeps a 16-bit
+    reduced value in float32 (as every intermediate of its kernels), so there bfloat16 agrees to rounding."""
+    from cocosync.runtime.reduction import _reduce_chunk
+
+    n = 1000
+    p = adam_program(n, dtype)
+    body = [s for s in p.stages if can_fuse(s)]
+    outs = [p.updates[k] for k in ("w", "m", "v")]
+    red = next(s for s in p.stages if s.op == "all_reduce")
+    plain = build_kernel(body, outs, backend=backend, name="adam_after")
+    fused = build_kernel(body, outs, backend=backend, name="adam_fused", reduce_of=(red, count, 1.0 / count))
+    assert fused.reduce_index is not None and f"reduced over {count} ranks" in fused.source
+    gen = torch.Generator().manual_seed(count)
+    parts = [torch.randn(n, generator=gen).to(dtype) for _ in range(count)]
+    env = {"w": torch.randn(n, generator=gen).to(dtype), "m": torch.rand(n, generator=gen).to(dtype),
+           "v": torch.rand(n, generator=gen).to(dtype), **{k: torch.tensor(v) for k, v in adam_scalars(4).items()}}
+    reduced = torch.empty(n, dtype=dtype)
+    _reduce_chunk(reduced, parts, "mean", lambda k: torch.empty(k), 1.0 / count)
+    env[red.name] = reduced
+    want = plain(*[env[a.name] for a in plain.inputs])
+    args = []
+    for a in fused.inputs:
+        args += parts if a is red else [env[a.name]]
+    got = fused(*args)
+    exact = dtype == torch.float32 or backend == "eager"
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **(dict(rtol=0, atol=0) if exact else dict(rtol=1.6e-2, atol=1e-3)))
+
+
+def test_kernel_reduce_of_rejects_what_is_not_an_input():
+    p = adam_program(64)
+    body = [s for s in p.stages if can_fuse(s)]
+    w = next(x for x in p.inputs if x.name == "w")
+    with pytest.raises(ValueError, match="reduce_of names 'w' with count=1"):
+        build_kernel(body, [p.updates["w"]], backend="eager", reduce_of=(w, 1, None))  # an input, but count < 2
+    x = cs.Tensor("x", (64,), cs.float32, cs.Local)
+    with pytest.raises(ValueError, match="reduce_of names 'x'.*expected an input"):
+        build_kernel(body, [p.updates["w"]], backend="eager", reduce_of=(x, 2, None))

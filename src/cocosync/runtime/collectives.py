@@ -386,18 +386,27 @@ class ShmCommunicator:
                        dst: torch.Tensor, scale: float | None = None,
                        publish: torch.Tensor | None = None,
                        fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-                       fn_out: torch.Tensor | None = None, fn_bytes: int = 0) -> None:
+                       fn_out: torch.Tensor | None = None, fn_bytes: int = 0, fn_sources: bool = False) -> None:
         """Reduce this rank's `ranges` over the sources, chunk by chunk, into the packed `dst` (ranges end to end).
 
         own: this rank's flat data (read for its own contribution). publish: also copy each result chunk there
         (at the same offsets as the ranges). fn(offset, reduced_chunk, out_chunk): fused computation per chunk,
         writing into fn_out[offset:...] (then published from there); with fn_bytes > chunk_bytes, fn gets several
         consecutive reduced chunks at once (fewer calls of a kernel with a fixed cost per call).
+        fn_sources: fn does the reduction itself: it gets the list of every rank's chunk (rank order) instead of
+        the reduced chunk, and nothing is written to `dst` (one pass over the sources, no reduced copy).
         """
         srcs = [own if lr == self.me else call.sources[lr] for lr in range(self.L)]
         step = max(1, self.chunk_bytes // own.element_size())
         fn_step = max(step, fn_bytes // own.element_size())
         pos = 0
+        if fn_sources:
+            assert fn is not None and fn_out is not None and publish is None
+            for s, e in ranges:
+                for a in range(s, e, fn_step):
+                    b = min(a + fn_step, e)
+                    fn(a, [src[a:b] for src in srcs], fn_out[a:b])
+            return
         for s, e in ranges:
             pending = s  # start of the reduced chunks not yet passed to fn
             for a in range(s, e, step):
@@ -428,8 +437,10 @@ class ShmCommunicator:
 
     def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str,
                          inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True,
-                         fn_bytes: int = 0) -> None:
-        """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x."""
+                         fn_bytes: int = 0, fn_sources: bool = False) -> None:
+        """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x.
+        fn_sources: fn gets a list: every rank's chunk to reduce itself (within a node, with an arena or
+        node-shared fn_out), else the reduced chunk alone (a list of one)."""
         s, e = ranges[self.me][0]
         out = x if fn_out is None else fn_out
         out_where = self.arena.locate(fn_out) if fn_out is not None else None
@@ -453,9 +464,12 @@ class ShmCommunicator:
             publish = None if self.arena.locate(x) is not None else ws_me
         else:
             publish = None if (shared_out or out_zc) else ws_me
+        sources = fn_sources and not inter and publish is None
+        if fn_sources and not sources:  # reduce here; fn gets the reduced chunk as a list of one
+            fn = (lambda f: lambda o, r, y: f(o, [r], y))(fn)
         if not inter:
-            self._reduce_ranges(call, ranges[self.me], op, x, x[s:e], scale=self._scale(op),
-                                publish=publish, fn=fn, fn_out=fn_out, fn_bytes=fn_bytes)
+            self._reduce_ranges(call, ranges[self.me], op, x, x[s:e], scale=self._scale(op), publish=publish, fn=fn,
+                                fn_out=fn_out, fn_bytes=fn_bytes, fn_sources=sources)
         else:
             part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
             self._reduce_ranges(call, ranges[self.me], op, x, part)

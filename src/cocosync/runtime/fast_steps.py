@@ -31,6 +31,9 @@ Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
 # bytes (of gradient) per call of a fused collective's kernel: each call of a compiled kernel costs ~30 us of
 # guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once
+# fused collectives within a node: the compute kernel also sums the ranks' chunks (False: the collective reduces
+# first, the kernel reads the reduced chunk; kept for A/B measurements). Read when a plan is compiled.
+FUSE_REDUCTION = True
 KERNEL_BYTES = int(os.environ.get("COCOSYNC_KERNEL_BYTES", 2 << 20))  # 2 MB: best of 0.25-8 MB (bench dp)
 
 
@@ -134,6 +137,13 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
     if w_update is not None:
         reads_out.update({id(sc): 0 for sc in scatters if src_of[id(sc)] is w_update.args[0]})
     kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True, reads_out=reads_out)
+    op = rs.attr("op").value
+    # within a node the kernel also does the reduction: it reads every rank's gradients where they are, in its one
+    # pass (the reduced values are never written out and read back)
+    kern_src = None
+    if FUSE_REDUCTION and shm.nnodes == 1 and shm.L > 1 and op in ("sum", "mean"):
+        kern_src = build_kernel(body, outs, kernels, name=f"fused_{rs.name}_src", into=True, reads_out=reads_out,
+                                reduce_of=(rs, shm.L, 1.0 / shm.world if op == "mean" else None))
     scratch: dict[str, torch.Tensor] = {}
     compiling = [True] if kern.backend == "inductor" else []
 
@@ -168,14 +178,23 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
                 feeds.append(("scalar", env[id(a)]))
         state_views = [env[id(s.args[0])].view(-1) for s in state_writes]
 
-        def chunk_fn(offset: int, reduced: torch.Tensor, out_chunk: torch.Tensor) -> None:
-            n, lo = reduced.numel(), offset - start
-            args = [reduced if f is None else f[1] if f[0] == "scalar" else
-                    f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n] for f in feeds]
-            kern(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
+        def chunk_fn(offset: int, parts: list[torch.Tensor] | torch.Tensor, out_chunk: torch.Tensor) -> None:
+            parts = parts if isinstance(parts, list) else [parts]  # every rank's chunk, or the reduced one
+            n, lo = parts[0].numel(), offset - start
+            args = []
+            for f in feeds:
+                if f is None:
+                    args += parts
+                else:
+                    args.append(f[1] if f[0] == "scalar" else
+                                f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n])
+            k = kern if len(parts) == 1 else kern_src
+            assert k is not None
+            k(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
 
         with first_call_timeout(shm, compiling):
-            reduce_and_apply(shm, buf.view(-1), chunk_fn, out=flat_out, op=rs.attr("op").value, fn_bytes=KERNEL_BYTES)
+            reduce_and_apply(shm, buf.view(-1), chunk_fn, out=flat_out, op=op, fn_bytes=KERNEL_BYTES,
+                             fn_sources=kern_src is not None)
         store_results(env, ag, w_update, out, state_writes)
     return run
 

@@ -33,7 +33,8 @@ def slice_bounds(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 
 def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
-                     op: str = "sum", gather: bool = True, fn_bytes: int = 0) -> torch.Tensor:
+                     op: str = "sum", gather: bool = True, fn_bytes: int = 0,
+                     fn_sources: bool = False) -> torch.Tensor:
     """Reduce `t` over all ranks; on this rank's slice call ``fn(offset, reduced_chunk, out_chunk)`` chunk by chunk;
     then (if `gather`) all-gather the results so every rank's `out` holds all of them.
 
@@ -48,6 +49,11 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
         gather: False keeps only this rank's slice updated (the "sliced" use, e.g. a sharded optimizer).
         fn_bytes: call fn on up to this many bytes of consecutive reduced chunks at once (default: one chunk,
             `comm.chunk_bytes`): fewer calls for a compiled kernel whose every call has a fixed cost.
+        fn_sources: fn reduces too, in the same pass as its computation: its second argument is a list, either
+            every local rank's chunk in rank order (to be reduced with `op`: sum them in that order, then scale by
+            1/world for "mean"), or the reduced chunk alone (a list of one: when the data crosses nodes or `out`
+            is a plain tensor). t's slice is then left as it was. Saves writing the reduced values and reading
+            them back.
     Returns:
         out.
     """
@@ -65,10 +71,10 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     if comm.world == 1:
         step = max(1, max(comm.chunk_bytes, fn_bytes) // x.element_size())
         for a in range(0, x.numel(), step):
-            fn(a, x[a:a + step], y[a:a + step])
+            fn(a, [x[a:a + step]] if fn_sources else x[a:a + step], y[a:a + step])
         return out
     comm._all_reduce_flat(name, x, ranges, op, inter=comm.nnodes > 1, fn=fn, fn_out=y, gather=gather,
-                          fn_bytes=fn_bytes)
+                          fn_bytes=fn_bytes, fn_sources=fn_sources)
     return out
 
 
@@ -91,16 +97,18 @@ def owned_slice(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 
 def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
-                     op: str = "sum", gather: bool = True, fn_bytes: int = 0) -> torch.Tensor:
+                     op: str = "sum", gather: bool = True, fn_bytes: int = 0,
+                     fn_sources: bool = False) -> torch.Tensor:
     """Reduce `t` over all ranks, call `fn(offset, reduced, out_chunk)` on this rank's `owned_slice`, then (if
     `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does.
 
     One node: `fused_all_reduce` (fn on each chunk while it is in cache). Across nodes: the hierarchical
     reduce_scatter (shared memory, then torch.distributed among the ranks with this local rank), fn on this rank's
     1/P, and the hierarchical all_gather: every rank computes a different slice, so the sliced state of a DSL
-    program (Sliced over all P ranks) lines up, and partial sums over slices count each element once."""
+    program (Sliced over all P ranks) lines up, and partial sums over slices count each element once.
+    fn_sources: as in `fused_all_reduce` (across nodes fn always gets the reduced chunk, as a list of one)."""
     if comm.nnodes == 1:
-        return fused_all_reduce(comm, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes)
+        return fused_all_reduce(comm, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources)
     out = t if out is None else out
     x, y = t.view(-1), out.view(-1)
     start, stop = owned_slice(comm, x.numel())
@@ -108,7 +116,7 @@ def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     step = max(1, max(comm.chunk_bytes, fn_bytes) // x.element_size())
     for a in range(start, stop, step):
         b = min(stop, a + step)
-        fn(a, x[a:b], y[a:b])
+        fn(a, [x[a:b]] if fn_sources else x[a:b], y[a:b])
     if gather:
         gather_slices(comm, y)
     return out

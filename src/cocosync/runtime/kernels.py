@@ -72,11 +72,15 @@ class Kernel:
     `reads_out` maps inputs that are the very memory of an output (a state updated in place) to that output's
     index: the kernel reads them from the output tensor and they are not passed (`self.inputs` omits them), so
     no two arguments alias (aliased arguments make Inductor compile against their common base, whose size it then
-    wrongly assumes for other calls)."""
+    wrongly assumes for other calls).
+    `reduce_of=(node, count, scale)`: the input `node` is the reduction of `count` tensors, passed in its place
+    (rank order) and summed inside the kernel in that order (in float32 for 16-bit inputs, then scaled by `scale`
+    unless None, then rounded to the node's dtype): the same bits as the collectives' chunk reduction, in the
+    kernel's one pass (Inductor may keep a 16-bit reduced value in float32, as it does every intermediate)."""
 
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
                  into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = (),
-                 squares: Sequence[Node] = ()):
+                 squares: Sequence[Node] = (), reduce_of: tuple[Node, int, float | None] | None = None):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
@@ -96,10 +100,29 @@ class Kernel:
         ref = {id(a): f"in{i}" for i, a in enumerate(self.inputs)}
         ref.update({i: f"out{j}" for i, j in reads_out.items()})
         body = []
+        params = [f"in{i}" for i in range(len(self.inputs))]
+        self.reduce_index: int | None = None
+        if reduce_of is not None:
+            node, count, scale = reduce_of
+            k = next((i for i, a in enumerate(self.inputs) if a is node), None)
+            if k is None or count < 2:
+                raise ValueError(f"kernel {name!r}: reduce_of names {node.name!r} with count={count}: expected an "
+                                 "input of the kernel and count >= 2")
+            self.reduce_index = k
+            params[k:k + 1] = [f"in{k}_{j}" for j in range(count)]
+            f32 = node.dtype != torch.float32
+            terms = [f"in{k}_{j}" + (".float()" if f32 else "") for j in range(count)]
+            expr = terms[0]
+            for t in terms[1:]:
+                expr = f"({expr} + {t})"
+            if scale is not None:
+                expr = f"({expr} * {float(scale)!r})"
+            if f32:
+                expr = f"{expr}.to({node.dtype})"
+            body.append(f"    in{k} = {expr}  # {node.name}: reduced over {count} ranks")
         for i, s in enumerate(stages):
             ref[id(s)] = f"t{i}"
             body.append(f"    t{i} = {_line(s, ref)}  # {s.name}")
-        params = [f"in{i}" for i in range(len(self.inputs))]
         if into:
             params += [f"out{i}" for i in range(len(self.outputs))] + [f"sq{i}" for i in range(len(self.sumsq))]
             params += [f"sqv{i}" for i in range(len(self.squares))]
@@ -160,10 +183,11 @@ def _inductor_cache_dir() -> None:
 
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
                  name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None,
-                 sumsq: Sequence[Node] = (), squares: Sequence[Node] = ()) -> Kernel:
+                 sumsq: Sequence[Node] = (), squares: Sequence[Node] = (),
+                 reduce_of: tuple[Node, int, float | None] | None = None) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
-    backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor)."""
+    backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor). See Kernel for the rest."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares)
+    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares, reduce_of)
