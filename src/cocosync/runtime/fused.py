@@ -5,6 +5,8 @@ and, while the reduced chunk is still in cache, calls ``fn(offset, reduced_chunk
 chunk's result into ``out_chunk`` (e.g. the Adam update of the parameters' slice); the all-gather then reads the
 results where ``fn`` wrote them. Zero-copy when `out` lives in the arena; with a node-shared `out`
 (``Arena.shared_empty``, a Replicated tensor stored once per node) there is no all-gather at all within a node.
+With ``fn_sources=True`` fn gets every rank's chunk instead and sums it itself inside its own loop: the reduced
+values are never written to memory and read back (the compiled optimizer steps do this within a node).
 
 ``overlap_chunks(produce, communicate, n)`` pipelines by chunks: chunk i is computed on the calling thread while
 chunk i-1 is communicated on a background thread (torch kernels, gloo and the shared-memory copies release the GIL).
