@@ -156,3 +156,44 @@ def test_adam_chunk_update_fused_kernel_and_fallback_agree(monkeypatch):
         outs.append(state)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def _fn_sources_case() -> dict[str, tuple[list[int], float, bool]]:
+    """reduce_and_apply with fn_sources: how many parts fn gets, whether fn's own reduction of them (sum in rank
+    order, then 1/world for a mean) gives the mean of every rank's vector, and whether t was left as it was."""
+    from cocosync.runtime.fused import reduce_and_apply
+
+    comm = ShmCommunicator(timeout=60, chunk_bytes=64 << 10)
+    r, W = dist.get_rank(), dist.get_world_size()
+    n = N - N % W  # across nodes each rank owns exactly 1/W
+    xs = [x[:n] for x in _grads(7, W)]
+    want = torch.stack(xs).mean(0)
+    res = {}
+    # a node-shared out is one copy per node: only within a node (across nodes every local rank would write it)
+    for kind in ("arena", "plain") + (("shared",) if comm.nnodes == 1 else ()):
+        t = comm.arena.empty(n)
+        t.copy_(xs[r])
+        out = {"arena": comm.arena.empty, "shared": comm.arena.shared_empty, "plain": torch.zeros}[kind](n)
+        counts: list[int] = []
+
+        def fn(off, parts, o):
+            counts.append(len(parts))
+            acc = parts[0].clone()
+            for p in parts[1:]:
+                acc += p
+            o.copy_(acc / W if len(parts) > 1 else acc)
+        reduce_and_apply(comm, t, fn, out=out, op="mean", fn_bytes=2 * comm.chunk_bytes, fn_sources=True)
+        res[kind] = (sorted(set(counts)), (out - want).abs().max().item(), bool(torch.equal(t, xs[r])))
+    return res
+
+
+@pytest.mark.parametrize("world,nnodes", [(3, 1), (4, 2)], ids=["P3", "2x2"])
+def test_fn_sources_hands_fn_every_ranks_chunk_within_a_node(rank_pool, world, nnodes):
+    """Within a node fn gets all L chunks for an arena or node-shared out (and t is left as it was); for a plain
+    out, or across nodes, the reduced chunk alone. Either way the result is the mean."""
+    for res in rank_pool(world, nnodes=nnodes).run(_fn_sources_case, timeout=120):
+        for kind, (counts, err, untouched) in res.items():
+            assert err < 1e-6, (kind, res)
+            one_pass = nnodes == 1 and kind != "plain"
+            assert counts == ([world] if one_pass else [1]), (kind, res)
+            assert untouched == one_pass, (kind, res)

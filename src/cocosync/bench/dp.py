@@ -499,7 +499,8 @@ def caption(result: dict[str, Any]) -> str:
     cfg = result["config"]
     parts = [f"P={result['P']}, 1 thread/rank, ours' kernels: {result.get('kernels')}; adam/lamb: {result['params'] / 1e6:.1f}M params "
              f"({cfg['layers']} x Linear({cfg['width']}, {cfg['width']})); bandwidth "
-             f"{result['bandwidth_Bps'] / 1e9:.1f} GB/s; bound = (P+6)*N*4 B = {fmt_seconds(result['bound_s'])}; "
+             f"{result['bandwidth_Bps'] / 1e9:.1f} GB/s; bound = (P+6)*N*4 B at "
+             f"copy bandwidth = {fmt_seconds(result['bound_s'])} (write-allocate not counted: can exceed 100%); "
              f"train: {result['train_params'] / 1e6:.2f}M-param transformer ({cfg['tf_layers']} layers, "
              f"d={cfg['tf_dim']}, seq {cfg['tf_seq']}, batch {cfg['tf_batch']}/rank)"]
     for section, t in result["targets"].items():
