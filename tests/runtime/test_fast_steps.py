@@ -118,3 +118,48 @@ def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dty
         sl = slice(r * n // P, (r + 1) * n // P)
         torch.testing.assert_close(a["w"], w, **tol)
         torch.testing.assert_close(a["m"], m[sl], **tol), torch.testing.assert_close(a["v"], v[sl], **tol)
+
+
+def _norm_step_on_rank(fuse):
+    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/norm_step.py) with
+    phase 0's kernel reducing the gradients itself (fuse) or the collective reducing them first."""
+    import torch.distributed as dist
+
+    import cocosync.runtime.fast_steps as fs
+    import cocosync.runtime.norm_step as ns
+    from cocosync.optim import DistributedAdam, DistributedLAMB
+
+    built = []
+    real = ns.build_kernel
+
+    def recording(*a, **kw):
+        built.append(kw.get("name"))
+        return real(*a, **kw)
+    ns.build_kernel, fs.FUSE_REDUCTION = recording, fuse
+    try:
+        out = {}
+        for cls in (DistributedAdam, DistributedLAMB):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(40, 30), torch.nn.Linear(30, 7))
+            opt = cls(model.parameters(), lr=1e-2, max_grad_norm=0.05)
+            for step in range(3):
+                gen = torch.Generator().manual_seed(10 * step + dist.get_rank())
+                for p in model.parameters():
+                    p.grad.copy_(torch.randn(p.shape, generator=gen))
+                opt.step()
+            out[cls.__name__] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    finally:
+        ns.build_kernel, fs.FUSE_REDUCTION = real, True
+    out["one_pass_kernels"] = sum(1 for n in built if n and n.endswith("_0_src"))
+    return out
+
+
+def test_phased_fused_collective_reducing_in_its_first_kernel_gives_the_same_bits(rank_pool):
+    """With norms (clipping, LAMB), phase 0's kernel sums the ranks' gradient chunks, writes the sum for the later
+    phases and takes the partial norms in the same loop: bitwise what reducing first gives."""
+    fused = rank_pool(2).run(_norm_step_on_rank, True)
+    first = rank_pool(2).run(_norm_step_on_rank, False)
+    for a, b in zip(fused, first):
+        assert a["one_pass_kernels"] == 2 and b["one_pass_kernels"] == 0, (a, b)
+        for k in ("DistributedAdam", "DistributedLAMB"):
+            torch.testing.assert_close(a[k], b[k], rtol=0, atol=0)

@@ -76,11 +76,14 @@ class Kernel:
     `reduce_of=(node, count, scale)`: the input `node` is the reduction of `count` tensors, passed in its place
     (rank order) and summed inside the kernel in that order (in float32 for 16-bit inputs, then scaled by `scale`
     unless None, then rounded to the node's dtype): the same bits as the collectives' chunk reduction, in the
-    kernel's one pass (Inductor may keep a 16-bit reduced value in float32, as it does every intermediate)."""
+    kernel's one pass (Inductor may keep a 16-bit reduced value in float32, as it does every intermediate).
+    `reduced_out=(j, i)`: the j-th of those tensors is the memory of output i (the reduced value overwrites this
+    rank's own contribution): it is read from that output and not passed, like `reads_out`."""
 
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
                  into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = (),
-                 squares: Sequence[Node] = (), reduce_of: tuple[Node, int, float | None] | None = None):
+                 squares: Sequence[Node] = (), reduce_of: tuple[Node, int, float | None] | None = None,
+                 reduced_out: tuple[int, int] | None = None):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
@@ -109,9 +112,15 @@ class Kernel:
                 raise ValueError(f"kernel {name!r}: reduce_of names {node.name!r} with count={count}: expected an "
                                  "input of the kernel and count >= 2")
             self.reduce_index = k
-            params[k:k + 1] = [f"in{k}_{j}" for j in range(count)]
+            names = [f"in{k}_{j}" for j in range(count)]
+            params[k:k + 1] = [x for j, x in enumerate(names) if reduced_out is None or j != reduced_out[0]]
+            if reduced_out is not None:
+                if not (into and 0 <= reduced_out[0] < count and 0 <= reduced_out[1] < len(outputs)):
+                    raise ValueError(f"kernel {name!r}: reduced_out={reduced_out} needs into=True, a source index "
+                                     f"< {count} and an output index < {len(outputs)}")
+                names[reduced_out[0]] = f"out{reduced_out[1]}"
             f32 = node.dtype != torch.float32
-            terms = [f"in{k}_{j}" + (".float()" if f32 else "") for j in range(count)]
+            terms = [x + (".float()" if f32 else "") for x in names]
             expr = terms[0]
             for t in terms[1:]:
                 expr = f"({expr} + {t})"
@@ -184,10 +193,11 @@ def _inductor_cache_dir() -> None:
 def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str | None = None,
                  name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None,
                  sumsq: Sequence[Node] = (), squares: Sequence[Node] = (),
-                 reduce_of: tuple[Node, int, float | None] | None = None) -> Kernel:
+                 reduce_of: tuple[Node, int, float | None] | None = None,
+                 reduced_out: tuple[int, int] | None = None) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
     backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor). See Kernel for the rest."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares, reduce_of)
+    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares, reduce_of, reduced_out)

@@ -169,8 +169,8 @@ def _pieces(ends: list[int], offset: int, n: int):
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, put_consts, reduce_buffer,
-                                             store_results)
+    from cocosync.runtime.fast_steps import (FUSE_REDUCTION, KERNEL_BYTES, first_call_timeout, put_consts,
+                                             reduce_buffer, store_results)
 
     shm = getattr(comm, "shm", None)
     ph = _Phases(step, program, shm)
@@ -187,6 +187,21 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
                                   reads_out=reads_out, sumsq=[x for _, x in kp.whole],
                                   squares=[x for _, x in kp.segmented])
                      if kp.stages or kp.whole or kp.segmented else None)
+    op = rs.attr("op").value
+    # within a node, phase 0's kernel also does the reduction: it reads every rank's gradient chunk in place, sums
+    # them in its loop and writes the reduced gradient (which later phases read back) next to its other outputs
+    kern0_src = None
+    if (kerns[0] is not None and any(a is rs for a in kerns[0].inputs) and FUSE_REDUCTION and shm.nnodes == 1
+            and shm.L > 1 and op in ("sum", "mean")):
+        kp, first = ph.kernels[0], 1 if gathered in ph.kernels[0].roots else 0
+        reads_out = {id(s.args[0]): first + j for j, s in enumerate(ph.writes[0])}
+        if first and w_update is not None:
+            reads_out.update({sc: 0 for sc, src in ph.src_of.items() if src is w_update.args[0]})
+        kern0_src = build_kernel(kp.stages, [*kp.roots, rs], kernels, name=f"fused_{rs.name}_0_src", into=True,
+                                 reads_out=reads_out, sumsq=[x for _, x in kp.whole],
+                                 squares=[x for _, x in kp.segmented],
+                                 reduce_of=(rs, shm.L, 1.0 / shm.world if op == "mean" else None),
+                                 reduced_out=(shm.me, len(kp.roots)))  # this rank's chunk becomes the sum
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     kinds = {id(a): ph.kind(a) for k in kerns if k is not None for a in [*k.inputs, *k.sumsq, *k.squares]}
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in ph.norms if nm.op == "segment_norm"}
@@ -243,13 +258,19 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
             acc = [torch.zeros(len(sqs), dtype=torch.float64),
                    *(torch.zeros(len(nm.attr("sizes")), dtype=torch.float64) for nm, _ in kp.segmented)]
 
-            def chunk(offset: int, n: int) -> None:
+            def chunk(offset: int, n: int, parts: list[torch.Tensor] | None = None) -> None:
                 if kern is None:
                     return
                 lo = offset - start
                 sqvs = [chunk_buffer(("sq", j), torch.float32, n) for j in range(len(kp.segmented))]
-                kern(*(view(a, offset, n) for a in kern.inputs), *([flat_out[offset:offset + n]] * has_out),
-                     *(state[id(s)][lo:lo + n] for s in writes_k), *sqs, *sqvs)
+                outs = [*([flat_out[offset:offset + n]] * has_out), *(state[id(s)][lo:lo + n] for s in writes_k)]
+                if parts is None or len(parts) == 1:  # the reduced chunk is in buf
+                    kern(*(view(a, offset, n) for a in kern.inputs), *outs, *sqs, *sqvs)
+                else:  # every rank's chunk: the kernel sums them and writes the sum to buf
+                    assert kern0_src is not None
+                    peers = parts[:shm.me] + parts[shm.me + 1:]  # its own chunk is read from buf, where the sum goes
+                    args = [x for a in kern0_src.inputs for x in (peers if a is rs else [view(a, offset, n)])]
+                    kern0_src(*args, *outs, buf[offset:offset + n], *sqs, *sqvs)
                 for j, sq in enumerate(sqs):
                     acc[0][j] += sq
                 for j, (nm, _) in enumerate(kp.segmented):
@@ -270,8 +291,12 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
 
         with first_call_timeout(shm, compiling):
             chunk, acc = phase(0)
-            reduce_and_apply(shm, buf, lambda offset, red, _out: chunk(offset, red.numel()),
-                             op=rs.attr("op").value, gather=False, fn_bytes=KERNEL_BYTES)
+            if kern0_src is not None:
+                reduce_and_apply(shm, buf, lambda offset, parts, _out: chunk(offset, parts[0].numel(), parts),
+                                 op=op, gather=False, fn_bytes=KERNEL_BYTES, fn_sources=True)
+            else:
+                reduce_and_apply(shm, buf, lambda offset, red, _out: chunk(offset, red.numel()), op=op, gather=False,
+                                 fn_bytes=KERNEL_BYTES)
             finish_norms(acc, ph.kernels[0], 1)
             for k in range(1, ph.K + 1):
                 chunk, acc = phase(k)
