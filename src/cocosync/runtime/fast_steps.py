@@ -29,11 +29,11 @@ from cocosync.runtime.overlap_step import overlap_runner
 
 Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
-# bytes (of gradient) per call of a fused collective's kernel: each call of a compiled kernel costs ~30 us of
-# guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once
 # fused collectives within a node: the compute kernel also sums the ranks' chunks (False: the collective reduces
 # first, the kernel reads the reduced chunk; kept for A/B measurements). Read when a plan is compiled.
 FUSE_REDUCTION = True
+# bytes (of gradient) per call of a fused collective's kernel: each call of a compiled kernel costs ~30 us of
+# guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once
 KERNEL_BYTES = int(os.environ.get("COCOSYNC_KERNEL_BYTES", 2 << 20))  # 2 MB: best of 0.25-8 MB (bench dp)
 
 

@@ -6,6 +6,8 @@ one all-gather of the data. A stage's level is the number of norms on its longes
 
   0. reduce-scatter, and on each group of reduced chunks (while in cache) one kernel computing the level-0 outputs
      (e.g. LAMB's new moments) and the partial sums of squares of the level-1 norms' operands (LAMB's ||w||, ||r||);
+     within a node that kernel does the reduction too: it reads every rank's chunk in place and writes the sum
+     over this rank's own chunk, in the same loop;
   -- one all-reduce of those few partial sums; the norms and the scalars that depend on them (the trust ratio);
   1. one kernel per group computing the level-1 outputs (w - lr * ratio * r, written straight into the Replicated
      state's slice); and so on (LAMB with clipping in the program has two levels: the clip norm, then ||r||);
@@ -177,31 +179,26 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
     if not ph.ok:
         return None
     rs, ag, w_update, gathered = ph.rs, ph.ag, ph.w_update, ph.gathered
-    kerns = []
-    for k, kp in enumerate(ph.kernels):
-        first = 1 if gathered in kp.roots else 0
+    def phase_kernel(k: int, **kw):
+        kp, first = ph.kernels[k], 1 if gathered in ph.kernels[k].roots else 0
         reads_out = {id(s.args[0]): first + j for j, s in enumerate(ph.writes[k])}
         if first and w_update is not None:
             reads_out.update({sc: 0 for sc, src in ph.src_of.items() if src is w_update.args[0]})
-        kerns.append(build_kernel(kp.stages, kp.roots, kernels, name=f"fused_{rs.name}_{k}", into=True,
-                                  reads_out=reads_out, sumsq=[x for _, x in kp.whole],
-                                  squares=[x for _, x in kp.segmented])
-                     if kp.stages or kp.whole or kp.segmented else None)
+        roots = [*kp.roots, rs] if "reduce_of" in kw else kp.roots
+        return build_kernel(kp.stages, roots, kernels, into=True, reads_out=reads_out,
+                            sumsq=[x for _, x in kp.whole], squares=[x for _, x in kp.segmented], **kw)
+
+    kerns = [phase_kernel(k, name=f"fused_{rs.name}_{k}") if kp.stages or kp.whole or kp.segmented else None
+             for k, kp in enumerate(ph.kernels)]
     op = rs.attr("op").value
     # within a node, phase 0's kernel also does the reduction: it reads every rank's gradient chunk in place, sums
-    # them in its loop and writes the reduced gradient (which later phases read back) next to its other outputs
+    # them in its loop and writes the sum (which later phases read back) over this rank's own chunk
     kern0_src = None
     if (kerns[0] is not None and any(a is rs for a in kerns[0].inputs) and FUSE_REDUCTION and shm.nnodes == 1
             and shm.L > 1 and op in ("sum", "mean")):
-        kp, first = ph.kernels[0], 1 if gathered in ph.kernels[0].roots else 0
-        reads_out = {id(s.args[0]): first + j for j, s in enumerate(ph.writes[0])}
-        if first and w_update is not None:
-            reads_out.update({sc: 0 for sc, src in ph.src_of.items() if src is w_update.args[0]})
-        kern0_src = build_kernel(kp.stages, [*kp.roots, rs], kernels, name=f"fused_{rs.name}_0_src", into=True,
-                                 reads_out=reads_out, sumsq=[x for _, x in kp.whole],
-                                 squares=[x for _, x in kp.segmented],
+        kern0_src = phase_kernel(0, name=f"fused_{rs.name}_0_src",
                                  reduce_of=(rs, shm.L, 1.0 / shm.world if op == "mean" else None),
-                                 reduced_out=(shm.me, len(kp.roots)))  # this rank's chunk becomes the sum
+                                 reduced_out=(shm.me, len(ph.kernels[0].roots)))
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     kinds = {id(a): ph.kind(a) for k in kerns if k is not None for a in [*k.inputs, *k.sumsq, *k.squares]}
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in ph.norms if nm.op == "segment_norm"}
