@@ -28,6 +28,9 @@ def test_bench_tp_end_to_end(tmp_path, monkeypatch):
     assert _check_rows(data, TP_CASES, "8x16x32")["fast"] is True  # the overlap step ran in its fast form
     _check_rows(data, TRAIN_CASES, "8x16x32")  # forward + backward, eager with Megatron's f/g vs the module
     assert "training step (forward + backward)" in res.output
+    t, r = data["targets"]["8x16x32"], data["rows"]["8x16x32"]  # the verdict against 1.5x, and its bound
+    assert t["target"] == 1.5 and t["speedup"] == r["eager"] / r["nn1"] and t["met"] == (t["speedup"] >= 1.5)
+    assert t["comm_bound"] == r["eager"] / r["compute"] and f"8x16x32: nn c=1 {t['speedup']:.2f}x" in res.output
     assert path.with_suffix(".png").read_bytes()[:4] == b"\x89PNG"
     assert "eager/plan c=1" in TP_COLUMNS
     # --breakdown: every step of the module's forward and backward plans, timed on both ranks
