@@ -100,23 +100,26 @@ def test_config_errors_name_the_value():
 def test_bench_dp_end_to_end_writes_json_and_png(tmp_path):
     path = tmp_path / "dp.json"
     res = CliRunner().invoke(dp_cmd, ["--quick", "--layers", "2", "--width", "128", "--repeats", "1", "--tf",
-                                      "1,32,8,2", "--bw-size", "8M", "--sections", "adam,lamb,train",
+                                      "1,32,8,2", "--bw-size", "8M", "--sections", "adam,lamb,sgd,train",
                                       "--kernels", "eager", "--json", str(path)])
     assert res.exit_code == 0, res.output + repr(res.exception)
     data = json.loads(path.read_text())
     assert data["suite"] == "dp" and data["params"] == 2 * (128 * 128 + 128)
     assert data["bandwidth_Bps"] > 0 and data["bound_s"] > 0 and data["kernels"] == "eager"
     cases = {r["case"]: r for r in data["rows"]}
-    for case in ("ddp", "zero", "lamb_base", "train_ddp"):
+    for case in ("ddp", "zero", "lamb_base", "sgd_ddp", "train_ddp"):
         assert cases[case]["median_s"] > 0, (case, cases[case])
     assert cases["ddp"]["base_over"] == pytest.approx(1.0)
-    for case in ("ours", "lamb_ours", "train_ours"):  # cocosync.optim: measured when present, else an n/a row
+    for case in ("ours", "lamb_ours", "sgd_ours", "train_ours"):  # cocosync.optim: measured when present, else an n/a row
         if _have_ours():
             assert cases[case]["median_s"] > 0 and cases[case]["over_ours"] == pytest.approx(1.0), cases[case]
         else:
             assert cases[case]["note"].startswith("n/a: "), cases[case]
     if _have_ours():
         assert cases["ours"]["bound_over"] > 0
+        # SGD's bound moves fewer bytes than Adam's: (P + 4) vs (P + 6) per parameter
+        assert cases["sgd_ours"]["bound_over"] == pytest.approx(
+            data["sgd_bound_s"] / cases["sgd_ours"]["median_s"]) and data["sgd_bound_s"] < data["bound_s"]
         assert set(data["targets"]) == {"adam", "lamb", "train"}
     png = path.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -11,6 +11,8 @@ slowest rank of that iteration; medians are reported.
   forward/backward/step with the local forward/backward time, measured in the same run, subtracted).
 - **lamb**: ours (``DistributedLAMB``: one trust ratio per parameter tensor, as published) vs bucketed gloo
   all_reduce + LAMB with torch._foreach ops computing the same thing; and both with one global ratio.
+- **sgd**: ours (``DistributedSGD(momentum=0.9)``) vs bucketed gloo all_reduce + ``torch.optim.SGD(momentum=0.9,
+  fused=True)``; its bound is (P + 4) * N * 4 bytes (no second moment). In `bench/dp_optims.py`, with lamb.
 - **train**: a full step (forward + backward + step) of a small transformer LM: torch DDP + Adam(fused) vs ours
   (the plain model + DistributedAdam, no DDP).
 
@@ -49,10 +51,12 @@ LABELS = {
     "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB (per-tensor ratios)",
     "lamb_ours_global": "ours: DistributedLAMB(per_tensor=False) (one global ratio)",
     "lamb_base_global": "bucketed all_reduce(gloo) + foreach LAMB (one global ratio)",
+    "sgd_ours": "ours: DistributedSGD(momentum=0.9) (fused shm RS->SGD->AG)",
+    "sgd_ddp": "DDP-style: bucketed all_reduce(gloo) + SGD(momentum=0.9, fused)",
     "train_ours": "ours: model + DistributedAdam (no DDP)",
     "train_ddp": "torch DDP + Adam(fused)",
 }
-BASELINE_OF = {"adam": "ddp", "lamb": "lamb_base", "train": "train_ddp"}
+BASELINE_OF = {"adam": "ddp", "lamb": "lamb_base", "sgd": "sgd_ddp", "train": "train_ddp"}
 
 
 @dataclass(kw_only=True, slots=True)
@@ -179,12 +183,6 @@ def _ours_adam():
     return DistributedAdam
 
 
-def _ours_lamb():
-    from cocosync.optim import DistributedLAMB  # noqa: PLC0415
-
-    return DistributedLAMB
-
-
 def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     cases = _Cases()
     P = dist.get_world_size()
@@ -302,41 +300,6 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     return cases
 
 
-def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
-    from cocosync.bench.baselines import ForeachLAMB, GradBuckets
-
-    cases = _Cases()
-    keep: list[Any] = []
-
-    def ours(per_tensor: bool, key: str):
-        model = _mlp(cfg)
-        opt = _ours_lamb()(model.parameters(), lr=1e-4, per_tensor=per_tensor)
-        _set_grads(model, grads)
-        keep.append((model, opt))
-        _note_fast(cases, key, opt)
-        return opt.step
-
-    def base(per_tensor: bool):
-        model = _mlp(cfg)
-        _set_grads(model, grads)
-        buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
-        opt = ForeachLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
-        keep.append((model, buckets, opt))
-
-        def step():
-            buckets.all_reduce_mean()
-            opt.step()
-        return step
-
-    cases.add("lamb_ours", lambda: ours(True, "lamb_ours"))
-    cases.add("lamb_base", lambda: base(True))
-    if "lamb_global" in cfg.baselines:
-        cases.add("lamb_ours_global", lambda: ours(False, "lamb_ours_global"))
-        cases.add("lamb_base_global", lambda: base(False))
-    cases.keep = keep  # type: ignore[attr-defined]
-    return cases
-
-
 def _train_cases(cfg: DpConfig) -> _Cases:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -390,8 +353,10 @@ def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
     for section in cfg.sections:
         if section == "adam":
             cases = _adam_cases(cfg, grads)
-        elif section == "lamb":
-            cases = _lamb_cases(cfg, grads)
+        elif section in ("lamb", "sgd"):
+            from cocosync.bench import dp_optims
+
+            cases = (dp_optims.lamb_cases if section == "lamb" else dp_optims.sgd_cases)(cfg, grads)
         else:
             cases = _train_cases(cfg)
         out["notes"].update(cases.notes)
@@ -417,6 +382,7 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     bw = statistics.median(bw_samples)
     N = cfg.params
     bound = bound_seconds((cfg.P + 6) * N * 4, bw)
+    sgd_bound = bound_seconds((cfg.P + 4) * N * 4, bw)  # P gradient reads; w and the momentum read and written
     notes: dict[str, str] = {}
     for pr in per_rank:
         for k, v in pr["notes"].items():
@@ -442,19 +408,20 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
                 row.update(s.as_dict())
                 row["over_ours"] = s.median / ours.median if ours else None
                 row["base_over"] = base.median / s.median if base else None
-                row["bound_over"] = bound / s.median if section in ("adam", "lamb") and cfg.nnodes == 1 else None
+                sec_bound = sgd_bound if section == "sgd" else bound
+                row["bound_over"] = sec_bound / s.median if section != "train" and cfg.nnodes == 1 else None
             else:
                 row.update({"median_s": None, "note": notes[key]})
             rows.append(row)
     targets = _targets(rows)
     return {"suite": "dp", "config": asdict(cfg), "P": cfg.P, "threads_per_rank": 1, "params": N,
             "train_params": _train_params(cfg), "bandwidth_Bps": bw, "bandwidth_samples_Bps": bw_samples,
-            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
+            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "sgd_bound_s": sgd_bound, "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
             "targets": targets, "notes": {k: v for k, v in notes.items()}}
 
 
 def _section_of(key: str) -> str:
-    return "lamb" if key.startswith("lamb") else "train" if key.startswith("train") else "adam"
+    return next((s for s in ("lamb", "sgd", "train") if key.startswith(s)), "adam")
 
 
 def _train_params(cfg: DpConfig) -> int:
@@ -503,6 +470,8 @@ def caption(result: dict[str, Any]) -> str:
              f"copy bandwidth = {fmt_seconds(result['bound_s'])} (write-allocate not counted: can exceed 100%); "
              f"train: {result['train_params'] / 1e6:.2f}M-param transformer ({cfg['tf_layers']} layers, "
              f"d={cfg['tf_dim']}, seq {cfg['tf_seq']}, batch {cfg['tf_batch']}/rank)"]
+    if any(r["section"] == "sgd" for r in result["rows"]) and "sgd_bound_s" in result:
+        parts.append(f"sgd bound = (P+4)*N*4 B = {fmt_seconds(result['sgd_bound_s'])}")
     for section, t in result["targets"].items():
         if t["speedup"] is not None:
             parts.append(f"{section}: {t['speedup']:.2f}x vs target {t['target']}x "
@@ -537,7 +506,8 @@ def quick_dp_comparison(console=None, kernels: str | None = None) -> dict[str, A
 @click.option("--width", type=click.IntRange(1), default=None, help="Width of those layers (1024).")
 @click.option("--tf", "tf", default=None, metavar="LAYERS,DIM,SEQ,BATCH",
               help="Small transformer shape (default 2,256,64,8).")
-@click.option("--sections", default=None, help="Which comparisons to run (default adam,lamb,train; --quick adam,train).")
+@click.option("--sections", default=None,
+              help="Which comparisons to run: adam, lamb, sgd, train (default all; --quick adam,train).")
 @click.option("--kernels", type=click.Choice(["inductor", "eager"]), default=None,
               help="Fused-kernel backend of ours (default: $COCOSYNC_KERNELS, else inductor).")
 @click.option("--bw-size", default="256M", show_default=True, help="Bytes per rank of the bandwidth copy.")

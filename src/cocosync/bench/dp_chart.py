@@ -7,8 +7,8 @@ from typing import Any
 
 from cocosync.bench.common import save_figure
 
-SECTIONS = ("adam", "lamb", "train")
-OURS_OF = {"adam": "ours", "lamb": "lamb_ours", "train": "train_ours"}  # the case that is ours, per section
+SECTIONS = ("adam", "lamb", "sgd", "train")
+OURS_OF = {"adam": "ours", "lamb": "lamb_ours", "sgd": "sgd_ours", "train": "train_ours"}  # the case that is ours, per section
 
 
 def write_png(result: dict[str, Any], path: str | Path) -> Path:
@@ -30,8 +30,9 @@ def write_png(result: dict[str, Any], path: str | Path) -> Path:
         ax.barh(labels, vals, color=colors)
         for y, v in enumerate(vals):
             ax.text(v, y, f" {v:.1f} ms", va="center", fontsize=8)
-        if section in ("adam", "lamb"):
-            ax.axvline(result["bound_s"] * 1e3, color="tab:red", ls="--", lw=1, label="memory-traffic bound")
+        if section in ("adam", "lamb", "sgd"):
+            bound = result.get("sgd_bound_s", result["bound_s"]) if section == "sgd" else result["bound_s"]
+            ax.axvline(bound * 1e3, color="tab:red", ls="--", lw=1, label="memory-traffic bound")
             ax.legend(fontsize=7, loc="best")
         ax.set_title(f"{section}: median time per step (ms), P={result['P']}, 1 thread/rank", fontsize=9)
         ax.tick_params(labelsize=7)
