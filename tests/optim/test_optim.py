@@ -157,8 +157,8 @@ def test_two_ranks_match_torch_optim(rank_pool):
 
 def test_bad_inputs():
     net = Net()
-    with pytest.raises(ValueError, match="one parameter group"):
-        DistributedAdam([{"params": [net.s]}, {"params": list(net.l1.parameters())}])
+    with pytest.raises(ValueError, match="max_grad_norm clips the norm over all parameters, but each of the 2"):
+        DistributedAdam([{"params": [net.s]}, {"params": list(net.l1.parameters())}], max_grad_norm=1.0)
     opt = DistributedAdam(net.parameters())
     with pytest.raises(ValueError, match="add_param_group"):
         opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
@@ -178,6 +178,8 @@ def test_bad_inputs():
     sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="shape"):
         opt.load_state_dict(sd)
+    with pytest.raises(ValueError, match=r"\[2 group\(s\)\]"):  # a one-group state into a two-group optimizer
+        DistributedAdam(_groups(Net(), "adam")).load_state_dict(opt.state_dict())
 
 
 def test_flat_views_and_single_process():
@@ -231,3 +233,51 @@ def test_state_dict_moves_from_two_ranks_to_four(rank_pool, kind):
     for r, params in enumerate(rank_pool(4).run(_second_half, kind, saved)):
         for p, q in zip(params, ref):
             torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} rank {r}: {m}")
+
+
+def _groups(net, kind):
+    """Two parameter groups as transformer recipes make them: weight decay on the matrices, none on biases and
+    `s`; the second group also gets its own learning rate."""
+    decay = [net.l1.weight, net.l2.weight]
+    rest = [net.l1.bias, net.l2.bias, net.s]
+    return [{"params": decay}, {"params": rest, "weight_decay": 0.0, "lr": HP[kind]["lr"] / 2}]
+
+
+def _grouped_on_rank(kind, saved=None):
+    import torch.distributed as dist
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    net = Net()
+    opt = _make(kind, _groups(net, kind))
+    if saved is None:
+        params = _train(net, opt, range(1, STEPS // 2 + 1), rank, P)
+        return params, opt.state_dict(), net.state_dict(), [u.compiled.fast_steps for u in opt._updates]
+    net.load_state_dict(saved[1])
+    opt.load_state_dict(saved[0])
+    return _train(net, opt, range(STEPS // 2 + 1, STEPS + 1), rank, P)
+
+
+@pytest.mark.parametrize("kind", ["adam", "sgd"])
+def test_parameter_groups_match_torch_optim(rank_pool, kind):
+    """Two groups (their own lr and weight decay; for SGD weight decay 0 selects another program): 25 steps on 2
+    ranks, saved, continued on 4: the same parameters as torch.optim with the same groups on the whole batch."""
+    first = rank_pool(2).run(_grouped_on_rank, kind)
+    params, sd, net_sd, fast = first[0]
+    assert len(fast) == 2 and all(any(f.startswith("fused_collective") for f in fs) for fs in fast), fast
+    assert [g["params"] for g in sd["param_groups"]] == [[0, 1], [2, 3, 4]]
+    assert sd["param_groups"][1]["weight_decay"] == 0.0 and sd["param_groups"][0]["weight_decay"] > 0
+    ref_net = Net()
+    cls = torch.optim.AdamW if kind == "adam" else torch.optim.SGD
+    ref = cls(_groups(ref_net, kind), **HP[kind])
+    snapshot = None
+    for step in range(1, STEPS + 1):
+        ref.zero_grad()
+        _loss(ref_net, step, slice(None)).backward()
+        ref.step()
+        if step == STEPS // 2:
+            snapshot = [p.detach().clone() for p in ref_net.parameters()]
+    for p, q in zip(params, snapshot):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    for r, got in enumerate(rank_pool(4).run(_grouped_on_rank, kind, (sd, net_sd))):
+        for p, q in zip(got, ref_net.parameters()):
+            torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} rank {r}: {m}")

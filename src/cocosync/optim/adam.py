@@ -19,8 +19,8 @@ class DistributedAdam(DistributedOptimizer):
     """Data-parallel Adam(W) without DDP: ``step()`` averages the gradients over ranks and updates the parameters
     with the paper's Adam program under its standard schedule (RS -> sliced m, v, w update -> AG; m and v sliced).
 
-    `weight_decay` is decoupled, as torch.optim.AdamW (weight_decay=0 is torch.optim.Adam). amsgrad, maximize and
-    several parameter groups are not supported. See DistributedOptimizer for max_grad_norm, master_dtype, group.
+    `weight_decay` is decoupled, as torch.optim.AdamW (weight_decay=0 is torch.optim.Adam). Parameter groups may
+    set their own lr, betas, eps and weight_decay. amsgrad and maximize are not supported. See DistributedOptimizer for max_grad_norm, master_dtype, group.
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -35,7 +35,8 @@ class DistributedAdam(DistributedOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
-    def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool) -> Program:
+    def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
+                 params: list[torch.Tensor]) -> Program:
         if master_dtype is None and not clip:
             return adam_program(n, dtype)  # the paper's program
         return adam_mp_program(n, dtype, master_dtype, clip=clip)

@@ -9,13 +9,17 @@ flat parameter buffer, this rank's state slices and the step's scalars.
 Without torch.distributed (a single process) the same scheduled program runs under the reference interpreter on
 one rank: a plain local update, for debugging.
 
-Restrictions (checked, with an error that says so): one parameter group; all parameters of one dtype, dense, on
-CPU. Hyperparameters may change between steps through ``param_groups[0]`` (LR schedulers work); the structure of
-the program (momentum on/off, weight decay on/off for SGD, clipping on/off, master dtype) is fixed at construction.
+Parameter groups (e.g. no weight decay on biases and norms) each get their own program, flat buffers and fused
+collective, called in group order by every rank. Restrictions (checked, with an error that says so): the
+parameters of a group share one dtype, dense, on CPU; `max_grad_norm` needs a single group (its norm is over all
+parameters, and each group is a separate update). Hyperparameters may change between steps through
+``param_groups`` (LR schedulers work); the structure of each group's program (momentum on/off, weight decay on/off
+for SGD, clipping on/off, master dtype) is fixed at construction.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
@@ -30,13 +34,27 @@ __all__ = ["DistributedOptimizer"]
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
+@dataclass
+class _GroupUpdate:
+    """One parameter group's update: its program and schedule, the compiled plan (None without torch.distributed),
+    the flat buffers of its parameters and this rank's slices of its state."""
+
+    structure: dict[str, bool]
+    program: Program
+    schedule: Any
+    compiled: Callable | None
+    flat: FlatParams
+    local_state: dict[str, torch.Tensor]
+    slice: slice
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Base class: subclasses define `state_names` (program state -> torch.optim state key), `_program` and
     `_scalars`.
 
     Args (common to all subclasses):
         max_grad_norm: clip the averaged gradient to this global L2 norm (as torch.nn.utils.clip_grad_norm_ on the
-            full gradient); None: no clipping.
+            full gradient); None: no clipping. Needs a single parameter group.
         master_dtype: dtype of the master weights and of the optimizer state (float32 for bfloat16/float16
             parameters); None: the parameters' dtype.
         group: torch.distributed process group (default: the whole world).
@@ -54,60 +72,72 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
-        if len(self.param_groups) != 1:
-            raise ValueError(f"{type(self).__name__}: only one parameter group is supported (got "
-                             f"{len(self.param_groups)}); hyperparameters are uniform over all parameters. Use one "
-                             "optimizer per group")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: expected a positive number or None")
-        params = self.param_groups[0]["params"]
-        dtype = params[0].dtype
-        if master_dtype is not None and master_dtype not in (dtype, torch.float32):
-            raise ValueError(f"master_dtype={master_dtype}: expected None, float32 or the parameters' dtype {dtype}")
+        if max_grad_norm is not None and len(self.param_groups) > 1:
+            raise ValueError(f"{type(self).__name__}: max_grad_norm clips the norm over all parameters, but each of "
+                             f"the {len(self.param_groups)} parameter groups is a separate fused update; use one "
+                             "group, or clip with torch.nn.utils.clip_grad_norm_ before step()")
         self.max_grad_norm = max_grad_norm
-        self.master_dtype = master_dtype or dtype
-        self.mixed = self.master_dtype != dtype
+        self._master_arg = master_dtype
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._distributed else 1
-        self._structure = self._structure_of(self.param_groups[0])
+        self.index, self.G = 0, 1
+        self._updates = [self._build(g, group) for g in self.param_groups]
+        self.steps = 0
+
+    def _build(self, param_group: dict[str, Any], group: dist.ProcessGroup | None) -> _GroupUpdate:
+        params = param_group["params"]
+        dtype = params[0].dtype
+        master = self._master_arg
+        if master is not None and master not in (dtype, torch.float32):
+            raise ValueError(f"master_dtype={master}: expected None, float32 or the parameters' dtype {dtype}")
+        master = master or dtype
+        structure = self._structure_of(param_group)
         n_pad = -(-sum(p.numel() for p in params) // self.world) * self.world
         # clipping is inside the update program: its norm splits the fused collective into two phases
         # (runtime/norm_step.py), still one reduction of the gradients
-        self.program = self._program(n_pad, dtype, self.master_dtype if self.mixed else None,
-                                     clip=max_grad_norm is not None, **self._structure)
-        states = tuple(s for s in self._program_states() if s in self.program.updates)
-        self.schedule = sharded_update_schedule(self.program, states)
-        self.compiled: Callable | None = None
-        alloc = param_alloc = None
+        program = self._program(n_pad, dtype, master if master != dtype else None,
+                                clip=self.max_grad_norm is not None, params=params, **structure)
+        states = tuple(s for s in self._program_states() if s in program.updates)
+        schedule = sharded_update_schedule(program, states)
+        compiled: Callable | None = None
+        alloc = param_alloc = shm = None
         if self._distributed:
             from cocosync.lower.run_plan import compile_plan
 
-            self.compiled = compile_plan(self.schedule.lower(), group, donate=("g",))
-            shm = self.compiled.comm.shm
+            compiled = compile_plan(schedule.lower(), group, donate=("g",))
+            shm = compiled.comm.shm
             if shm is not None:
                 alloc = shm.arena.empty
                 if self.node_shared_params and shm.nnodes == 1 and any(
-                        s.startswith("fused_collective") for s in self.compiled.fast_steps):
+                        s.startswith("fused_collective") for s in compiled.fast_steps):
                     # Replicated parameters stored once per node: each rank's fused step writes its slice of
                     # the update in place and no all-gather is needed within the node
                     param_alloc = shm.arena.shared_empty
-            self.index, self.G = self.compiled.comm.index, self.compiled.comm.G
-        else:
-            self.index, self.G = 0, 1
-        self.flat = FlatParams(params, self.world, alloc, param_alloc)
+            self.index, self.G = compiled.comm.index, compiled.comm.G
+        flat = FlatParams(params, self.world, alloc, param_alloc)
         if param_alloc is not None:
             shm.barrier()  # every local rank has copied its (identical) parameters in before anyone reads them
-        n = self.flat.padded // self.G
-        self._slice = slice(self.index * n, (self.index + 1) * n)
-        self.local_state = {s: torch.zeros(n, dtype=self.master_dtype) for s in self.state_names}
-        if self.mixed:
-            self.local_state["master"] = self.flat.flat[self._slice].to(self.master_dtype)
-        self.steps = 0
+        n = flat.padded // self.G
+        sl = slice(self.index * n, (self.index + 1) * n)
+        local_state = {s: torch.zeros(n, dtype=master) for s in self.state_names}
+        if master != dtype:
+            local_state["master"] = flat.flat[sl].to(master)
+        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl)
+
+    # the first group's parts (the only ones with a single group, the common case)
+    flat = property(lambda self: self._updates[0].flat)
+    compiled = property(lambda self: self._updates[0].compiled)
+    program = property(lambda self: self._updates[0].program)
+    schedule = property(lambda self: self._updates[0].schedule)
+    local_state = property(lambda self: self._updates[0].local_state)
 
     # ---- subclass hooks ----
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 **structure: bool) -> Program:
+                 params: list[torch.Tensor], **structure: bool) -> Program:
+        """The update program of one parameter group (`params`, flattened and padded to `n` elements)."""
         raise NotImplementedError
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
@@ -124,102 +154,115 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         if not getattr(self, "_constructing", True):
-            raise ValueError(f"{type(self).__name__}: only one parameter group is supported; add_param_group after "
-                             "construction is not. Create another optimizer for these parameters")
+            raise ValueError(f"{type(self).__name__}: parameter groups are fixed at construction (each compiles its "
+                             "own fused update); add_param_group after it is not supported. Pass every group to the "
+                             "constructor, or create another optimizer for these parameters")
         super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (one memset of the flat buffer). `set_to_none` is ignored: the gradients
         stay views of the arena buffer so that backward accumulates into it."""
-        self.flat.zero_grad()
+        for u in self._updates:
+            u.flat.zero_grad()
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """Average the gradients over ranks and update the parameters (one call of the compiled plan).
+        """Average the gradients over ranks and update the parameters (one call of the compiled plan per group).
         Collective: every rank calls it. Afterwards the gradient buffer's contents are undefined (donated)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        group = self.param_groups[0]
-        structure = self._structure_of(group)
-        if structure != self._structure:
-            raise ValueError(f"{type(self).__name__}: {structure} changed since construction ({self._structure}); "
-                             "these select the program and are fixed: construct a new optimizer")
-        self.flat.sync()
+        for g, u in zip(self.param_groups, self._updates):
+            structure = self._structure_of(g)
+            if structure != u.structure:
+                raise ValueError(f"{type(self).__name__}: {structure} changed since construction ({u.structure}); "
+                                 "these select the program and are fixed: construct a new optimizer")
         self.steps += 1
-        inputs: dict[str, Any] = {"g": self.flat.grad, "w": self.flat.flat, **self.local_state,
-                                  **self._scalars(group, self.steps)}
-        if self.max_grad_norm is not None:
-            inputs["max_norm"] = float(self.max_grad_norm)
-        if self.compiled is not None:
-            self.compiled(**inputs)
-        else:
-            self._run_local(inputs)
+        for g, u in zip(self.param_groups, self._updates):  # every rank: the same groups in the same order
+            u.flat.sync()
+            inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state,
+                                      **self._scalars(g, self.steps)}
+            if self.max_grad_norm is not None:
+                inputs["max_norm"] = float(self.max_grad_norm)
+            if u.compiled is not None:
+                u.compiled(**inputs)
+            else:
+                self._run_local(u, inputs)
         return loss
 
-    def _run_local(self, inputs: dict[str, Any]) -> None:
+    @staticmethod
+    def _run_local(u: _GroupUpdate, inputs: dict[str, Any]) -> None:
         from cocosync.interp import interpret
 
-        out = interpret(self.schedule.program, 1, inputs)[0]
-        self.flat.flat.copy_(out["w"])
-        for name, t in self.local_state.items():
+        out = interpret(u.schedule.program, 1, inputs)[0]
+        u.flat.flat.copy_(out["w"])
+        for name, t in u.local_state.items():
             t.copy_(out[name])
 
     # ---- state: gathered in full, so it loads on any number of ranks ----
 
-    def _gather(self, local: torch.Tensor) -> torch.Tensor:
-        if self.compiled is None or self.G == 1:
+    def _gather(self, u: _GroupUpdate, local: torch.Tensor) -> torch.Tensor:
+        if u.compiled is None or self.G == 1:
             return local.clone()
-        return self.compiled.comm.all_gather(local.contiguous(), 0)
+        return u.compiled.comm.all_gather(local.contiguous(), 0)
 
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's format, with the FULL state of each parameter (gathered from the slices: collective,
-        every rank must call it; every rank returns the same dict)."""
-        full = {name: self._gather(t)[:self.flat.numel] for name, t in self.local_state.items()}
+        every rank must call it; every rank returns the same dict). Parameters are numbered across the groups in
+        order, as torch.optim does."""
         keys = {**self.state_names, "master": "master"}
-        state = {}
-        for i in range(len(self.flat.params)):
-            entry: dict[str, Any] = {"step": torch.tensor(float(self.steps))}
-            for name, t in full.items():
-                entry[keys[name]] = self.flat.view(t, i).clone()
-            state[i] = entry
-        group = {k: v for k, v in self.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self.flat.params)))
-        return {"state": state, "param_groups": [group]}
+        state, groups, first = {}, [], 0
+        for g, u in zip(self.param_groups, self._updates):
+            full = {name: self._gather(u, t)[:u.flat.numel] for name, t in u.local_state.items()}
+            k = len(u.flat.params)
+            for i in range(k):
+                entry: dict[str, Any] = {"step": torch.tensor(float(self.steps))}
+                for name, t in full.items():
+                    entry[keys[name]] = u.flat.view(t, i).clone()
+                state[first + i] = entry
+            groups.append({**{key: v for key, v in g.items() if key != "params"},
+                           "params": list(range(first, first + k))})
+            first += k
+        return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state saved by `state_dict` (on any number of ranks): hyperparameters, step and this rank's slices
         of the state. Missing state (saved before the first step) loads as zeros."""
+        name = type(self).__name__
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or len(groups) != 1 or not isinstance(state, dict):
-            raise ValueError(f"{type(self).__name__}.load_state_dict: expected {{'state': ..., 'param_groups': [one "
-                             f"group]}}, got param_groups={groups!r:.80}")
-        k = len(self.flat.params)
-        if len(groups[0].get("params", [])) != k:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: the saved group has "
-                             f"{len(groups[0].get('params', []))} parameters, this optimizer {k}")
+        if not isinstance(groups, list) or len(groups) != len(self.param_groups) or not isinstance(state, dict):
+            raise ValueError(f"{name}.load_state_dict: expected {{'state': ..., 'param_groups': "
+                             f"[{len(self.param_groups)} group(s)]}}, got param_groups={groups!r:.80}")
         keys = {**self.state_names, "master": "master"}
-        for i in range(k):
-            for name in self.local_state:
-                t = state.get(i, state.get(str(i), {})).get(keys[name])
-                if t is not None and tuple(t.shape) != tuple(self.flat.shapes[i]):
-                    raise ValueError(f"{type(self).__name__}.load_state_dict: state {keys[name]!r} of parameter {i} "
-                                     f"has shape {tuple(t.shape)}, the parameter {tuple(self.flat.shapes[i])}")
-        structure = self._structure_of({**self.param_groups[0], **groups[0]})
-        if structure != self._structure:
-            raise ValueError(f"{type(self).__name__}.load_state_dict: saved hyperparameters {structure} select another "
-                             f"program than this optimizer's {self._structure}")
-        for name, local in self.local_state.items():
-            parts = []
-            for i in range(k):
-                t = state.get(i, state.get(str(i), {})).get(keys[name])
-                if t is None:
-                    t = (self.flat.view(self.flat.flat, i) if name == "master"
-                         else torch.zeros(self.flat.shapes[i], dtype=local.dtype))
-                parts.append(t.reshape(-1).to(local.dtype))
-            local.copy_(self.flat.pad(torch.cat(parts))[self._slice])
+        entry = lambda i: state.get(i, state.get(str(i), {}))  # noqa: E731 - JSON-like dicts have str keys
+        for gi, (saved, u) in enumerate(zip(groups, self._updates)):
+            ids = saved.get("params", [])
+            if len(ids) != len(u.flat.params):
+                raise ValueError(f"{name}.load_state_dict: saved group {gi} has {len(ids)} parameters, this "
+                                 f"optimizer's {len(u.flat.params)}")
+            for i, pid in enumerate(ids):
+                for sname in u.local_state:
+                    t = entry(pid).get(keys[sname])
+                    if t is not None and tuple(t.shape) != tuple(u.flat.shapes[i]):
+                        raise ValueError(f"{name}.load_state_dict: state {keys[sname]!r} of parameter {pid} has "
+                                         f"shape {tuple(t.shape)}, the parameter {tuple(u.flat.shapes[i])}")
+            structure = self._structure_of({**self.param_groups[gi], **saved})
+            if structure != u.structure:
+                raise ValueError(f"{name}.load_state_dict: saved hyperparameters {structure} of group {gi} select "
+                                 f"another program than this optimizer's {u.structure}")
+        for saved, u in zip(groups, self._updates):
+            for sname, local in u.local_state.items():
+                parts = []
+                for i, pid in enumerate(saved["params"]):
+                    t = entry(pid).get(keys[sname])
+                    if t is None:
+                        t = (u.flat.view(u.flat.flat, i) if sname == "master"
+                             else torch.zeros(u.flat.shapes[i], dtype=local.dtype))
+                    parts.append(t.reshape(-1).to(local.dtype))
+                local.copy_(u.flat.pad(torch.cat(parts))[u.slice])
         steps = [float(e["step"]) for e in state.values() if isinstance(e, dict) and "step" in e]
         self.steps = int(steps[0]) if steps else 0
-        self.param_groups[0].update({key: v for key, v in groups[0].items() if key != "params"})
+        for g, saved in zip(self.param_groups, groups):
+            g.update({key: v for key, v in saved.items() if key != "params"})

@@ -21,8 +21,8 @@ class DistributedLAMB(DistributedOptimizer):
     eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
 
     per_tensor=True (default, LAMB as published and as apex's FusedLAMB): one trust ratio per parameter tensor
-    (`segment_norm` over the flat buffer, one segment per parameter); False: ONE ratio over all parameters (the
-    norms over the whole flat vector, as `cocosync.examples.lamb.lamb_program` without sizes).
+    (`segment_norm` over the flat buffer, one segment per parameter); False: ONE ratio over all parameters of a
+    parameter group (the norms over its whole flat vector, as `cocosync.examples.lamb.lamb_program` without sizes).
 
     The norms split the fused collective into two phases (runtime/norm_step.py): RS -> moments and partial sums
     of squares per chunk -> all-reduce of those few sums -> w - lr * ratio * r on the slice -> AG. With
@@ -44,10 +44,11 @@ class DistributedLAMB(DistributedOptimizer):
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
-    def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool) -> Program:
+    def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
+                 params: list[torch.Tensor]) -> Program:
         sizes = None
         if self.per_tensor:  # one segment per parameter, in FlatParams' order, then the zero padding
-            sizes = [p.numel() for p in self.param_groups[0]["params"]]
+            sizes = [p.numel() for p in params]
             sizes += [n - sum(sizes)] if n > sum(sizes) else []
             sizes = tuple(sizes)
         if master_dtype is None and not clip:

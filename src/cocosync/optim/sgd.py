@@ -35,7 +35,7 @@ class DistributedSGD(DistributedOptimizer):
         return {"momentum": bool(group["momentum"]), "weight_decay": bool(group["weight_decay"])}
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 momentum: bool, weight_decay: bool) -> Program:
+                 params: list[torch.Tensor], momentum: bool, weight_decay: bool) -> Program:
         if master_dtype is None and not clip and not weight_decay:
             return sgd_program(n, dtype, momentum=momentum)  # the paper's program
         return sgd_mp_program(n, dtype, master_dtype, momentum=momentum, weight_decay=weight_decay, clip=clip)
