@@ -77,7 +77,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if max_grad_norm is not None and len(self.param_groups) > 1:
             raise ValueError(f"{type(self).__name__}: max_grad_norm clips the norm over all parameters, but each of "
                              f"the {len(self.param_groups)} parameter groups is a separate fused update; use one "
-                             "group, or clip with torch.nn.utils.clip_grad_norm_ before step()")
+                             "group (clip_grad_norm_ before step() is not the same: the gradients are averaged "
+                             "over ranks inside step())")
         self.max_grad_norm = max_grad_norm
         self._master_arg = master_dtype
         self._distributed = dist.is_available() and dist.is_initialized()
