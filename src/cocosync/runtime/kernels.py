@@ -61,6 +61,26 @@ def _line(s: Node, ref: dict[int, str]) -> str:
     return f"ops[{s.op!r}]({', '.join(args)})"
 
 
+def _reduction(var: str, node: Node, count: int, scale: float | None,
+               reduced_out: tuple[int, int] | None) -> tuple[list[str], str]:
+    """The parameters that stand for `var` (one per rank, rank order; the one that is an output's memory is read
+    from that output) and the source line that sums them into `var`, in the collectives' order and precision."""
+    names = [f"{var}_{j}" for j in range(count)]
+    params = [x for j, x in enumerate(names) if reduced_out is None or j != reduced_out[0]]
+    if reduced_out is not None:
+        names[reduced_out[0]] = f"out{reduced_out[1]}"
+    widen = node.dtype != torch.float32  # 16-bit contributions are summed in float32, rounded once at the end
+    suffix = ".float()" if widen else ""
+    expr = names[0] + suffix
+    for x in names[1:]:
+        expr = f"({expr} + {x}{suffix})"
+    if scale is not None:
+        expr = f"({expr} * {float(scale)!r})"
+    if widen:
+        expr = f"{expr}.to({node.dtype})"
+    return params, f"    {var} = {expr}  # {node.name}: reduced over {count} ranks"
+
+
 class Kernel:
     """`kernel(*inputs) -> tuple(outputs)` over same-shaped (or 0-dim) local tensors.
 
@@ -111,24 +131,13 @@ class Kernel:
             if k is None or count < 2:
                 raise ValueError(f"kernel {name!r}: reduce_of names {node.name!r} with count={count}: expected an "
                                  "input of the kernel and count >= 2")
+            if reduced_out is not None and not (into and 0 <= reduced_out[0] < count
+                                                and 0 <= reduced_out[1] < len(outputs)):
+                raise ValueError(f"kernel {name!r}: reduced_out={reduced_out} needs into=True, a source index "
+                                 f"< {count} and an output index < {len(outputs)}")
             self.reduce_index = k
-            names = [f"in{k}_{j}" for j in range(count)]
-            params[k:k + 1] = [x for j, x in enumerate(names) if reduced_out is None or j != reduced_out[0]]
-            if reduced_out is not None:
-                if not (into and 0 <= reduced_out[0] < count and 0 <= reduced_out[1] < len(outputs)):
-                    raise ValueError(f"kernel {name!r}: reduced_out={reduced_out} needs into=True, a source index "
-                                     f"< {count} and an output index < {len(outputs)}")
-                names[reduced_out[0]] = f"out{reduced_out[1]}"
-            f32 = node.dtype != torch.float32
-            terms = [x + (".float()" if f32 else "") for x in names]
-            expr = terms[0]
-            for t in terms[1:]:
-                expr = f"({expr} + {t})"
-            if scale is not None:
-                expr = f"({expr} * {float(scale)!r})"
-            if f32:
-                expr = f"{expr}.to({node.dtype})"
-            body.append(f"    in{k} = {expr}  # {node.name}: reduced over {count} ranks")
+            params[k:k + 1], line = _reduction(f"in{k}", node, count, scale, reduced_out)
+            body.append(line)
         for i, s in enumerate(stages):
             ref[id(s)] = f"t{i}"
             body.append(f"    t{i} = {_line(s, ref)}  # {s.name}")
