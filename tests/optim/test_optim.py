@@ -281,3 +281,35 @@ def test_parameter_groups_match_torch_optim(rank_pool, kind):
     for r, got in enumerate(rank_pool(4).run(_grouped_on_rank, kind, (sd, net_sd))):
         for p, q in zip(got, ref_net.parameters()):
             torch.testing.assert_close(p, q.detach(), rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind} rank {r}: {m}")
+
+
+def test_frozen_parameters_are_left_alone():
+    """requires_grad=False parameters passed to the optimizer are skipped, as torch.optim does (a zero gradient
+    would still apply weight decay to them); they have no state; freezing later is refused with a message."""
+    net, ref = Net(), Net()
+    for m in (net, ref):
+        m.l1.requires_grad_(False)
+    frozen = [p.detach().clone() for p in net.l1.parameters()]
+    opt = DistributedAdam(net.parameters(), lr=1e-2, weight_decay=0.1)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(1, 6):
+        for o, m in ((opt, net), (ropt, ref)):
+            o.zero_grad()
+            _loss(m, step, slice(None)).backward()
+            o.step()
+    for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(p, q) for p, q in zip(net.l1.parameters(), frozen))
+    sd = opt.state_dict()
+    live = [i for i, p in enumerate(net.parameters()) if p.requires_grad]  # s, l2.weight, l2.bias
+    assert sorted(sd["state"]) == live == [0, 3, 4] and sd["param_groups"][0]["params"] == [0, 1, 2, 3, 4]
+    other = Net()
+    other.l1.requires_grad_(False)
+    again = DistributedAdam(other.parameters(), lr=1e-2, weight_decay=0.1)
+    again.load_state_dict(sd)
+    assert torch.equal(again.state_dict()["state"][4]["exp_avg"], sd["state"][4]["exp_avg"])
+    net.l1.weight.requires_grad_(True)
+    with pytest.raises(ValueError, match=r"requires_grad of parameter\(s\) \[1\] of group 0 changed"):
+        opt.step()
+    with pytest.raises(ValueError, match="parameter group 1 has no parameter that requires grad"):
+        DistributedAdam([{"params": [net.s]}, {"params": [net.l1.bias]}])

@@ -10,7 +10,8 @@ Without torch.distributed (a single process) the same scheduled program runs und
 one rank: a plain local update, for debugging.
 
 Parameter groups (e.g. no weight decay on biases and norms) each get their own program, flat buffers and fused
-collective, called in group order by every rank. Restrictions (checked, with an error that says so): the
+collective, called in group order by every rank. Frozen parameters (requires_grad=False at construction) are left
+out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. Restrictions (checked, with an error that says so): the
 parameters of a group share one dtype, dense, on CPU; `max_grad_norm` needs a single group (its norm is over all
 parameters, and each group is a separate update). Hyperparameters may change between steps through
 ``param_groups`` (LR schedulers work); the structure of each group's program (momentum on/off, weight decay on/off
@@ -46,6 +47,8 @@ class _GroupUpdate:
     flat: FlatParams
     local_state: dict[str, torch.Tensor]
     slice: slice
+    trainable: list[int]
+    """Positions in the group's "params" of the parameters in `flat`: those that required grad at construction."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -84,11 +87,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._distributed else 1
         self.index, self.G = 0, 1
-        self._updates = [self._build(g, group) for g in self.param_groups]
+        self._updates = [self._build(gi, g, group) for gi, g in enumerate(self.param_groups)]
         self.steps = 0
 
-    def _build(self, param_group: dict[str, Any], group: dist.ProcessGroup | None) -> _GroupUpdate:
-        params = param_group["params"]
+    def _build(self, gi: int, param_group: dict[str, Any], group: dist.ProcessGroup | None) -> _GroupUpdate:
+        # frozen parameters (requires_grad=False) are left out: torch.optim skips them (their grad stays None),
+        # while a zero gradient here would still apply weight decay and momentum to them
+        trainable = [i for i, p in enumerate(param_group["params"]) if p.requires_grad]
+        if not trainable:
+            raise ValueError(f"{type(self).__name__}: parameter group {gi} has no parameter "
+                             "that requires grad; leave it out")
+        params = [param_group["params"][i] for i in trainable]
         dtype = params[0].dtype
         master = self._master_arg
         if master is not None and master not in (dtype, torch.float32):
@@ -125,7 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_state = {s: torch.zeros(n, dtype=master) for s in self.state_names}
         if master != dtype:
             local_state["master"] = flat.flat[sl].to(master)
-        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl)
+        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable)
 
     # the first group's parts (the only ones with a single group, the common case)
     flat = property(lambda self: self._updates[0].flat)
@@ -174,7 +183,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for g, u in zip(self.param_groups, self._updates):
+        for gi, (g, u) in enumerate(zip(self.param_groups, self._updates)):
+            trainable = [i for i, p in enumerate(g["params"]) if p.requires_grad]
+            if trainable != u.trainable:
+                changed = sorted(set(trainable) ^ set(u.trainable))
+                raise ValueError(f"{type(self).__name__}: requires_grad of parameter(s) {changed} of group {gi} "
+                                 "changed since construction (frozen parameters are left out of the flat buffers); "
+                                 "construct a new optimizer after freezing or unfreezing")
             structure = self._structure_of(g)
             if structure != u.structure:
                 raise ValueError(f"{type(self).__name__}: {structure} changed since construction ({u.structure}); "
@@ -216,12 +231,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         state, groups, first = {}, [], 0
         for g, u in zip(self.param_groups, self._updates):
             full = {name: self._gather(u, t)[:u.flat.numel] for name, t in u.local_state.items()}
-            k = len(u.flat.params)
-            for i in range(k):
+            k = len(g["params"])
+            for i, pos in enumerate(u.trainable):  # frozen parameters have no state, as in torch.optim
                 entry: dict[str, Any] = {"step": torch.tensor(float(self.steps))}
                 for name, t in full.items():
                     entry[keys[name]] = u.flat.view(t, i).clone()
-                state[first + i] = entry
+                state[first + pos] = entry
             groups.append({**{key: v for key, v in g.items() if key != "params"},
                            "params": list(range(first, first + k))})
             first += k
@@ -240,10 +255,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         entry = lambda i: state.get(i, state.get(str(i), {}))  # noqa: E731 - JSON-like dicts have str keys
         for gi, (saved, u) in enumerate(zip(groups, self._updates)):
             ids = saved.get("params", [])
-            if len(ids) != len(u.flat.params):
+            if len(ids) != len(self.param_groups[gi]["params"]):
                 raise ValueError(f"{name}.load_state_dict: saved group {gi} has {len(ids)} parameters, this "
-                                 f"optimizer's {len(u.flat.params)}")
-            for i, pid in enumerate(ids):
+                                 f"optimizer's {len(self.param_groups[gi]['params'])}")
+            for i, pid in enumerate(ids[pos] for pos in u.trainable):
                 for sname in u.local_state:
                     t = entry(pid).get(keys[sname])
                     if t is not None and tuple(t.shape) != tuple(u.flat.shapes[i]):
@@ -256,7 +271,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for saved, u in zip(groups, self._updates):
             for sname, local in u.local_state.items():
                 parts = []
-                for i, pid in enumerate(saved["params"]):
+                for i, pid in enumerate(saved["params"][pos] for pos in u.trainable):
                     t = entry(pid).get(keys[sname])
                     if t is None:
                         t = (u.flat.view(u.flat.flat, i) if sname == "master"
