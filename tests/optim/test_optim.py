@@ -66,7 +66,8 @@ def _on_rank(state_from_p1=None):
         dtype = kw.pop("dtype", torch.float32)
         net = Net().to(dtype)
         opt = _make(kind, net.parameters(), **kw)
-        out[i] = (_train(net, opt, range(1, STEPS + 1), rank, P, dtype), opt.compiled.fast_steps)
+        out[i] = (_train(net, opt, range(1, STEPS + 1), rank, P, dtype), opt.compiled.fast_steps,
+                  opt.last_grad_norm)
     # state_dict after 25 steps (for the P=1 continuation), and continuing a P=1 state on 2 ranks
     net = Net()
     opt = _make("adam", net.parameters())
@@ -81,7 +82,7 @@ def _on_rank(state_from_p1=None):
     return out
 
 
-def _reference(kind, kw):
+def _reference(kind, kw, norms=None):
     """Single process on the whole batch: torch.optim (LAMB: lamb_reference, per tensor or on the flat vector)."""
     kw = dict(kw)
     dtype, master = kw.pop("dtype", torch.float32), kw.pop("master_dtype", None)
@@ -105,7 +106,9 @@ def _reference(kind, kw):
             for p, q in zip(params, masters):
                 q.grad = p.grad.float()
         if clip:
-            torch.nn.utils.clip_grad_norm_(masters, clip)
+            total = torch.nn.utils.clip_grad_norm_(masters, clip)
+            if norms is not None:
+                norms.append(total)
         with torch.no_grad():
             if kind == "lamb":
                 sizes = tuple(p.numel() for p in params) if per_tensor else None
@@ -130,13 +133,19 @@ def test_two_ranks_match_torch_optim(rank_pool):
     _train(net, opt, range(1, STEPS // 2 + 1), 0, 1)
     got = rank_pool(2).run(_on_rank, (net.state_dict(), opt.state_dict()))
     for i, (kind, kw) in enumerate(CASES):
-        ref = _reference(kind, kw)
         low = kw.get("dtype") == torch.bfloat16
         tol = dict(rtol=2e-2, atol=2e-2) if low else dict(rtol=1e-4, atol=1e-5)
+        norms: list[torch.Tensor] = []
+        ref = _reference(kind, kw, norms)
         for r in range(2):
-            params, fast = got[r][i]
+            params, fast, last_norm = got[r][i]
             for p, q in zip(params, ref):
                 torch.testing.assert_close(p, q, **tol, msg=lambda m: f"case {i} {kind} {kw} rank {r}: {m}")
+            if "max_grad_norm" in kw:  # the norm before clipping, as clip_grad_norm_ returns it, on every rank
+                torch.testing.assert_close(last_norm, norms[-1], rtol=1e-4, atol=1e-6)
+                assert torch.equal(last_norm, got[0][i][2])
+            else:
+                assert last_norm is None
         # the update is one fused collective (with clipping or LAMB's norms: in phases around the norms)
         assert any(f.startswith("fused_collective") for f in got[0][i][1]), (i, got[0][i][1])
     ref = _reference("adam", {})
@@ -199,7 +208,8 @@ def test_flat_views_and_single_process():
         opt.step()
         ropt.zero_grad()
         _loss(ref, step, slice(None)).backward()
-        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        total = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        torch.testing.assert_close(opt.last_grad_norm, total, rtol=1e-4, atol=1e-6)  # the interpreter's form too
         ropt.step()
     assert all(p.data_ptr() == opt.flat.view(opt.flat.flat, i).data_ptr() for i, p in enumerate(net.parameters()))
     for p, q in zip(net.parameters(), ref.parameters()):

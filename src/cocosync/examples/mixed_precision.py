@@ -13,7 +13,8 @@ sliced (ZeRO-1) and only the bf16 weights cross ranks. The reduction accumulates
 for low-precision collectives) and rounds the mean to the gradient dtype.
 
 Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
-torch.nn.utils.clip_grad_norm_; the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
+torch.nn.utils.clip_grad_norm_; the norm before clipping is also an output, "grad_norm" (what clip_grad_norm_
+returns, the number training loops log); the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
 reduction over the whole tensor: the runtime runs such a fused collective in phases around it (runtime/norm_step.py),
 still one reduction of the gradients. `grad_norm_program` is the norm alone (reduce-scatter + norm of the slice).
 
@@ -32,17 +33,25 @@ from cocosync.examples.lamb import trust_ratio  # noqa: E402 - after the DSL imp
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 
 
-def _grad(n: int, dtype: torch.dtype, master_dtype: torch.dtype, clip: bool) -> tuple[list[Node], Node]:
-    """The inputs g (and max_norm) and the averaged gradient in the master dtype, clipped if asked."""
+def _grad(n: int, dtype: torch.dtype, master_dtype: torch.dtype,
+          clip: bool) -> tuple[list[Node], Node, dict[str, Node]]:
+    """The inputs g (and max_norm), the averaged gradient in the master dtype, clipped if asked, and the extra
+    outputs: with clipping, "grad_norm", the norm before clipping (what clip_grad_norm_ returns)."""
     g = Tensor("g", n, dtype, Local)
     g1 = all_reduce(g, ReduceOp.MEAN)
     if master_dtype != dtype:
         g1 = cast(g1, master_dtype)
     if not clip:
-        return [g], g1
+        return [g], g1, {}
     max_norm = Scalar("max_norm")
-    coef = max_norm / (norm(g1) + CLIP_EPS)
-    return [g, max_norm], g1 * where(gt(coef, 1.0), 1.0, coef)
+    total = norm(g1)
+    coef = max_norm / (total + CLIP_EPS)
+    return [g, max_norm], g1 * where(gt(coef, 1.0), 1.0, coef), {"grad_norm": total}
+
+
+def _outputs(nodes: list[Node], extra: dict[str, Node]) -> dict[str, Node]:
+    """The updated states under their names, then the extra outputs."""
+    return {**{o.args[0].name: o for o in nodes}, **extra}
 
 
 def _weights(n: int, dtype: torch.dtype, master_dtype: torch.dtype) -> tuple[list[Node], Node]:
@@ -78,7 +87,7 @@ def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
                     clip: bool = False) -> Program:
     """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype)."""
     master_dtype = _check(dtype, master_dtype)
-    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
     lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
@@ -87,7 +96,7 @@ def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
     step = lr * (m1 / c1) / (sqrt(v1 / c2) + eps)
     outs = _write(ws, w * (1 - lr * wd) - step)
     return Program(_mp_name("adam", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
-                                                                  *gin[1:]], [*outs, m1, v1])
+                                                                  *gin[1:]], _outputs([*outs, m1, v1], extra))
 
 
 def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
@@ -95,7 +104,7 @@ def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
     """LAMB (as `lamb_program`: trust ratio ||w|| / ||r|| over the whole vector, or per segment of `sizes`) on
     master weights."""
     master_dtype = _check(dtype, master_dtype)
-    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
     lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
@@ -103,8 +112,9 @@ def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
     r = (m1 / c1) / (sqrt(v1 / c2) + eps) + wd * w
     outs = _write(ws, w - lr * trust_ratio(w, r, sizes) * r)
-    return Program(_mp_name("lamb" if sizes is None else "lamb_per_tensor", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
-                                                                  *gin[1:]], [*outs, m1, v1])
+    name = _mp_name("lamb" if sizes is None else "lamb_per_tensor", dtype, master_dtype, clip)
+    return Program(name, [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]],
+                   _outputs([*outs, m1, v1], extra))
 
 
 def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
@@ -112,7 +122,7 @@ def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dty
     """SGD as torch.optim.SGD (dampening 0, not Nesterov): g += wd * w; buf <- mu * buf + g; w <- w - lr * buf.
     Scalars lr (and mu, wd); state buf (master_dtype)."""
     master_dtype = _check(dtype, master_dtype)
-    gin, g1 = _grad(n, dtype, master_dtype, clip)
+    gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     lr = Scalar("lr")
     states: list[Node] = []
@@ -130,7 +140,8 @@ def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dty
     if weight_decay:
         scalars.append(wd)
     name = _mp_name("sgd_momentum" if momentum else "sgd", dtype, master_dtype, clip)
-    return Program(name, [gin[0], *ws, *states, *scalars, *gin[1:]], [*_write(ws, w - lr * g1), *outs])
+    return Program(name, [gin[0], *ws, *states, *scalars, *gin[1:]], _outputs([*_write(ws, w - lr * g1), *outs],
+                                                                              extra))
 
 
 def grad_norm_program(n: int, dtype: torch.dtype = float32) -> Program:

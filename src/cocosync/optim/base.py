@@ -83,6 +83,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                              "group (clip_grad_norm_ before step() is not the same: the gradients are averaged "
                              "over ranks inside step())")
         self.max_grad_norm = max_grad_norm
+        #: with max_grad_norm: the norm of the averaged gradient before clipping in the last step() (a 0-dim tensor,
+        #: the same on every rank: what torch.nn.utils.clip_grad_norm_ returns); None before the first step
+        self.last_grad_norm: torch.Tensor | None = None
         self._master_arg = master_dtype
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._distributed else 1
@@ -201,20 +204,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       **self._scalars(g, self.steps)}
             if self.max_grad_norm is not None:
                 inputs["max_norm"] = float(self.max_grad_norm)
-            if u.compiled is not None:
-                u.compiled(**inputs)
-            else:
-                self._run_local(u, inputs)
+            out = u.compiled(**inputs) if u.compiled is not None else self._run_local(u, inputs)
+            if "grad_norm" in out:
+                self.last_grad_norm = out["grad_norm"]
         return loss
 
     @staticmethod
-    def _run_local(u: _GroupUpdate, inputs: dict[str, Any]) -> None:
+    def _run_local(u: _GroupUpdate, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         from cocosync.interp import interpret
 
         out = interpret(u.schedule.program, 1, inputs)[0]
         u.flat.flat.copy_(out["w"])
         for name, t in u.local_state.items():
             t.copy_(out[name])
+        return out
 
     # ---- state: gathered in full, so it loads on any number of ranks ----
 

@@ -155,7 +155,8 @@ class _Phases:
         for s in writes:
             if any(id(u) not in self.inside for u in users[s.args[0].name] if u is not s):
                 return False
-        allowed = {id(self.ag), *map(id, writes)}
+        # a whole norm may be an output too (clipping's grad_norm): finish_norms leaves its value in env
+        allowed = {id(self.ag), *map(id, writes), *(id(nm) for nm in self.norms if nm.op == "norm")}
         return all(i in allowed for i in outside_readers(program, self.inside))
 
 
