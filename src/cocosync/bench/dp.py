@@ -178,7 +178,7 @@ def _note_fast(cases: _Cases, key: str, opt: Any) -> None:
 
 
 def _ours_adam():
-    from cocosync.optim import DistributedAdam  # noqa: PLC0415 - optional: written in parallel
+    from cocosync.optim import DistributedAdam  # noqa: PLC0415 - imported on the ranks only
 
     return DistributedAdam
 

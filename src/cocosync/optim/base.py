@@ -32,8 +32,6 @@ from cocosync.schedule.standard import sharded_update_schedule
 
 __all__ = ["DistributedOptimizer"]
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
 
 @dataclass
 class _GroupUpdate:

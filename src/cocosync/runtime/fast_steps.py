@@ -140,10 +140,9 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
     op = rs.attr("op").value
     # within a node the kernel also does the reduction: it reads every rank's gradients where they are, in its one
     # pass (the reduced values are never written out and read back)
-    kern_src = None
-    if FUSE_REDUCTION and shm.nnodes == 1 and shm.L > 1 and op in ("sum", "mean"):
-        kern_src = build_kernel(body, outs, kernels, name=f"fused_{rs.name}_src", into=True, reads_out=reads_out,
-                                reduce_of=(rs, shm.L, 1.0 / shm.world if op == "mean" else None))
+    reduce_of = kernel_reduce_of(shm, rs)
+    kern_src = None if reduce_of is None else build_kernel(body, outs, kernels, name=f"fused_{rs.name}_src",
+                                                           into=True, reads_out=reads_out, reduce_of=reduce_of)
     scratch: dict[str, torch.Tensor] = {}
     compiling = [True] if kern.backend == "inductor" else []
 
@@ -197,6 +196,15 @@ def _fused_collective_runner(step, program: Program, comm, kernels: str | None,
                              fn_sources=kern_src is not None)
         store_results(env, ag, w_update, out, state_writes)
     return run
+
+
+def kernel_reduce_of(shm, rs: Node) -> tuple[Node, int, float | None] | None:
+    """`Kernel(reduce_of=...)` for a fused collective's kernel that sums the local ranks' chunks of reduce-scatter
+    `rs` itself (FUSE_REDUCTION, within one node, sum or mean), else None (the collective reduces first)."""
+    op = rs.attr("op").value
+    if not FUSE_REDUCTION or shm.nnodes > 1 or shm.L < 2 or op not in ("sum", "mean"):
+        return None
+    return rs, shm.L, 1.0 / shm.world if op == "mean" else None
 
 
 def _fallback(step, env: dict, comm) -> None:

@@ -102,7 +102,8 @@ def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
                      op: str = "sum", gather: bool = True, fn_bytes: int = 0,
                      fn_sources: bool = False) -> torch.Tensor:
     """Reduce `t` over all ranks, call `fn(offset, reduced, out_chunk)` on this rank's `owned_slice`, then (if
-    `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does.
+    `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does (unless fn
+    did the reduction: fn_sources).
 
     One node: `fused_all_reduce` (fn on each chunk while it is in cache). Across nodes: the hierarchical
     reduce_scatter (shared memory, then torch.distributed among the ranks with this local rank), fn on this rank's

@@ -172,7 +172,7 @@ def _pieces(ends: list[int], offset: int, n: int):
 
 def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import (FUSE_REDUCTION, KERNEL_BYTES, first_call_timeout, put_consts,
+    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, kernel_reduce_of, put_consts,
                                              reduce_buffer, store_results)
 
     shm = getattr(comm, "shm", None)
@@ -180,6 +180,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
     if not ph.ok:
         return None
     rs, ag, w_update, gathered = ph.rs, ph.ag, ph.w_update, ph.gathered
+
     def phase_kernel(k: int, **kw):
         kp, first = ph.kernels[k], 1 if gathered in ph.kernels[k].roots else 0
         reads_out = {id(s.args[0]): first + j for j, s in enumerate(ph.writes[k])}
@@ -194,11 +195,10 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
     op = rs.attr("op").value
     # within a node, phase 0's kernel also does the reduction: it reads every rank's gradient chunk in place, sums
     # them in its loop and writes the sum (which later phases read back) over this rank's own chunk
+    reduce_of = kernel_reduce_of(shm, rs)
     kern0_src = None
-    if (kerns[0] is not None and any(a is rs for a in kerns[0].inputs) and FUSE_REDUCTION and shm.nnodes == 1
-            and shm.L > 1 and op in ("sum", "mean")):
-        kern0_src = phase_kernel(0, name=f"fused_{rs.name}_0_src",
-                                 reduce_of=(rs, shm.L, 1.0 / shm.world if op == "mean" else None),
+    if reduce_of is not None and kerns[0] is not None and any(a is rs for a in kerns[0].inputs):
+        kern0_src = phase_kernel(0, name=f"fused_{rs.name}_0_src", reduce_of=reduce_of,
                                  reduced_out=(shm.me, len(ph.kernels[0].roots)))
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     kinds = {id(a): ph.kind(a) for k in kerns if k is not None for a in [*k.inputs, *k.sumsq, *k.squares]}
