@@ -10,7 +10,7 @@ import pytest
 # Fused kernels run eagerly in tests (same code, no Inductor compile per rank); test_kernels covers Inductor.
 os.environ.setdefault("COCOSYNC_KERNELS", "eager")
 
-from cocosync.runtime.launch import RankPool
+from cocosync.testing.launch import RankPool
 
 _pools: dict[tuple[int, int], RankPool] = {}
 

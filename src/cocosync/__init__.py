@@ -8,8 +8,12 @@ run it under the reference interpreter (`interpret`) or on real ranks (`compile`
 from cocosync.dsl import *  # noqa: F403 - the language is the public API
 from cocosync.dsl import __all__ as _dsl_all
 from cocosync.interp import interpret
-from cocosync.lower import compile_plan, compile_scheduled, lower
-from cocosync.runtime.executor import compile  # noqa: A004 - mirrors the paper's vocabulary
+from cocosync.lower import lower
+from cocosync.runtime.executor import (
+           compile,  # noqa: A004 - mirrors the paper's vocabulary
+           compile_plan,
+           compile_scheduled,
+)
 from cocosync.schedule import Schedule, ScheduleError
 
 __version__ = "0.1.0"

@@ -9,9 +9,10 @@ from rich.console import Console
 from rich.table import Table
 
 import cocosync as cs
-from cocosync.examples.optimizers import adam_program, adam_scalars
-from cocosync.runtime.launch import spawn
+from cocosync.lower import lower
+from cocosync.programs.optimizers import adam_program, adam_scalars
 from cocosync.schedule.standard import adam_schedule
+from cocosync.testing.launch import spawn
 
 N, STEPS, P = 4096, 10, 2
 
@@ -43,7 +44,7 @@ def dsl_adam_demo(console: Console) -> bool:
     console.rule("[bold]CoCoNeT DSL: data-parallel Adam (AllReduce + Update) on 2 local processes")
     console.print(str(program), highlight=False, markup=False)
     schedule = adam_schedule(program)
-    console.print(f"\n{schedule}\n\n{schedule.lower()}\n", highlight=False, markup=False)
+    console.print(f"\n{schedule}\n\n{lower(schedule)}\n", highlight=False, markup=False)
     got = spawn(_adam_on_rank, P, timeout=120)
     w, m, v = torch.linspace(-1, 1, N), torch.zeros(N), torch.zeros(N)
     for step in range(1, STEPS + 1):  # the oracle: the interpreter on P simulated ranks

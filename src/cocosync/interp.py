@@ -18,8 +18,9 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-from cocosync.dsl.check import check_world, program_groups
+from cocosync.dsl.check import check_world
 from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.registry import OpKind, names
 from cocosync.dsl.types import DslError, Layout, ReduceOp
 
 __all__ = ["interpret", "rank_inputs", "dropout_mask", "dropout_uniform", "reduce_tensors", "ELEMENTWISE"]
@@ -147,8 +148,10 @@ def segment_norms(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     return norms.repeat_interleave(torch.tensor(sizes))
 
 
-_SCALAR_REDUCE = {ReduceOp.SUM: torch.sum, ReduceOp.MEAN: torch.mean, ReduceOp.MAX: torch.amax,
-                  ReduceOp.MIN: torch.amin}
+def reduce_all(x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """reduce_tensor of a whole tensor: ReduceOp's partial reduction (MEAN: the sum over the count)."""
+    out = op.partial(x)
+    return out / x.numel() if op is ReduceOp.MEAN else out
 
 
 def _comm(node: Node, x: _Val, w: _World) -> _Val:
@@ -198,25 +201,24 @@ def interpret(program: Program, world_size: int, inputs: Mapping[str, Any]) -> l
         for a in s.args:
             if a.op == "const":
                 env[id(a)] = _Val(a.layout, [torch.tensor(a.attr("value"), dtype=a.dtype)] * w.ngroups)
-        args = [env[id(a)] for a in s.args]
-        if s.op == "matmul":
-            env[id(s)] = _matmul(s, *args, w)
-        elif s.op == "norm":
-            env[id(s)] = _to_scalar(s, args[0], torch.linalg.vector_norm, w)
-        elif s.op == "segment_norm":
-            env[id(s)] = _Val(s.layout, [segment_norms(t, s.attr("sizes")).to(s.dtype) for t in args[0].parts])
-        elif s.op == "reduce_tensor":
-            env[id(s)] = _to_scalar(s, args[0], _SCALAR_REDUCE[s.attr("op")], w)
-        elif s.op == "update":
-            env[id(s)] = _update(s, args[1], w)
-        elif s.attr("groups") is not None:
-            env[id(s)] = _comm(s, args[0], w)
-        else:
-            env[id(s)] = _elementwise(s, args, w)
+        env[id(s)] = RULES[s.op](s, [env[id(a)] for a in s.args], w)
     return [{name: w.part(env[id(o)], r).clone() for name, o in zip(program.output_names, program.outputs)}
             for r in range(world_size)]
 
 
+
+
+Rule = Callable[[Node, list[_Val], _World], _Val]
+#: op -> its meaning on the simulated world (every non-leaf op of dsl.registry has one: tests/dsl/test_registry.py)
+RULES: dict[str, Rule] = {
+    **{op: _elementwise for op in names(lambda d: d.elementwise)},
+    **{op: lambda s, a, w: _comm(s, a[0], w) for op in names(lambda d: d.communicates or d.kind is OpKind.SLICE)},
+    "matmul": lambda s, a, w: _matmul(s, *a, w),
+    "norm": lambda s, a, w: _to_scalar(s, a[0], torch.linalg.vector_norm, w),
+    "segment_norm": lambda s, a, w: _Val(s.layout, [segment_norms(t, s.attr("sizes")).to(s.dtype) for t in a[0].parts]),
+    "reduce_tensor": lambda s, a, w: _to_scalar(s, a[0], lambda t: reduce_all(t, s.attr("op")), w),
+    "update": lambda s, a, w: _update(s, a[1], w),
+}
 
 
 def rank_inputs(program: Program, world_size: int, inputs: Mapping[str, Any], rank: int) -> dict[str, Any]:

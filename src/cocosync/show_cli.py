@@ -13,9 +13,9 @@ import click
 
 
 def _builtin(name: str):
-    from cocosync.examples.lamb import lamb_program
-    from cocosync.examples.model_parallel import megatron_mlp_program, pipeline_program
-    from cocosync.examples.optimizers import adam_program, sgd_program
+    from cocosync.programs.lamb import lamb_program
+    from cocosync.programs.model_parallel import megatron_mlp_program, pipeline_program
+    from cocosync.programs.optimizers import adam_program, sgd_program
     from cocosync.schedule.standard import STANDARD
 
     programs = {"sgd": lambda: sgd_program(1024, momentum=True), "adam": lambda: adam_program(1024),

@@ -10,7 +10,7 @@ from click.testing import CliRunner
 
 from cocosync.bench.baselines import ForeachLAMB, GradBuckets, adam_fused_ok, foreach_lamb_step, small_transformer
 from cocosync.bench.dp import DpConfig, dp_cmd
-from cocosync.examples.lamb import lamb_reference
+from cocosync.programs.lamb import lamb_reference
 
 
 def _have_ours() -> bool:

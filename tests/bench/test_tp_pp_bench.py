@@ -5,9 +5,12 @@ import json
 
 from click.testing import CliRunner
 
-from cocosync.bench.pp import CASES as PP_CASES, pp_cmd
-from cocosync.bench.tp import CASES as TP_CASES, COLUMNS as TP_COLUMNS, TRAIN_CASES, tp_cmd
-from cocosync.lower.profile import WAIT
+from cocosync.bench.pp import CASES as PP_CASES
+from cocosync.bench.pp import pp_cmd
+from cocosync.bench.tp import CASES as TP_CASES
+from cocosync.bench.tp import COLUMNS as TP_COLUMNS
+from cocosync.bench.tp import TRAIN_CASES, tp_cmd
+from cocosync.runtime.profile import WAIT
 
 
 def _check_rows(data, cases, key):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.optimizers import adam_program, adam_scalars
-from cocosync.runtime.kernels import build_kernel, can_fuse
+from cocosync.programs.optimizers import adam_program, adam_scalars
+from cocosync.runtime.steps.codegen import build_kernel, can_fuse
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 N = 1 << 16

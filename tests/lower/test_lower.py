@@ -4,10 +4,10 @@ from click.testing import CliRunner
 
 import cocosync as cs
 from cocosync import Local
-from cocosync.examples.optimizers import adam_program, sgd_program
 from cocosync.lower import Collective, FusedCollective, Kernel, Overlap, lower
+from cocosync.programs.model_parallel import megatron_mlp_program
+from cocosync.programs.optimizers import adam_program, sgd_program
 from cocosync.schedule import Schedule, adam_schedule, megatron_schedule
-from cocosync.examples.model_parallel import megatron_mlp_program
 
 
 def test_unscheduled_program_is_kernels_and_collectives():
@@ -18,7 +18,7 @@ def test_unscheduled_program_is_kernels_and_collectives():
 
 
 def test_adam_is_one_fused_collective():
-    plan = adam_schedule(adam_program(8)).lower()
+    plan = lower(adam_schedule(adam_program(8)))
     (step,) = plan.steps
     assert isinstance(step, FusedCollective)
     assert step.rs.op == "reduce_scatter" and step.ag.op == "all_gather"
@@ -26,7 +26,7 @@ def test_adam_is_one_fused_collective():
 
 
 def test_megatron_overlap_step():
-    plan = megatron_schedule(megatron_mlp_program(8, 8, 16)).lower()
+    plan = lower(megatron_schedule(megatron_mlp_program(8, 8, 16)))
     assert isinstance(plan.steps[-1], Overlap) and plan.steps[-1].chunks == 4
     assert [s.op for s in plan.steps[-1].stages] == ["matmul", "reduce_scatter", "add", "dropout", "add", "all_gather"]
 
@@ -34,7 +34,7 @@ def test_megatron_overlap_step():
 def test_groups_order_steps_and_kernel_groups():
     s = Schedule(sgd_program(8))
     s.fuse(["mul1", "sub1", "w_new"])
-    plan = s.lower()
+    plan = lower(s)
     assert [str(x) for x in plan.steps] == ["collective(all_reduce1 = all_reduce)", "kernel(mul1, sub1, w_new)"]
 
 
@@ -58,7 +58,7 @@ def test_show_cli_builtin_and_file(tmp_path):
     assert res.exit_code == 0, res.output
     assert "schedule of adam (4 directives)" in res.output and "fused_collective(" in res.output
     f = tmp_path / "prog.py"
-    f.write_text("from cocosync.examples.optimizers import sgd_program\nfrom cocosync.schedule import Schedule\n"
+    f.write_text("from cocosync.programs.optimizers import sgd_program\nfrom cocosync.schedule import Schedule\n"
                  "program = sgd_program(8)\n"
                  "def schedule(p):\n    s = Schedule(p)\n    rs, ag = s.split('all_reduce1')\n    return s\n")
     res = CliRunner().invoke(main, ["show", str(f)])

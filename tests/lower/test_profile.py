@@ -3,18 +3,18 @@
 import pytest
 import torch
 
-from cocosync.lower.profile import WAIT
+from cocosync.runtime.profile import WAIT
 
 
 def _profiled():
     import torch.distributed as dist
 
-    from cocosync.examples.model_parallel import megatron_mlp_program
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
+    from cocosync.programs.model_parallel import megatron_mlp_program
     from cocosync.schedule.standard import megatron_schedule
 
     r = dist.get_rank()
-    plan = compile_plan(megatron_schedule(megatron_mlp_program(8, 16, 32), chunks=1).lower(), backend="shm")
+    plan = compile_plan(lower(megatron_schedule(megatron_mlp_program(8, 16, 32), chunks=1)), backend="shm")
     g = torch.Generator().manual_seed(r)
     inputs = {"x": torch.randn(8, 16), "w1": torch.randn(16, 16, generator=g), "w2": torch.randn(16, 16, generator=g),
               "b": torch.randn(16)}

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.model_parallel import pipeline_program
 from cocosync.interp import dropout_mask
 from cocosync.nn import PipelineSend, pipeline_send_program
+from cocosync.programs.model_parallel import pipeline_program
 
 H, P, G = 16, 4, 2
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -219,7 +219,7 @@ def test_tp_schedule_keeps_small_all_reduces_whole_without_overlap():
     the reduced rows); a larger one is split into reduce_scatter -> epilogue on slices -> all_gather; chunks>1
     always splits (the overlap pipelines matmul -> RS -> epilogue -> AG)."""
     from cocosync.nn.parallel import tp_schedule
-    from cocosync.runtime.collectives import DEFAULT_ONE_SHOT_BYTES
+    from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
 
     def ops(rows, hidden, chunks, world=2):
         return [s.op for s in tp_schedule(mlp_program(rows, hidden, 64), chunks, rows, world).program.stages]

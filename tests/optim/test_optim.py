@@ -4,8 +4,8 @@ mixed precision within bf16 tolerance; clipping as clip_grad_norm_; state_dict m
 import pytest
 import torch
 
-from cocosync.examples.lamb import lamb_reference
 from cocosync.optim import DistributedAdam, DistributedLAMB, DistributedSGD
+from cocosync.programs.lamb import lamb_reference
 
 STEPS, BATCH = 50, 16
 HP = {"adam": dict(lr=1e-2, weight_decay=0.1), "sgd": dict(lr=5e-2, momentum=0.9, weight_decay=0.01),

@@ -4,10 +4,9 @@ unscheduled program; with one dtype and no clipping they are the paper's program
 import torch
 
 import cocosync as cs
-from cocosync.examples.lamb import lamb_program
-from cocosync.examples.mixed_precision import (adam_mp_program, grad_norm_program, lamb_mp_program,
-                                               sgd_mp_program)
-from cocosync.examples.optimizers import adam_program, adam_scalars, sgd_program
+from cocosync.programs.lamb import lamb_program
+from cocosync.programs.mixed_precision import adam_mp_program, grad_norm_program, lamb_mp_program, sgd_mp_program
+from cocosync.programs.optimizers import adam_program, adam_scalars, sgd_program
 from cocosync.schedule.standard import sharded_update_schedule
 
 N, STEPS, BF = 4096, 3, torch.bfloat16
@@ -41,13 +40,13 @@ def _init(program):
 def _on_rank():
     import torch.distributed as dist
 
-    from cocosync.lower import compile_plan, lower
+    from cocosync import compile_plan, lower
 
     rank, P = dist.get_rank(), dist.get_world_size()
     sl = slice(rank * N // P, (rank + 1) * N // P)
     results = []
     for program, states, scalars in _cases():
-        fn = compile_plan(sharded_update_schedule(program, states).lower(), donate=("g",))
+        fn = compile_plan(lower(sharded_update_schedule(program, states)), donate=("g",))
         vals = {k: (v[sl].clone() if k in states else v) for k, v in _init(program).items()}
         for step in range(1, STEPS + 1):
             dtype = program.inputs[0].dtype
@@ -74,7 +73,7 @@ def test_scheduled_programs_match_interpreter(rank_pool):
             for k, v in vals.items():
                 tol = dict(rtol=1e-2, atol=1e-2) if v.dtype == BF else dict(rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(rank_vals[k], v[sl] if k in states else v, **tol, msg=f"{program.name} {k}")
-            # every case is one fused shared-memory collective (with norms: in phases, runtime/norm_step.py)
+            # every case is one fused shared-memory collective (with norms: in phases, runtime/steps/phased.py)
             assert len(fast) == 1 and fast[0].startswith("fused_collective"), (program.name, fast)
     ref = torch.stack([_grad(1, r, BF).float() for r in range(2)]).mean(0).to(BF).float().norm()
     assert abs(got[0][-1] - float(ref)) < 1e-3 * float(ref) and got[0][-1] == got[1][-1]

@@ -9,8 +9,8 @@ from click.testing import CliRunner
 
 from cocosync.bench.common import fmt_bytes, fmt_seconds, markdown_table, parse_size, stats
 from cocosync.cli import main
-from cocosync.runtime.group import Topology, topology_from_env
-from cocosync.runtime.shm import leftover_segments
+from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.runtime.comm.topology import Topology, topology_from_env
 
 
 def test_parse_and_format():

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocosync.runtime.collectives import ShmCommunicator
-from cocosync.runtime.shm import leftover_segments
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.shm import leftover_segments
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("sum", "mean", "max", "min")

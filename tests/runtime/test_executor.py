@@ -24,7 +24,7 @@ def test_executor_matches_interpreter(rank_pool, P):
 
 
 def _bad_inputs():
-    from cocosync.examples.optimizers import sgd_program
+    from cocosync.programs.optimizers import sgd_program
 
     fn = cs.compile(sgd_program(8))
     errors = []
@@ -64,7 +64,7 @@ def _groups_with_backends(group_ranks):
     out["groups_torch"] = torch_fn(**rank_inputs(program, dist.get_world_size(), inputs, dist.get_rank()))
     sub = dist.new_group(group_ranks)  # collective over the world; only members compile over it
     if dist.get_rank() in group_ranks:
-        from cocosync.examples.optimizers import sgd_program
+        from cocosync.programs.optimizers import sgd_program
 
         fn = cs.compile(sgd_program(8), sub)
         g = torch.full((8,), float(dist.get_rank()))
@@ -96,7 +96,7 @@ def _subgroup_without_torchrun_env():
 
     import torch.distributed as dist
 
-    from cocosync.runtime.group import subgroup_node_groups
+    from cocosync.runtime.comm.topology import subgroup_node_groups
 
     saved = {k: os.environ.pop(k) for k in ("WORLD_SIZE", "RANK", "LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")}
     try:  # init_process_group without torchrun's variables: nodes unknown -> torch.distributed

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.model_parallel import megatron_mlp_program  # noqa: F401 - importable by ranks
-from cocosync.examples.optimizers import adam_program, adam_scalars, sgd_program
+from cocosync.programs.model_parallel import megatron_mlp_program  # noqa: F401 - importable by ranks
+from cocosync.programs.optimizers import adam_program, adam_scalars, sgd_program
 from cocosync.schedule.standard import adam_schedule, sgd_schedule
 
 N, STEPS = 4096, 3
@@ -19,23 +19,23 @@ def _grad(step, rank, dtype, n=N):
 def _adam_on_rank(dtype, nnodes):
     import torch.distributed as dist
 
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
 
     rank, P = dist.get_rank(), dist.get_world_size()
-    fn = compile_plan(adam_schedule(adam_program(N, dtype)).lower())
+    fn = compile_plan(lower(adam_schedule(adam_program(N, dtype))))
     sl = slice(rank * N // P, (rank + 1) * N // P)
     w = torch.linspace(-1, 1, N).to(dtype)
     m, v = torch.zeros(N, dtype=dtype)[sl].clone(), torch.zeros(N, dtype=dtype)[sl].clone()
     for step in range(1, STEPS + 1):
         fn(g=_grad(step, rank, dtype), w=w, m=m, v=v, **adam_scalars(step, lr=0.01, weight_decay=0.01))
     # the same with gradients in shared memory, donated: reduced in place (zero-copy)
-    donated = compile_plan(adam_schedule(adam_program(N, dtype)).lower(), donate=("g",))
+    donated = compile_plan(lower(adam_schedule(adam_program(N, dtype))), donate=("g",))
     g_arena = donated.comm.shm.arena.empty(N, dtype)
     w2, m2, v2 = torch.linspace(-1, 1, N).to(dtype), torch.zeros_like(m), torch.zeros_like(v)
     for step in range(1, STEPS + 1):
         g_arena.copy_(_grad(step, rank, dtype))
         donated(g=g_arena, w=w2, m=m2, v=v2, **adam_scalars(step, lr=0.01, weight_decay=0.01))
-    sgd = compile_plan(sgd_schedule(sgd_program(N, dtype, momentum=True)).lower())
+    sgd = compile_plan(lower(sgd_schedule(sgd_program(N, dtype, momentum=True))))
     ws, buf = torch.linspace(-1, 1, N).to(dtype), torch.zeros(N, dtype=dtype)[sl].clone()  # buf is sliced
     for step in range(1, STEPS + 1):
         sgd(g=_grad(step, rank, dtype), w=ws, buf=buf, lr=0.1, mu=0.9)
@@ -79,15 +79,10 @@ def _fused_reduction_on_rank(dtype, fuse, n):
     inside the kernel (fuse) or before it."""
     import torch.distributed as dist
 
-    import cocosync.runtime.fast_steps as fs
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
 
     rank = dist.get_rank()
-    fs.FUSE_REDUCTION = fuse
-    try:
-        plan = compile_plan(adam_schedule(adam_program(n, dtype)).lower(), donate=("g",))
-    finally:
-        fs.FUSE_REDUCTION = True
+    plan = compile_plan(lower(adam_schedule(adam_program(n, dtype))), donate=("g",), fuse_reduction=fuse)
     shm = plan.comm.shm
     g, w = shm.arena.empty(n, dtype), shm.arena.shared_empty(n, dtype)
     w.copy_(torch.linspace(-1, 1, n).to(dtype))
@@ -103,7 +98,7 @@ def _fused_reduction_on_rank(dtype, fuse, n):
 
 @pytest.mark.parametrize("P, dtype", [(2, torch.float32), (3, torch.float32), (2, torch.bfloat16)])
 def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dtype):
-    """Within a node the fused step's kernel reads every rank's gradients and sums them itself (FUSE_REDUCTION): the
+    """Within a node the fused step's kernel reads every rank's gradients and sums them itself (fuse_reduction): the
     same bits as reducing into the gradient buffer first, g left as it was, and the interpreter's result."""
     n = N - N % P  # 4095 on 3 ranks: a mean scaled by 1/3
     fused = rank_pool(P).run(_fused_reduction_on_rank, dtype, True, n)
@@ -121,12 +116,13 @@ def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dty
 
 
 def _norm_step_on_rank(fuse):
-    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/norm_step.py) with
+    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/steps/phased.py) with
     phase 0's kernel reducing the gradients itself (fuse) or the collective reducing them first."""
     import torch.distributed as dist
 
-    import cocosync.runtime.fast_steps as fs
-    import cocosync.runtime.norm_step as ns
+    import os
+
+    import cocosync.runtime.steps.phased as ns
     from cocosync.optim import DistributedAdam, DistributedLAMB
 
     built = []
@@ -135,7 +131,8 @@ def _norm_step_on_rank(fuse):
     def recording(*a, **kw):
         built.append(kw.get("name"))
         return real(*a, **kw)
-    ns.build_kernel, fs.FUSE_REDUCTION = recording, fuse
+    ns.build_kernel = recording
+    os.environ["COCOSYNC_FUSE_REDUCTION"] = "1" if fuse else "0"  # the optimizers' plans take the default
     try:
         out = {}
         for cls in (DistributedAdam, DistributedLAMB):
@@ -149,7 +146,8 @@ def _norm_step_on_rank(fuse):
                 opt.step()
             out[cls.__name__] = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     finally:
-        ns.build_kernel, fs.FUSE_REDUCTION = real, True
+        ns.build_kernel = real
+        os.environ.pop("COCOSYNC_FUSE_REDUCTION")
     out["one_pass_kernels"] = sum(1 for n in built if n and n.endswith("_0_src"))
     return out
 

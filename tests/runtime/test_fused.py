@@ -6,9 +6,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocosync.runtime.collectives import ShmCommunicator
-from cocosync.runtime.fused import AdamSlice, CommThread, fused_all_reduce, overlap_chunks, slice_bounds
-from cocosync.runtime.shm import leftover_segments
+from cocosync.bench.adam_slice import AdamSlice
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.fused import fused_all_reduce, slice_bounds
+from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.runtime.steps.overlap import CommThread, overlap_chunks
 
 N = 50_003  # uneven split, several chunks
 
@@ -42,7 +44,7 @@ def _fused_adam_cases(steps: int) -> dict[str, float]:
             params = comm.arena.empty(N)
         else:
             params = comm.arena.shared_empty(N)
-        if kind != "shared" or comm.me == 0:
+        if kind != "shared" or comm.local_rank == 0:
             params.copy_(init)
         comm.barrier()
         opt = AdamSlice(comm, N, **hp)
@@ -62,7 +64,7 @@ def _fused_adam_cases(steps: int) -> dict[str, float]:
     errs["sliced_rest_untouched"] = float(out[:s].abs().sum() + out[e:].abs().sum())
     # default out = t, op=max
     t = xs[r].clone()
-    comm.fused_all_reduce(t, lambda off, g, o: o.copy_(g + off), op="max")
+    fused_all_reduce(comm, t, lambda off, g, o: o.copy_(g + off), op="max")
     errs["inplace"] = (t - (torch.stack(xs).amax(0) + _offsets(comm, N))).abs().max().item()
     # fn_bytes: fn gets several reduced chunks at once; plain out (published per group) and arena out
     for kind in ("plain", "arena"):
@@ -74,7 +76,7 @@ def _fused_adam_cases(steps: int) -> dict[str, float]:
         def fn(off, g, o):
             calls.append((off, g.numel()))
             o.copy_(g * 3)
-        comm.fused_all_reduce(t, fn, out=out, fn_bytes=3 * comm.chunk_bytes)
+        fused_all_reduce(comm, t, fn, out=out, fn_bytes=3 * comm.chunk_bytes)
         errs[f"grouped_{kind}"] = (out - torch.stack(xs).sum(0) * 3).abs().max().item()
         errs[f"grouped_{kind}_calls"] = calls
     errs["slice"] = (s, e)
@@ -83,10 +85,10 @@ def _fused_adam_cases(steps: int) -> dict[str, float]:
 
 def _offsets(comm: ShmCommunicator, n: int) -> torch.Tensor:
     """The offset each element's chunk was given (reconstructs what fn added above)."""
-    from cocosync.runtime.collectives import split_bounds
+    from cocosync.runtime.comm.collectives import split_bounds
     out = torch.empty(n)
     step = comm.chunk_bytes // 4
-    for s, e in split_bounds(n, comm.L):
+    for s, e in split_bounds(n, comm.local_size):
         for a in range(s, e, step):
             out[a:min(a + step, e)] = a
     return out
@@ -143,7 +145,7 @@ def test_overlap_chunks_propagates_errors():
 
 
 def test_adam_chunk_update_fused_kernel_and_fallback_agree(monkeypatch):
-    from cocosync.runtime import fused
+    from cocosync.bench import adam_slice as fused
 
     g = torch.Generator().manual_seed(0)
     p, grad, m, v = (torch.randn(777, generator=g) for _ in range(4))
@@ -161,7 +163,7 @@ def test_adam_chunk_update_fused_kernel_and_fallback_agree(monkeypatch):
 def _fn_sources_case() -> dict[str, tuple[list[int], float, bool]]:
     """reduce_and_apply with fn_sources: how many parts fn gets, whether fn's own reduction of them (sum in rank
     order, then 1/world for a mean) gives the mean of every rank's vector, and whether t was left as it was."""
-    from cocosync.runtime.fused import reduce_and_apply
+    from cocosync.runtime.comm.fused import reduce_and_apply
 
     comm = ShmCommunicator(timeout=60, chunk_bytes=64 << 10)
     r, W = dist.get_rank(), dist.get_world_size()

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.optimizers import adam_program, adam_scalars
-from cocosync.runtime import kernels
-from cocosync.runtime.kernels import build_kernel, can_fuse
+from cocosync.programs.optimizers import adam_program, adam_scalars
+from cocosync.runtime.steps import codegen as kernels
+from cocosync.runtime.steps.codegen import build_kernel, can_fuse
 
 
 @pytest.fixture(autouse=True)
@@ -121,7 +121,7 @@ def test_kernel_reducing_its_input_equals_reducing_first(backend, dtype, count):
     """reduce_of: the kernel sums the ranks' chunks itself (the fused collective's one pass) and gets the same bits
     as the collectives' chunk reduction followed by the kernel on the reduced chunk. Inductor keeps a 16-bit
     reduced value in float32 (as every intermediate of its kernels), so there bfloat16 agrees to rounding."""
-    from cocosync.runtime.reduction import _reduce_chunk
+    from cocosync.runtime.comm.reduction import _reduce_chunk
 
     n = 1000
     p = adam_program(n, dtype)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocosync.runtime.launch import RankFailure, RankPool
+from cocosync.testing.launch import RankFailure, RankPool
 
 
 def _sum_ranks():

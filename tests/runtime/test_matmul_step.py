@@ -21,7 +21,7 @@ def _programs():
         b = Tensor("b", (N,), torch.float32, Sliced(0))
         return cs.Program(name, [x, w, b], outs_of(x @ w, b))
 
-    from cocosync.examples.model_parallel import megatron_mlp_program
+    from cocosync.programs.model_parallel import megatron_mlp_program
     from cocosync.schedule.standard import megatron_schedule
 
     return {
@@ -82,8 +82,8 @@ def test_matmul_epilogue_matches_oracle_with_nan_and_inf(rank_pool):
 
 
 def test_batched_matmul_is_left_to_the_reference():
-    from cocosync.runtime.matmul_step import matmul_runner
     from cocosync.lower import lower
+    from cocosync.runtime.steps.matmul import matmul_runner
 
     x = Tensor("x", (2, R, K), torch.float32, Replicated)
     w = Tensor("w", (K, N), torch.float32, Replicated)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.lamb import lamb_program
-from cocosync.examples.mixed_precision import adam_mp_program, lamb_mp_program
-from cocosync.examples.optimizers import adam_scalars
+from cocosync.programs.lamb import lamb_program
+from cocosync.programs.mixed_precision import adam_mp_program, lamb_mp_program
+from cocosync.programs.optimizers import adam_scalars
 from cocosync.schedule.standard import sharded_update_schedule
 
 N, STEPS = 160_000, 3  # 2 ranks: 80k elements each, two kernel calls per phase (64k + 16k)
@@ -44,11 +44,11 @@ def _init(name, dtype):
 def _on_rank(name, dtype, donate):
     import torch.distributed as dist
 
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
 
     rank, P = dist.get_rank(), dist.get_world_size()
     program, sliced, extra = _programs(dtype)[name]
-    fn = compile_plan(sharded_update_schedule(program, sliced).lower(), donate=("g",) if donate else ())
+    fn = compile_plan(lower(sharded_update_schedule(program, sliced)), donate=("g",) if donate else ())
     sl = slice(rank * N // P, (rank + 1) * N // P)
     state = {k: (v[sl].clone() if k in sliced else v) for k, v in _init(name, dtype).items()}
     gdt = dtype if name.endswith("_mp") else torch.float32
@@ -56,7 +56,7 @@ def _on_rank(name, dtype, donate):
     for step in range(1, STEPS + 1):
         g.copy_(_grad(step, rank, gdt))
         fn(g=g, **state, **adam_scalars(step, lr=0.05, weight_decay=WD), **extra)
-    from cocosync.runtime.norm_step import _Phases
+    from cocosync.runtime.steps.phased import _Phases
 
     phases = _Phases(fn.plan.steps[0], fn.plan.program, fn.comm.shm)
     shape = [[s.name for s in k.stages] for k in phases.kernels] if phases.ok else None

@@ -7,9 +7,10 @@ import torch
 
 import cocosync as cs
 from cocosync.dsl import Local, Program, Replicated, Tensor, all_reduce, dropout
-from cocosync.examples.model_parallel import megatron_mlp_program, pipeline_program
 from cocosync.interp import rank_inputs
-from cocosync.runtime.overlap_step import choose_dim
+from cocosync.lower import lower
+from cocosync.programs.model_parallel import megatron_mlp_program, pipeline_program
+from cocosync.runtime.steps.overlap import choose_dim
 from cocosync.schedule.standard import megatron_schedule, pipeline_schedule
 
 B, H, F = 8, 48, 64
@@ -58,14 +59,14 @@ def _record_threads(comm):
 def _on_rank(names):
     import torch.distributed as dist
 
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
 
     rank, P = dist.get_rank(), dist.get_world_size()
     out = {}
     for name in names:
         make, sched, chunks, inputs = _cases()[name]
         program = make()
-        fn = compile_plan(sched(program, chunks=chunks).lower())
+        fn = compile_plan(lower(sched(program, chunks=chunks)))
         given = rank_inputs(program, P, inputs(P), rank)
         threads = _record_threads(fn.comm)
         first = fn(**given)
@@ -105,11 +106,11 @@ def test_overlap_steps_match_oracle(rank_pool, P, names):
 
 
 def test_chunk_dim_choice():
-    mlp = megatron_schedule(megatron_mlp_program(B, H, F)).lower()
+    mlp = lower(megatron_schedule(megatron_mlp_program(B, H, F)))
     step = next(s for s in mlp.steps if str(s).startswith("overlap("))
     d, cuts = choose_dim(step.stages, step.chunks)
     assert d == 1  # the output columns: dim 0 is reduce-scattered / all-gathered
     assert cuts[0] == (None, 1)  # matmul2: maximum1 whole, columns of w2
-    flat = pipeline_schedule(_flat_program()).lower()
+    flat = lower(pipeline_schedule(_flat_program()))
     step = next(s for s in flat.steps if str(s).startswith("overlap("))
     assert choose_dim(step.stages, step.chunks) is None

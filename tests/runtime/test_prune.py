@@ -1,8 +1,8 @@
 """What each pipeline stage skips (runtime.prune): the first stage's received value is zeros, the last stage's
 send argument is dead. Values are checked against the oracle in test_executor / test_overlap_step / tests/nn."""
 
-from cocosync.examples.optimizers import sgd_program
 from cocosync.nn.pipeline import pipeline_send_program
+from cocosync.programs.optimizers import sgd_program
 from cocosync.runtime.prune import NO_PRUNING, prune
 from cocosync.schedule.standard import pipeline_schedule
 

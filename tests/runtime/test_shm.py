@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocosync.runtime import shm
-from cocosync.runtime.collectives import ShmCommunicator
-from cocosync.runtime.launch import RankFailure, RankPool
-from cocosync.runtime.shm import Arena, CollectiveTimeout, leftover_segments
+from cocosync.runtime.comm import shm
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.shm import Arena, CollectiveTimeout, leftover_segments
+from cocosync.testing.launch import RankFailure, RankPool
 
 
 def _arena_semantics() -> dict:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import cocosync as cs
-from cocosync import Local, Replicated
-from cocosync.examples.model_parallel import megatron_mlp_program, pipeline_program
-from cocosync.examples.optimizers import adam_program, sgd_program
+from cocosync import Local
 from cocosync.lower import lower
-from cocosync.schedule import Schedule, adam_schedule, as_slice, dce, fuse, overlap, reorder, split
+from cocosync.programs.model_parallel import megatron_mlp_program, pipeline_program
+from cocosync.programs.optimizers import adam_program, sgd_program
+from cocosync.schedule import adam_schedule, as_slice, dce, fuse, overlap, reorder, split
 
 
 def momentum_program():

@@ -120,8 +120,8 @@ def random_schedule(program, seed: int) -> Schedule:
     stages = [x.name for x in s.program.stages if not x.layout.is_local]
     options = [stages, [x.name for x in s.program.stages]]
     for x in s.program.stages:
-        rd = [u.name for u in s.program.users()[x.name] if cs.dsl.ops.OPS[u.op].kind == "elementwise"]
-        if cs.dsl.ops.OPS[x.op].kind == "elementwise" and rd:
+        rd = [u.name for u in s.program.users()[x.name] if cs.dsl.registry.OPS[u.op].elementwise]
+        if cs.dsl.registry.OPS[x.op].elementwise and rd:
             options.append([x.name, rng.choice(rd)])
     rng.shuffle(options)
     for group in options[:3]:
@@ -182,9 +182,9 @@ def assert_outputs_close(got: list[dict], want: list[dict], what: str, tol: floa
 # ---- standard workloads, rebuilt by name on every rank ---------------------------------------------------------
 def standard_case(name: str):
     """(program, schedule, global inputs) of a standard workload."""
-    from cocosync.examples.lamb import lamb_program
-    from cocosync.examples.model_parallel import megatron_mlp_program, pipeline_program
-    from cocosync.examples.optimizers import adam_program, adam_scalars, sgd_program
+    from cocosync.programs.lamb import lamb_program
+    from cocosync.programs.model_parallel import megatron_mlp_program, pipeline_program
+    from cocosync.programs.optimizers import adam_program, adam_scalars, sgd_program
     from cocosync.schedule.standard import STANDARD
 
     n = 16
@@ -217,8 +217,8 @@ def run_plans_on_rank(keys: list) -> dict:
     """On a real rank: lower each case's scheduled program, run the plan with this rank's part of the inputs."""
     import torch.distributed as dist
 
+    from cocosync import compile_plan, lower
     from cocosync.interp import rank_inputs
-    from cocosync.lower import compile_plan, lower
 
     P, rank = dist.get_world_size(), dist.get_rank()
     out = {}
@@ -234,13 +234,13 @@ def adam_vs_torch_on_rank(n: int, steps: int) -> dict:
     """The scheduled Adam (RS -> sliced update -> AG, m and v kept as this rank's slices) for `steps` steps."""
     import torch.distributed as dist
 
-    from cocosync.examples.optimizers import adam_program, adam_scalars
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
+    from cocosync.programs.optimizers import adam_program, adam_scalars
     from cocosync.schedule import adam_schedule
 
     P, rank = dist.get_world_size(), dist.get_rank()
     s = adam_schedule(adam_program(n))
-    fn = compile_plan(s.lower())
+    fn = compile_plan(lower(s))
     w = _rand(n, 7)
     m, v = torch.zeros(n // P), torch.zeros(n // P)
     for t in range(1, steps + 1):

@@ -4,8 +4,8 @@ import pytest
 
 import cocosync as cs
 from cocosync import Local
-from cocosync.examples.model_parallel import megatron_mlp_program
-from cocosync.examples.optimizers import adam_program, sgd_program
+from cocosync.programs.model_parallel import megatron_mlp_program
+from cocosync.programs.optimizers import adam_program, sgd_program
 from cocosync.schedule import Schedule, ScheduleError, as_slice, dce, fuse, overlap, reorder, split
 from tests.schedule.golden_cases import momentum_program
 

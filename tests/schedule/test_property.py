@@ -10,8 +10,16 @@ import cocosync as cs
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
 from cocosync.schedule import replay
-from tests.schedule.randprog import (adam_vs_torch_on_rank, assert_outputs_close, case, expected_for, inputs_for,
-                                     random_program, random_schedule, run_plans_on_rank)
+from tests.schedule.randprog import (
+    adam_vs_torch_on_rank,
+    assert_outputs_close,
+    case,
+    expected_for,
+    inputs_for,
+    random_program,
+    random_schedule,
+    run_plans_on_rank,
+)
 
 
 def _check_interp(prog, s, vals, P):

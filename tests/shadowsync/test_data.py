@@ -12,8 +12,15 @@ import torch
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
 from cocosync.shadowsync.data import (
-    EVAL, CriteoFormatError, CriteoReader, SyntheticStream, expected_ne, make_synthetic_dataset, open_stream,
-    prob_sidecar_path, write_synthetic,
+    EVAL,
+    CriteoFormatError,
+    CriteoReader,
+    SyntheticStream,
+    expected_ne,
+    make_synthetic_dataset,
+    open_stream,
+    prob_sidecar_path,
+    write_synthetic,
 )
 from cocosync.shadowsync.data.criteo import hash_tokens
 from cocosync.shadowsync.metrics import bayes_ne

@@ -9,8 +9,18 @@ import pytest
 import torch
 
 from cocosync.shadowsync.metrics import (
-    MetricsLogger, SlidingWindowNE, Throughput, auc, bayes_ne, evaluate, load_run, normalized_entropy, plot_ne,
-    read_metrics, summary_table, sync_gap,
+    MetricsLogger,
+    SlidingWindowNE,
+    Throughput,
+    auc,
+    bayes_ne,
+    evaluate,
+    load_run,
+    normalized_entropy,
+    plot_ne,
+    read_metrics,
+    summary_table,
+    sync_gap,
 )
 
 

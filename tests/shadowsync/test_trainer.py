@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
 from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
+from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
 from cocosync.shadowsync.trainer import TrainerFailure
 
 SMALL = {"table_size": 2000}

@@ -4,7 +4,7 @@
   parameters' ``.grad`` are views into them as with ``DDP(gradient_as_bucket_view=True)``), averaged with one async
   gloo ``all_reduce`` per bucket.
 - ``ForeachLAMB``: LAMB (You et al.; torch has none) with ``torch._foreach_*`` ops, the equations of
-  ``cocosync.examples.lamb.lamb_reference``; the trust ratio per parameter tensor (the paper's layer-wise LAMB) or,
+  ``cocosync.programs.lamb.lamb_reference``; the trust ratio per parameter tensor (the paper's layer-wise LAMB) or,
   with ``per_tensor=False``, one ratio over all parameters (what ``DistributedLAMB`` computes: its program's norms
   are over the flat vector).
 - ``small_transformer``: the small causal-free transformer LM used for the full-train-step comparison.

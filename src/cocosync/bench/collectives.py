@@ -16,8 +16,19 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (bound_seconds, copy_bandwidth, fmt_bytes, fmt_ratio, fmt_seconds, markdown_table,
-                                   parse_size, print_table, stats, time_interleaved, write_json)
+from cocosync.bench.common import (
+    bound_seconds,
+    copy_bandwidth,
+    fmt_bytes,
+    fmt_ratio,
+    fmt_seconds,
+    markdown_table,
+    parse_size,
+    print_table,
+    stats,
+    time_interleaved,
+    write_json,
+)
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M"
@@ -43,10 +54,10 @@ def _repeats_for(nbytes: int, repeats: int) -> int:
 
 def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int) -> dict[str, Any]:
     """Runs on every rank; returns this rank's samples (the caller takes the per-iteration max over ranks)."""
-    from cocosync.runtime.collectives import ShmCommunicator
+    from cocosync.runtime.comm.collectives import ShmCommunicator
 
     comm = ShmCommunicator(chunk_bytes=chunk_bytes)
-    P, r = comm.world, comm.rank
+    P = comm.world
     sync = lambda: comm.flags.barrier("bench")  # noqa: E731
     out: dict[str, Any] = {"P": P, "rows": {}}
     bws = [copy_bandwidth(256 << 20, repeats=5, before=sync)]  # measured again after every size (load varies)
@@ -80,7 +91,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
             samples = time_interleaved({k: f for k, f in cases.items() if k[0] == op}, reps, warmup=2, before=sync)
             for (_, impl), ts in samples.items():
                 out["rows"][(op, n * 4, impl)] = ts
-        del a, asl
+        cases = a = asl = None  # drop the arena buffers before the next size
         bws.append(copy_bandwidth(256 << 20, repeats=1, before=sync))
     out["bandwidth_per_rank"] = statistics.median(bws)
     out["bandwidth_samples"] = bws
@@ -90,14 +101,14 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
 
 
 def _bench_fused(comm, N: int, repeats: int, sync) -> dict[str, list[float]]:
-    from cocosync.runtime.fused import AdamSlice
+    from cocosync.bench.adam_slice import AdamSlice
 
     reps = max(3, repeats)
     # zero-copy: gradients per rank in the arena, parameters stored once per node (no all-gather within the node)
     grads = comm.arena.empty(N)
     grads.normal_()
     params = comm.arena.shared_empty(N)
-    if comm.me == 0:
+    if comm.local_rank == 0:
         params.normal_()
     comm.barrier()
     opt = AdamSlice(comm, N, lr=1e-4)
@@ -123,11 +134,11 @@ def _bench_fused(comm, N: int, repeats: int, sync) -> dict[str, list[float]]:
 def _dsl_adam(N: int):
     """The paper's Adam program with its schedule, lowered to one fused shm collective with a generated kernel
     (arena gradients donated, w Replicated and all-gathered into place, m and v sliced)."""
-    from cocosync.examples.optimizers import adam_program, adam_scalars
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
+    from cocosync.programs.optimizers import adam_program, adam_scalars
     from cocosync.schedule.standard import adam_schedule
 
-    fn = compile_plan(adam_schedule(adam_program(N)).lower(), donate=("g",))  # kernels: $COCOSYNC_KERNELS
+    fn = compile_plan(lower(adam_schedule(adam_program(N))), donate=("g",))  # kernels: $COCOSYNC_KERNELS
     P = dist.get_world_size()
     g, w = fn.comm.shm.arena.empty(N), torch.randn(N)
     g.normal_()
@@ -137,7 +148,7 @@ def _dsl_adam(N: int):
 
 
 def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: int = 2) -> dict[str, Any]:
-    from cocosync.runtime.launch import RankPool
+    from cocosync.testing.launch import RankPool
 
     with RankPool(P, threads=1, timeout=3600) as pool:
         per_rank = pool.run(_bench_rank, sizes, repeats, fused_numel, chunk_bytes, timeout=3600)

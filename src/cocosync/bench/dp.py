@@ -33,8 +33,18 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (bound_seconds, copy_bandwidth, fmt_ratio, fmt_seconds, markdown_table, parse_size,
-                                   print_table, stats, time_interleaved, write_json)
+from cocosync.bench.common import (
+    bound_seconds,
+    copy_bandwidth,
+    fmt_ratio,
+    fmt_seconds,
+    markdown_table,
+    parse_size,
+    print_table,
+    stats,
+    time_interleaved,
+    write_json,
+)
 from cocosync.bench.dp_chart import OURS_OF, SECTIONS, write_png
 
 __all__ = ["DpConfig", "QUICK", "run_dp", "table_rows", "quick_dp_comparison", "write_png", "dp_cmd"]
@@ -185,7 +195,6 @@ def _ours_adam():
 
 def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     cases = _Cases()
-    P = dist.get_world_size()
     bucket = int(cfg.bucket_mb * (1 << 20))
     keep: list[Any] = []  # objects the closures need alive
 
@@ -198,15 +207,15 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         return opt.step
 
     def adamslice():
-        from cocosync.runtime.collectives import ShmCommunicator
-        from cocosync.runtime.fused import AdamSlice
+        from cocosync.bench.adam_slice import AdamSlice
+        from cocosync.runtime.comm.collectives import ShmCommunicator
 
         comm = ShmCommunicator()
         N = cfg.params
         g = comm.arena.empty(N)
         g.copy_(torch.cat([x.reshape(-1) for x in grads]))
         w = comm.arena.shared_empty(N)
-        if comm.me == 0:
+        if comm.local_rank == 0:
             w.copy_(torch.cat([p.detach().reshape(-1) for p in _mlp(cfg).parameters()]))
         comm.barrier()
         opt = AdamSlice(comm, N, lr=1e-4)
@@ -373,7 +382,7 @@ def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
 def run_dp(cfg: DpConfig) -> dict[str, Any]:
     """Run the suite on cfg.P local ranks and summarize: rows per section, ratios, fraction of the Adam bound."""
     from cocosync.bench.baselines import adam_fused_ok
-    from cocosync.runtime.launch import RankPool
+    from cocosync.testing.launch import RankPool
 
     kernels = cfg.kernels or os.environ.get("COCOSYNC_KERNELS", "inductor")
     with RankPool(cfg.P, nnodes=cfg.nnodes, threads=1, timeout=3600, env={"COCOSYNC_KERNELS": kernels}) as pool:

@@ -26,8 +26,17 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, save_figure,
-                                   stats, time_interleaved, write_json)
+from cocosync.bench.common import (
+    fmt_ratio,
+    fmt_seconds,
+    markdown_table,
+    parse_shapes,
+    print_table,
+    save_figure,
+    stats,
+    time_interleaved,
+    write_json,
+)
 
 __all__ = ["run_pp", "table_rows", "bar_png", "pp_cmd"]
 
@@ -79,7 +88,7 @@ def _bench_rank(shapes: list[tuple[int, int]], chunks: int, repeats: int, p: flo
 
 
 def run_pp(shapes: list[tuple[int, int]], chunks: int, repeats: int, p: float = 0.1, P: int = 4) -> dict[str, Any]:
-    from cocosync.runtime.launch import RankPool
+    from cocosync.testing.launch import RankPool
 
     with RankPool(P, threads=1, timeout=1800) as pool:
         per_rank = pool.run(_bench_rank, shapes, chunks, repeats, p, timeout=1800)

@@ -25,8 +25,8 @@ COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS median", "EPS best", "v
 
 
 def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
-    from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
     from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = kw.pop("sync")
     cfg = TrainConfig(**{**base, **kw, "out_dir": str(out / name.replace(" ", "_").replace("=", "")),
@@ -119,7 +119,6 @@ def _row(r: dict) -> list[str]:
 def verdicts(runs: list[dict]) -> list[str]:
     """The targets of the issue, checked on these runs (PASS/MISS lines with the numbers)."""
     out = []
-    by = {r["name"]: r for r in runs}
     for r in runs:
         if not r["sync"].startswith("shadow-"):
             continue

@@ -29,8 +29,16 @@ import click
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import (fmt_ratio, fmt_seconds, markdown_table, parse_shapes, print_table, stats,
-                                   time_interleaved, write_json)
+from cocosync.bench.common import (
+    fmt_ratio,
+    fmt_seconds,
+    markdown_table,
+    parse_shapes,
+    print_table,
+    stats,
+    time_interleaved,
+    write_json,
+)
 
 COLUMNS = ["batch x hidden x ffn", "eager+gloo", "compute only", "plan c=1 (shm)", "plan overlap (shm)", "nn c=1",
            "nn overlap", "eager/compute (max)", "eager/plan c=1", "eager/plan", "eager/nn c=1", "eager/nn overlap",
@@ -102,9 +110,9 @@ def _breakdown(block, x, train_step, repeats: int) -> dict[str, list[dict[str, A
 
 def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int,
                 breakdown: bool = False) -> dict[str, Any]:
-    from cocosync.examples.model_parallel import megatron_mlp_program
-    from cocosync.lower import compile_plan
+    from cocosync import compile_plan, lower
     from cocosync.nn import MegatronMLP
+    from cocosync.programs.model_parallel import megatron_mlp_program
     from cocosync.schedule.standard import megatron_schedule
 
     rank, P = dist.get_rank(), dist.get_world_size()
@@ -115,8 +123,8 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int,
         w1 = (torch.randn(H, F, generator=gen) / H ** 0.5).chunk(P, 1)[rank].contiguous()
         w2 = (torch.randn(F, H, generator=gen) / F ** 0.5).chunk(P, 0)[rank].contiguous()
         program = megatron_mlp_program(B, H, F, p=0.1)
-        plan1 = compile_plan(megatron_schedule(program, chunks=1).lower(), backend="shm", kernels="eager")
-        planc = compile_plan(megatron_schedule(program, chunks=chunks).lower(), backend="shm", kernels="eager")
+        plan1 = compile_plan(lower(megatron_schedule(program, chunks=1)), backend="shm", kernels="eager")
+        planc = compile_plan(lower(megatron_schedule(program, chunks=chunks)), backend="shm", kernels="eager")
 
         def eager() -> torch.Tensor:
             z = torch.relu(x @ w1) @ w2
@@ -156,7 +164,7 @@ def _bench_rank(shapes: list[tuple[int, int, int]], chunks: int, repeats: int,
 
 def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int = 2,
            breakdown: bool = False) -> dict[str, Any]:
-    from cocosync.runtime.launch import RankPool
+    from cocosync.testing.launch import RankPool
 
     with RankPool(P, threads=1, timeout=1800) as pool:
         per_rank = pool.run(_bench_rank, shapes, chunks, repeats, breakdown, timeout=1800)

@@ -17,10 +17,11 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 
+from cocosync.dsl.registry import OpKind, names
 from cocosync.dsl.types import DslError, Layout
 
 #: ops that are leaves of the graph, not stages
-LEAF_OPS = ("input", "const")
+LEAF_OPS = names(lambda d: d.kind is OpKind.LEAF)
 
 
 @dataclass(frozen=True, eq=False, slots=True)

@@ -1,4 +1,4 @@
-"""Op constructors with shape, dtype and layout inference (CoCoNeT's rules). One entry per op in `OPS`.
+"""Op constructors with shape, dtype and layout inference (CoCoNeT's rules); each op's properties are in dsl.registry.
 
 Every constructor checks its operands when it is called and raises DslError naming the op, the operands and
 what was expected, so an ill-typed program cannot be built.
@@ -6,41 +6,26 @@ what was expected, so an ill-typed program cannot be built.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from cocosync.dsl.ir import Node
-from cocosync.dsl.types import (FLOAT_DTYPES, DslError, Layout, Local, ReduceOp, Replicated, Sliced, as_layout,
-                                float32)
+from cocosync.dsl.registry import OPS
+from cocosync.dsl.types import (
+    FLOAT_DTYPES,
+    DslError,
+    Layout,
+    Local,
+    ReduceOp,
+    Replicated,
+    Sliced,
+    as_layout,
+    float32,
+    parse_reduce_op,
+)
 
-
-@dataclass(frozen=True, slots=True)
-class OpDef:
-    """kind: 'elementwise' (pointwise, fusable), 'compute' (other local compute), 'comm' (talks to other ranks)."""
-
-    kind: str
-    symbol: str | None = None  # infix symbol for the printer, e.g. '+'
-
-
-OPS: dict[str, OpDef] = {}
-
-
-def _def(kind: str, *names: str, symbol: str | None = None) -> None:
-    for n in names:
-        OPS[n] = OpDef(kind, symbol)
-
-
-_def("elementwise", "neg", "abs", "sqrt", "rsqrt", "exp", "log", "cast", "dropout", "where", "maximum", "minimum")
-for _n, _s in {"add": "+", "sub": "-", "mul": "*", "div": "/", "pow": "**", "lt": "<", "le": "<=", "gt": ">",
-               "ge": ">=", "eq": "==", "ne": "!="}.items():
-    _def("elementwise", _n, symbol=_s)
-_def("compute", "matmul", "norm", "segment_norm", "reduce_tensor", "update")
-_def("comm", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter", "send")
-_def("leaf", "input", "const")
-
-COMPARISONS = ("lt", "le", "gt", "ge", "eq", "ne")
+COMPARISONS = tuple(op for op, d in OPS.items() if d.comparison)  # lt, le, gt, ge, eq, ne
 
 
 def _desc(x: Any) -> str:
@@ -278,7 +263,7 @@ def segment_norm(x: Node, sizes: Any) -> Node:
 def reduce_tensor(x: Node, op: ReduceOp | str = ReduceOp.SUM) -> Node:
     """Reduce all elements of x to a scalar (sum/max/min/mean); over the whole tensor for Sliced inputs."""
     _float_operands("reduce_tensor", (x,))
-    return _node("reduce_tensor", (x,), (), x.dtype, _to_scalar_layout(x), op=ReduceOp.parse(op))
+    return _node("reduce_tensor", (x,), (), x.dtype, _to_scalar_layout(x), op=parse_reduce_op(op))
 
 
 def update(state: Node, value: Any) -> Node:
@@ -317,7 +302,7 @@ def _need(op: str, x: Node, what: str, ok: bool) -> None:
 def all_reduce(x: Node, op: ReduceOp | str = ReduceOp.SUM, *, groups: int = 1) -> Node:
     """Reduce a Local tensor over the ranks of the group; every rank gets the result (Replicated)."""
     _need("all_reduce", x, "Local", isinstance(x, Node) and x.layout.is_local)
-    return _node("all_reduce", (x,), x.shape, x.dtype, Replicated, op=ReduceOp.parse(op),
+    return _node("all_reduce", (x,), x.shape, x.dtype, Replicated, op=parse_reduce_op(op),
                  groups=_check_groups("all_reduce", groups))
 
 
@@ -326,7 +311,7 @@ def reduce_scatter(x: Node, op: ReduceOp | str = ReduceOp.SUM, *, dim: int = 0, 
     _need("reduce_scatter", x, "Local", isinstance(x, Node) and x.layout.is_local)
     if not 0 <= dim < x.ndim:
         raise DslError(f"reduce_scatter: dim {dim} out of range for {_desc(x)}")
-    return _node("reduce_scatter", (x,), x.shape, x.dtype, Sliced(dim), op=ReduceOp.parse(op),
+    return _node("reduce_scatter", (x,), x.shape, x.dtype, Sliced(dim), op=parse_reduce_op(op),
                  groups=_check_groups("reduce_scatter", groups))
 
 
@@ -349,7 +334,7 @@ def reduce(x: Node, op: ReduceOp | str = ReduceOp.SUM, root: int = 0, *, groups:
     _need("reduce", x, "Local", isinstance(x, Node) and x.layout.is_local)
     if not isinstance(root, int) or root < 0:
         raise DslError(f"reduce: root must be a rank index >= 0, got {root!r}")
-    return _node("reduce", (x,), x.shape, x.dtype, Local, op=ReduceOp.parse(op), root=root,
+    return _node("reduce", (x,), x.shape, x.dtype, Local, op=parse_reduce_op(op), root=root,
                  groups=_check_groups("reduce", groups))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from cocosync.dsl.registry import OPS
 from cocosync.dsl.types import DTYPE_SHORT, ReduceOp
 
 if TYPE_CHECKING:
@@ -34,9 +35,7 @@ def _attr_str(k: str, v: object) -> str:
 
 
 def expr_str(n: "Node") -> str:
-    from cocosync.dsl.ops import OPS
-
-    sym = OPS[n.op].symbol if n.op in OPS else None
+    sym = OPS[n.op].symbol
     if sym and len(n.args) == 2:
         return f"{_ref(n.args[0])} {sym} {_ref(n.args[1])}"
     parts = [_ref(a) for a in n.args]

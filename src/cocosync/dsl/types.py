@@ -1,4 +1,5 @@
-"""Leaf module of the DSL: layouts, reduce ops, dtypes and the DslError. Imported by everything, imports nothing of ours."""
+"""Leaf module of the DSL: layouts, reduce ops, dtypes and the DslError. Imported by everything; of ours it imports only
+the shared ReduceOp (cocosync.reduce_op, which the transport layer uses too)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import enum
 from dataclasses import dataclass
 
 import torch
+
+from cocosync.reduce_op import ReduceOp  # noqa: F401 - re-exported: the DSL's reduce ops are the runtime's
 
 float32, float16, bfloat16 = torch.float32, torch.float16, torch.bfloat16
 #: dtypes a program tensor may have (bool only appears as the result of comparisons).
@@ -72,18 +75,9 @@ def as_layout(layout: object) -> Layout:
     raise DslError(f"layout must be Local, Replicated or Sliced(dim), got {layout!r}")
 
 
-class ReduceOp(enum.Enum):
-    SUM = "sum"  # elementwise sum over ranks
-    MAX = "max"  # elementwise maximum over ranks
-    MIN = "min"  # elementwise minimum over ranks
-    MEAN = "mean"  # sum divided by the number of ranks in the group
-
-    @classmethod
-    def parse(cls, op: "ReduceOp | str") -> "ReduceOp":
-        if isinstance(op, ReduceOp):
-            return op
-        aliases = {"+": "sum", "add": "sum", "avg": "mean"}
-        try:
-            return cls(aliases.get(str(op).lower(), str(op).lower()))
-        except ValueError:
-            raise DslError(f"unknown reduce op {op!r}; expected one of {[o.value for o in cls]}") from None
+def parse_reduce_op(op: "ReduceOp | str") -> ReduceOp:
+    """ReduceOp.parse with the DSL's error type."""
+    try:
+        return ReduceOp.parse(op)
+    except ValueError as e:
+        raise DslError(str(e)) from None

@@ -1,1 +1,1 @@
-"""Programs from the CoCoNeT paper, shipped as examples (and used by the demo and the tests)."""
+"""User-facing example scripts (run with torchrun, e.g. `torchrun --nproc-per-node 2 -m cocosync.examples.dp_train`)."""

@@ -1,8 +1,7 @@
-"""Lowering: Program -> Plan of ordered steps (kernels, collectives, fused collectives, overlap groups)."""
+"""Lowering: Program -> Plan of ordered steps (kernels, collectives, fused collectives, overlap groups), as plain
+data; runtime.executor runs a plan (`cocosync.compile_plan`)."""
 
 from cocosync.lower.lower import lower
 from cocosync.lower.plan import Collective, FusedCollective, Kernel, Overlap, Plan, Step
-from cocosync.lower.run_plan import CompiledPlan, compile_plan, compile_scheduled
 
-__all__ = ["lower", "Plan", "Step", "Kernel", "Collective", "FusedCollective", "Overlap", "compile_plan",
-           "compile_scheduled", "CompiledPlan"]
+__all__ = ["lower", "Plan", "Step", "Kernel", "Collective", "FusedCollective", "Overlap"]

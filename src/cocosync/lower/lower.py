@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from cocosync.dsl.check import check_program
 from cocosync.dsl.ir import Node, Program
-from cocosync.dsl.ops import OPS
+from cocosync.dsl.registry import OPS
 from cocosync.lower.plan import Collective, FusedCollective, Kernel, Overlap, Plan, Step
 from cocosync.schedule.dce import dce
 
@@ -22,8 +23,8 @@ class Unit:
         return f"{self.kind}({', '.join(s.name for s in self.stages)})"
 
 
-def lower(program: Program, dump: bool = False) -> Plan:
-    """The passes, in order:
+def lower(program: Program | Any, dump: bool = False) -> Plan:
+    """Lower a Program, or a Schedule's rewritten program (anything with `.program`). The passes, in order:
     1. check           the program is well-formed
     2. dce             dead stages and scatter(all_gather(x)) disappear
     3. form_units      each fuse/overlap group is one unit, every other stage its own
@@ -36,6 +37,7 @@ def lower(program: Program, dump: bool = False) -> Plan:
             print(f"--- after {name} ---")
             print(what if not isinstance(what, list) else "\n".join(f"  {u}" for u in what))
 
+    program = getattr(program, "program", program)
     check_program(program)
     show("check", program)
     program = dce(program)
@@ -51,10 +53,6 @@ def lower(program: Program, dump: bool = False) -> Plan:
     return plan
 
 
-def _is_comm(s: Node) -> bool:
-    return OPS[s.op].kind == "comm" and s.op != "scatter"  # scatter keeps a local slice: no communication
-
-
 def form_units(program: Program) -> list[Unit]:
     by_name = {s.name: s for s in program.stages}
     units, grouped = [], set()
@@ -65,7 +63,7 @@ def form_units(program: Program) -> list[Unit]:
         grouped.update(g.stages)
     for s in program.stages:
         if s.name not in grouped:
-            units.append(Unit("comm" if _is_comm(s) else "compute", [s]))
+            units.append(Unit("comm" if OPS[s.op].communicates else "compute", [s]))
     return units
 
 

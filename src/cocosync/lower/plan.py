@@ -1,35 +1,23 @@
-"""A Plan: the ordered steps a rank runs. Each step owns its stages and has `run(env, comm)`, which computes their
-values into `env` (id(node) -> this rank's tensor). These reference implementations run the stages one by one
-through the executor's per-stage runner (correct, not fast); the runtime replaces them with fused kernels,
-fused shared-memory collectives and chunked pipelines behind the same interface."""
+"""A Plan: the ordered steps a rank runs, as plain data. Each step names its stages; runtime.executor runs a plan,
+each step in its fast form where one applies (runtime.steps) and otherwise stage by stage (runtime.stage)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from cocosync.dsl.ir import Node, Program
 
-if TYPE_CHECKING:
-    from cocosync.runtime.executor import _Comm
+__all__ = ["Step", "Kernel", "Collective", "FusedCollective", "Overlap", "Plan"]
 
 
 def _names(stages: tuple[Node, ...]) -> str:
     return ", ".join(s.name for s in stages)
 
 
-def _run_all(stages: tuple[Node, ...], env: dict, comm: "_Comm") -> None:
-    from cocosync.runtime.executor import run_stage
-
-    for s in stages:
-        run_stage(s, env, comm)
-
-
 class Step:
-    stages: tuple[Node, ...]
+    """Base of the step kinds: `stages` in an order that runs them correctly one by one."""
 
-    def run(self, env: dict, comm: "_Comm") -> None:
-        _run_all(self.stages, env, comm)
+    stages: tuple[Node, ...]
 
 
 @dataclass(frozen=True, eq=False)

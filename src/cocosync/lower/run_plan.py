@@ -9,15 +9,15 @@ import torch
 import torch.distributed as dist
 
 from cocosync.lower.plan import Plan
-from cocosync.lower.profile import StepProfile, timed_steps
 from cocosync.runtime.executor import CompiledProgram
-from cocosync.runtime.fast_steps import prepare
+from cocosync.runtime.profile import StepProfile, timed_steps
+from cocosync.runtime.steps.fused_collective import prepare
 
 
 class CompiledPlan(CompiledProgram):
     """Callable like `cocosync.compile(program)`: `out = fn(**inputs)` with this rank's parts of the inputs.
 
-    Steps with a fast form (fused kernels, fused shared-memory collectives: runtime.fast_steps) use it; the
+    Steps with a fast form (fused kernels, fused shared-memory collectives: runtime.steps) use it; the
     others run their stages one by one. kernels: 'inductor' or 'eager' (default $COCOSYNC_KERNELS, else inductor).
     `fast=False` runs every step by its reference implementation. donate: names of inputs the program may
     consume (their contents are undefined afterwards), e.g. arena gradients reduced in place."""

@@ -26,8 +26,16 @@ import torch.distributed as dist
 from torch import nn
 
 from cocosync.dsl import Program, Replicated, Sliced, Tensor, all_reduce, gt, where
-from cocosync.nn.parallel import (PlanCache, _init_weight, check_chunks, check_divisible, check_dropout, group_info,
-                                  scaled_keep_mask, tp_schedule)
+from cocosync.nn.parallel import (
+    PlanCache,
+    _init_weight,
+    check_chunks,
+    check_divisible,
+    check_dropout,
+    group_info,
+    scaled_keep_mask,
+    tp_schedule,
+)
 
 __all__ = ["MegatronMLP", "mlp_program", "mlp_backward_program"]
 

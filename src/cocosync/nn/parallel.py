@@ -54,7 +54,7 @@ def tp_schedule(program: Program, chunks: int, rows: int, world: int):
     barrier; see ShmCommunicator's one_shot_bytes), which measured faster than two collectives with the epilogue on
     slices between them; larger ones are split (the epilogue then runs on 1/world of the rows).
     When `rows` is not divisible by `world` the all_reduce stays whole (a Schedule with no directives)."""
-    from cocosync.runtime.collectives import DEFAULT_ONE_SHOT_BYTES
+    from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
     from cocosync.schedule import Schedule
 
     s = Schedule(program)
@@ -122,17 +122,17 @@ class PlanCache:
         self.plans: dict[Any, Any] = {}
 
     def get(self, key: tuple, device: torch.device | str = "cpu"):
-        from cocosync.lower import compile_plan
+        from cocosync import compile_plan, lower
 
         dev = torch.device(device).type
         key = (*key, dev)
         plan = self.plans.pop(key, None)
         if plan is None:
             schedule = self.build(key[:-1], resolve_chunks(self.chunks, dev))
-            plan = compile_plan(schedule.lower(), self.group, backend=self.backend, kernels=self.kernels)
-            if self.world is not None and (plan.comm.G, plan.comm.index) != (self.world, self.rank):
+            plan = compile_plan(lower(schedule), self.group, backend=self.backend, kernels=self.kernels)
+            if self.world is not None and (plan.comm.group_size, plan.comm.group_rank) != (self.world, self.rank):
                 raise ValueError(f"the layer's shards were cut for rank {self.rank} of {self.world}, but this process "
-                                 f"is rank {plan.comm.index} of {plan.comm.G} in its group; pass the group's rank "
+                                 f"is rank {plan.comm.group_rank} of {plan.comm.group_size} in its group; pass the group's rank "
                                  "and size to from_dense (or leave rank/world out)")
             while len(self.plans) >= self.size:
                 self.plans.pop(next(iter(self.plans)))

@@ -73,10 +73,10 @@ class _SendFn(torch.autograd.Function):
         (mask,) = ctx.saved_tensors
         comm = ctx.plan.comm
         drecv = drecv.contiguous()
-        rows, G = drecv.shape[0], comm.G
-        pos = comm.gid * G + comm.index
+        rows, G = drecv.shape[0], comm.group_size
+        pos = comm.group_index * G + comm.group_rank
         even = rows % G == 0
-        mine = drecv.chunk(G, 0)[comm.index].contiguous() if even else drecv
+        mine = drecv.chunk(G, 0)[comm.group_rank].contiguous() if even else drecv
         got = torch.zeros_like(mine)
         reqs = []
         if pos - G >= 0:  # back to the previous stage

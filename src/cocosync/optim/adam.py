@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
-from cocosync.examples.mixed_precision import adam_mp_program
-from cocosync.examples.optimizers import adam_program, adam_scalars
 from cocosync.optim.base import DistributedOptimizer
+from cocosync.programs.mixed_precision import adam_mp_program
+from cocosync.programs.optimizers import adam_program, adam_scalars
 
 __all__ = ["DistributedAdam"]
 

@@ -1,7 +1,7 @@
 """Shared machinery of the data-parallel optimizers: one DSL program per optimizer, scheduled and compiled once.
 
 A `DistributedOptimizer` flattens its parameters into arena buffers (`FlatParams`), builds its DSL program for the
-padded flat length (examples/optimizers.py, examples/lamb.py, examples/mixed_precision.py), schedules it with the
+padded flat length (programs/optimizers.py, programs/lamb.py, examples/mixed_precision.py), schedules it with the
 standard sharded-update schedule (RS -> sliced update -> AG, the optimizer state sliced as ZeRO-1 does) and compiles
 the plan with the gradients donated. Each ``step()`` calls the compiled plan once with the flat gradient buffer, the
 flat parameter buffer, this rank's state slices and the step's scalars.
@@ -27,7 +27,9 @@ import torch
 import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
+from cocosync.lower import lower
 from cocosync.optim.flat import FlatParams
+from cocosync.runtime.executor import compile_plan
 from cocosync.schedule.standard import sharded_update_schedule
 
 __all__ = ["DistributedOptimizer"]
@@ -87,7 +89,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._master_arg = master_dtype
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._distributed else 1
-        self.index, self.G = 0, 1
+        self.group_rank, self.group_size = 0, 1
         self._updates = [self._build(gi, g, group) for gi, g in enumerate(self.param_groups)]
         self.steps = 0
 
@@ -107,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         structure = self._structure_of(param_group)
         n_pad = -(-sum(p.numel() for p in params) // self.world) * self.world
         # clipping is inside the update program: its norm splits the fused collective into two phases
-        # (runtime/norm_step.py), still one reduction of the gradients
+        # (runtime/steps/phased.py), still one reduction of the gradients
         program = self._program(n_pad, dtype, master if master != dtype else None,
                                 clip=self.max_grad_norm is not None, params=params, **structure)
         states = tuple(s for s in self._program_states() if s in program.updates)
@@ -115,9 +117,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         compiled: Callable | None = None
         alloc = param_alloc = shm = None
         if self._distributed:
-            from cocosync.lower.run_plan import compile_plan
-
-            compiled = compile_plan(schedule.lower(), group, donate=("g",))
+            compiled = compile_plan(lower(schedule), group, donate=("g",))
             shm = compiled.comm.shm
             if shm is not None:
                 alloc = shm.arena.empty
@@ -126,12 +126,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     # Replicated parameters stored once per node: each rank's fused step writes its slice of
                     # the update in place and no all-gather is needed within the node
                     param_alloc = shm.arena.shared_empty
-            self.index, self.G = compiled.comm.index, compiled.comm.G
+            self.group_rank, self.group_size = compiled.comm.group_rank, compiled.comm.group_size
         flat = FlatParams(params, self.world, alloc, param_alloc)
         if param_alloc is not None:
             shm.barrier()  # every local rank has copied its (identical) parameters in before anyone reads them
-        n = flat.padded // self.G
-        sl = slice(self.index * n, (self.index + 1) * n)
+        n = flat.padded // self.group_size
+        sl = slice(self.group_rank * n, (self.group_rank + 1) * n)
         local_state = {s: torch.zeros(n, dtype=master) for s in self.state_names}
         if master != dtype:
             local_state["master"] = flat.flat[sl].to(master)
@@ -220,7 +220,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- state: gathered in full, so it loads on any number of ranks ----
 
     def _gather(self, u: _GroupUpdate, local: torch.Tensor) -> torch.Tensor:
-        if u.compiled is None or self.G == 1:
+        if u.compiled is None or self.group_size == 1:
             return local.clone()
         return u.compiled.comm.all_gather(local.contiguous(), 0)
 

@@ -8,23 +8,23 @@ import torch
 import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
-from cocosync.examples.lamb import lamb_program
-from cocosync.examples.mixed_precision import lamb_mp_program
-from cocosync.examples.optimizers import adam_scalars
 from cocosync.optim.base import DistributedOptimizer
+from cocosync.programs.lamb import lamb_program
+from cocosync.programs.mixed_precision import lamb_mp_program
+from cocosync.programs.optimizers import adam_scalars
 
 __all__ = ["DistributedLAMB"]
 
 
 class DistributedLAMB(DistributedOptimizer):
     """Data-parallel LAMB: Adam's moments, then w <- w - lr * (||w|| / ||r||) * r with r = m_hat / (sqrt(v_hat) +
-    eps) + wd * w, as `cocosync.examples.lamb.lamb_program`.
+    eps) + wd * w, as `cocosync.programs.lamb.lamb_program`.
 
     per_tensor=True (default, LAMB as published and as apex's FusedLAMB): one trust ratio per parameter tensor
     (`segment_norm` over the flat buffer, one segment per parameter); False: ONE ratio over all parameters of a
-    parameter group (the norms over its whole flat vector, as `cocosync.examples.lamb.lamb_program` without sizes).
+    parameter group (the norms over its whole flat vector, as `cocosync.programs.lamb.lamb_program` without sizes).
 
-    The norms split the fused collective into two phases (runtime/norm_step.py): RS -> moments and partial sums
+    The norms split the fused collective into two phases (runtime/steps/phased.py): RS -> moments and partial sums
     of squares per chunk -> all-reduce of those few sums -> w - lr * ratio * r on the slice -> AG. With
     bfloat16/float16 parameters and `master_dtype=torch.float32`, ||w|| is the norm of the float32 master weights,
     computed on their slices.

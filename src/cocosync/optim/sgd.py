@@ -8,9 +8,9 @@ import torch
 import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
-from cocosync.examples.mixed_precision import sgd_mp_program
-from cocosync.examples.optimizers import sgd_program
 from cocosync.optim.base import DistributedOptimizer
+from cocosync.programs.mixed_precision import sgd_mp_program
+from cocosync.programs.optimizers import sgd_program
 
 __all__ = ["DistributedSGD"]
 

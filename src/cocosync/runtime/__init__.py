@@ -1,1 +1,12 @@
-"""Runtime: rank launch, process groups, shared-memory arena, collectives, kernels, executor."""
+"""Runtime, in two layers.
+
+- `runtime.comm`: transport, which knows nothing of the DSL: topology and process groups, the shared-memory arena,
+  the call headers, chunk reductions, the collectives (`ShmCommunicator`) and the fused collectives built on them.
+- plan execution: `stage` (what one stage means on this rank: the reference every fast form is tested against),
+  `prune`, `steps/` (one module per fast step kind: kernel, matmul, fused collective, phased, overlap), `executor`
+  (`compile`, `compile_plan`) and `profile`.
+"""
+
+from cocosync.runtime.executor import CompiledPlan, CompiledProgram, compile, compile_plan, compile_scheduled
+
+__all__ = ["compile", "compile_plan", "compile_scheduled", "CompiledProgram", "CompiledPlan"]

@@ -15,12 +15,13 @@ from typing import Sequence
 from cocosync.dsl import ops
 from cocosync.dsl.check import program_groups
 from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.registry import OPS, names
 from cocosync.dsl.types import Sliced
 from cocosync.schedule._rewrite import Namer, Ref, finish, named, names_of, resolve
 from cocosync.schedule.errors import ScheduleError
 
-
-WHOLE_TENSOR = ("norm", "reduce_tensor")  # reductions to a scalar over the whole tensor, whatever its layout
+#: reductions to a scalar over the whole tensor, whatever its layout
+WHOLE_TENSOR = names(lambda d: d.whole_tensor)
 
 
 def as_slice(program: Program, tensors: Sequence[Ref]) -> Program:
@@ -44,7 +45,7 @@ def _as_slice_one(program: Program, ref: Ref) -> Program:
     for u in users[m.name]:
         if u.op == "scatter":
             dims.add(u.layout.dim)
-        elif u is upd or u.op in WHOLE_TENSOR:
+        elif u is upd or OPS[u.op].whole_tensor:
             continue
         else:
             raise ScheduleError("as_slice", u.name, f"reads {m.name!r} as Replicated; as_slice({m.name}) needs every "

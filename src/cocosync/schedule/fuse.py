@@ -8,12 +8,13 @@ import dataclasses
 from typing import Sequence
 
 from cocosync.dsl.ir import Group, Node, Program
-from cocosync.dsl.ops import OPS
+from cocosync.dsl.registry import OPS, names
 from cocosync.schedule._rewrite import Ref, connected, graph, outside_path, resolve
 from cocosync.schedule.errors import ScheduleError
 
 #: computations a fused kernel may hold (matmul stays its own kernel; scatter is a local slice, no communication)
-FUSABLE = ("update", "norm", "segment_norm", "reduce_tensor", "scatter")
+#: ops besides the elementwise ones that a fuse group may hold
+FUSABLE = names(lambda d: d.fusable and not d.elementwise)
 
 
 def group_members(program: Program, stages: Sequence[Ref], directive: str, *, min_size: int = 1) -> list[Node]:
@@ -57,9 +58,9 @@ def check_convex(program: Program, members: list[Node], directive: str) -> None:
 def fuse(program: Program, stages: Sequence[Ref]) -> Program:
     members = group_members(program, stages, "fuse", min_size=2)
     check_convex(program, members, "fuse")
-    comm = [m for m in members if OPS[m.op].kind == "comm" and m.op != "scatter"]
+    comm = [m for m in members if OPS[m.op].communicates]
     for m in members:
-        if OPS[m.op].kind == "compute" and m.op not in FUSABLE:
+        if not (OPS[m.op].fusable or OPS[m.op].communicates):
             raise ScheduleError("fuse", m.name, f"is a {m.op}; a fused kernel holds elementwise computations "
                                 f"(and {', '.join(FUSABLE)})")
     kind = "kernel"

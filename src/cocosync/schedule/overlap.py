@@ -8,13 +8,13 @@ import dataclasses
 from typing import Sequence
 
 from cocosync.dsl.ir import Group, Program
-from cocosync.dsl.ops import OPS
+from cocosync.dsl.registry import OPS, names
 from cocosync.schedule._rewrite import Ref
 from cocosync.schedule.errors import ScheduleError
 from cocosync.schedule.fuse import check_convex, group_members
 
 #: ops that cannot be cut into chunks (they reduce a whole tensor to a scalar)
-UNCHUNKABLE = ("norm", "segment_norm", "reduce_tensor")
+UNCHUNKABLE = names(lambda d: not d.chunkable)
 
 
 def overlap(program: Program, stages: Sequence[Ref], *, chunks: int = 4) -> Program:
@@ -26,9 +26,9 @@ def overlap(program: Program, stages: Sequence[Ref], *, chunks: int = 4) -> Prog
             raise ScheduleError("overlap", cur.name, f"does not read {prev.name!r}; overlap pipelines a "
                                 "producer/consumer chain, each stage reading the one before")
     for m in members:
-        if m.op in UNCHUNKABLE:
+        if not OPS[m.op].chunkable:
             raise ScheduleError("overlap", m.name, f"is a {m.op} (a whole-tensor reduction); it cannot run by chunks")
-    if not any(OPS[m.op].kind == "comm" and m.op != "scatter" for m in members):
+    if not any(OPS[m.op].communicates for m in members):
         raise ScheduleError("overlap", members[0].name, "the chain has no communication; overlap hides "
                             "communication behind computation (use fuse for computations)")
     check_convex(program, members, "overlap")

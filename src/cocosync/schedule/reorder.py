@@ -23,13 +23,13 @@ from typing import Sequence
 
 from cocosync.dsl import ops
 from cocosync.dsl.ir import Node, Program
-from cocosync.dsl.ops import OPS
+from cocosync.dsl.registry import OPS, names
 from cocosync.dsl.types import DslError
 from cocosync.schedule._rewrite import Namer, Ref, connected, finish, graph, named, names_of, resolve
 from cocosync.schedule.errors import ScheduleError
 
 #: ops that reorder moves onto slices besides the elementwise ones
-MOVABLE = ("update", "norm", "segment_norm", "reduce_tensor", "send")
+MOVABLE = names(lambda d: d.movable and not d.elementwise)
 
 
 def reorder(program: Program, computations: Sequence[Ref], all_gather: Ref) -> Program:
@@ -122,7 +122,7 @@ def _members(program: Program, computations: Sequence[Ref], ag: Node) -> list[No
             raise ScheduleError("reorder", c.name, "is a program input, not a computation")
         if c is ag:
             raise ScheduleError("reorder", c.name, "is the all_gather itself; list the computations that read it")
-        if OPS[c.op].kind != "elementwise" and c.op not in MOVABLE:
+        if not OPS[c.op].movable:
             raise ScheduleError("reorder", c.name, f"is a {c.op}; reorder moves elementwise computations (and "
                                 f"{', '.join(MOVABLE)}) onto slices")
         if all(c is not x for x in comps):

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.registry import OPS
 from cocosync.schedule._rewrite import Ref, resolve
 from cocosync.schedule.as_slice import as_slice
 from cocosync.schedule.dce import dce
@@ -177,19 +178,16 @@ class Schedule:
         stage that reads it (transitively), plus the Replicated tensor computations that only they read and that
         depend on inputs alone (like `beta1 * m`, or LAMB's per-tensor norms of w), so state tensors end up read
         only through slices."""
-        from cocosync.dsl.ops import OPS
-        from cocosync.schedule.reorder import MOVABLE
-
         p = self.program
         ag = resolve(p, all_gather, "reorder")
-        ok = lambda s: OPS[s.op].kind == "elementwise" or s.op in MOVABLE  # noqa: E731
+        ok = lambda s: OPS[s.op].movable  # noqa: E731
         down: set[int] = {id(ag)}
         for s in p.stages:
             if ok(s) and any(id(a) in down for a in s.args):
                 down.add(id(s))
         pure: set[int] = set()  # Replicated tensor computations of inputs only
         for s in p.stages:
-            if (OPS[s.op].kind == "elementwise" or s.op == "segment_norm") and s.layout.is_replicated and all(
+            if (OPS[s.op].elementwise or s.op == "segment_norm") and s.layout.is_replicated and all(
                     a.is_leaf and not a.layout.is_local or id(a) in pure for a in s.args):
                 pure.add(id(s))
         users = p.users()
@@ -200,11 +198,6 @@ class Schedule:
                     o is s for o in p.outputs):
                 extra.add(id(s))
         return [s.name for s in p.stages if (id(s) in down or id(s) in extra) and s is not ag]
-
-    def lower(self, dump: bool = False):
-        from cocosync.lower import lower
-
-        return lower(self.program, dump=dump)
 
     def __str__(self) -> str:
         head = f"schedule of {self.original.name} ({len(self.directives)} directives)"

@@ -5,7 +5,6 @@ trainer.py."""
 from __future__ import annotations
 
 import ctypes
-import itertools
 import json
 import math
 import multiprocessing as mp
@@ -17,18 +16,27 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from .config import DataConfig, ModelConfig
+from .config import DataConfig
 from .embeddings import SharedEmbeddings
-from .sync import FlatParams, ShadowThread, make_sync
+from .sync import FlatParams
 from .train_config import ConfigError, TrainConfig, config_to_dict
-
-from .trainer import json_safe, TrainerFailure, build_configs, InMemorySource, make_source, eval_batches, SharedState, _new_embeddings, _build_model, Trainer
+from .trainer import (
+    InMemorySource,
+    SharedState,
+    Trainer,
+    TrainerFailure,
+    _build_model,
+    _new_embeddings,
+    build_configs,
+    eval_batches,
+    json_safe,
+    make_source,
+)
 
 __all__ = ["RunResult", "run_training", "load_checkpoint_model"]
 

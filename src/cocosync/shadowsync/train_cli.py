@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from .train_config import SYNC_ALGORITHMS, ConfigError, TrainConfig, config_from_dict, load_train_config
+from .train_config import SYNC_ALGORITHMS, ConfigError, config_from_dict, load_train_config
 
 __all__ = ["train", "eval_checkpoint"]
 
@@ -146,8 +146,8 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     """Score a checkpoint written by `cocosync train` (NE, AUC, Bayes NE on synthetic data)."""
     import dataclasses
 
-    from .metrics import evaluate, summary_table
     from .launcher import load_checkpoint_model
+    from .metrics import evaluate, summary_table
     from .trainer import eval_batches
 
     try:

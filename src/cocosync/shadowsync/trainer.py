@@ -15,19 +15,12 @@ already fill the cores; see the README for the measurement.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
-import json
 import math
-import multiprocessing as mp
-import os
-import signal
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -37,7 +30,7 @@ import torch.nn.functional as F
 from .config import DataConfig, ModelConfig
 from .embeddings import SharedEmbeddings
 from .sync import FlatParams, ShadowThread, make_sync
-from .train_config import ConfigError, TrainConfig, config_to_dict
+from .train_config import ConfigError, TrainConfig
 
 __all__ = ["Trainer", "TrainerFailure", "SharedState", "build_configs", "make_source", "eval_batches", "json_safe"]
 

@@ -6,7 +6,14 @@ from __future__ import annotations
 from ..config import DataConfig
 from .criteo import Batch, CriteoFormatError, CriteoReader, hash_tokens, log_transform, prob_sidecar_path
 from .synth import (
-    EVAL, TRAIN, SynthConfig, SyntheticDataset, SyntheticStream, Teacher, expected_ne, make_synthetic_dataset,
+    EVAL,
+    TRAIN,
+    SynthConfig,
+    SyntheticDataset,
+    SyntheticStream,
+    Teacher,
+    expected_ne,
+    make_synthetic_dataset,
     write_synthetic,
 )
 

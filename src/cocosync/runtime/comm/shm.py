@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cocosync.runtime.group import NodeGroups, node_groups
+from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
 __all__ = ["Arena", "CollectiveTimeout", "Flags", "F_PROG_IN", "F_PROG_OUT", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
 
@@ -104,7 +104,7 @@ class Flags:
 
     def __init__(self, words: np.ndarray, local_rank: int, global_ranks: list[int], timeout: float):
         self.words = words  # (L, _SLOT) int64 view of shared memory
-        self.me = local_rank
+        self.local_rank = local_rank
         self.global_ranks = global_ranks
         self.timeout = timeout
         self.seq = int(words[local_rank, _F_SEQ])
@@ -116,7 +116,7 @@ class Flags:
         return self.words.shape[0]
 
     def publish(self, field: int, value: int) -> None:
-        self.words[self.me, field] = value
+        self.words[self.local_rank, field] = value
 
     def _hdr_slice(self, seq: int) -> slice:
         start = _F_HDR + (seq % 2) * HEADER_WORDS
@@ -130,7 +130,7 @@ class Flags:
         """Publish this rank's header for the next barrier."""
         if len(values) > HEADER_WORDS:
             raise ValueError(f"a header holds at most {HEADER_WORDS} words, got {len(values)}")
-        hdr = self.words[self.me, self._hdr_slice(self.seq + 1)]
+        hdr = self.words[self.local_rank, self._hdr_slice(self.seq + 1)]
         hdr[:] = 0
         hdr[: len(values)] = values
 
@@ -138,7 +138,7 @@ class Flags:
         """Announce arrival at the next sequence number and wait for every local rank to reach it."""
         self._check_usable(what)
         self.seq += 1
-        self.words[self.me, _F_SEQ] = self.seq
+        self.words[self.local_rank, _F_SEQ] = self.seq
         self.wait(_F_SEQ, self.seq, what, timeout)
         return self.seq
 
@@ -179,11 +179,11 @@ class Flags:
 
     def _fail(self, what: str, target: int, missing: list[int], dead: list[int], waited: float) -> None:
         if dead:
-            msg = (f"{what} (call #{target}) on global rank {self.global_ranks[self.me]}: peer process exited: "
+            msg = (f"{what} (call #{target}) on global rank {self.global_ranks[self.local_rank]}: peer process exited: "
                    f"{self._describe(dead)}; still missing: {self._describe(missing)}")
         else:
             msg = (f"{what} (call #{target}) timed out after {waited:.1f}s on global rank "
-                   f"{self.global_ranks[self.me]}: did not arrive: {self._describe(missing)} "
+                   f"{self.global_ranks[self.local_rank]}: did not arrive: {self._describe(missing)} "
                    f"(timeout from ${TIMEOUT_ENV} or the timeout argument)")
         self.broken = msg
         raise CollectiveTimeout(msg)

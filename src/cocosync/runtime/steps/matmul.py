@@ -2,7 +2,7 @@
 
 A bias add right after the matmul goes into the GEMM (`torch.addmm`), and relu, written either DSL way, runs in
 place on the GEMM's output: `maximum(t, 0)` as `relu_` (both propagate NaN), `where(gt(t, 0), t, 0)` as `relu_` +
-`nan_to_num_` (where() turns NaN into 0). What else follows becomes one fused kernel (runtime.kernels) when it can,
+`nan_to_num_` (where() turns NaN into 0). What else follows becomes one fused kernel (runtime.steps.codegen) when it can,
 else runs stage by stage (e.g. backward's where(gt(h, 0), dz @ w2^T, 0): the GEMM, then one kernel).
 
 Why: right after a GEMM of any size, the next torch call runs with cold caches: a compiled kernel then costs
@@ -12,14 +12,15 @@ Megatron block's `x @ w1 + b1 -> relu` into the GEMM call removes that call from
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.kernels import build_kernel, can_fuse
+from cocosync.lower.plan import Kernel
+from cocosync.runtime.stage import StageComm, run_stage
+from cocosync.runtime.steps.codegen import build_kernel, can_fuse
+from cocosync.runtime.steps.common import Runner, StepOptions, put_consts
 
-Runner = Callable[[dict], None]
+__all__ = ["matmul_runner"]
 _INF = float("inf")
 
 
@@ -50,11 +51,10 @@ def _relu_fold(tail: list[Node], head: Node, outside: set[int]) -> tuple[Node | 
     return None, False, 0
 
 
-def matmul_runner(step, program: Program, comm, kernels: str | None, outside: set[int]) -> Runner | None:
+def matmul_runner(step: Kernel, program: Program, comm: StageComm, options: StepOptions,
+                  outside: set[int]) -> Runner | None:
     """A runner for [matmul, epilogue...] steps, or None (reference). outside: ids of the step's stages read
     outside it (or program outputs)."""
-    from cocosync.runtime.executor import run_stage
-
     stages = list(step.stages)
     mm, rest = stages[0], stages[1:]
     if mm.op != "matmul" or not rest or any(a.ndim != 2 for a in mm.args):
@@ -74,7 +74,7 @@ def matmul_runner(step, program: Program, comm, kernels: str | None, outside: se
     if head is mm and relu is None and not fusable:
         return None  # nothing folds and nothing fuses: the reference runs the stages as they are
     outs = [s for s in tail if id(s) in outside]
-    kernel = build_kernel(tail, outs, kernels, name=f"k_{mm.name}_epilogue") if fusable else None
+    kernel = build_kernel(tail, outs, options.kernels, name=f"k_{mm.name}_epilogue") if fusable else None
     a_id, b_id = id(mm.args[0]), id(mm.args[1])
 
     def run(env: dict) -> None:
@@ -86,9 +86,7 @@ def matmul_runner(step, program: Program, comm, kernels: str | None, outside: se
             t = t.relu_()
             env[id(relu)] = t.nan_to_num_(nan=0.0, posinf=_INF) if nan_to_zero else t
         if kernel is not None:
-            for n in kernel.inputs:
-                if n.op == "const":
-                    env.setdefault(id(n), torch.tensor(n.attr("value"), dtype=n.dtype))
+            put_consts(kernel.inputs, env)
             for node, val in zip(outs, kernel(*(env[id(n)] for n in kernel.inputs))):
                 env[id(node)] = val
         else:

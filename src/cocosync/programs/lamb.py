@@ -4,8 +4,23 @@ from __future__ import annotations
 
 import torch
 
-from cocosync.dsl import (Local, Node, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, float32, gt, norm,
-                          segment_norm, sqrt, update, where)
+from cocosync.dsl import (
+    Local,
+    Node,
+    Program,
+    ReduceOp,
+    Replicated,
+    Scalar,
+    Tensor,
+    all_reduce,
+    float32,
+    gt,
+    norm,
+    segment_norm,
+    sqrt,
+    update,
+    where,
+)
 
 
 def trust_ratio(w: Node, r: Node, sizes: tuple[int, ...] | None) -> Node:

@@ -9,7 +9,7 @@ is one of its output's last two dims). The chain then splits into alternating co
     C0 -> M0 -> C1 -> M1 -> ...      (C: local stages, main thread; M: collectives, the comm thread)
 
 and chunk i's C_j runs on the main thread while earlier chunks' communications run on one background thread
-(runtime.fused.CommThread), in the same order on every rank. Only the comm thread calls collectives while the step
+(runtime.comm.fused.CommThread), in the same order on every rank. Only the comm thread calls collectives while the step
 runs, and the step waits for all of them before it returns.
 
 Operands from outside the chain are cut to the chunk along their aligned dim (Replicated operands that broadcast
@@ -21,21 +21,74 @@ the ops above, `overlap_runner` returns None and the step runs by its reference 
 from __future__ import annotations
 
 import threading
-from concurrent.futures import Future
-from typing import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.interp import ELEMENTWISE, dropout_mask
-from cocosync.runtime.fused import CommThread
+from cocosync.dsl.registry import names
+from cocosync.interp import ELEMENTWISE
+from cocosync.lower.plan import Overlap
+from cocosync.runtime.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
+from cocosync.runtime.steps.common import Runner, outside_readers
 
-Runner = Callable[[dict], None]
+__all__ = ["overlap_runner", "CommThread", "overlap_chunks", "comm_thread", "choose_dim", "chunk_plan", "segments"]
 
 #: collectives that act elementwise along any dimension other than the one they scatter/gather
-COMM_OPS = frozenset({"reduce_scatter", "all_gather", "all_reduce", "send"})
+COMM_OPS = names(lambda d: d.pipelined)
 #: local stages with one operand of the stage's shape, cut like the stage
-_UNARY = frozenset({"cast", "dropout", "scatter"})
+_UNARY = names(lambda d: d.cut_like_output)
+
+
+class CommThread:
+    """One background thread that runs communication calls in submission order."""
+
+    def __init__(self) -> None:
+        self._ex = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cocosync-comm")
+
+    def submit(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        return self._ex.submit(fn, *args, **kwargs)
+
+    def close(self) -> None:
+        self._ex.shutdown(wait=True)
+
+    def __enter__(self) -> "CommThread":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def overlap_chunks(produce: Callable[[int], Any], communicate: Callable[[int, Any], Any], n_chunks: int, *,
+                   thread: CommThread | None = None) -> list[Any]:
+    """For i in range(n_chunks): ``c = produce(i)`` on this thread while ``communicate(i - 1, c_prev)`` runs on the
+    background thread. Communications run one at a time, in order (every rank issues them in the same order).
+    Returns the communicate results in chunk order; an exception in either is raised here after the
+    in-flight communication finished."""
+    if n_chunks < 0:
+        raise ValueError(f"n_chunks={n_chunks} must be >= 0")
+    own = thread is None
+    th = thread or CommThread()
+    results: list[Any] = []
+    pending: Future | None = None
+    try:
+        for i in range(n_chunks):
+            try:
+                c = produce(i)
+            except BaseException:
+                if pending is not None:
+                    pending.exception()  # let the in-flight communication finish before unwinding
+                raise
+            if pending is not None:
+                results.append(pending.result())
+            pending = th.submit(communicate, i, c)
+        if pending is not None:
+            results.append(pending.result())
+    finally:
+        if own:
+            th.close()
+    return results
 
 _THREAD: list[CommThread] = []
 _THREAD_LOCK = threading.Lock()
@@ -114,11 +167,9 @@ def choose_dim(stages: tuple[Node, ...], chunks: int) -> tuple[int, list] | None
     return None
 
 
-def overlap_runner(step, program: Program, comm, kernels: str | None = None) -> Runner | None:
+def overlap_runner(step: Overlap, program: Program, comm: StageComm) -> Runner | None:
     """A runner `run(env)` executing the Overlap step pipelined by chunks, or None (reference fallback).
-    (`kernels` is accepted for prepare()'s interface; the chunks' local stages run as torch ops.)"""
-    from cocosync.runtime.fast_steps import outside_readers
-
+    The chunks' local stages run as torch ops."""
     stages = tuple(step.stages)
     if not stages or step.chunks < 2:
         return None
@@ -181,7 +232,7 @@ class _Pipelined:
 
     def _mask(self, s: Node) -> torch.Tensor:
         m = self.masks.get(id(s))
-        if m is None:  # exactly the mask executor._run_stage uses, computed once (it depends on seed/shape/rank)
+        if m is None:  # exactly the mask the reference (runtime.stage) uses, computed once (it depends on seed/shape/rank)
             m = self.masks[id(s)] = _reference_mask(s, self.comm)
         return m
 
@@ -196,15 +247,11 @@ class _Pipelined:
         return True
 
     def _chunk_shape(self, s: Node, i: int) -> tuple[int, ...]:
-        from cocosync.runtime.executor import local_shape
-
-        shape = list(local_shape(s, self.comm.G))
+        shape = list(local_shape(s, self.comm.group_size))
         shape[self.d] = self.bounds[i][1] - self.bounds[i][0]
         return tuple(shape)
 
     def _run_compute(self, j: int, i: int, env: dict, local: dict) -> None:
-        from cocosync.runtime.executor import _run_stage
-
         lo, hi = self.bounds[i]
         for s in self.compute[j]:
             if self._pruned(s, i, local):
@@ -213,11 +260,9 @@ class _Pipelined:
             if s.op == "dropout":  # the reference's formula on the chunk of the reference's mask
                 local[id(s)] = args[0] * self._mask(s).narrow(self.d, lo, hi - lo) / (1.0 - s.attr("p"))
             else:
-                local[id(s)] = _run_stage(s, args, self.comm)
+                local[id(s)] = eval_stage(s, args, self.comm)
 
     def _run_comm(self, j: int, i: int, env: dict, local: dict) -> None:
-        from cocosync.runtime.executor import _COMM_STAGE
-
         for s in self.comms[j]:
             if self._pruned(s, i, local):
                 continue
@@ -225,7 +270,7 @@ class _Pipelined:
             if x is None:  # the last group's send: only receives
                 local[id(s)] = self.comm.send(None, self._chunk_shape(s, i), s.dtype)
             else:
-                local[id(s)] = _COMM_STAGE[s.op](s, x, self.comm)
+                local[id(s)] = COMM_RULES[s.op](s, x, self.comm)
 
     def __call__(self, env: dict) -> None:
         for a in self.consts:
@@ -257,14 +302,6 @@ class _Pipelined:
             env[id(s)] = torch.cat([c[id(s)] for c in chunks], dim=self.d)
 
 
-def _reference_mask(s: Node, comm) -> torch.Tensor:
-    """The keep mask (as s.dtype) executor._run_stage applies to this rank's value of dropout stage `s`."""
-    from cocosync.runtime.executor import local_shape
-
-    p, seed = s.attr("p"), s.attr("seed")
-    if s.layout.is_local:
-        m = dropout_mask(local_shape(s, comm.G), p, seed, rank=comm.gid * comm.G + comm.index)
-    else:
-        m = dropout_mask(s.shape, p, seed)
-        m = comm.part(m, s.layout.dim) if s.layout.is_sliced else m
-    return m.to(s.dtype).contiguous()
+def _reference_mask(s: Node, comm: StageComm) -> torch.Tensor:
+    """The keep mask (as s.dtype) the reference (runtime.stage) applies to this rank's value of dropout stage `s`."""
+    return rank_dropout_mask(s, comm).to(s.dtype).contiguous()

@@ -23,11 +23,18 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from cocosync.runtime.group import NodeGroups, node_groups
-from cocosync.runtime.headers import header, validate
-from cocosync.runtime.reduction import (REDUCE_OPS, SUPPORTED_DTYPES, _check_dtype, _check_op, _elsize,
-                                        _reduce_chunk, split_bounds)
-from cocosync.runtime.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
+from cocosync.runtime.comm.headers import header, validate
+from cocosync.runtime.comm.reduction import (
+    REDUCE_OPS,
+    SUPPORTED_DTYPES,
+    _check_dtype,
+    _check_op,
+    _elsize,
+    _reduce_chunk,
+    split_bounds,
+)
+from cocosync.runtime.comm.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
+from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
 __all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
@@ -87,7 +94,7 @@ class ShmCommunicator:
         self.flags = self.arena.flags
         topo = self.groups.topo
         self.topo = topo
-        self.L, self.me = topo.local_world_size, topo.local_rank
+        self.local_size, self.local_rank = topo.local_world_size, topo.local_rank
         self.world, self.rank, self.nnodes = topo.world_size, topo.rank, topo.nnodes
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 4096")
@@ -115,12 +122,12 @@ class ShmCommunicator:
         if self.world == 1:
             return t if out is None else out.copy_(t)
         x, writeback = self._flat(t)
-        if self.nnodes == 1 and x.numel() * x.element_size() * (self.L - 1) <= self.one_shot_bytes:
+        if self.nnodes == 1 and x.numel() * x.element_size() * (self.local_size - 1) <= self.one_shot_bytes:
             return self._all_reduce_one_shot(name, t, x, op, out)
         if out is not None:
             t = out.copy_(t)
             x, writeback = self._flat(t)
-        ranges = [[b] for b in split_bounds(x.numel(), self.L)]
+        ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
         self._all_reduce_flat(name, x, ranges, op, inter=self.nnodes > 1)
         if writeback:
             t.copy_(x.view(t.shape))
@@ -143,12 +150,12 @@ class ShmCommunicator:
             out.copy_(t)
             return out
         # local rank l reduces the global slices (node b, local l) for every node b
-        ranges = [[((b * self.L + lr) * c, (b * self.L + lr + 1) * c) for b in range(self.nnodes)]
-                  for lr in range(self.L)]
+        ranges = [[((b * self.local_size + lr) * c, (b * self.local_size + lr + 1) * c) for b in range(self.nnodes)]
+                  for lr in range(self.local_size)]
         mine = out.view(-1) if self.nnodes == 1 and out.is_contiguous() else torch.empty(
             self.nnodes * c, dtype=t.dtype if self.nnodes == 1 else torch.float32)
         call = self._begin(name, x, op=op, fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)))
-        self._reduce_ranges(call, ranges[self.me], op, x, mine, scale=self._scale(op) if self.nnodes == 1 else None)
+        self._reduce_ranges(call, ranges[self.local_rank], op, x, mine, scale=self._scale(op) if self.nnodes == 1 else None)
         self._end(call)
         if self.nnodes > 1:
             piece = torch.empty(c, dtype=torch.float32)
@@ -172,25 +179,25 @@ class ShmCommunicator:
         if self.nnodes == 1:  # peers read this rank's slice where it is (zero-copy when t is an arena tensor)
             src = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
             call = self._begin(name, src, fill=lambda ws: ws.copy_(src))
-            for lr in range(self.L):
-                y[lr * c:(lr + 1) * c].copy_(src if lr == self.me else call.sources[lr])
+            for lr in range(self.local_size):
+                y[lr * c:(lr + 1) * c].copy_(src if lr == self.local_rank else call.sources[lr])
             self._end(call)
             if writeback:
                 out.copy_(y.view(out_shape))
             return out
-        ranges = [[((b * self.L + lr) * c, (b * self.L + lr + 1) * c) for b in range(self.nnodes)]
-                  for lr in range(self.L)]
+        ranges = [[((b * self.local_size + lr) * c, (b * self.local_size + lr + 1) * c) for b in range(self.nnodes)]
+                  for lr in range(self.local_size)]
         src = t.reshape(-1)
         if self.nnodes > 1:  # gather the pieces of this local rank from every node first (inter-node)
             gathered = torch.empty(self.nnodes * c, dtype=t.dtype)
             self._inter_all_gather(gathered, src.contiguous())
-            for b, (s, e) in enumerate(ranges[self.me]):
+            for b, (s, e) in enumerate(ranges[self.local_rank]):
                 y[s:e].copy_(gathered[b * c:(b + 1) * c])
             src_ranges = y
         else:
-            y[ranges[self.me][0][0]:ranges[self.me][0][1]].copy_(src)
+            y[ranges[self.local_rank][0][0]:ranges[self.local_rank][0][1]].copy_(src)
             src_ranges = y
-        call = self._begin(name, y, numel=c, fill=lambda ws: self._copy_ranges(ws, src_ranges, [ranges[self.me]]),
+        call = self._begin(name, y, numel=c, fill=lambda ws: self._copy_ranges(ws, src_ranges, [ranges[self.local_rank]]),
                            data=src_ranges)
         self._gather_ranges(call, ranges, y)
         self._end(call)
@@ -206,22 +213,22 @@ class ShmCommunicator:
         if self.world == 1:
             return t
         x, writeback = self._flat(t)
-        root_node, root_local = divmod(root, self.L)
+        root_node, root_local = divmod(root, self.local_size)
         if self.topo.node == root_node:
-            am_root = self.me == root_local
+            am_root = self.local_rank == root_local
             call = self._begin(name, x, root=root, fill=(lambda ws: ws.copy_(x)) if am_root else None)
             if not am_root:
                 x.copy_(call.sources[root_local])
             self._end(call)
         if self.nnodes > 1:
-            ranges = [[b] for b in split_bounds(x.numel(), self.L)]
-            s, e = ranges[self.me][0]
+            ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
+            s, e = ranges[self.local_rank][0]
             piece = x[s:e]
             if e > s:
-                dist.broadcast(piece, src=root_node * self.L + self.me, group=self.groups.inter)
+                dist.broadcast(piece, src=root_node * self.local_size + self.local_rank, group=self.groups.inter)
             if self.topo.node != root_node:
                 call = self._begin(name + " (intra all-gather)", x, root=root,
-                                   fill=lambda ws: self._copy_ranges(ws, x, [ranges[self.me]]))
+                                   fill=lambda ws: self._copy_ranges(ws, x, [ranges[self.local_rank]]))
                 self._gather_ranges(call, ranges, x)
                 self._end(call)
         if writeback:
@@ -237,41 +244,33 @@ class ShmCommunicator:
         if self.world == 1:
             return t
         x, writeback = self._flat(t)
-        root_node, root_local = divmod(root, self.L)
-        ranges = [[b] for b in split_bounds(x.numel(), self.L)]
-        s, e = ranges[self.me][0]
+        root_node, root_local = divmod(root, self.local_size)
+        ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
+        s, e = ranges[self.local_rank][0]
         call = self._begin(name, x, op=op, root=root,
                            fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)), always_ws=True)
-        ws_me = self._ws_view(call.ws, self.me, x.numel(), x.dtype)
+        ws_me = self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype)
         if self.nnodes == 1:
-            self._reduce_ranges(call, ranges[self.me], op, x, ws_me[s:e], scale=self._scale(op))
+            self._reduce_ranges(call, ranges[self.local_rank], op, x, ws_me[s:e], scale=self._scale(op))
         else:
             mine = torch.empty(e - s, dtype=torch.float32)
-            self._reduce_ranges(call, ranges[self.me], op, x, mine)
+            self._reduce_ranges(call, ranges[self.local_rank], op, x, mine)
             if e > s:
-                dist.reduce(mine, dst=root_node * self.L + self.me, op=getattr(dist.ReduceOp, _DIST_OP[op]),
+                dist.reduce(mine, dst=root_node * self.local_size + self.local_rank, op=getattr(dist.ReduceOp, _DIST_OP[op]),
                             group=self.groups.inter)
             if self.topo.node == root_node:
                 if op == "mean":
                     mine.div_(self.world)
                 ws_me[s:e].copy_(mine)
         self.flags.barrier(name + " (reduced slices published)")
-        if self.topo.node == root_node and self.me == root_local:
-            for lr in range(self.L):
+        if self.topo.node == root_node and self.local_rank == root_local:
+            for lr in range(self.local_size):
                 ls, le = ranges[lr][0]
                 x[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
         self._end(call, skip_barrier=True)  # the root read workspaces only
         if writeback and self.rank == root:
             t.copy_(x.view(t.shape))
         return t
-
-    def fused_all_reduce(self, t: torch.Tensor, fn: Callable[[int, torch.Tensor, torch.Tensor], None], *,
-                         out: torch.Tensor | None = None, op: str = "sum", gather: bool = True,
-                         fn_bytes: int = 0) -> torch.Tensor:
-        """Reduce-scatter -> fn per reduced chunk -> all-gather, as one operation (see runtime.fused)."""
-        from cocosync.runtime.fused import fused_all_reduce
-
-        return fused_all_reduce(self, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes)
 
     def barrier(self) -> None:
         """All ranks of this node (and, with several nodes, of the job) reach this point."""
@@ -301,7 +300,7 @@ class ShmCommunicator:
             raise ValueError(f"{name}: root={root} is not a rank in [0, {self.world})")
 
     def _others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
-        return [r for lr, r in enumerate(ranges) if lr != self.me]
+        return [r for lr, r in enumerate(ranges) if lr != self.local_rank]
 
     def _scale(self, op: str) -> float | None:
         return 1.0 / self.world if op == "mean" else None
@@ -343,26 +342,24 @@ class ShmCommunicator:
         seg, off = (where[0], where[1]) if zc else (-1, -1)
         ws = self._ws[parity]
         fits = ws is not None and ws.region_bytes >= nbytes
-        filled = False
         if fill is not None and not zc and fits:
-            fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
-            filled = True
+            fill(self._ws_view(ws, self.local_rank, x.numel(), x.dtype))
         self.flags.set_header(header(name, x.dtype, x.numel() if numel is None else numel, op, root, seg, off,
                                      (self.chunk_bytes, self.pipeline_bytes, self.one_shot_bytes)))
         seq = self.flags.barrier(name)
         hdrs = self.flags.headers(seq)
-        validate(name, seq, hdrs, self.me, self.groups.local_ranks_global)
+        validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)
         need_ws = always_ws or any(h[5] < 0 for h in hdrs)
         if need_ws and not fits:  # same decision on every rank: the headers agree
             ws = self._ensure_ws(parity, nbytes)
             if fill is not None and not zc:
-                fill(self._ws_view(ws, self.me, x.numel(), x.dtype))
+                fill(self._ws_view(ws, self.local_rank, x.numel(), x.dtype))
             self.flags.barrier(name + " (workspace grown)")
         if not need_ws and not fits:
             ws = None
         sources: list[torch.Tensor | None] = []
-        for lr in range(self.L):
-            if lr == self.me:
+        for lr in range(self.local_size):
+            if lr == self.local_rank:
                 sources.append(data)
             elif hdrs[lr][5] >= 0:
                 sources.append(self.arena.view(hdrs[lr][5], lr, hdrs[lr][6], (data.numel(),), x.dtype))
@@ -396,7 +393,7 @@ class ShmCommunicator:
         fn_sources: fn does the reduction itself: it gets the list of every rank's chunk (rank order) instead of
         the reduced chunk, and nothing is written to `dst` (one pass over the sources, no reduced copy).
         """
-        srcs = [own if lr == self.me else call.sources[lr] for lr in range(self.L)]
+        srcs = [own if lr == self.local_rank else call.sources[lr] for lr in range(self.local_size)]
         step = max(1, self.chunk_bytes // own.element_size())
         fn_step = max(step, fn_bytes // own.element_size())
         pos = 0
@@ -428,8 +425,8 @@ class ShmCommunicator:
 
     def _gather_ranges(self, call: _Call, ranges: list[list[tuple[int, int]]], y: torch.Tensor) -> None:
         """Copy every peer's ranges from where it published them into y."""
-        for lr in range(self.L):
-            if lr == self.me:
+        for lr in range(self.local_size):
+            if lr == self.local_rank:
                 continue
             src = call.sources[lr]
             for s, e in ranges[lr]:
@@ -441,7 +438,7 @@ class ShmCommunicator:
         """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x.
         fn_sources: fn gets a list: every rank's chunk to reduce itself (within a node, with an arena or
         node-shared fn_out), else the reduced chunk alone (a list of one)."""
-        s, e = ranges[self.me][0]
+        s, e = ranges[self.local_rank][0]
         out = x if fn_out is None else fn_out
         out_where = self.arena.locate(fn_out) if fn_out is not None else None
         shared_out = out_where is not None and out_where[2]
@@ -456,10 +453,10 @@ class ShmCommunicator:
                 self._pipelined(call, x, ranges, op)
                 return
             if not all(call.zc):  # mixed arena / plain ranks: the plain ones copy in now
-                if not call.zc[self.me]:
-                    fill(self._ws_view(call.ws, self.me, x.numel(), x.dtype))
+                if not call.zc[self.local_rank]:
+                    fill(self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype))
                 self.flags.barrier(name + " (copied in)")
-        ws_me = self._ws_view(call.ws, self.me, x.numel(), x.dtype) if call.ws is not None else None
+        ws_me = self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype) if call.ws is not None else None
         if fn_out is None:
             publish = None if self.arena.locate(x) is not None else ws_me
         else:
@@ -468,11 +465,11 @@ class ShmCommunicator:
         if fn_sources and not sources:  # reduce here; fn gets the reduced chunk as a list of one
             fn = (lambda f: lambda o, r, y: f(o, [r], y))(fn)
         if not inter:
-            self._reduce_ranges(call, ranges[self.me], op, x, x[s:e], scale=self._scale(op), publish=publish, fn=fn,
+            self._reduce_ranges(call, ranges[self.local_rank], op, x, x[s:e], scale=self._scale(op), publish=publish, fn=fn,
                                 fn_out=fn_out, fn_bytes=fn_bytes, fn_sources=sources)
         else:
             part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
-            self._reduce_ranges(call, ranges[self.me], op, x, part)
+            self._reduce_ranges(call, ranges[self.local_rank], op, x, part)
             if e > s:  # across nodes in float32 (16-bit sums are rounded once, at the end)
                 dist.all_reduce(part, op=getattr(dist.ReduceOp, _DIST_OP[op]), group=self.groups.inter)
                 if op == "mean":
@@ -496,16 +493,16 @@ class ShmCommunicator:
         if fn_out is not None and out_zc:
             where = self.arena.locate(fn_out)
             assert where is not None
-            views = [self.arena.view(where[0], lr, where[1], (fn_out.numel(),), fn_out.dtype) for lr in range(self.L)]
-            for lr in range(self.L):
-                if lr != self.me:
+            views = [self.arena.view(where[0], lr, where[1], (fn_out.numel(),), fn_out.dtype) for lr in range(self.local_size)]
+            for lr in range(self.local_size):
+                if lr != self.local_rank:
                     ls, le = ranges[lr][0]
                     out[ls:le].copy_(views[lr][ls:le])
             self.flags.barrier(name + " (done)")
             return
         if fn_out is not None:  # plain out: peers published their results in their workspace
-            for lr in range(self.L):
-                if lr != self.me:
+            for lr in range(self.local_size):
+                if lr != self.local_rank:
                     ls, le = ranges[lr][0]
                     out[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
             self._end(call)
@@ -535,8 +532,8 @@ class ShmCommunicator:
         step = max(1, self.pipeline_bytes // x.element_size())
         bounds = [r[0] for r in ranges]
         nchunks = max(1, max(-(-(e - s) // step) for s, e in bounds))
-        ws = [self._ws_view(call.ws, lr, x.numel(), x.dtype) for lr in range(self.L)]
-        peers = [lr for lr in range(self.L) if lr != self.me]
+        ws = [self._ws_view(call.ws, lr, x.numel(), x.dtype) for lr in range(self.local_size)]
+        peers = [lr for lr in range(self.local_size) if lr != self.local_rank]
         scale = self._scale(op)
         f = self.flags
         base = f.prog  # progress counters live with the flags: communicators sharing an arena stay consistent
@@ -555,16 +552,16 @@ class ShmCommunicator:
         for k in range(nchunks):
             for lr in peers:
                 a, b = chunk(lr, k)
-                ws[self.me][a:b].copy_(x[a:b])
+                ws[self.local_rank][a:b].copy_(x[a:b])
             f.publish(F_PROG_IN, base + k + 1)
             f.wait(F_PROG_IN, base + k + 1, call.name + " (reduce)", call=call.seq)
-            a, b = chunk(self.me, k)
+            a, b = chunk(self.local_rank, k)
             sub = max(1, self.chunk_bytes // x.element_size())
             for c in range(a, b, sub):  # cache-sized pieces: the published copy reads from L2
                 d = x[c:min(c + sub, b)]
-                _reduce_chunk(d, [d if lr == self.me else ws[lr][c:c + d.numel()] for lr in range(self.L)], op,
+                _reduce_chunk(d, [d if lr == self.local_rank else ws[lr][c:c + d.numel()] for lr in range(self.local_size)], op,
                               self._acc_buf, scale)
-                ws[self.me][c:c + d.numel()].copy_(d)
+                ws[self.local_rank][c:c + d.numel()].copy_(d)
             f.publish(F_PROG_OUT, base + k + 1)
             if k:
                 gather(k - 1)

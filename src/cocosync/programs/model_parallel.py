@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from cocosync.dsl import (Local, Program, Replicated, Sliced, Tensor, all_reduce, dropout, float32, maximum, send)
+from cocosync.dsl import Local, Program, Replicated, Sliced, Tensor, all_reduce, dropout, float32, maximum, send
 
 
 def megatron_mlp_program(batch: int, hidden: int, ffn: int, *, p: float = 0.1, seed: int = 0,

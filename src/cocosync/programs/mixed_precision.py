@@ -1,6 +1,6 @@
 """Data-parallel optimizer programs with mixed precision and global-norm gradient clipping.
 
-The paper's programs (examples/optimizers.py, examples/lamb.py) keep gradients, weights and state in one dtype.
+The paper's programs (programs/optimizers.py, programs/lamb.py) keep gradients, weights and state in one dtype.
 Here the gradients and the model weights may be low precision (bfloat16/float16) while the optimizer works on
 float32 "master" weights and moments:
 
@@ -15,7 +15,7 @@ for low-precision collectives) and rounds the mean to the gradient dtype.
 Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
 torch.nn.utils.clip_grad_norm_; the norm before clipping is also an output, "grad_norm" (what clip_grad_norm_
 returns, the number training loops log); the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
-reduction over the whole tensor: the runtime runs such a fused collective in phases around it (runtime/norm_step.py),
+reduction over the whole tensor: the runtime runs such a fused collective in phases around it (runtime/steps/phased.py),
 still one reduction of the gradients. `grad_norm_program` is the norm alone (reduce-scatter + norm of the slice).
 
 With `master_dtype == dtype` and `clip=False` each program is the paper's program (same stages).
@@ -25,10 +25,25 @@ from __future__ import annotations
 
 import torch
 
-from cocosync.dsl import (Local, Node, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, cast, float32, gt,
-                          norm, reduce_scatter, sqrt, update, where)
-
-from cocosync.examples.lamb import trust_ratio  # noqa: E402 - after the DSL imports it uses
+from cocosync.dsl import (
+    Local,
+    Node,
+    Program,
+    ReduceOp,
+    Replicated,
+    Scalar,
+    Tensor,
+    all_reduce,
+    cast,
+    float32,
+    gt,
+    norm,
+    reduce_scatter,
+    sqrt,
+    update,
+    where,
+)
+from cocosync.programs.lamb import trust_ratio  # noqa: E402 - after the DSL imports it uses
 
 CLIP_EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s epsilon
 

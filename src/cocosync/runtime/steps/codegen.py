@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from cocosync.dsl.ir import Node
-from cocosync.dsl.ops import OPS
+from cocosync.dsl.registry import OPS
 from cocosync.interp import ELEMENTWISE
 
 __all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse"]
@@ -42,18 +42,16 @@ def default_backend() -> str:
 def can_fuse(stage: Node) -> bool:
     """Elementwise stages whose value depends only on their operands (dropout draws a mask: left out), and
     updates (inside a kernel, the new value of a state; writing it back is the caller's job)."""
-    return OPS[stage.op].kind == "elementwise" and stage.op != "dropout" or stage.op == "update"
-
-
-_SCALAR_OK = {"maximum": "clamp_min", "minimum": "clamp_max"}  # torch.maximum/minimum reject Python numbers
+    return OPS[stage.op].in_kernels
 
 
 def _line(s: Node, ref: dict[int, str]) -> str:
     args = [ref[id(a)] if id(a) in ref else repr(float(a.attr("value"))) for a in s.args]
-    if s.op in _SCALAR_OK and len(s.args) == 2 and s.args[1].op == "const" and id(s.args[0]) in ref:
-        return f"torch.{_SCALAR_OK[s.op]}({args[0]}, {args[1]})"
-    if s.op in _SCALAR_OK and len(s.args) == 2 and s.args[0].op == "const" and id(s.args[1]) in ref:
-        return f"torch.{_SCALAR_OK[s.op]}({args[1]}, {args[0]})"
+    scalar_fn = OPS[s.op].scalar_fn  # torch.maximum/minimum reject Python numbers: clamp_min/clamp_max
+    if scalar_fn and len(s.args) == 2 and s.args[1].op == "const" and id(s.args[0]) in ref:
+        return f"torch.{scalar_fn}({args[0]}, {args[1]})"
+    if scalar_fn and len(s.args) == 2 and s.args[0].op == "const" and id(s.args[1]) in ref:
+        return f"torch.{scalar_fn}({args[1]}, {args[0]})"
     if s.op == "update":
         return args[1] if s.args[1].shape == s.shape else f"{args[1]}.expand_as({args[0]})"
     if s.op == "cast":

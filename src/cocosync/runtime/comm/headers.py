@@ -7,7 +7,7 @@ ranks called different collectives (or the same one with different arguments or 
 
 from __future__ import annotations
 
-from cocosync.runtime.reduction import REDUCE_OPS, SUPPORTED_DTYPES
+from cocosync.runtime.comm.reduction import REDUCE_OPS, SUPPORTED_DTYPES
 
 __all__ = ["header", "validate"]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cocosync.dsl import (Local, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, float32, sqrt,
-                          update)
+from cocosync.dsl import Local, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, float32, sqrt, update
 
 
 def sgd_program(n: int, dtype: torch.dtype = float32, *, momentum: bool = False) -> Program:

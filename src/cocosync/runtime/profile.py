@@ -59,15 +59,12 @@ def timed_steps(plan, env: dict, prof: StepProfile) -> None:
     """Run the plan's steps on env, timing each (with prof.sync: after a barrier of the node's ranks)."""
     barrier = plan.comm.shm.barrier if prof.sync and plan.comm.shm is not None else None
     prof.begin_call()
-    for i, (step, runner) in enumerate(zip(plan.plan.steps, plan.runners)):
+    for i in range(len(plan.runners)):
         waited = 0.0
         if barrier is not None:
             t0 = time.perf_counter()
             barrier()
             waited = time.perf_counter() - t0 if i else 0.0
         t0 = time.perf_counter()
-        if runner is not None:
-            runner(env)
-        else:
-            step.run(env, plan.comm)
+        plan.run_step(i, env)
         prof.add(i, time.perf_counter() - t0, waited)

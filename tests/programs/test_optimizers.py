@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import cocosync as cs
-from cocosync.examples.optimizers import adam_program, adam_scalars, sgd_program
+from cocosync.programs.optimizers import adam_program, adam_scalars, sgd_program
 
 N, STEPS = 64, 5
 
@@ -16,7 +16,7 @@ def _grads(step, rank):
 def _run_on_rank(kind):
     import torch.distributed as dist
 
-    rank, P = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     w = torch.linspace(-1, 1, N)
     if kind == "adam":
         fn, state = cs.compile(adam_program(N)), {"m": torch.zeros(N), "v": torch.zeros(N)}

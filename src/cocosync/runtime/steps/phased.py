@@ -28,10 +28,28 @@ import itertools
 import torch
 
 from cocosync.dsl.ir import Node, Program
-from cocosync.runtime.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
-from cocosync.runtime.kernels import build_kernel, can_fuse
+from cocosync.dsl.registry import OPS
+from cocosync.lower.plan import FusedCollective
+from cocosync.runtime.comm.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
+from cocosync.runtime.stage import StageComm, run_stage, run_stages
+from cocosync.runtime.steps.codegen import build_kernel, can_fuse
+from cocosync.runtime.steps.common import (
+    KERNEL_BYTES,
+    Runner,
+    StepOptions,
+    across_nodes_ok,
+    first_call_timeout,
+    kernel_reduce_of,
+    outside_readers,
+    put_consts,
+    reduce_buffer,
+    store_results,
+)
 
-NORMS = ("norm", "segment_norm")  # a segment_norm is a norm per segment (LAMB's per-tensor ratio): same phases
+__all__ = ["phased_collective_runner"]
+
+# a segment_norm is a norm per segment (LAMB's per-tensor ratio): the same phases
+NORMS = tuple(op for op, d in OPS.items() if d.norm)
 
 
 def _levels(step) -> dict[int, int]:
@@ -56,8 +74,6 @@ class _Phases:
     """The step cut into phases, checked; `ok` False means: use the reference path."""
 
     def __init__(self, step, program: Program, shm):
-        from cocosync.runtime.fast_steps import across_nodes_ok
-
         self.ok = False
         rs, ag = step.rs, step.ag
         if shm is None or rs.layout.dim != 0 or ag.args[0].layout.dim != 0 or not across_nodes_ok(shm, rs):
@@ -148,8 +164,6 @@ class _Phases:
     def _outside_safe(self, program: Program) -> bool:
         """States are written in place: nobody outside the step may read their old value, and no other value of
         the step may be needed outside it."""
-        from cocosync.runtime.fast_steps import outside_readers
-
         users = program.users()
         writes = [s for ph in self.writes for s in ph] + ([self.w_update] if self.w_update else [])
         for s in writes:
@@ -170,11 +184,10 @@ def _pieces(ends: list[int], offset: int, n: int):
         lo, i = hi, i + 1
 
 
-def norm_collective_runner(step, program: Program, comm, kernels: str | None, donate: frozenset[str]):
+def phased_collective_runner(step: FusedCollective, program: Program, comm: StageComm,
+                             options: StepOptions) -> Runner | None:
     """The phased runner of a FusedCollective with norms, or None when a precondition fails (reference path)."""
-    from cocosync.runtime.fast_steps import (KERNEL_BYTES, first_call_timeout, kernel_reduce_of, put_consts,
-                                             reduce_buffer, store_results)
-
+    kernels, donate = options.kernels, options.donate
     shm = getattr(comm, "shm", None)
     ph = _Phases(step, program, shm)
     if not ph.ok:
@@ -195,19 +208,17 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
     op = rs.attr("op").value
     # within a node, phase 0's kernel also does the reduction: it reads every rank's gradient chunk in place, sums
     # them in its loop and writes the sum (which later phases read back) over this rank's own chunk
-    reduce_of = kernel_reduce_of(shm, rs)
+    reduce_of = kernel_reduce_of(shm, rs, options.fuse_reduction)
     kern0_src = None
     if reduce_of is not None and kerns[0] is not None and any(a is rs for a in kerns[0].inputs):
         kern0_src = phase_kernel(0, name=f"fused_{rs.name}_0_src", reduce_of=reduce_of,
-                                 reduced_out=(shm.me, len(ph.kernels[0].roots)))
+                                 reduced_out=(shm.local_rank, len(ph.kernels[0].roots)))
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     kinds = {id(a): ph.kind(a) for k in kerns if k is not None for a in [*k.inputs, *k.sumsq, *k.squares]}
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in ph.norms if nm.op == "segment_norm"}
     scratch: dict = {}
 
     def run(env: dict) -> None:
-        from cocosync.runtime.executor import run_stage
-
         def scalars_at(k: int) -> None:
             for s in ph.scalars:
                 if ph.level[id(s)] == k:
@@ -220,7 +231,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
         state = {id(s): env[id(s.args[0])].view(-1) for s in writes if env[id(s.args[0])].is_contiguous()}
         out = env[id(w_update.args[0])] if w_update is not None else torch.empty(ag.shape, dtype=ag.dtype)
         if len(state) < len(writes) or not out.is_contiguous() or shm.nnodes > 1 and node_shared(shm, out):
-            return step.run(env, comm)
+            return run_stages(step.stages, env, comm)
         flat_out = out.view(-1)
         start, stop = owned_slice(shm, buf.numel())
         step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
@@ -266,7 +277,7 @@ def norm_collective_runner(step, program: Program, comm, kernels: str | None, do
                     kern(*(view(a, offset, n) for a in kern.inputs), *outs, *sqs, *sqvs)
                 else:  # every rank's chunk: the kernel sums them and writes the sum to buf
                     assert kern0_src is not None
-                    peers = parts[:shm.me] + parts[shm.me + 1:]  # its own chunk is read from buf, where the sum goes
+                    peers = parts[:shm.local_rank] + parts[shm.local_rank + 1:]  # its own chunk is read from buf, where the sum goes
                     args = [x for a in kern0_src.inputs for x in (peers if a is rs else [view(a, offset, n)])]
                     kern0_src(*args, *outs, buf[offset:offset + n], *sqs, *sqvs)
                 for j, sq in enumerate(sqs):
