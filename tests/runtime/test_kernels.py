@@ -121,7 +121,8 @@ def test_kernel_reducing_its_input_equals_reducing_first(backend, dtype, count):
     """reduce_of: the kernel sums the ranks' chunks itself (the fused collective's one pass) and gets the same bits
     as the collectives' chunk reduction followed by the kernel on the reduced chunk. Inductor keeps a 16-bit
     reduced value in float32 (as every intermediate of its kernels), so there bfloat16 agrees to rounding."""
-    from cocosync.runtime.comm.reduction import _reduce_chunk
+    from cocosync.reduce_op import ReduceOp
+    from cocosync.runtime.comm.reduction import reduce_chunk
 
     n = 1000
     p = adam_program(n, dtype)
@@ -136,7 +137,7 @@ def test_kernel_reducing_its_input_equals_reducing_first(backend, dtype, count):
     env = {"w": torch.randn(n, generator=gen).to(dtype), "m": torch.rand(n, generator=gen).to(dtype),
            "v": torch.rand(n, generator=gen).to(dtype), **{k: torch.tensor(v) for k, v in adam_scalars(4).items()}}
     reduced = torch.empty(n, dtype=dtype)
-    _reduce_chunk(reduced, parts, "mean", lambda k: torch.empty(k), 1.0 / count)
+    reduce_chunk(reduced, parts, ReduceOp.MEAN, lambda k: torch.empty(k), 1.0 / count)
     env[red.name] = reduced
     want = plain(*[env[a.name] for a in plain.inputs])
     args = []

@@ -101,7 +101,7 @@ def test_shadow_bmuf_learns_checkpoints_and_leaves_nothing(tmp_path):
     model, cfg, data, ckpt = load_checkpoint_model(res.checkpoint)
     assert int(ckpt["positions"].sum()) == 40_000 and cfg.sync.algorithm == "shadow-bmuf"
     from cocosync.shadowsync.metrics import evaluate
-    from cocosync.shadowsync.trainer import eval_batches
+    from cocosync.shadowsync.sources import eval_batches
 
     assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
     assert _shm() - before == set()

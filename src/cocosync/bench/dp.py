@@ -138,13 +138,13 @@ no LAMB, FSDP2 or AdamSlice rows."""
 
 # ----------------------------------------------------------------------------------------------- per-rank side
 
-def _mlp(cfg: DpConfig) -> torch.nn.Sequential:
+def mlp(cfg: DpConfig) -> torch.nn.Sequential:
     with torch.random.fork_rng():
         torch.manual_seed(0)
         return torch.nn.Sequential(*[torch.nn.Linear(cfg.width, cfg.width) for _ in range(cfg.layers)])
 
 
-def _set_grads(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
+def set_grads(model: torch.nn.Module, grads: list[torch.Tensor]) -> None:
     """Give every parameter these gradients, in place where .grad already exists (it may be a bucket or arena view)."""
     for p, g in zip(model.parameters(), grads):
         if p.grad is None:
@@ -160,7 +160,7 @@ def _agree(ok: bool) -> bool:
     return int(t) == 0
 
 
-class _Cases:
+class Cases:
     """Set-up of the cases of one section: each either becomes a timed callable or an 'n/a: reason' note."""
 
     def __init__(self) -> None:
@@ -181,7 +181,7 @@ class _Cases:
             self.notes[key] = "n/a: " + (err or "failed on another rank")
 
 
-def _note_fast(cases: _Cases, key: str, opt: Any) -> None:
+def note_fast(cases: Cases, key: str, opt: Any) -> None:
     """Record which steps of our compiled plan run in a fast (fused) form: the first thing to look at when slow."""
     compiled = getattr(opt, "compiled", None)
     cases.notes[key + ":fast_steps"] = repr(getattr(compiled, "fast_steps", None))
@@ -193,17 +193,17 @@ def _ours_adam():
     return DistributedAdam
 
 
-def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
-    cases = _Cases()
+def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
+    cases = Cases()
     bucket = int(cfg.bucket_mb * (1 << 20))
     keep: list[Any] = []  # objects the closures need alive
 
     def ours():
-        model = _mlp(cfg)
+        model = mlp(cfg)
         opt = _ours_adam()(model.parameters(), lr=1e-4)
-        _set_grads(model, grads)
+        set_grads(model, grads)
         keep.append((model, opt))
-        _note_fast(cases, "ours", opt)
+        note_fast(cases, "ours", opt)
         return opt.step
 
     def adamslice():
@@ -216,7 +216,7 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         g.copy_(torch.cat([x.reshape(-1) for x in grads]))
         w = comm.arena.shared_empty(N)
         if comm.local_rank == 0:
-            w.copy_(torch.cat([p.detach().reshape(-1) for p in _mlp(cfg).parameters()]))
+            w.copy_(torch.cat([p.detach().reshape(-1) for p in mlp(cfg).parameters()]))
         comm.barrier()
         opt = AdamSlice(comm, N, lr=1e-4)
         keep.append((comm, g, w, opt))
@@ -225,8 +225,8 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     def ddp():
         from cocosync.bench.baselines import GradBuckets
 
-        model = _mlp(cfg)
-        _set_grads(model, grads)
+        model = mlp(cfg)
+        set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), bucket)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
         keep.append((model, buckets, opt))
@@ -239,8 +239,8 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     def naive():  # what the collectives suite's "gloo all_reduce + torch Adam" row does: one flat all_reduce
         from cocosync.bench.baselines import GradBuckets
 
-        model = _mlp(cfg)
-        _set_grads(model, grads)
+        model = mlp(cfg)
+        set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), 1 << 62)  # one bucket holding every gradient
         opt = torch.optim.Adam(model.parameters(), lr=1e-4)
         keep.append((model, buckets, opt))
@@ -255,8 +255,8 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
 
         from cocosync.bench.baselines import GradBuckets
 
-        model = _mlp(cfg)
-        _set_grads(model, grads)
+        model = mlp(cfg)
+        set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), bucket)
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4, fused=True)
         keep.append((model, buckets, opt))
@@ -269,7 +269,7 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     def fsdp2():
         from torch.distributed.fsdp import fully_shard
 
-        model = _mlp(cfg)
+        model = mlp(cfg)
         for layer in model:
             fully_shard(layer, reshard_after_forward=False)  # 1 all-gather + 1 reduce-scatter per step, as all_reduce
         fully_shard(model, reshard_after_forward=False)
@@ -284,7 +284,7 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
         return step
 
     def local_fwd_bwd():  # subtracted from FSDP2's time: the compute of its batch-1 forward/backward
-        model = _mlp(cfg)
+        model = mlp(cfg)
         x = torch.randn(1, cfg.width)
         keep.append(model)
 
@@ -309,12 +309,12 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     return cases
 
 
-def _train_cases(cfg: DpConfig) -> _Cases:
+def _train_cases(cfg: DpConfig) -> Cases:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from cocosync.bench.baselines import small_transformer
 
-    cases = _Cases()
+    cases = Cases()
     keep: list[Any] = []
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     tokens = torch.randint(0, cfg.tf_vocab, (cfg.tf_batch, cfg.tf_seq), generator=gen)
@@ -336,7 +336,7 @@ def _train_cases(cfg: DpConfig) -> _Cases:
         model = make_model()
         opt = _ours_adam()(model.parameters(), lr=1e-4)
         keep.append((model, opt))
-        _note_fast(cases, "train_ours", opt)
+        note_fast(cases, "train_ours", opt)
         return train_step(model, opt)
 
     def ddp():
@@ -357,7 +357,7 @@ def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
     bw = out["bandwidth"]
     bw.append(copy_bandwidth(cfg.bw_bytes, repeats=3, before=dist.barrier))
     gen = torch.Generator().manual_seed(100 + dist.get_rank())
-    shapes = [p.shape for p in _mlp(cfg).parameters()]
+    shapes = [p.shape for p in mlp(cfg).parameters()]
     grads = [torch.randn(s, generator=gen) * 1e-3 for s in shapes]
     for section in cfg.sections:
         if section == "adam":

@@ -7,31 +7,31 @@ from typing import Any
 
 import torch
 
-from cocosync.bench.dp import DpConfig, _Cases, _mlp, _note_fast, _set_grads
+from cocosync.bench.dp import Cases, DpConfig, mlp, note_fast, set_grads
 
 __all__ = ["lamb_cases", "sgd_cases"]
 
 
-def lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
+def lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
     """DistributedLAMB (per-tensor ratios, and one global ratio) vs bucketed gloo all_reduce + foreach LAMB."""
     from cocosync.bench.baselines import ForeachLAMB, GradBuckets
 
-    cases = _Cases()
+    cases = Cases()
     keep: list[Any] = []
 
     def ours(per_tensor: bool, key: str):
         from cocosync.optim import DistributedLAMB
 
-        model = _mlp(cfg)
+        model = mlp(cfg)
         opt = DistributedLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
-        _set_grads(model, grads)
+        set_grads(model, grads)
         keep.append((model, opt))
-        _note_fast(cases, key, opt)
+        note_fast(cases, key, opt)
         return opt.step
 
     def base(per_tensor: bool):
-        model = _mlp(cfg)
-        _set_grads(model, grads)
+        model = mlp(cfg)
+        set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
         opt = ForeachLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
         keep.append((model, buckets, opt))
@@ -50,25 +50,25 @@ def lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
     return cases
 
 
-def sgd_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> _Cases:
+def sgd_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
     """DistributedSGD(momentum=0.9) vs bucketed gloo all_reduce + torch.optim.SGD(momentum=0.9, fused=True)."""
     from cocosync.bench.baselines import GradBuckets
     from cocosync.optim import DistributedSGD
 
-    cases = _Cases()
+    cases = Cases()
     keep: list[Any] = []
 
     def ours():
-        model = _mlp(cfg)
+        model = mlp(cfg)
         opt = DistributedSGD(model.parameters(), lr=1e-3, momentum=0.9)
-        _set_grads(model, grads)
+        set_grads(model, grads)
         keep.append((model, opt))
-        _note_fast(cases, "sgd_ours", opt)
+        note_fast(cases, "sgd_ours", opt)
         return opt.step
 
     def ddp():
-        model = _mlp(cfg)
-        _set_grads(model, grads)
+        model = mlp(cfg)
+        set_grads(model, grads)
         buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
         opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
         keep.append((model, buckets, opt))

@@ -28,11 +28,11 @@ from torch import nn
 from cocosync.dsl import Program, Replicated, Sliced, Tensor, all_reduce, gt, where
 from cocosync.nn.parallel import (
     PlanCache,
-    _init_weight,
     check_chunks,
     check_divisible,
     check_dropout,
     group_info,
+    init_weight,
     scaled_keep_mask,
     tp_schedule,
 )
@@ -140,8 +140,8 @@ class MegatronMLP(nn.Module):
         self.w2 = nn.Parameter(torch.empty(ffn // world, hidden, dtype=dtype))
         self.b1 = nn.Parameter(torch.zeros(ffn // world, dtype=dtype)) if bias else None
         self.b2 = nn.Parameter(torch.zeros(hidden, dtype=dtype)) if bias else None
-        _init_weight(self.w1, hidden)
-        _init_weight(self.w2, ffn)
+        init_weight(self.w1, hidden)
+        init_weight(self.w2, ffn)
         self._plans = PlanCache(lambda key, c: tp_schedule(mlp_program(key[0], hidden, ffn, key[1], dropout=key[2],
                                                                        bias=bias), c, key[0], world),
                                 group, chunks=chunks, backend=backend, kernels=kernels, rank=rank, world=world)

@@ -151,7 +151,7 @@ def _check_input(what: str, x: torch.Tensor, features: int, weight: torch.Tensor
         raise ValueError(f"{what}: input is on {x.device}, the weight on {weight.device}")
 
 
-def _init_weight(w: torch.Tensor, fan_in: int) -> None:
+def init_weight(w: torch.Tensor, fan_in: int) -> None:
     bound = 1.0 / math.sqrt(fan_in)
     with torch.no_grad():
         w.uniform_(-bound, bound)
@@ -219,7 +219,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.group = gather_output, group
         self.weight = nn.Parameter(torch.empty(in_features, out_features // world, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features // world, dtype=dtype)) if bias else None
-        _init_weight(self.weight, in_features)
+        init_weight(self.weight, in_features)
         self._plans = PlanCache(lambda key, _: _schedule_plain(column_program(
             key[0], in_features, out_features, key[1], bias, gather_output)), group, backend=backend, kernels=kernels,
             rank=rank, world=world)
@@ -308,7 +308,7 @@ class RowParallelLinear(nn.Module):
         self.chunks, self.group = chunks, group
         self.weight = nn.Parameter(torch.empty(in_features // world, out_features, dtype=dtype))
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
-        _init_weight(self.weight, in_features)
+        init_weight(self.weight, in_features)
         self._plans = PlanCache(lambda key, c: tp_schedule(row_program(key[0], in_features, out_features, key[1], bias),
                                                            c, key[0], world), group, chunks=chunks, backend=backend,
                                 kernels=kernels, rank=rank, world=world)

@@ -89,7 +89,7 @@ class StageComm:
 
     def all_reduce(self, x: torch.Tensor, op: ReduceOp) -> torch.Tensor:
         if self._on_shm(x):
-            return self.shm.all_reduce(x, op.value, out=torch.empty_like(x, memory_format=torch.contiguous_format))
+            return self.shm.all_reduce(x, op, out=torch.empty_like(x, memory_format=torch.contiguous_format))
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.all_reduce(t, op.dist_op, group=self.group)
         if op is ReduceOp.MEAN:
@@ -98,7 +98,7 @@ class StageComm:
 
     def reduce_scatter(self, x: torch.Tensor, op: ReduceOp, dim: int) -> torch.Tensor:
         if self._on_shm(x):
-            return self.shm.reduce_scatter(x.movedim(dim, 0).contiguous(), op.value).movedim(0, dim).contiguous()
+            return self.shm.reduce_scatter(x.movedim(dim, 0).contiguous(), op).movedim(0, dim).contiguous()
         t = x.float().movedim(dim, 0).contiguous()
         out = torch.empty((t.shape[0] // self.group_size, *t.shape[1:]), dtype=t.dtype, device=t.device)
         _reduce_scatter(out, t, op.dist_op, group=self.group)
@@ -123,7 +123,7 @@ class StageComm:
 
     def reduce(self, x: torch.Tensor, op: ReduceOp, root: int) -> torch.Tensor:
         if self._on_shm(x):
-            return self.shm.reduce(x.clone(memory_format=torch.contiguous_format), op.value, self._shm_root(root))
+            return self.shm.reduce(x.clone(memory_format=torch.contiguous_format), op, self._shm_root(root))
         t = x.float() if x.dtype != torch.float32 else x.clone()
         dist.reduce(t, dst=self.members[root], op=op.dist_op, group=self.group)
         if self.group_rank != root:

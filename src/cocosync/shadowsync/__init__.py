@@ -3,6 +3,6 @@ whose dense parameters a background "shadow" thread synchronizes. This package h
 (`data`), the model (`model`), metrics (`metrics`) and configs (`config`); trainers and sync algorithms
 build on them."""
 
-from .config import DataConfig, ModelConfig, SynthConfig
+from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
 
 __all__ = ["DataConfig", "ModelConfig", "SynthConfig"]

@@ -32,9 +32,9 @@ def synth(out: str, rows: int, eval_rows: int, seed: int, teacher_seed: int, ctr
 
     from rich.console import Console
 
-    from .config import SynthConfig
-    from .data.synth import EVAL, TRAIN, write_synthetic
-    from .metrics import summary_table
+    from cocosync.shadowsync.config import SynthConfig
+    from cocosync.shadowsync.data.synth import EVAL, TRAIN, write_synthetic
+    from cocosync.shadowsync.metrics import summary_table
 
     try:
         cfg = SynthConfig(teacher_seed=teacher_seed, ctr=ctr)
@@ -65,9 +65,9 @@ def inspect(paths: tuple[str, ...], table_size: int, max_rows: int | None) -> No
     import numpy as np
     from rich.console import Console
 
-    from .config import DataConfig
-    from .data.criteo import CriteoReader
-    from .metrics import bayes_ne, summary_table
+    from cocosync.shadowsync.config import DataConfig
+    from cocosync.shadowsync.data.criteo import CriteoReader
+    from cocosync.shadowsync.metrics import bayes_ne, summary_table
 
     reader = CriteoReader(list(paths), DataConfig(table_size=table_size, max_bad_fraction=1.0),
                           batch_size=65536, max_rows=max_rows)

@@ -1,10 +1,13 @@
-"""Launching a ShadowSync run: T trainer processes around shared state, Ctrl-C and failure handling, the
-progress bar, and the end of a run (evaluation, summary, plot, checkpoint). The trainers themselves are in
-trainer.py."""
+"""Launching a ShadowSync run on one machine: spawn T trainer processes around the shared state (state.py),
+monitor them (progress bar, JSON-lines metrics, one handler per message kind, Ctrl-C: first stop and keep what was
+measured, second abort; a dead trainer becomes a TrainerFailure naming it), tear down (no process outlives the
+run), then finish: score the final model on the held-out set, write summary.json, checkpoint.pt and the NE plot.
+The trainers themselves are in trainer.py."""
 
 from __future__ import annotations
 
 import ctypes
+import datetime
 import json
 import math
 import multiprocessing as mp
@@ -16,31 +19,28 @@ import traceback
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from .config import DataConfig
-from .embeddings import SharedEmbeddings
-from .sync import FlatParams
-from .train_config import ConfigError, TrainConfig, config_to_dict
-from .trainer import (
-    InMemorySource,
-    SharedState,
-    Trainer,
-    TrainerFailure,
-    _build_model,
-    _new_embeddings,
-    build_configs,
-    eval_batches,
-    json_safe,
-    make_source,
-)
+from cocosync.shadowsync.config import DataConfig
+from cocosync.shadowsync.embeddings import SharedEmbeddings
+from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
+from cocosync.shadowsync.model import DLRM
+from cocosync.shadowsync.sources import InMemorySource, build_configs, eval_batches, make_source
+from cocosync.shadowsync.state import SharedState, build_model, build_shared_state
+from cocosync.shadowsync.sync import FlatParams
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_from_dict, config_to_dict
+from cocosync.shadowsync.trainer import Trainer, TrainerFailure, json_safe
 
 __all__ = ["RunResult", "run_training", "load_checkpoint_model"]
 
 
+# ---------------------------------------------------------------------------------------------- trainer process
 def _die_with_parent() -> None:
     try:  # Linux: SIGKILL this trainer if the launcher dies, so no orphan survives a killed run
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
@@ -59,10 +59,6 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
     try:
         group = None
         if store_port is not None:
-            import datetime
-
-            import torch.distributed as dist
-
             timeout = datetime.timedelta(seconds=min(cfg.timeout, 120))
             store = dist.TCPStore("127.0.0.1", store_port, cfg.trainers, False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.trainers, timeout=timeout)
@@ -82,8 +78,6 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
         os._exit(1)  # do not wait on gloo/threads of a broken run
     finally:
         if group_ready:
-            import torch.distributed as dist
-
             try:
                 dist.destroy_process_group()
             except Exception:
@@ -91,20 +85,7 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
     conn.close()
 
 
-# ---------------------------------------------------------------------------------------------- launcher
-@dataclass
-class RunResult:
-    """What a run measured: the summary row, the metric records (for plots), and where its files are."""
-
-    name: str
-    summary: dict
-    records: list[dict] = field(default_factory=list)
-    out_dir: str = ""
-    checkpoint: str | None = None
-    plot: str | None = None
-    interrupted: bool = False
-
-
+# ---------------------------------------------------------------------------------------------- spawn
 class _Interrupts:
     """Counts SIGINTs: the first asks the trainers to stop, the second aborts."""
 
@@ -118,6 +99,138 @@ class _Interrupts:
             raise KeyboardInterrupt
 
 
+@dataclass
+class Trainers:
+    """The spawned trainer processes and the read ends of their message pipes (conn -> trainer rank)."""
+
+    procs: list[mp.process.BaseProcess]
+    conns: dict[Connection, int]
+    interrupts: _Interrupts
+    main_thread: bool
+
+
+def spawn_trainers(cfg: TrainConfig, state: SharedState, source: Any, store_port: int | None) -> Trainers:
+    """Start the T trainers. They are spawned with SIGINT blocked and ignore it: the launcher owns Ctrl-C (its
+    handler counts presses from here on; teardown restores the previous one)."""
+    ctx = mp.get_context("spawn")
+    interrupts = _Interrupts()
+    trainers = Trainers([], {}, interrupts, threading.current_thread() is threading.main_thread())
+    if trainers.main_thread:
+        interrupts.previous = signal.signal(signal.SIGINT, interrupts)
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        for r in range(cfg.trainers):
+            rd, wr = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_trainer_main, name=f"cocosync-trainer{r}", daemon=True,
+                            args=(r, cfg, state, source, store_port, wr))
+            p.start()
+            wr.close()
+            trainers.procs.append(p)
+            trainers.conns[rd] = r
+    finally:
+        if trainers.main_thread:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    return trainers
+
+
+# ---------------------------------------------------------------------------------------------- monitor
+class _NoBar:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _progress(cfg: TrainConfig, console: Any) -> Any:
+    if not cfg.progress:
+        return _NoBar()
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("EPS {task.fields[eps]}"), TextColumn("train NE {task.fields[ne]}"),
+                    TimeElapsedColumn(), console=console)
+
+
+class Monitor:
+    """Reads the trainers' messages until each has reported its result, or something failed (`failures`)."""
+
+    def __init__(self, cfg: TrainConfig, name: str, state: SharedState, trainers: Trainers, logger: MetricsLogger,
+                 console: Any, resumed_from: int):
+        self.cfg, self.name, self.state, self.trainers = cfg, name, state, trainers
+        self.logger, self.console, self.resumed_from = logger, console, resumed_from
+        self.results: dict[int, dict] = {}
+        self.failures: list[str] = []
+        self.latest: dict[int, dict] = {}  # each trainer's last progress message
+        self.ready = 0
+        self.t_start = time.time()
+        self.bar: Any = None
+        self.task: Any = None
+        self.handlers: dict[str, Callable[[int, dict], None]] = {
+            "train": self._on_train, "ready": self._on_ready, "result": self._on_result, "error": self._on_error}
+
+    def run(self) -> None:
+        t_launch = time.time()
+        interrupts = self.trainers.interrupts
+        try:
+            with _progress(self.cfg, self.console) as self.bar:
+                if self.bar:
+                    self.task = self.bar.add_task(self.name, total=self.cfg.examples, ne="-", eps="-")
+                while len(self.results) < self.cfg.trainers and not self.failures:
+                    if interrupts.count and not self.state.stop[0]:
+                        self.state.stop[0] = 1
+                        self.console.print("[yellow]Ctrl-C: stopping the trainers (Ctrl-C again to abort)...")
+                    if interrupts.count >= 2:
+                        self.failures.append("aborted by a second Ctrl-C")
+                        break
+                    if time.time() - t_launch > self.cfg.timeout:
+                        self.failures.append(f"run timed out after {self.cfg.timeout:.0f}s (TrainConfig.timeout)")
+                        break
+                    self._poll(timeout=0.2)
+                    if self.bar:
+                        self.bar.update(self.task, completed=int(self.state.positions.sum()))
+        except KeyboardInterrupt:
+            self.failures.append("aborted by Ctrl-C")
+
+    def _poll(self, timeout: float) -> None:
+        conns = self.trainers.conns
+        for c in wait(list(conns), timeout=timeout):
+            r = conns[c]
+            try:
+                msg = c.recv()
+            except (EOFError, OSError):  # the trainer is gone: fine after its result, a failure before it
+                del conns[c]
+                if r not in self.results:
+                    self.trainers.procs[r].join(2)
+                    self.failures.append(_describe_exit(r, self.trainers.procs[r]))
+                continue
+            self.handlers[msg["kind"]](r, msg)
+
+    def _on_train(self, r: int, msg: dict) -> None:
+        self.latest[r] = msg
+        total = self.resumed_from + sum(m["trainer_examples"] for m in self.latest.values())
+        nes = [m["train_ne"] for m in self.latest.values() if math.isfinite(m["train_ne"])]
+        rec = {"event": "train", "examples": total, "train_ne": float(np.mean(nes)) if nes else None,
+               "eps": total / max(time.time() - self.t_start, 1e-9), "trainer": r,
+               "trainer_examples": msg["trainer_examples"], "trainer_ne": msg["train_ne"],
+               "trainer_eps": msg["trainer_eps"], "syncs": msg["syncs"]}
+        self.logger.log(json_safe(rec))
+        if self.bar:
+            self.bar.update(self.task, completed=int(self.state.positions.sum()),
+                            ne=f"{rec['train_ne']:.4f}" if rec["train_ne"] else "-", eps=f"{rec['eps']:,.0f}")
+
+    def _on_ready(self, r: int, msg: dict) -> None:
+        self.ready += 1
+        if self.ready == self.cfg.trainers:  # start together: EPS is measured over a common window
+            self.state.go[0] = 1
+            self.t_start = time.time()
+
+    def _on_result(self, r: int, msg: dict) -> None:
+        self.results[r] = msg
+
+    def _on_error(self, r: int, msg: dict) -> None:
+        self.failures.append(f"trainer {r} raised:\n{msg['traceback']}")
+
+
+# ---------------------------------------------------------------------------------------------- teardown
 def _describe_exit(rank: int, proc: mp.process.BaseProcess) -> str:
     code = proc.exitcode
     if code is not None and code < 0:
@@ -144,16 +257,53 @@ def _stop_processes(procs: list, grace: float) -> None:
             p.join(5)
 
 
+def teardown(trainers: Trainers, state: SharedState, failed: bool) -> None:
+    """Stop every trainer (after a failure at once, else after a grace period for them to finish), close the
+    pipes, give Ctrl-C back to its previous handler."""
+    if failed:
+        state.stop[0] = 1
+    _stop_processes(trainers.procs, grace=3.0 if failed else 30.0)
+    for c in trainers.conns:
+        c.close()
+    if trainers.main_thread:
+        signal.signal(signal.SIGINT, trainers.interrupts.previous)
+
+
+# ---------------------------------------------------------------------------------------------- the run
+@dataclass
+class RunResult:
+    """What a run measured: the summary row, the metric records (for plots), and where its files are."""
+
+    name: str
+    summary: dict
+    records: list[dict] = field(default_factory=list)
+    out_dir: str = ""
+    checkpoint: str | None = None
+    plot: str | None = None
+    interrupted: bool = False
+
+
+@dataclass
+class _Run:
+    """What the end of a run needs of its set-up."""
+
+    cfg: TrainConfig
+    name: str
+    data: DataConfig
+    model: DLRM
+    flat: FlatParams
+    state: SharedState
+    logger: MetricsLogger
+    out: Path
+    extra: dict
+
+
 def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = None,
                  extra_summary: dict | None = None, resume: str | os.PathLike | None = None) -> RunResult:
     """Train T trainers x W workers as configured; returns the measurements (see module doc).
 
     `resume`: a checkpoint of a run with the same data, budget, T and W (e.g. one stopped by Ctrl-C):
     training restarts from its dense and embedding weights at its reader positions."""
-    from rich.console import Console
-
-    from .metrics import MetricsLogger
-
     console = console or Console(stderr=True)
     name = name or f"{cfg.sync.algorithm} T={cfg.trainers}"
     data, model_cfg = build_configs(cfg)
@@ -164,122 +314,30 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     if isinstance(source, InMemorySource):
         source.share_memory_()
     ckpt = _resume_checkpoint(resume, cfg) if resume is not None else None
-    embeddings = _new_embeddings(cfg, data, model_cfg)
-    if ckpt is not None:
-        embeddings.weight.copy_(ckpt["embeddings"]["weight"])
-        embeddings.accumulator.copy_(ckpt["embeddings"]["accumulator"])
-    model = _build_model(data, model_cfg, embeddings)
-    if ckpt is not None:
-        model.load_state_dict(ckpt["dense"], strict=False)
-    parent_flat = FlatParams(model.dense_parameters())
-    state = SharedState.create(cfg, embeddings, parent_flat.flat)
-    resumed_from = 0
-    if ckpt is not None:
-        state.positions.copy_(ckpt["positions"])
-        resumed_from = int(ckpt["positions"].sum())
-        extra_summary = {**(extra_summary or {}), "resumed_from": resumed_from}
-    T = cfg.trainers
+    model, flat, state = build_shared_state(cfg, data, model_cfg, ckpt)
+    resumed_from = int(ckpt["positions"].sum()) if ckpt is not None else 0
+    extra = {**(extra_summary or {}), **({"resumed_from": resumed_from} if ckpt is not None else {})}
     store = None
-    if cfg.sync.method in ("ma", "bmuf") and T > 1:
-        import datetime
-
-        import torch.distributed as dist
-
+    if cfg.sync.method in ("ma", "bmuf") and cfg.trainers > 1:
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120),
                               wait_for_workers=False)
     logger = MetricsLogger(out / "metrics.jsonl", append=ckpt is not None)
     logger.log(event="start", name=name, config=config_to_dict(cfg), resumed_from=resumed_from)
-    ctx = mp.get_context("spawn")
-    procs, conns = [], {}
-    interrupts = _Interrupts()
-    main_thread = threading.current_thread() is threading.main_thread()
-    if main_thread:  # children are spawned with SIGINT blocked and ignore it: the launcher owns Ctrl-C
-        interrupts.previous = signal.signal(signal.SIGINT, interrupts)
-        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    trainers = spawn_trainers(cfg, state, source, store.port if store else None)
+    monitor = Monitor(cfg, name, state, trainers, logger, console, resumed_from)
     try:
-        for r in range(T):
-            rd, wr = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_trainer_main, name=f"cocosync-trainer{r}", daemon=True,
-                            args=(r, cfg, state, source, store.port if store else None, wr))
-            p.start()
-            wr.close()
-            procs.append(p)
-            conns[rd] = r
+        monitor.run()
     finally:
-        if main_thread:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    results: dict[int, dict] = {}
-    failures: list[str] = []
-    latest: dict[int, dict] = {}
-    t_start = t_launch = time.time()
-    ready = 0
-    try:
-        with _progress(cfg, console) as bar:
-            task = bar.add_task(name, total=cfg.examples, ne="-", eps="-") if bar else None
-            while len(results) < T and not failures:
-                if interrupts.count and not state.stop[0]:
-                    state.stop[0] = 1
-                    console.print("[yellow]Ctrl-C: stopping the trainers (Ctrl-C again to abort)...")
-                if interrupts.count >= 2:
-                    failures.append("aborted by a second Ctrl-C")
-                    break
-                if time.time() - t_launch > cfg.timeout:
-                    failures.append(f"run timed out after {cfg.timeout:.0f}s (TrainConfig.timeout)")
-                    break
-                for c in wait(list(conns), timeout=0.2):
-                    r = conns[c]
-                    try:
-                        msg = c.recv()
-                    except (EOFError, OSError):
-                        del conns[c]
-                        if r not in results:
-                            procs[r].join(2)
-                            failures.append(_describe_exit(r, procs[r]))
-                        continue
-                    if msg["kind"] == "train":
-                        latest[r] = msg
-                        total = resumed_from + sum(m["trainer_examples"] for m in latest.values())
-                        nes = [m["train_ne"] for m in latest.values() if math.isfinite(m["train_ne"])]
-                        rec = {"event": "train", "examples": total, "train_ne": float(np.mean(nes)) if nes else None,
-                               "eps": total / max(time.time() - t_start, 1e-9), "trainer": r,
-                               "trainer_examples": msg["trainer_examples"], "trainer_ne": msg["train_ne"],
-                               "trainer_eps": msg["trainer_eps"], "syncs": msg["syncs"]}
-                        logger.log(json_safe(rec))
-                        if bar:
-                            bar.update(task, completed=int(state.positions.sum()),
-                                       ne=f"{rec['train_ne']:.4f}" if rec["train_ne"] else "-",
-                                       eps=f"{rec['eps']:,.0f}")
-                    elif msg["kind"] == "ready":
-                        ready += 1
-                        if ready == T:
-                            state.go[0] = 1
-                            t_start = time.time()
-                    elif msg["kind"] == "result":
-                        results[r] = msg
-                    elif msg["kind"] == "error":
-                        failures.append(f"trainer {r} raised:\n{msg['traceback']}")
-                if bar:
-                    bar.update(task, completed=int(state.positions.sum()))
-    except KeyboardInterrupt:
-        failures.append("aborted by Ctrl-C")
-    finally:
-        if failures:
-            state.stop[0] = 1
-        _stop_processes(procs, grace=3.0 if failures else 30.0)
-        for c in conns:
-            c.close()
-        if main_thread:
-            signal.signal(signal.SIGINT, interrupts.previous)
-        if store is not None:
-            del store
-    if failures:
+        teardown(trainers, state, failed=bool(monitor.failures))
+        del store
+    if monitor.failures:
+        failures = monitor.failures
         logger.log(event="failed", error=failures[0])
         logger.close()
         raise TrainerFailure(f"training failed: {failures[0]}" +
                              (f"\n(and {len(failures) - 1} consequential error(s))" if len(failures) > 1 else ""))
-    interrupted = bool(state.stop[0])
-    return _finish(cfg, name, data, model, parent_flat, state, results, logger, out, interrupted,
-                   [dict(r) for r in _records_of(out / "metrics.jsonl")], extra_summary or {})
+    run = _Run(cfg, name, data, model, flat, state, logger, out, extra)
+    return _finish(run, monitor.results, interrupted=bool(state.stop[0]))
 
 
 def _resume_checkpoint(path: str | os.PathLike, cfg: TrainConfig) -> dict:
@@ -299,39 +357,12 @@ def _resume_checkpoint(path: str | os.PathLike, cfg: TrainConfig) -> dict:
     return ckpt
 
 
-def _records_of(path: Path) -> list[dict]:
-    from .metrics import read_metrics
-
-    return read_metrics(path)
-
-
-class _NoBar:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
-
-
-def _progress(cfg: TrainConfig, console: Any) -> Any:
-    if not cfg.progress:
-        return _NoBar()
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("EPS {task.fields[eps]}"), TextColumn("train NE {task.fields[ne]}"),
-                    TimeElapsedColumn(), console=console)
-
-
-def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: FlatParams, state: SharedState,
-            results: dict[int, dict], logger: Any, out: Path, interrupted: bool, records: list[dict],
-            extra: dict) -> RunResult:
-    from .metrics import evaluate, plot_ne
-
+def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult:
+    cfg, name, state, out, extra = run.cfg, run.name, run.state, run.out, run.extra
     T = cfg.trainers
     final = state.center if state.center is not None else torch.from_numpy(results[0]["dense"])
-    flat.flat.copy_(final)
-    ev = evaluate(model, eval_batches(cfg, data))
+    run.flat.flat.copy_(final)
+    ev = evaluate(run.model, eval_batches(cfg, run.data))
     examples = sum(r["examples"] for r in results.values())
     seconds = max(r["end"] for r in results.values()) - min(r["start"] for r in results.values())
     gaps = [r["sync_gap"] for r in results.values() if math.isfinite(r["sync_gap"])]
@@ -348,16 +379,16 @@ def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: Fla
         "seconds": seconds, "interrupted": interrupted, **extra,
     }
     seen = examples + int(extra.get("resumed_from", 0))  # the x axis of the plots counts earlier sessions too
-    logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
-    logger.log(event="summary", **summary)
-    logger.close()
+    run.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
+    run.logger.log(event="summary", **summary)
+    run.logger.close()
     (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
-    result = RunResult(name=name, summary=summary, records=records + [{"examples": seen, "eval_ne": ev["ne"]}],
+    result = RunResult(name=name, summary=summary, records=read_metrics(out / "metrics.jsonl") + [{"examples": seen, "eval_ne": ev["ne"]}],
                        out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
         ckpt = {
             "config": config_to_dict(cfg), "name": name,
-            "dense": {k: v for k, v in model.state_dict().items() if not k.startswith("embeddings.")},
+            "dense": {k: v for k, v in run.model.state_dict().items() if not k.startswith("embeddings.")},
             "embeddings": state.embeddings.state_dict(),
             "positions": state.positions.clone(), "shards": T * cfg.workers, "summary": summary,
         }
@@ -373,8 +404,6 @@ def _finish(cfg: TrainConfig, name: str, data: DataConfig, model: Any, flat: Fla
 
 def load_checkpoint_model(path: str | os.PathLike) -> tuple[Any, TrainConfig, DataConfig, dict]:
     """(model with the checkpoint's dense + embedding weights, its TrainConfig, DataConfig, raw checkpoint)."""
-    from .train_config import config_from_dict
-
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"no checkpoint at {str(p)!r} (a run writes <out_dir>/checkpoint.pt)")
@@ -382,7 +411,7 @@ def load_checkpoint_model(path: str | os.PathLike) -> tuple[Any, TrainConfig, Da
     cfg = config_from_dict(ckpt["config"])
     data, model_cfg = build_configs(cfg)
     emb = SharedEmbeddings.from_state_dict(ckpt["embeddings"])
-    model = _build_model(data, model_cfg, emb)
+    model = build_model(data, model_cfg, emb)
     missing, unexpected = model.load_state_dict(ckpt["dense"], strict=False)
     if unexpected or [k for k in missing if not k.startswith("embeddings.")]:
         raise ValueError(f"checkpoint {str(p)!r} does not match the model: missing {missing}, unexpected {unexpected}")

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from .config import DataConfig, ModelConfig
+from cocosync.shadowsync.config import DataConfig, ModelConfig
 
 __all__ = ["DLRM", "new_embedding_weights"]
 

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from .train_config import SYNC_ALGORITHMS, ConfigError, config_from_dict, load_train_config
+from cocosync.shadowsync.train_config import SYNC_ALGORITHMS, ConfigError, config_from_dict, load_train_config
 
 __all__ = ["train", "eval_checkpoint"]
 
@@ -61,8 +61,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
     a second Ctrl-C aborts.
     """
-    from .launcher import run_training
-    from .trainer import TrainerFailure
+    from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.trainer import TrainerFailure
 
     overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
     if progress is not None:
@@ -92,7 +92,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         sys.exit(130)
     _print_result(console, result)
     if json_out:
-        from .trainer import json_safe
+        from cocosync.shadowsync.trainer import json_safe
 
         click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:
@@ -146,9 +146,9 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     """Score a checkpoint written by `cocosync train` (NE, AUC, Bayes NE on synthetic data)."""
     import dataclasses
 
-    from .launcher import load_checkpoint_model
-    from .metrics import evaluate, summary_table
-    from .trainer import eval_batches
+    from cocosync.shadowsync.launcher import load_checkpoint_model
+    from cocosync.shadowsync.metrics import evaluate, summary_table
+    from cocosync.shadowsync.sources import eval_batches
 
     try:
         model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
@@ -163,6 +163,6 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     ev = {"name": ckpt.get("name", checkpoint), **ev, "trained_examples": int(ckpt["positions"].sum())}
     _console().print(summary_table([ev], title=f"eval {checkpoint}"))
     if json_out:
-        from .trainer import json_safe
+        from cocosync.shadowsync.trainer import json_safe
 
         click.echo(json.dumps(json_safe(ev), default=str))

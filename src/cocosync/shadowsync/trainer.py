@@ -1,13 +1,9 @@
-"""ShadowSync trainers on one machine: T trainer processes x W Hogwild worker threads, shared embeddings,
-and one dense synchronization per trainer (shadow thread, foreground every k iterations, or none).
+"""One ShadowSync trainer process: W Hogwild worker threads over a dense replica and the shared embedding rows,
+and the replica's dense synchronization (shadow thread, foreground every k iterations, or none).
 
-`Trainer` is one trainer process: `train_step(batch)` is one lock-free Hogwild iteration (dense replica +
-shared embedding rows), `train()` runs the W workers over this trainer's shards and the sync of its replica.
-`launcher.run_training(cfg)` is the launcher: it creates the shared state in the parent (embeddings, EASGD center,
-counters; all `share_memory_()` tensors, which under torch's file-descriptor strategy never have a name in
-/dev/shm), spawns the trainers, shows progress, writes JSON-lines metrics, handles Ctrl-C (first: stop and
-keep what was measured; second: abort), turns a dead trainer into a `TrainerFailure` naming it, then scores
-the final model on the held-out set and writes summary.json, checkpoint.pt and the NE plot.
+`Trainer.train_step(batch)` is one lock-free Hogwild iteration (dense replica + shared embedding rows);
+`Trainer.train()` runs the W workers over this trainer's shards and the sync of its replica. The state it shares
+with the other trainers is built by state.py; launcher.py spawns and monitors the trainers.
 
 Workers are threads (not processes): torch ops release the GIL, and on this 2-core machine T=2 trainers
 already fill the cores; see the README for the measurement.
@@ -20,19 +16,18 @@ import math
 import threading
 import time
 import traceback
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .config import DataConfig, ModelConfig
-from .embeddings import SharedEmbeddings
-from .sync import FlatParams, ShadowThread, make_sync
-from .train_config import ConfigError, TrainConfig
+from cocosync.shadowsync.sources import build_configs
+from cocosync.shadowsync.state import SharedState, build_model
+from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
+from cocosync.shadowsync.train_config import TrainConfig
 
-__all__ = ["Trainer", "TrainerFailure", "SharedState", "build_configs", "make_source", "eval_batches", "json_safe"]
+__all__ = ["Trainer", "TrainerFailure", "json_safe"]
 
 
 def json_safe(obj: Any) -> Any:
@@ -50,133 +45,6 @@ class TrainerFailure(RuntimeError):
     """A trainer process raised, died, or the run timed out; the message names the trainer and the cause."""
 
 
-# ---------------------------------------------------------------------------------------------- configs
-def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
-    """DataConfig and ModelConfig of a run (TrainConfig fields + the `data_options` / `model` overrides)."""
-    try:
-        data_kw = {"batch_size": cfg.batch_size, "seed": cfg.seed, "eval_rows": cfg.eval_examples,
-                   "train_rows": cfg.examples, **cfg.data_options}
-        if cfg.data != "synthetic":
-            data_kw.setdefault("train_path", cfg.data)
-        data = DataConfig(**data_kw)
-        model_kw = {"seed": cfg.seed, **cfg.model}
-        for k in ("bottom_mlp", "top_mlp"):
-            if isinstance(model_kw.get(k), list):
-                model_kw[k] = tuple(model_kw[k])
-        model = ModelConfig(**model_kw)
-    except TypeError as e:
-        raise ConfigError(f"bad data_options/model override: {e}") from None
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-    return data, model
-
-
-# ---------------------------------------------------------------------------------------------- data
-class InMemorySource:
-    """A synthetic training set held in (shared) tensors; shard s of S is the s-th contiguous block."""
-
-    def __init__(self, dataset: Any):
-        self.dense, self.sparse, self.label, self.prob = dataset.dense, dataset.sparse, dataset.label, dataset.prob
-        self.rows = int(self.label.shape[0])
-
-    def share_memory_(self) -> "InMemorySource":
-        for t in (self.dense, self.sparse, self.label, self.prob):
-            if t is not None:
-                t.share_memory_()
-        return self
-
-    def shard_rows(self, shard: int, shards: int) -> int:
-        return (shard + 1) * self.rows // shards - shard * self.rows // shards
-
-    def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
-        from .data.criteo import Batch
-
-        lo, hi = shard * self.rows // shards, (shard + 1) * self.rows // shards
-        for i in range(lo + start, hi, batch_size):
-            s = slice(i, min(i + batch_size, hi))
-            yield Batch(self.dense[s], self.sparse[s], self.label[s], None if self.prob is None else self.prob[s])
-
-
-class FileSource:
-    """Criteo-format file(s) read by `CriteoReader`, shard s of S interleaved, `examples // S` rows each."""
-
-    def __init__(self, data: DataConfig, examples: int):
-        self.data, self.rows = data, examples
-
-    def shard_rows(self, shard: int, shards: int) -> int:
-        return self.rows // shards
-
-    def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
-        from .data.criteo import CriteoReader
-
-        n = self.shard_rows(shard, shards)
-        yield from CriteoReader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
-                                skip_rows=start, max_rows=max(0, n - start))
-
-
-def make_source(cfg: TrainConfig, data: DataConfig) -> InMemorySource | FileSource:
-    if data.train_path is None:
-        from .data.synth import TRAIN, make_synthetic_dataset
-
-        return InMemorySource(make_synthetic_dataset(cfg.examples, data.seed, data, split=TRAIN))
-    return FileSource(data, cfg.examples)
-
-
-def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:
-    """The held-out set: a synthetic draw from another stream, `eval_path`, or the rows of PATH after the
-    training budget."""
-    if data.train_path is None and data.eval_path is None:
-        from .data.synth import EVAL, make_synthetic_dataset
-
-        return list(make_synthetic_dataset(data.eval_rows, data.seed, data, split=EVAL).batches(4096))
-    from .data.criteo import CriteoReader
-
-    if data.eval_path is not None:
-        reader = CriteoReader(data.eval_path, data, batch_size=4096, max_rows=data.eval_rows)
-    else:
-        reader = CriteoReader(data.train_path, data, batch_size=4096, skip_rows=cfg.examples, max_rows=data.eval_rows)
-    out = list(reader)
-    if not out:
-        raise ConfigError(f"no held-out examples: {data.train_path!r} has no rows after the first "
-                          f"{cfg.examples} (set data_options.eval_path or lower examples)")
-    return out
-
-
-# ---------------------------------------------------------------------------------------------- shared state
-@dataclass
-class SharedState:
-    """What the parent shares with every trainer (all shared-memory tensors, created before spawning)."""
-
-    embeddings: SharedEmbeddings
-    center: torch.Tensor | None  # EASGD central copy of the dense parameters
-    positions: torch.Tensor  # int64 [T, W]: rows consumed by each worker shard (the reader position)
-    iterations: torch.Tensor  # int64 [T]: worker iterations of each trainer
-    syncs: torch.Tensor  # int64 [T]: syncs of each trainer
-    stop: torch.Tensor  # int32 [1]: set by the parent (Ctrl-C, failure) -> trainers finish now
-    go: torch.Tensor  # int32 [1]: set by the parent once every trainer is built -> all start together
-    init_dense: torch.Tensor  # the common starting point of every dense replica (fresh init or a checkpoint)
-
-    @classmethod
-    def create(cls, cfg: TrainConfig, embeddings: SharedEmbeddings, init_flat: torch.Tensor) -> "SharedState":
-        T, W = cfg.trainers, cfg.workers
-        center = init_flat.clone().share_memory_() if cfg.sync.method == "easgd" else None
-        return cls(embeddings.share_memory_(), center, torch.zeros(T, W, dtype=torch.int64).share_memory_(),
-                   torch.zeros(T, dtype=torch.int64).share_memory_(), torch.zeros(T, dtype=torch.int64).share_memory_(),
-                   torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
-                   init_flat.clone().share_memory_())
-
-
-def _new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:
-    return SharedEmbeddings(data.table_sizes, model.embedding_dim, optimizer=cfg.embedding_optimizer,
-                            lr=cfg.embedding_lr, init_std=model.embedding_init_std, seed=model.seed)
-
-
-def _build_model(data: DataConfig, model: ModelConfig, embeddings: SharedEmbeddings):
-    from .model import DLRM
-
-    return DLRM(model, data, embedding_weights=embeddings.tables, sparse=True)
-
-
 # ---------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """One trainer: a dense replica updated by W Hogwild worker threads, synced by `cfg.sync`."""
@@ -185,7 +53,7 @@ class Trainer:
                  group: Any = None, emit: Callable[[dict], None] = lambda rec: None):
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
-        self.model = _build_model(self.data, self.model_cfg, state.embeddings)
+        self.model = build_model(self.data, self.model_cfg, state.embeddings)
         self.dense = self.model.dense_parameters()
         self.emb_params = self.model.embedding_parameters()
         self.flat = FlatParams(self.dense)

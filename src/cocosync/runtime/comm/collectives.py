@@ -23,14 +23,15 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.headers import header, validate
 from cocosync.runtime.comm.reduction import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
-    _check_dtype,
-    _check_op,
-    _elsize,
-    _reduce_chunk,
+    check_dtype,
+    check_op,
+    element_size,
+    reduce_chunk,
     split_bounds,
 )
 from cocosync.runtime.comm.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
@@ -38,7 +39,6 @@ from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
 __all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
-_DIST_OP = {"sum": "SUM", "mean": "SUM", "max": "MAX", "min": "MIN"}
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
 # here every per-chunk flag wait can cost a scheduling quantum, and it measured slower than the 3-phase path.
@@ -111,12 +111,12 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------------ public collectives
 
-    def all_reduce(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce `t` over all ranks, in place (returns t), or into `out` (returns out; t is not modified).
         op: sum, mean, max, min."""
         name = "all_reduce"
-        _check_dtype(name, t)
-        op = _check_op(name, op)
+        check_dtype(name, t)
+        op = check_op(name, op)
         if out is not None:
             self._check_out(name, out, t.shape, t.dtype)
         if self.world == 1:
@@ -133,12 +133,12 @@ class ShmCommunicator:
             t.copy_(x.view(t.shape))
         return t
 
-    def reduce_scatter(self, t: torch.Tensor, op: str = "sum", out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce `t` (first dimension divisible by the world size) over all ranks and return this rank's slice
         ``t.chunk(world_size)[rank]`` of the result (in `out` if given). `t` is not modified."""
         name = "reduce_scatter"
-        _check_dtype(name, t)
-        op = _check_op(name, op)
+        check_dtype(name, t)
+        op = check_op(name, op)
         if t.dim() == 0 or t.shape[0] % self.world:
             raise ValueError(f"{name}: first dimension of shape {tuple(t.shape)} is not divisible by the world "
                              f"size {self.world}")
@@ -168,7 +168,7 @@ class ShmCommunicator:
     def all_gather(self, t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Concatenate every rank's `t` along the first dimension, in rank order (into `out` if given)."""
         name = "all_gather"
-        _check_dtype(name, t)
+        check_dtype(name, t)
         out_shape = (t.shape[0] * self.world, *t.shape[1:]) if t.dim() else (self.world,)
         out = self._check_out(name, out, out_shape, t.dtype)
         if self.world == 1:
@@ -208,7 +208,7 @@ class ShmCommunicator:
     def broadcast(self, t: torch.Tensor, root: int = 0) -> torch.Tensor:
         """Copy `t` of global rank `root` into `t` on every rank (in place); returns t."""
         name = "broadcast"
-        _check_dtype(name, t)
+        check_dtype(name, t)
         self._check_root(name, root)
         if self.world == 1:
             return t
@@ -235,11 +235,11 @@ class ShmCommunicator:
             t.copy_(x.view(t.shape))
         return t
 
-    def reduce(self, t: torch.Tensor, op: str = "sum", root: int = 0) -> torch.Tensor:
+    def reduce(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, root: int = 0) -> torch.Tensor:
         """Reduce `t` over all ranks into `t` on global rank `root` (other ranks' `t` is left as it was)."""
         name = "reduce"
-        _check_dtype(name, t)
-        op = _check_op(name, op)
+        check_dtype(name, t)
+        op = check_op(name, op)
         self._check_root(name, root)
         if self.world == 1:
             return t
@@ -256,10 +256,10 @@ class ShmCommunicator:
             mine = torch.empty(e - s, dtype=torch.float32)
             self._reduce_ranges(call, ranges[self.local_rank], op, x, mine)
             if e > s:
-                dist.reduce(mine, dst=root_node * self.local_size + self.local_rank, op=getattr(dist.ReduceOp, _DIST_OP[op]),
+                dist.reduce(mine, dst=root_node * self.local_size + self.local_rank, op=op.dist_op,
                             group=self.groups.inter)
             if self.topo.node == root_node:
-                if op == "mean":
+                if op is ReduceOp.MEAN:
                     mine.div_(self.world)
                 ws_me[s:e].copy_(mine)
         self.flags.barrier(name + " (reduced slices published)")
@@ -302,8 +302,8 @@ class ShmCommunicator:
     def _others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
         return [r for lr, r in enumerate(ranges) if lr != self.local_rank]
 
-    def _scale(self, op: str) -> float | None:
-        return 1.0 / self.world if op == "mean" else None
+    def _scale(self, op: ReduceOp) -> float | None:
+        return 1.0 / self.world if op is ReduceOp.MEAN else None
 
     @staticmethod
     def _copy_ranges(dst: torch.Tensor, src: torch.Tensor, range_lists: list[list[tuple[int, int]]]) -> None:
@@ -313,7 +313,7 @@ class ShmCommunicator:
 
     def _ws_view(self, ws: Segment | None, lr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         assert ws is not None
-        return ws.region(lr)[: numel * _elsize(dtype)].view(dtype)
+        return ws.region(lr)[: numel * element_size(dtype)].view(dtype)
 
     def _ensure_ws(self, parity: int, nbytes: int) -> Segment:
         ws = self._ws[parity]
@@ -324,7 +324,7 @@ class ShmCommunicator:
             ws = self._ws[parity] = self.arena.workspace(cap)
         return ws
 
-    def _begin(self, name: str, x: torch.Tensor, *, op: str = "sum", root: int = -1, numel: int | None = None,
+    def _begin(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1, numel: int | None = None,
                fill: Callable[[torch.Tensor], None] | None = None, data: torch.Tensor | None = None,
                always_ws: bool = False, zero_copy: bool = True) -> _Call:
         """Header exchange + first barrier. `fill(ws_view)` copies this rank's data into its workspace region
@@ -379,7 +379,7 @@ class ShmCommunicator:
             self._acc = torch.empty(numel, dtype=torch.float32)
         return self._acc[:numel]
 
-    def _reduce_ranges(self, call: _Call, ranges: list[tuple[int, int]], op: str, own: torch.Tensor,
+    def _reduce_ranges(self, call: _Call, ranges: list[tuple[int, int]], op: ReduceOp, own: torch.Tensor,
                        dst: torch.Tensor, scale: float | None = None,
                        publish: torch.Tensor | None = None,
                        fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
@@ -409,7 +409,7 @@ class ShmCommunicator:
             for a in range(s, e, step):
                 b = min(a + step, e)
                 d = dst[pos + a - s:pos + b - s]
-                _reduce_chunk(d, [src[a:b] for src in srcs], op, self._acc_buf, scale)
+                reduce_chunk(d, [src[a:b] for src in srcs], op, self._acc_buf, scale)
                 if fn is not None:
                     if b - pending < fn_step and b < e:
                         continue
@@ -432,7 +432,7 @@ class ShmCommunicator:
             for s, e in ranges[lr]:
                 y[s:e].copy_(src[s:e])
 
-    def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str,
+    def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: ReduceOp,
                          inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True,
                          fn_bytes: int = 0, fn_sources: bool = False) -> None:
         """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x.
@@ -471,8 +471,8 @@ class ShmCommunicator:
             part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
             self._reduce_ranges(call, ranges[self.local_rank], op, x, part)
             if e > s:  # across nodes in float32 (16-bit sums are rounded once, at the end)
-                dist.all_reduce(part, op=getattr(dist.ReduceOp, _DIST_OP[op]), group=self.groups.inter)
-                if op == "mean":
+                dist.all_reduce(part, op=op.dist_op, group=self.groups.inter)
+                if op is ReduceOp.MEAN:
                     part.div_(self.world)
                 if part.data_ptr() != x.data_ptr() + s * x.element_size():
                     x[s:e].copy_(part)
@@ -510,7 +510,7 @@ class ShmCommunicator:
         self._gather_ranges(call, ranges, x)
         self._end(call)
 
-    def _all_reduce_one_shot(self, name: str, t: torch.Tensor, x: torch.Tensor, op: str,
+    def _all_reduce_one_shot(self, name: str, t: torch.Tensor, x: torch.Tensor, op: ReduceOp,
                              out: torch.Tensor | None) -> torch.Tensor:
         """One barrier, then every rank reduces the whole vector from all ranks' workspace copies, in rank order (the
         same bits on every rank). Each rank reads L times the data: for small vectors, where the barriers of the
@@ -524,7 +524,7 @@ class ShmCommunicator:
             target.copy_(dst.view(target.shape))
         return target
 
-    def _pipelined(self, call: _Call, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: str) -> None:
+    def _pipelined(self, call: _Call, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: ReduceOp) -> None:
         """All-reduce of plain tensors within a node, one pass in chunks: for chunk k, copy this rank's part of
         every peer's slice into the workspace, wait until the peers did the same, reduce chunk k of this rank's
         slice and publish it, then copy chunk k-1 of every peer's slice back. Chunks are read by the peer soon
@@ -559,7 +559,7 @@ class ShmCommunicator:
             sub = max(1, self.chunk_bytes // x.element_size())
             for c in range(a, b, sub):  # cache-sized pieces: the published copy reads from L2
                 d = x[c:min(c + sub, b)]
-                _reduce_chunk(d, [d if lr == self.local_rank else ws[lr][c:c + d.numel()] for lr in range(self.local_size)], op,
+                reduce_chunk(d, [d if lr == self.local_rank else ws[lr][c:c + d.numel()] for lr in range(self.local_size)], op,
                               self._acc_buf, scale)
                 ws[self.local_rank][c:c + d.numel()].copy_(d)
             f.publish(F_PROG_OUT, base + k + 1)
@@ -568,16 +568,16 @@ class ShmCommunicator:
         gather(nchunks - 1)
         # no final barrier: peers read only the workspace, whose next use comes after the next call's barrier
 
-    def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: str) -> None:
+    def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""
-        dop = getattr(dist.ReduceOp, _DIST_OP[op])
+        dop = op.dist_op
         try:
             _rs_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
         except (RuntimeError, NotImplementedError):  # backends without reduce_scatter: all_reduce then keep our block
             full = blocks.contiguous().clone()
             dist.all_reduce(full, op=dop, group=self.groups.inter)
             out.copy_(full[self.topo.node])
-        if op == "mean":
+        if op is ReduceOp.MEAN:
             out.div_(self.world)
 
     def _inter_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:

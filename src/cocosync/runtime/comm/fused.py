@@ -15,7 +15,9 @@ from typing import Callable
 
 import torch
 
-from cocosync.runtime.comm.collectives import ShmCommunicator, _check_dtype, _check_op, split_bounds
+from cocosync.reduce_op import ReduceOp
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.reduction import check_dtype, check_op, split_bounds
 
 __all__ = ["fused_all_reduce", "reduce_and_apply", "gather_slices", "slice_bounds", "owned_slice", "node_shared"]
 
@@ -29,7 +31,7 @@ def slice_bounds(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 
 def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
-                     op: str = "sum", gather: bool = True, fn_bytes: int = 0,
+                     op: ReduceOp | str = ReduceOp.SUM, gather: bool = True, fn_bytes: int = 0,
                      fn_sources: bool = False) -> torch.Tensor:
     """Reduce `t` over all ranks; on this rank's slice call ``fn(offset, reduced_chunk, out_chunk)`` chunk by chunk;
     then (if `gather`) all-gather the results so every rank's `out` holds all of them.
@@ -54,8 +56,8 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
         out.
     """
     name = "fused_all_reduce"
-    _check_dtype(name, t)
-    op = _check_op(name, op)
+    check_dtype(name, t)
+    op = check_op(name, op)
     if not t.is_contiguous():
         raise ValueError(f"{name}: t must be contiguous (got strides {t.stride()})")
     out = t if out is None else out
@@ -93,7 +95,7 @@ def owned_slice(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 
 def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
-                     op: str = "sum", gather: bool = True, fn_bytes: int = 0,
+                     op: ReduceOp | str = ReduceOp.SUM, gather: bool = True, fn_bytes: int = 0,
                      fn_sources: bool = False) -> torch.Tensor:
     """Reduce `t` over all ranks, call `fn(offset, reduced, out_chunk)` on this rank's `owned_slice`, then (if
     `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does (unless fn

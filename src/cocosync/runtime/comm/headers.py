@@ -7,19 +7,20 @@ ranks called different collectives (or the same one with different arguments or 
 
 from __future__ import annotations
 
+from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.reduction import REDUCE_OPS, SUPPORTED_DTYPES
 
 __all__ = ["header", "validate"]
 
 _DTYPE_CODE = {dt: i + 1 for i, dt in enumerate(SUPPORTED_DTYPES)}
 _CODE_DTYPE = {v: k for k, v in _DTYPE_CODE.items()}
-_OP_CODE = {op: i + 1 for i, op in enumerate(REDUCE_OPS)}
+_OP_CODE = {op: i + 1 for i, op in enumerate(REDUCE_OPS)}  # ReduceOp -> its word
 _COLL_CODE = {name: i + 1 for i, name in enumerate(
     ["all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "fused_all_reduce", "barrier"])}
 _CODE_COLL = {v: k for k, v in _COLL_CODE.items()}
 
 
-def header(name: str, dtype, numel: int, op: str, root: int, seg: int, off: int, settings: tuple[int, ...]) -> list[int]:
+def header(name: str, dtype, numel: int, op: ReduceOp, root: int, seg: int, off: int, settings: tuple[int, ...]) -> list[int]:
     """The words this rank publishes for collective `name` (its first word; e.g. 'all_reduce (copied in)')."""
     return [_COLL_CODE[name.split(" ")[0]], _DTYPE_CODE[dtype], numel, _OP_CODE[op], root, seg, off, *settings]
 
@@ -40,7 +41,7 @@ def validate(name: str, seq: int, hdrs: list[list[int]], me: int, global_ranks: 
     if any(h[2] != mine[2] for h in hdrs):
         raise ValueError(f"{name} (call #{seq}): number of elements differs across ranks ({desc})")
     if any(h[3] != mine[3] for h in hdrs):
-        ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1]}" for lr, h in enumerate(hdrs))
+        ops = ", ".join(f"rank {g[lr]}: {REDUCE_OPS[int(h[3]) - 1].value}" for lr, h in enumerate(hdrs))
         raise ValueError(f"{name} (call #{seq}): reduce op differs across ranks ({ops})")
     if any(h[7:10] != mine[7:10] for h in hdrs):
         cb = ", ".join(f"rank {g[lr]}: {int(h[7])}/{int(h[8])}/{int(h[9])}" for lr, h in enumerate(hdrs))

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from cocosync.reduce_op import ReduceOp
+
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-REDUCE_OPS = ("sum", "mean", "max", "min")
+REDUCE_OPS = tuple(ReduceOp)
 
 
 def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
@@ -20,7 +22,7 @@ def split_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return out
 
 
-def _check_dtype(name: str, t: torch.Tensor) -> None:
+def check_dtype(name: str, t: torch.Tensor) -> None:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
     if t.dtype not in SUPPORTED_DTYPES:
@@ -30,24 +32,23 @@ def _check_dtype(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name}: the shared-memory path needs CPU tensors, got device {t.device}")
 
 
-def _check_op(name: str, op: str) -> str:
-    key = str(op).lower().rsplit(".", 1)[-1]
-    if key == "avg":
-        key = "mean"
-    if key not in REDUCE_OPS:
-        raise ValueError(f"{name}: unsupported op {op!r}; supported: {', '.join(REDUCE_OPS)}")
-    return key
+def check_op(name: str, op: ReduceOp | str) -> ReduceOp:
+    """The ReduceOp named by `op` (a ReduceOp, 'sum', 'avg', 'ReduceOp.MAX', ...), or ValueError naming the call."""
+    try:
+        return ReduceOp.parse(op)
+    except ValueError:
+        raise ValueError(f"{name}: unsupported op {op!r}; supported: {', '.join(o.value for o in ReduceOp)}") from None
 
 
 
-def _elsize(dtype: torch.dtype) -> int:
+def element_size(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _reduce_chunk(dst: torch.Tensor, srcs: list[torch.Tensor], op: str, acc_buf, scale: float | None) -> None:
+def reduce_chunk(dst: torch.Tensor, srcs: list[torch.Tensor], op: ReduceOp, acc_buf, scale: float | None) -> None:
     """dst = reduce(srcs) in rank order; float32 accumulation for 16-bit sums. dst may alias any src."""
-    if op in ("max", "min"):
-        f = torch.maximum if op == "max" else torch.minimum
+    if op in (ReduceOp.MAX, ReduceOp.MIN):
+        f = torch.maximum if op is ReduceOp.MAX else torch.minimum
         # exact and order-free: start with an aliased source (if any) so nothing is overwritten before it is read
         order = sorted(range(len(srcs)), key=lambda i: srcs[i].data_ptr() != dst.data_ptr())
         f(srcs[order[0]], srcs[order[1]], out=dst)

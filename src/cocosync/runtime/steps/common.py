@@ -11,6 +11,7 @@ from typing import Callable
 import torch
 
 from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.types import ReduceOp
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.steps.codegen import default_backend
 
@@ -60,10 +61,10 @@ def put_consts(nodes, env: dict) -> None:
 def kernel_reduce_of(shm: ShmCommunicator, rs: Node, fuse_reduction: bool) -> tuple[Node, int, float | None] | None:
     """`Kernel(reduce_of=...)` for a fused collective's kernel that sums the local ranks' chunks of reduce-scatter
     `rs` itself (StepOptions.fuse_reduction, within one node, sum or mean), else None (the collective reduces first)."""
-    op = rs.attr("op").value
-    if not fuse_reduction or shm.nnodes > 1 or shm.local_size < 2 or op not in ("sum", "mean"):
+    op = rs.attr("op")
+    if not fuse_reduction or shm.nnodes > 1 or shm.local_size < 2 or op not in (ReduceOp.SUM, ReduceOp.MEAN):
         return None
-    return rs, shm.local_size, 1.0 / shm.world if op == "mean" else None
+    return rs, shm.local_size, 1.0 / shm.world if op is ReduceOp.MEAN else None
 
 
 def across_nodes_ok(shm: ShmCommunicator, rs: Node) -> bool:

@@ -78,7 +78,7 @@ def fused_collective_runner(step: FusedCollective, program: Program, comm: Stage
     if w_update is not None:
         reads_out.update({id(sc): 0 for sc in scatters if src_of[id(sc)] is w_update.args[0]})
     kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True, reads_out=reads_out)
-    op = rs.attr("op").value
+    op = rs.attr("op")
     # within a node the kernel also does the reduction: it reads every rank's gradients where they are, in its one
     # pass (the reduced values are never written out and read back)
     reduce_of = kernel_reduce_of(shm, rs, options.fuse_reduction)

@@ -205,7 +205,7 @@ def phased_collective_runner(step: FusedCollective, program: Program, comm: Stag
 
     kerns = [phase_kernel(k, name=f"fused_{rs.name}_{k}") if kp.stages or kp.whole or kp.segmented else None
              for k, kp in enumerate(ph.kernels)]
-    op = rs.attr("op").value
+    op = rs.attr("op")
     # within a node, phase 0's kernel also does the reduction: it reads every rank's gradient chunk in place, sums
     # them in its loop and writes the sum (which later phases read back) over this rank's own chunk
     reduce_of = kernel_reduce_of(shm, rs, options.fuse_reduction)

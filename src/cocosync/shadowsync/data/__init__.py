@@ -3,9 +3,16 @@ them from a `DataConfig` (a file when a path is set, else the embedded synthetic
 
 from __future__ import annotations
 
-from ..config import DataConfig
-from .criteo import Batch, CriteoFormatError, CriteoReader, hash_tokens, log_transform, prob_sidecar_path
-from .synth import (
+from cocosync.shadowsync.config import DataConfig
+from cocosync.shadowsync.data.criteo import (
+    Batch,
+    CriteoFormatError,
+    CriteoReader,
+    hash_tokens,
+    log_transform,
+    prob_sidecar_path,
+)
+from cocosync.shadowsync.data.synth import (
     EVAL,
     TRAIN,
     SynthConfig,

@@ -28,7 +28,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
-from ..config import DataConfig
+from cocosync.shadowsync.config import DataConfig
 
 __all__ = ["Batch", "CriteoReader", "CriteoFormatError", "hash_tokens", "prob_sidecar_path", "log_transform"]
 

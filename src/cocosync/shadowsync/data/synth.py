@@ -24,8 +24,8 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from ..config import DataConfig, SynthConfig
-from .criteo import Batch, hash_tokens, log_transform, prob_sidecar_path
+from cocosync.shadowsync.config import DataConfig, SynthConfig
+from cocosync.shadowsync.data.criteo import Batch, hash_tokens, log_transform, prob_sidecar_path
 
 __all__ = [
     "SynthConfig", "Teacher", "SyntheticStream", "SyntheticDataset", "make_synthetic_dataset",
@@ -303,7 +303,7 @@ def write_synthetic(
             probs[k * CHUNK_ROWS : k * CHUNK_ROWS + n] = prob
             labels[k * CHUNK_ROWS : k * CHUNK_ROWS + n] = label
     np.save(prob_sidecar_path(path), probs)
-    from ..metrics import normalized_entropy
+    from cocosync.shadowsync.metrics import normalized_entropy
 
     ctr = float(labels.mean())
     bayes = normalized_entropy(labels, probs) if 0 < ctr < 1 else float("nan")

@@ -20,9 +20,9 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from ..train_config import SyncConfig
+from cocosync.shadowsync.train_config import SyncConfig
 
-__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "make_sync"]
+__all__ = ["FlatParams", "SyncAlgorithm", "NoSync"]
 
 
 class FlatParams:
@@ -104,23 +104,3 @@ class NoSync(SyncAlgorithm):
 
     def _sync(self, active: bool) -> int:
         return int(active)
-
-
-def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
-              group: dist.ProcessGroup | None = None) -> SyncAlgorithm:
-    """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop)."""
-    from .bmuf import BMUF
-    from .easgd import EASGD
-    from .ma import ModelAveraging
-
-    if cfg.method == "none":
-        return NoSync(flat, cfg)
-    if cfg.method == "easgd":
-        if center is None:
-            raise ValueError("EASGD needs the shared central copy (center=...)")
-        return EASGD(flat, cfg, center=center)
-    if cfg.method == "ma":
-        return ModelAveraging(flat, cfg, group=group)
-    if cfg.method == "bmuf":
-        return BMUF(flat, cfg, group=group)
-    raise ValueError(f"unknown sync method {cfg.method!r}")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..train_config import SyncConfig
-from .base import SyncAlgorithm
+from cocosync.shadowsync.sync.base import SyncAlgorithm
+from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["EASGD"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .base import SyncAlgorithm
+from cocosync.shadowsync.sync.base import SyncAlgorithm
 
 __all__ = ["ModelAveraging"]
 

@@ -12,7 +12,7 @@ import threading
 import time
 from typing import Callable
 
-from .base import SyncAlgorithm
+from cocosync.shadowsync.sync.base import SyncAlgorithm
 
 __all__ = ["ShadowThread"]
 

@@ -1,0 +1,30 @@
+"""make_sync: the sync algorithm a SyncConfig names (kept apart from base.py, which the algorithms import)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cocosync.shadowsync.sync.base import NoSync, SyncAlgorithm
+from cocosync.shadowsync.sync.bmuf import BMUF
+from cocosync.shadowsync.sync.easgd import EASGD
+from cocosync.shadowsync.sync.ma import ModelAveraging
+from cocosync.shadowsync.train_config import SyncConfig
+
+__all__ = ["make_sync"]
+
+
+def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
+              group: dist.ProcessGroup | None = None) -> SyncAlgorithm:
+    """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop)."""
+    if cfg.method == "none":
+        return NoSync(flat, cfg)
+    if cfg.method == "easgd":
+        if center is None:
+            raise ValueError("EASGD needs the shared central copy (center=...)")
+        return EASGD(flat, cfg, center=center)
+    if cfg.method == "ma":
+        return ModelAveraging(flat, cfg, group=group)
+    if cfg.method == "bmuf":
+        return BMUF(flat, cfg, group=group)
+    raise ValueError(f"unknown sync method {cfg.method!r}")
