@@ -113,15 +113,15 @@ def _all_cases() -> list[str]:
         comm.broadcast(a, root=W - 1)
         if not torch.equal(a, xs[W - 1]):
             bad.append(f"arena broadcast {dt}")
-    # the chunk-pipelined all_reduce (opt-in), several steps, uneven slices
-    piped = ShmCommunicator(timeout=60, chunk_bytes=4096, pipeline_bytes=16384, arena=comm.arena)
+    # the three-phase all_reduce in many small chunks, uneven slices (the pipelined variant it replaced is gone)
+    chunked = ShmCommunicator(timeout=60, chunk_bytes=4096, one_shot_bytes=0, arena=comm.arena)
     for dt in DTYPES:
         for op in OPS:
             xs = _inputs(W, (W * 5000 + 1,), dt, 2000)
             t = xs[r].clone()
-            piped.all_reduce(t, op)
+            chunked.all_reduce(t, op)
             if not _close(t, _ref(xs, op)):
-                bad.append(f"pipelined all_reduce {dt} {op}")
+                bad.append(f"chunked three-phase all_reduce {dt} {op}")
     # non-contiguous input, results bitwise identical on every rank
     x = _inputs(W, (64, 30), torch.float32, 7)
     for c, how in ((comm, "one-shot"), (phased, "phased")):
@@ -181,6 +181,6 @@ def test_bad_inputs_name_the_problem(rank_pool):
         assert "root=5" in m["root"]
         assert "number of elements differs" in m["gather_size"]
         assert "out has shape (2, 2)" in m["out_shape"] and "expected (4,)" in m["out_shape"]
-        assert "one_shot_bytes differ" in m["one_shot"] and "rank 1: 262144/0/1" in m["one_shot"]
+        assert "one_shot_bytes differ" in m["one_shot"] and "rank 1: 262144/1" in m["one_shot"]
         assert "one_shot_bytes=-1 must be >= 0" in m["one_shot_value"]
         assert m["after"] == "2.0"

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.reduce_op import ReduceOp
-from cocosync.runtime.comm.headers import header, validate
+from cocosync.runtime.comm.headers import Header, header, validate
 from cocosync.runtime.comm.reduction import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
@@ -34,34 +34,31 @@ from cocosync.runtime.comm.reduction import (
     reduce_chunk,
     split_bounds,
 )
-from cocosync.runtime.comm.shm import F_PROG_IN, F_PROG_OUT, Arena, CollectiveTimeout, Segment
+from cocosync.runtime.comm.shm import Arena, CollectiveTimeout, Segment
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
-__all__ = ["ShmCommunicator", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
+__all__ = ["ShmCommunicator", "Call", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
-# Step of the chunk-pipelined all-reduce of plain tensors (0: off). Off by default: on the loaded 2-core machines
-# here every per-chunk flag wait can cost a scheduling quantum, and it measured slower than the 3-phase path.
-DEFAULT_PIPELINE_BYTES = 0
 # all_reduce within a node reads every peer's whole vector (one barrier) while (L - 1) x its bytes stay below this:
 # small vectors are latency-bound, and a barrier right after a large GEMM costs more than the extra reads
 DEFAULT_ONE_SHOT_BYTES = 1 << 20  # measured: 3.7x faster at 256 KB, even at 1 MB, slower from 4 MB
 
 
 @dataclass(frozen=True, slots=True)
-class _Call:
+class Call:
     """What every rank of one collective call agreed on (after the header exchange)."""
 
     name: str
     seq: int
     sources: list[torch.Tensor | None]  # per local rank: flat view of its data in shared memory (None: not shared)
-    zc: tuple[bool, ...]  # per local rank: its data is its own arena tensor (peers read user memory)
-    ws: Segment | None
+    zero_copy_ranks: tuple[bool, ...]  # per local rank: its data is its own arena tensor (peers read user memory)
+    ws: Segment | None  # this call's workspace (per-rank regions), if any rank copied its data in
 
     @property
     def zero_copy(self) -> bool:
         """Some rank's peers read its user memory: the call must end on a barrier before returning it."""
-        return any(self.zc)
+        return any(self.zero_copy_ranks)
 
 
 class ShmCommunicator:
@@ -74,8 +71,6 @@ class ShmCommunicator:
             reduced in place without copies.
         timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or 60).
         chunk_bytes: bytes reduced at a time (cache blocking).
-        pipeline_bytes: > 0 runs single-node all_reduce of plain tensors as one pipelined pass with flag waits
-            every `pipeline_bytes` (chunks stay in the shared L3); 0 (default) uses three phases with barriers.
         one_shot_bytes: a single-node all_reduce whose (local ranks - 1) x bytes are at most this runs one-shot:
             every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never).
 
@@ -86,7 +81,7 @@ class ShmCommunicator:
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
                  timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 pipeline_bytes: int = DEFAULT_PIPELINE_BYTES, one_shot_bytes: int = DEFAULT_ONE_SHOT_BYTES):
+                 one_shot_bytes: int = DEFAULT_ONE_SHOT_BYTES):
         self.groups = groups or node_groups()
         self.arena = arena or Arena(self.groups, timeout=timeout)
         if timeout is not None:
@@ -99,9 +94,6 @@ class ShmCommunicator:
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 4096")
         self.chunk_bytes = int(chunk_bytes)
-        if pipeline_bytes < 0:
-            raise ValueError(f"pipeline_bytes={pipeline_bytes} must be >= 0 (0 disables pipelining)")
-        self.pipeline_bytes = int(pipeline_bytes)
         if one_shot_bytes < 0:
             raise ValueError(f"one_shot_bytes={one_shot_bytes} must be >= 0 (0 disables one-shot all_reduce)")
         self.one_shot_bytes = int(one_shot_bytes)
@@ -128,7 +120,7 @@ class ShmCommunicator:
             t = out.copy_(t)
             x, writeback = self._flat(t)
         ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
-        self._all_reduce_flat(name, x, ranges, op, inter=self.nnodes > 1)
+        self._all_reduce_three_phase(name, x, ranges, op)
         if writeback:
             t.copy_(x.view(t.shape))
         return t
@@ -154,9 +146,9 @@ class ShmCommunicator:
                   for lr in range(self.local_size)]
         mine = out.view(-1) if self.nnodes == 1 and out.is_contiguous() else torch.empty(
             self.nnodes * c, dtype=t.dtype if self.nnodes == 1 else torch.float32)
-        call = self._begin(name, x, op=op, fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)))
-        self._reduce_ranges(call, ranges[self.local_rank], op, x, mine, scale=self._scale(op) if self.nnodes == 1 else None)
-        self._end(call)
+        call = self.begin_call(name, x, op=op, fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)))
+        self.reduce_ranges(call, ranges[self.local_rank], op, x, mine, scale=self.scale(op) if self.nnodes == 1 else None)
+        self.end_call(call)
         if self.nnodes > 1:
             piece = torch.empty(c, dtype=torch.float32)
             self._inter_reduce_scatter(mine.view(self.nnodes, c), piece, op)
@@ -178,10 +170,10 @@ class ShmCommunicator:
         c = t.numel()
         if self.nnodes == 1:  # peers read this rank's slice where it is (zero-copy when t is an arena tensor)
             src = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
-            call = self._begin(name, src, fill=lambda ws: ws.copy_(src))
+            call = self.begin_call(name, src, fill=lambda ws: ws.copy_(src))
             for lr in range(self.local_size):
                 y[lr * c:(lr + 1) * c].copy_(src if lr == self.local_rank else call.sources[lr])
-            self._end(call)
+            self.end_call(call)
             if writeback:
                 out.copy_(y.view(out_shape))
             return out
@@ -197,10 +189,10 @@ class ShmCommunicator:
         else:
             y[ranges[self.local_rank][0][0]:ranges[self.local_rank][0][1]].copy_(src)
             src_ranges = y
-        call = self._begin(name, y, numel=c, fill=lambda ws: self._copy_ranges(ws, src_ranges, [ranges[self.local_rank]]),
+        call = self.begin_call(name, y, numel=c, fill=lambda ws: self.copy_ranges(ws, src_ranges, [ranges[self.local_rank]]),
                            data=src_ranges)
         self._gather_ranges(call, ranges, y)
-        self._end(call)
+        self.end_call(call)
         if writeback:
             out.copy_(y.view(out_shape))
         return out
@@ -216,10 +208,10 @@ class ShmCommunicator:
         root_node, root_local = divmod(root, self.local_size)
         if self.topo.node == root_node:
             am_root = self.local_rank == root_local
-            call = self._begin(name, x, root=root, fill=(lambda ws: ws.copy_(x)) if am_root else None)
+            call = self.begin_call(name, x, root=root, fill=(lambda ws: ws.copy_(x)) if am_root else None)
             if not am_root:
                 x.copy_(call.sources[root_local])
-            self._end(call)
+            self.end_call(call)
         if self.nnodes > 1:
             ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
             s, e = ranges[self.local_rank][0]
@@ -227,10 +219,10 @@ class ShmCommunicator:
             if e > s:
                 dist.broadcast(piece, src=root_node * self.local_size + self.local_rank, group=self.groups.inter)
             if self.topo.node != root_node:
-                call = self._begin(name + " (intra all-gather)", x, root=root,
-                                   fill=lambda ws: self._copy_ranges(ws, x, [ranges[self.local_rank]]))
+                call = self.begin_call(name + " (intra all-gather)", x, root=root,
+                                   fill=lambda ws: self.copy_ranges(ws, x, [ranges[self.local_rank]]))
                 self._gather_ranges(call, ranges, x)
-                self._end(call)
+                self.end_call(call)
         if writeback:
             t.copy_(x.view(t.shape))
         return t
@@ -247,14 +239,14 @@ class ShmCommunicator:
         root_node, root_local = divmod(root, self.local_size)
         ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
         s, e = ranges[self.local_rank][0]
-        call = self._begin(name, x, op=op, root=root,
-                           fill=lambda ws: self._copy_ranges(ws, x, self._others(ranges)), always_ws=True)
-        ws_me = self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype)
+        call = self.begin_call(name, x, op=op, root=root,
+                           fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)), always_ws=True)
+        ws_me = self.ws_view(call.ws, self.local_rank, x.numel(), x.dtype)
         if self.nnodes == 1:
-            self._reduce_ranges(call, ranges[self.local_rank], op, x, ws_me[s:e], scale=self._scale(op))
+            self.reduce_ranges(call, ranges[self.local_rank], op, x, ws_me[s:e], scale=self.scale(op))
         else:
             mine = torch.empty(e - s, dtype=torch.float32)
-            self._reduce_ranges(call, ranges[self.local_rank], op, x, mine)
+            self.reduce_ranges(call, ranges[self.local_rank], op, x, mine)
             if e > s:
                 dist.reduce(mine, dst=root_node * self.local_size + self.local_rank, op=op.dist_op,
                             group=self.groups.inter)
@@ -266,8 +258,8 @@ class ShmCommunicator:
         if self.topo.node == root_node and self.local_rank == root_local:
             for lr in range(self.local_size):
                 ls, le = ranges[lr][0]
-                x[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
-        self._end(call, skip_barrier=True)  # the root read workspaces only
+                x[ls:le].copy_(self.ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+        self.end_call(call, skip_barrier=True)  # the root read workspaces only
         if writeback and self.rank == root:
             t.copy_(x.view(t.shape))
         return t
@@ -279,7 +271,9 @@ class ShmCommunicator:
             dist.barrier(group=self.groups.inter)
             self.flags.barrier("barrier")
 
-    # ------------------------------------------------------------------ shared machinery
+    # ------------------------------------------------------------------ the call surface
+    # (what every collective here, and the fused collectives of fused.py, are built from: a call begins with the
+    # header exchange, reduces ranges of the sources chunk by chunk, publishes, and ends)
 
     def _flat(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """A flat contiguous view of t (or a contiguous copy that must be written back)."""
@@ -299,19 +293,19 @@ class ShmCommunicator:
         if not 0 <= root < self.world:
             raise ValueError(f"{name}: root={root} is not a rank in [0, {self.world})")
 
-    def _others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    def others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
         return [r for lr, r in enumerate(ranges) if lr != self.local_rank]
 
-    def _scale(self, op: ReduceOp) -> float | None:
+    def scale(self, op: ReduceOp) -> float | None:
         return 1.0 / self.world if op is ReduceOp.MEAN else None
 
     @staticmethod
-    def _copy_ranges(dst: torch.Tensor, src: torch.Tensor, range_lists: list[list[tuple[int, int]]]) -> None:
+    def copy_ranges(dst: torch.Tensor, src: torch.Tensor, range_lists: list[list[tuple[int, int]]]) -> None:
         for rl in range_lists:
             for s, e in rl:
                 dst[s:e].copy_(src[s:e])
 
-    def _ws_view(self, ws: Segment | None, lr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def ws_view(self, ws: Segment | None, lr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         assert ws is not None
         return ws.region(lr)[: numel * element_size(dtype)].view(dtype)
 
@@ -324,9 +318,9 @@ class ShmCommunicator:
             ws = self._ws[parity] = self.arena.workspace(cap)
         return ws
 
-    def _begin(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1, numel: int | None = None,
+    def begin_call(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1, numel: int | None = None,
                fill: Callable[[torch.Tensor], None] | None = None, data: torch.Tensor | None = None,
-               always_ws: bool = False, zero_copy: bool = True) -> _Call:
+               always_ws: bool = False, zero_copy: bool = True) -> Call:
         """Header exchange + first barrier. `fill(ws_view)` copies this rank's data into its workspace region
         (called only when the data is not already an arena tensor, or always with zero_copy=False); `data` is what
         peers read (x by default)."""
@@ -343,17 +337,17 @@ class ShmCommunicator:
         ws = self._ws[parity]
         fits = ws is not None and ws.region_bytes >= nbytes
         if fill is not None and not zc and fits:
-            fill(self._ws_view(ws, self.local_rank, x.numel(), x.dtype))
+            fill(self.ws_view(ws, self.local_rank, x.numel(), x.dtype))
         self.flags.set_header(header(name, x.dtype, x.numel() if numel is None else numel, op, root, seg, off,
-                                     (self.chunk_bytes, self.pipeline_bytes, self.one_shot_bytes)))
+                                     (self.chunk_bytes, self.one_shot_bytes)))
         seq = self.flags.barrier(name)
-        hdrs = self.flags.headers(seq)
+        hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
         validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)
-        need_ws = always_ws or any(h[5] < 0 for h in hdrs)
+        need_ws = always_ws or any(h.segment < 0 for h in hdrs)
         if need_ws and not fits:  # same decision on every rank: the headers agree
             ws = self._ensure_ws(parity, nbytes)
             if fill is not None and not zc:
-                fill(self._ws_view(ws, self.local_rank, x.numel(), x.dtype))
+                fill(self.ws_view(ws, self.local_rank, x.numel(), x.dtype))
             self.flags.barrier(name + " (workspace grown)")
         if not need_ws and not fits:
             ws = None
@@ -361,69 +355,46 @@ class ShmCommunicator:
         for lr in range(self.local_size):
             if lr == self.local_rank:
                 sources.append(data)
-            elif hdrs[lr][5] >= 0:
-                sources.append(self.arena.view(hdrs[lr][5], lr, hdrs[lr][6], (data.numel(),), x.dtype))
+            elif hdrs[lr].segment >= 0:
+                sources.append(self.arena.view(hdrs[lr].segment, lr, hdrs[lr].offset, (data.numel(),), x.dtype))
             else:
-                sources.append(self._ws_view(ws, lr, x.numel(), x.dtype))
-        return _Call(name=name, seq=seq, sources=sources, zc=tuple(bool(h[5] >= 0) for h in hdrs), ws=ws)
+                sources.append(self.ws_view(ws, lr, x.numel(), x.dtype))
+        return Call(name=name, seq=seq, sources=sources, zero_copy_ranks=tuple(h.segment >= 0 for h in hdrs), ws=ws)
 
-    def _end(self, call: _Call, skip_barrier: bool = False) -> None:
+    def end_call(self, call: Call, skip_barrier: bool = False) -> None:
         # peers read this rank's own memory (zero-copy): wait until they are done before returning it to the user.
         # Workspace copies need no barrier: the next call uses the other workspace, and the call after it starts
         # with a barrier that every peer can only pass once it has finished this one.
         if call.zero_copy and not skip_barrier:
             self.flags.barrier(call.name + " (done)")
 
-    def _acc_buf(self, numel: int) -> torch.Tensor:
+    def acc_buf(self, numel: int) -> torch.Tensor:
         if self._acc is None or self._acc.numel() < numel:
             self._acc = torch.empty(numel, dtype=torch.float32)
         return self._acc[:numel]
 
-    def _reduce_ranges(self, call: _Call, ranges: list[tuple[int, int]], op: ReduceOp, own: torch.Tensor,
-                       dst: torch.Tensor, scale: float | None = None,
-                       publish: torch.Tensor | None = None,
-                       fn: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
-                       fn_out: torch.Tensor | None = None, fn_bytes: int = 0, fn_sources: bool = False) -> None:
+    def reduce_ranges(self, call: Call, ranges: list[tuple[int, int]], op: ReduceOp, own: torch.Tensor,
+                      dst: torch.Tensor, scale: float | None = None, publish: torch.Tensor | None = None) -> None:
         """Reduce this rank's `ranges` over the sources, chunk by chunk, into the packed `dst` (ranges end to end).
-
         own: this rank's flat data (read for its own contribution). publish: also copy each result chunk there
-        (at the same offsets as the ranges). fn(offset, reduced_chunk, out_chunk): fused computation per chunk,
-        writing into fn_out[offset:...] (then published from there); with fn_bytes > chunk_bytes, fn gets several
-        consecutive reduced chunks at once (fewer calls of a kernel with a fixed cost per call).
-        fn_sources: fn does the reduction itself: it gets the list of every rank's chunk (rank order) instead of
-        the reduced chunk, and nothing is written to `dst` (one pass over the sources, no reduced copy).
-        """
-        srcs = [own if lr == self.local_rank else call.sources[lr] for lr in range(self.local_size)]
+        (at the same offsets as the ranges)."""
+        srcs = self.sources(call, own)
         step = max(1, self.chunk_bytes // own.element_size())
-        fn_step = max(step, fn_bytes // own.element_size())
         pos = 0
-        if fn_sources:
-            assert fn is not None and fn_out is not None and publish is None
-            for s, e in ranges:
-                for a in range(s, e, fn_step):
-                    b = min(a + fn_step, e)
-                    fn(a, [src[a:b] for src in srcs], fn_out[a:b])
-            return
         for s, e in ranges:
-            pending = s  # start of the reduced chunks not yet passed to fn
             for a in range(s, e, step):
                 b = min(a + step, e)
                 d = dst[pos + a - s:pos + b - s]
-                reduce_chunk(d, [src[a:b] for src in srcs], op, self._acc_buf, scale)
-                if fn is not None:
-                    if b - pending < fn_step and b < e:
-                        continue
-                    assert fn_out is not None
-                    oc = fn_out[pending:b]
-                    fn(pending, dst[pos + pending - s:pos + b - s], oc)
-                    if publish is not None and publish.data_ptr() != fn_out.data_ptr():
-                        publish[pending:b].copy_(oc)
-                    pending = b
-                elif publish is not None:
+                reduce_chunk(d, [src[a:b] for src in srcs], op, self.acc_buf, scale)
+                if publish is not None:
                     publish[a:b].copy_(d)
             pos += e - s
 
-    def _gather_ranges(self, call: _Call, ranges: list[list[tuple[int, int]]], y: torch.Tensor) -> None:
+    def sources(self, call: Call, own: torch.Tensor) -> list[torch.Tensor]:
+        """Every local rank's flat data in rank order (this rank's as `own`)."""
+        return [own if lr == self.local_rank else call.sources[lr] for lr in range(self.local_size)]
+
+    def _gather_ranges(self, call: Call, ranges: list[list[tuple[int, int]]], y: torch.Tensor) -> None:
         """Copy every peer's ranges from where it published them into y."""
         for lr in range(self.local_size):
             if lr == self.local_rank:
@@ -432,83 +403,37 @@ class ShmCommunicator:
             for s, e in ranges[lr]:
                 y[s:e].copy_(src[s:e])
 
-    def _all_reduce_flat(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: ReduceOp,
-                         inter: bool, fn=None, fn_out: torch.Tensor | None = None, gather: bool = True,
-                         fn_bytes: int = 0, fn_sources: bool = False) -> None:
-        """Intra reduce-scatter (+ inter all-reduce of the slice) (+ fused fn) + intra all-gather, on flat x.
-        fn_sources: fn gets a list: every rank's chunk to reduce itself (within a node, with an arena or
-        node-shared fn_out), else the reduced chunk alone (a list of one)."""
+    def _all_reduce_three_phase(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]],
+                                op: ReduceOp) -> None:
+        """Intra reduce-scatter (+ inter all-reduce of the slice) + intra all-gather, in place on flat x."""
         s, e = ranges[self.local_rank][0]
-        out = x if fn_out is None else fn_out
-        out_where = self.arena.locate(fn_out) if fn_out is not None else None
-        shared_out = out_where is not None and out_where[2]
-        out_zc = out_where is not None and not out_where[2]
-        fill = lambda ws: self._copy_ranges(ws, x, self._others(ranges))  # noqa: E731
-        # plain tensors within a node: copy-in, reduction and gather pipelined chunk by chunk (see _pipelined)
-        pipeline = not inter and fn is None and self.pipeline_bytes > 0
-        call = self._begin(name, x, op=op, fill=None if pipeline else fill, data=x,
-                           always_ws=fn_out is not None and out_where is None)
-        if pipeline:
-            if not call.zero_copy:
-                self._pipelined(call, x, ranges, op)
-                return
-            if not all(call.zc):  # mixed arena / plain ranks: the plain ones copy in now
-                if not call.zc[self.local_rank]:
-                    fill(self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype))
-                self.flags.barrier(name + " (copied in)")
-        ws_me = self._ws_view(call.ws, self.local_rank, x.numel(), x.dtype) if call.ws is not None else None
-        if fn_out is None:
-            publish = None if self.arena.locate(x) is not None else ws_me
+        call = self.begin_call(name, x, op=op, fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)), data=x)
+        ws_me = self.ws_view(call.ws, self.local_rank, x.numel(), x.dtype) if call.ws is not None else None
+        publish = None if self.arena.locate(x) is not None else ws_me  # arena x: peers read the result in place
+        if self.nnodes == 1:
+            self.reduce_ranges(call, ranges[self.local_rank], op, x, x[s:e], scale=self.scale(op), publish=publish)
         else:
-            publish = None if (shared_out or out_zc) else ws_me
-        sources = fn_sources and not inter and publish is None
-        if fn_sources and not sources:  # reduce here; fn gets the reduced chunk as a list of one
-            fn = (lambda f: lambda o, r, y: f(o, [r], y))(fn)
-        if not inter:
-            self._reduce_ranges(call, ranges[self.local_rank], op, x, x[s:e], scale=self._scale(op), publish=publish, fn=fn,
-                                fn_out=fn_out, fn_bytes=fn_bytes, fn_sources=sources)
-        else:
-            part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
-            self._reduce_ranges(call, ranges[self.local_rank], op, x, part)
-            if e > s:  # across nodes in float32 (16-bit sums are rounded once, at the end)
-                dist.all_reduce(part, op=op.dist_op, group=self.groups.inter)
-                if op is ReduceOp.MEAN:
-                    part.div_(self.world)
-                if part.data_ptr() != x.data_ptr() + s * x.element_size():
-                    x[s:e].copy_(part)
-            if fn is not None:
-                step = max(1, max(self.chunk_bytes, fn_bytes) // x.element_size())
-                for a in range(s, e, step):
-                    b = min(a + step, e)
-                    fn(a, x[a:b], out[a:b])
+            self.reduce_slice_across_nodes(call, ranges[self.local_rank], op, x)
             if publish is not None:
-                publish[s:e].copy_(out[s:e])
-        if not gather:
-            self._end(call)
-            return
-        if shared_out:  # one copy per node: every rank wrote its slice in place; wait for all of them
-            self.flags.barrier(name + " (slices written)")
-            return
+                publish[s:e].copy_(x[s:e])
         self.flags.barrier(name + " (reduced slices published)")
-        if fn_out is not None and out_zc:
-            where = self.arena.locate(fn_out)
-            assert where is not None
-            views = [self.arena.view(where[0], lr, where[1], (fn_out.numel(),), fn_out.dtype) for lr in range(self.local_size)]
-            for lr in range(self.local_size):
-                if lr != self.local_rank:
-                    ls, le = ranges[lr][0]
-                    out[ls:le].copy_(views[lr][ls:le])
-            self.flags.barrier(name + " (done)")
-            return
-        if fn_out is not None:  # plain out: peers published their results in their workspace
-            for lr in range(self.local_size):
-                if lr != self.local_rank:
-                    ls, le = ranges[lr][0]
-                    out[ls:le].copy_(self._ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
-            self._end(call)
-            return
         self._gather_ranges(call, ranges, x)
-        self._end(call)
+        self.end_call(call)
+
+    def reduce_slice_across_nodes(self, call: Call, mine: list[tuple[int, int]], op: ReduceOp,
+                                  x: torch.Tensor) -> None:
+        """x[s:e] (this rank's one range) = the reduction over every rank of the job: over the node's ranks here,
+        then across nodes through torch.distributed among the ranks with this local rank, in float32 (16-bit sums
+        are rounded once, at the end)."""
+        s, e = mine[0]
+        part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
+        self.reduce_ranges(call, mine, op, x, part)
+        if e > s:
+            dist.all_reduce(part, op=op.dist_op, group=self.groups.inter)
+            if op is ReduceOp.MEAN:
+                part.div_(self.world)
+            if part.data_ptr() != x.data_ptr() + s * x.element_size():
+                x[s:e].copy_(part)
 
     def _all_reduce_one_shot(self, name: str, t: torch.Tensor, x: torch.Tensor, op: ReduceOp,
                              out: torch.Tensor | None) -> torch.Tensor:
@@ -516,57 +441,13 @@ class ShmCommunicator:
         same bits on every rank). Each rank reads L times the data: for small vectors, where the barriers of the
         three-phase algorithm cost more than the reads. Arena tensors are copied too: then nobody reads x, so the
         result can go straight into it and no closing barrier is needed (the workspaces alternate by call)."""
-        call = self._begin(name, x, op=op, fill=lambda ws: ws.copy_(x), zero_copy=False)
+        call = self.begin_call(name, x, op=op, fill=lambda ws: ws.copy_(x), zero_copy=False)
         target = t if out is None else out
         dst = target.view(-1) if target.is_contiguous() else x if out is None else torch.empty_like(x)
-        self._reduce_ranges(call, [(0, x.numel())], op, x, dst, scale=self._scale(op))
+        self.reduce_ranges(call, [(0, x.numel())], op, x, dst, scale=self.scale(op))
         if dst.data_ptr() != target.data_ptr():
             target.copy_(dst.view(target.shape))
         return target
-
-    def _pipelined(self, call: _Call, x: torch.Tensor, ranges: list[list[tuple[int, int]]], op: ReduceOp) -> None:
-        """All-reduce of plain tensors within a node, one pass in chunks: for chunk k, copy this rank's part of
-        every peer's slice into the workspace, wait until the peers did the same, reduce chunk k of this rank's
-        slice and publish it, then copy chunk k-1 of every peer's slice back. Chunks are read by the peer soon
-        after they were written, while they are still in the shared L3, instead of after a full pass."""
-        step = max(1, self.pipeline_bytes // x.element_size())
-        bounds = [r[0] for r in ranges]
-        nchunks = max(1, max(-(-(e - s) // step) for s, e in bounds))
-        ws = [self._ws_view(call.ws, lr, x.numel(), x.dtype) for lr in range(self.local_size)]
-        peers = [lr for lr in range(self.local_size) if lr != self.local_rank]
-        scale = self._scale(op)
-        f = self.flags
-        base = f.prog  # progress counters live with the flags: communicators sharing an arena stay consistent
-        f.prog += nchunks
-
-        def chunk(lr: int, k: int) -> tuple[int, int]:
-            s, e = bounds[lr]
-            return min(s + k * step, e), min(s + (k + 1) * step, e)
-
-        def gather(k: int) -> None:
-            f.wait(F_PROG_OUT, base + k + 1, call.name + " (gather)", call=call.seq)
-            for lr in peers:
-                a, b = chunk(lr, k)
-                x[a:b].copy_(ws[lr][a:b])
-
-        for k in range(nchunks):
-            for lr in peers:
-                a, b = chunk(lr, k)
-                ws[self.local_rank][a:b].copy_(x[a:b])
-            f.publish(F_PROG_IN, base + k + 1)
-            f.wait(F_PROG_IN, base + k + 1, call.name + " (reduce)", call=call.seq)
-            a, b = chunk(self.local_rank, k)
-            sub = max(1, self.chunk_bytes // x.element_size())
-            for c in range(a, b, sub):  # cache-sized pieces: the published copy reads from L2
-                d = x[c:min(c + sub, b)]
-                reduce_chunk(d, [d if lr == self.local_rank else ws[lr][c:c + d.numel()] for lr in range(self.local_size)], op,
-                              self._acc_buf, scale)
-                ws[self.local_rank][c:c + d.numel()].copy_(d)
-            f.publish(F_PROG_OUT, base + k + 1)
-            if k:
-                gather(k - 1)
-        gather(nchunks - 1)
-        # no final barrier: peers read only the workspace, whose next use comes after the next call's barrier
 
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""

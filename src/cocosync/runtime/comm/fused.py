@@ -16,8 +16,8 @@ from typing import Callable
 import torch
 
 from cocosync.reduce_op import ReduceOp
-from cocosync.runtime.comm.collectives import ShmCommunicator
-from cocosync.runtime.comm.reduction import check_dtype, check_op, split_bounds
+from cocosync.runtime.comm.collectives import Call, ShmCommunicator
+from cocosync.runtime.comm.reduction import check_dtype, check_op, reduce_chunk, split_bounds
 
 __all__ = ["fused_all_reduce", "reduce_and_apply", "gather_slices", "slice_bounds", "owned_slice", "node_shared"]
 
@@ -71,9 +71,93 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
         for a in range(0, x.numel(), step):
             fn(a, [x[a:a + step]] if fn_sources else x[a:a + step], y[a:a + step])
         return out
-    comm._all_reduce_flat(name, x, ranges, op, inter=comm.nnodes > 1, fn=fn, fn_out=y, gather=gather,
-                          fn_bytes=fn_bytes, fn_sources=fn_sources)
+    _fused_flat(comm, name, x, y, ranges, op, fn, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources)
     return out
+
+
+def _fused_flat(comm: ShmCommunicator, name: str, x: torch.Tensor, y: torch.Tensor,
+                ranges: list[list[tuple[int, int]]], op: ReduceOp, fn: Callable, *, gather: bool, fn_bytes: int,
+                fn_sources: bool) -> None:
+    """Intra reduce-scatter (+ inter all-reduce of the slice) + fn on this rank's chunks + intra all-gather of y,
+    on flat x, through the communicator's call surface. fn_sources: fn gets a list: every rank's chunk to reduce
+    itself (within a node, with an arena or node-shared y), else the reduced chunk alone (a list of one)."""
+    me = comm.local_rank
+    s, e = ranges[me][0]
+    where = comm.arena.locate(y)
+    shared_out = where is not None and where[2]  # one copy per node: each rank writes its slice, no all-gather
+    arena_out = where is not None and not where[2]  # peers read the results where fn wrote them
+    call = comm.begin_call(name, x, op=op, fill=lambda ws: comm.copy_ranges(ws, x, comm.others(ranges)), data=x,
+                           always_ws=where is None)
+    # a plain y: results are published in this rank's workspace region for the peers to copy
+    publish = None if where is not None else comm.ws_view(call.ws, me, x.numel(), x.dtype)
+    sources = fn_sources and comm.nnodes == 1 and publish is None
+    if fn_sources and not sources:  # reduce here; fn gets the reduced chunk as a list of one
+        fn = (lambda f: lambda o, r, out: f(o, [r], out))(fn)
+    if comm.nnodes == 1:
+        _reduce_apply_ranges(comm, call, ranges[me], op, x, x[s:e], comm.scale(op), publish, fn, y, fn_bytes,
+                             sources)
+    else:
+        comm.reduce_slice_across_nodes(call, ranges[me], op, x)
+        step = max(1, max(comm.chunk_bytes, fn_bytes) // x.element_size())
+        for a in range(s, e, step):
+            b = min(a + step, e)
+            fn(a, x[a:b], y[a:b])
+        if publish is not None:
+            publish[s:e].copy_(y[s:e])
+    if not gather:
+        comm.end_call(call)
+        return
+    if shared_out:  # every rank wrote its slice in place; wait for all of them
+        comm.flags.barrier(name + " (slices written)")
+        return
+    comm.flags.barrier(name + " (reduced slices published)")
+    for lr in range(comm.local_size):
+        if lr == me:
+            continue
+        ls, le = ranges[lr][0]
+        if arena_out:
+            assert where is not None
+            y[ls:le].copy_(comm.arena.view(where[0], lr, where[1], (y.numel(),), y.dtype)[ls:le])
+        else:
+            y[ls:le].copy_(comm.ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+    if arena_out:
+        comm.flags.barrier(name + " (done)")
+    else:
+        comm.end_call(call)
+
+
+def _reduce_apply_ranges(comm: ShmCommunicator, call: Call, ranges: list[tuple[int, int]], op: ReduceOp,
+                         own: torch.Tensor, dst: torch.Tensor, scale: float | None, publish: torch.Tensor | None,
+                         fn: Callable, fn_out: torch.Tensor, fn_bytes: int, fn_sources: bool) -> None:
+    """Reduce this rank's `ranges` chunk by chunk into the packed `dst` and call fn(offset, reduced, out_chunk)
+    while the chunks are in cache, writing into fn_out (then published from there); with fn_bytes > chunk_bytes,
+    fn gets several consecutive reduced chunks at once (fewer calls of a kernel with a fixed cost per call).
+    fn_sources: fn does the reduction itself: it gets the list of every rank's chunk (rank order) instead of the
+    reduced chunk, and nothing is written to `dst` (one pass over the sources, no reduced copy)."""
+    srcs = comm.sources(call, own)
+    step = max(1, comm.chunk_bytes // own.element_size())
+    fn_step = max(step, fn_bytes // own.element_size())
+    if fn_sources:
+        assert publish is None
+        for s, e in ranges:
+            for a in range(s, e, fn_step):
+                b = min(a + fn_step, e)
+                fn(a, [src[a:b] for src in srcs], fn_out[a:b])
+        return
+    pos = 0
+    for s, e in ranges:
+        pending = s  # start of the reduced chunks not yet passed to fn
+        for a in range(s, e, step):
+            b = min(a + step, e)
+            reduce_chunk(dst[pos + a - s:pos + b - s], [src[a:b] for src in srcs], op, comm.acc_buf, scale)
+            if b - pending < fn_step and b < e:
+                continue
+            oc = fn_out[pending:b]
+            fn(pending, dst[pos + pending - s:pos + b - s], oc)
+            if publish is not None and publish.data_ptr() != fn_out.data_ptr():
+                publish[pending:b].copy_(oc)
+            pending = b
+        pos += e - s
 
 
 def node_shared(comm: ShmCommunicator, t: torch.Tensor) -> bool:

@@ -36,14 +36,13 @@ import torch
 
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
-__all__ = ["Arena", "CollectiveTimeout", "Flags", "F_PROG_IN", "F_PROG_OUT", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["Arena", "CollectiveTimeout", "Flags", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "cocosync-"
 TIMEOUT_ENV = "COCOSYNC_COLLECTIVE_TIMEOUT"
 _SLOT = 40  # int64 words per local rank in the control segment (320 bytes: no false sharing of polled words)
 _F_SEQ, _F_ATTACH, _F_PID, _F_HDR = 0, 1, 2, 4  # slot fields; then two headers (collective metadata)
-F_PROG_IN, F_PROG_OUT = 32, 33  # chunk progress counters of pipelined collectives (copied in / reduced+published)
 HEADER_WORDS = 14  # per header; header k%2 goes with barrier k (a peer may already write the next call's header)
 _ALIGN = 4096
 
@@ -108,7 +107,6 @@ class Flags:
         self.global_ranks = global_ranks
         self.timeout = timeout
         self.seq = int(words[local_rank, _F_SEQ])
-        self.prog = int(words[local_rank, F_PROG_OUT])  # chunk counter of pipelined collectives (same on all ranks)
         self.broken: str | None = None
 
     @property
