@@ -53,6 +53,7 @@ def show(target: str, dump: bool) -> None:
     """Print a program, its schedule, the transformed program and its plan (TARGET: FILE.py or sgd, adam, lamb,
     megatron, pipeline)."""
     from cocosync.lower import lower
+    from cocosync.runtime.steps.prepare import static_reason
 
     program, sched = load(target)
     click.echo(str(program))
@@ -64,7 +65,13 @@ def show(target: str, dump: bool) -> None:
         click.echo("")
         click.echo(str(final))
     click.echo("")
-    click.echo(str(lower(final, dump=dump)))
+    plan = lower(final, dump=dump)
+    click.echo(str(plan))
+    if dump:  # which steps have a fast form, and why not where they do not (judged from the program alone)
+        click.echo("--- fast forms ---")
+        for i, step in enumerate(plan.steps):
+            reason = static_reason(step, plan.program)
+            click.echo(f"  {i:>2}: {'fast' if reason is None else 'stage by stage: ' + reason}")
 
 
 explain = show

@@ -116,13 +116,13 @@ def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dty
 
 
 def _norm_step_on_rank(fuse):
-    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/steps/phased.py) with
+    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/steps/fused_collective.py) with
     phase 0's kernel reducing the gradients itself (fuse) or the collective reducing them first."""
     import os
 
     import torch.distributed as dist
 
-    import cocosync.runtime.steps.phased as ns
+    import cocosync.runtime.steps.fused_collective as ns
     from cocosync.optim import DistributedAdam, DistributedLAMB
 
     built = []

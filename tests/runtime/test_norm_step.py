@@ -56,10 +56,10 @@ def _on_rank(name, dtype, donate):
     for step in range(1, STEPS + 1):
         g.copy_(_grad(step, rank, gdt))
         fn(g=g, **state, **adam_scalars(step, lr=0.05, weight_decay=WD), **extra)
-    from cocosync.runtime.steps.phased import _Phases
+    from cocosync.runtime.steps.fused_analysis import FusedGroup, analyze
 
-    phases = _Phases(fn.plan.steps[0], fn.plan.program, fn.comm.shm)
-    shape = [[s.name for s in k.stages] for k in phases.kernels] if phases.ok else None
+    group = analyze(fn.plan.steps[0], fn.plan.program)
+    shape = [[s.name for s in p.stages] for p in group.phases] if isinstance(group, FusedGroup) else None
     return {"state": state, "fast": fn.fast_steps, "phases": shape}
 
 

@@ -109,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         structure = self._structure_of(param_group)
         n_pad = -(-sum(p.numel() for p in params) // self.world) * self.world
         # clipping is inside the update program: its norm splits the fused collective into two phases
-        # (runtime/steps/phased.py), still one reduction of the gradients
+        # (runtime/steps/fused_collective.py), still one reduction of the gradients
         program = self._program(n_pad, dtype, master if master != dtype else None,
                                 clip=self.max_grad_norm is not None, params=params, **structure)
         states = tuple(s for s in self._program_states() if s in program.updates)

@@ -22,7 +22,7 @@ from cocosync.dsl.ir import Node
 from cocosync.dsl.registry import OPS
 from cocosync.interp import ELEMENTWISE
 
-__all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse"]
+__all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse", "line_of"]
 
 BACKENDS = ("inductor", "eager")
 _COMPILED: dict[tuple, object] = {}
@@ -45,7 +45,8 @@ def can_fuse(stage: Node) -> bool:
     return OPS[stage.op].in_kernels
 
 
-def _line(s: Node, ref: dict[int, str]) -> str:
+def line_of(s: Node, ref: dict[int, str]) -> str:
+    """The source expression of stage `s` in a generated kernel (`ref`: id -> variable of its operands)."""
     args = [ref[id(a)] if id(a) in ref else repr(float(a.attr("value"))) for a in s.args]
     scalar_fn = OPS[s.op].scalar_fn  # torch.maximum/minimum reject Python numbers: clamp_min/clamp_max
     if scalar_fn and len(s.args) == 2 and s.args[1].op == "const" and id(s.args[0]) in ref:
@@ -56,6 +57,8 @@ def _line(s: Node, ref: dict[int, str]) -> str:
         return args[1] if s.args[1].shape == s.shape else f"{args[1]}.expand_as({args[0]})"
     if s.op == "cast":
         return f"{args[0]}.to({s.attr('to')})"
+    if s.op not in ELEMENTWISE:
+        raise ValueError(f"generated kernels have no rule for {s.op!r} (stage {s.name})")
     return f"ops[{s.op!r}]({', '.join(args)})"
 
 
@@ -138,7 +141,7 @@ class Kernel:
             body.append(line)
         for i, s in enumerate(stages):
             ref[id(s)] = f"t{i}"
-            body.append(f"    t{i} = {_line(s, ref)}  # {s.name}")
+            body.append(f"    t{i} = {line_of(s, ref)}  # {s.name}")
         if into:
             params += [f"out{i}" for i in range(len(self.outputs))] + [f"sq{i}" for i in range(len(self.sumsq))]
             params += [f"sqv{i}" for i in range(len(self.squares))]

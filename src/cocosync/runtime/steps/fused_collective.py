@@ -1,137 +1,196 @@
-"""The fast form of a FusedCollective step without norms: CoCoNeT's FusedAllReduce.
+"""The fast form of a FusedCollective step: CoCoNeT's FusedAllReduce, in phases around global norms.
 
-RS -> elementwise compute -> AG over dim 0, through shared memory. Each rank reduces its slice chunk by chunk;
-while the chunk is in cache the fused kernel computes the sliced stages on it (slices of Replicated inputs are read
-in place, Sliced states are updated in place), and the all-gathered value is written straight into the Replicated
-state it updates (e.g. w). Within a node the kernel also sums the ranks' chunks itself. Across nodes: the
-hierarchical reduce-scatter, the kernel on this rank's 1/P, the hierarchical all-gather (`comm.fused.reduce_and_apply`).
-Steps with norms run in phases (runtime.steps.phased).
+Without norms (one phase): each rank reduces its slice chunk by chunk; while a group of reduced chunks is in cache
+one generated kernel computes the sliced stages on it (slices of Replicated inputs are read in place, Sliced states
+are updated in place), and the all-gathered value is written straight into the Replicated state it updates (e.g.
+w), where the all-gather reads it. Within a node the kernel also sums the ranks' chunks itself: it reads every
+rank's gradient chunk where it is, in its one pass (the reduced values are never written out and read back).
+
+A norm over the whole tensor (LAMB's trust ratio, gradient clipping) cannot be finished chunk by chunk: everything
+that depends on it must wait for it. Then (runtime.steps.fused_analysis) phase 0 is the reduce-scatter with a kernel
+computing the level-0 outputs (LAMB's new moments) and the partial sums of squares of the level-1 norms' operands
+(within a node that kernel also reduces, writing the sum over this rank's own chunk for the later phases); one
+all-reduce of those few partial sums finishes the norms and the scalars after them (the trust ratio); phase 1's
+kernel computes the level-1 outputs; and so on; then the all-gather (none within a node when that state is
+node-shared). Still one reduction of the gradients. Across nodes the reduce-scatter and all-gather are
+hierarchical (`comm.fused.reduce_and_apply`): each rank owns a distinct 1/P, so partial sums count every element once.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+from typing import Callable
+
 import torch
 
-from cocosync.dsl.ir import Program
+from cocosync.dsl.ir import Node, Program
+from cocosync.dsl.types import ReduceOp
 from cocosync.lower.plan import FusedCollective
-from cocosync.runtime.comm.fused import node_shared, owned_slice, reduce_and_apply
+from cocosync.runtime.comm.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
 from cocosync.runtime.stage import StageComm, run_stage, run_stages
-from cocosync.runtime.steps.codegen import build_kernel, can_fuse
+from cocosync.runtime.steps.codegen import Kernel, build_kernel
 from cocosync.runtime.steps.common import (
     KERNEL_BYTES,
     Runner,
     StepOptions,
-    across_nodes_ok,
     first_call_timeout,
     kernel_reduce_of,
-    outside_readers,
     put_consts,
     reduce_buffer,
     store_results,
 )
+from cocosync.runtime.steps.fused_analysis import FusedGroup, OperandKind, Phase
 
 __all__ = ["fused_collective_runner"]
 
 
-def fused_collective_runner(step: FusedCollective, program: Program, comm: StageComm,
-                            options: StepOptions) -> Runner | None:
-    """A runner for a fused collective without norms, or None (reference path)."""
-    kernels, donate = options.kernels, options.donate
-    shm = getattr(comm, "shm", None)
-    rs, ag = step.rs, step.ag
-    if shm is None or rs.layout.dim != 0 or ag.args[0].layout.dim != 0 or not across_nodes_ok(shm, rs):
-        return None
-    shape = rs.shape
-    inside = {id(s) for s in step.order}
-    # the update of a Replicated state by the gathered value is done by the all-gather writing into the state
-    w_update = next((o for o in program.stages if o.op == "update" and o.args[1] is ag), None)
-    scalars = [s for s in step.compute if s.ndim == 0]
-    scatters = [s for s in step.compute if s.op == "scatter"]
-    body = [s for s in step.compute if s.ndim > 0 and s.op != "scatter" and s is not w_update]
-    if not all(can_fuse(s) and s.shape == shape for s in body):
-        return None
-    if not all(s.layout.dim == 0 and s.args[0].shape == shape for s in scatters):
-        return None
-    if any(not can_fuse(s) for s in scalars):
-        return None
-    # operands from outside the step must be 0-dim, or Sliced(0) with the RS's shape (a local slice)
-    for s in body:
-        for a in s.args:
-            if id(a) not in inside and a.op != "const" and a.ndim and not (a.layout == rs.layout and a.shape == shape):
-                return None
-    needed = outside_readers(program, inside)
-    gathered = ag.args[0]
-    state_writes = [s for s in body if s.op == "update"]
-    users = program.users()
-    for s in [*state_writes, *([w_update] if w_update else [])]:
-        if any(id(u) not in inside for u in users[s.args[0].name] if u is not s):
-            return None  # someone outside reads the old state: writing in place would change what it sees
-    if any(i not in {id(ag), id(w_update) if w_update else 0, *map(id, state_writes)} for i in needed):
-        return None  # another value is needed outside: keep the reference implementation
-    if id(gathered) not in {id(b) for b in body}:
-        return None
-    outs = [gathered, *state_writes]
-    src_of = {id(s): s.args[0] for s in scatters}
-    # inputs that are the memory an output is written to: the state read and updated in place (m, v), and the
-    # slice of w when the all-gathered result goes straight into w; the kernel reads them from its outputs
-    reads_out = {id(s.args[0]): 1 + j for j, s in enumerate(state_writes)}
-    if w_update is not None:
-        reads_out.update({id(sc): 0 for sc in scatters if src_of[id(sc)] is w_update.args[0]})
-    kern = build_kernel(body, outs, kernels, name=f"fused_{rs.name}", into=True, reads_out=reads_out)
-    op = rs.attr("op")
-    # within a node the kernel also does the reduction: it reads every rank's gradients where they are, in its one
-    # pass (the reduced values are never written out and read back)
+def _pieces(ends: list[int], offset: int, n: int):
+    """(segment index, start, stop) of the segments' pieces within [offset, offset + n); `ends` are cumulative."""
+    i = bisect.bisect_right(ends, offset)
+    lo = offset
+    while lo < offset + n:
+        hi = min(ends[i], offset + n)
+        yield i, lo, hi
+        lo, i = hi, i + 1
+
+
+def _phase_kernel(g: FusedGroup, k: int, kernels: str, name: str, **kw) -> Kernel:
+    """Phase k's kernel. The states it updates in place (and, when the all-gathered value goes straight into the
+    Replicated state, that state's slice) are read from its outputs: `reads_out`."""
+    p = g.phases[k]
+    first = 1 if g.gathered in p.roots else 0
+    reads_out = {id(s.args[0]): first + j for j, s in enumerate(p.writes)}
+    if first and g.w_update is not None:
+        reads_out.update({sc: 0 for sc, src in g.src_of.items() if src is g.w_update.args[0]})
+    roots = [*p.roots, g.rs] if kw.get("reduced_out") else list(p.roots)
+    return build_kernel(p.stages, roots, kernels, into=True, reads_out=reads_out, sumsq=[x for _, x in p.whole],
+                        squares=[x for _, x in p.segmented], name=name, **kw)
+
+
+def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: Program, comm: StageComm,
+                            options: StepOptions) -> Runner:
+    """The runner of an analyzed fused collective (see fused_analysis.analyze and runtime_reason)."""
+    shm = comm.shm
+    assert shm is not None
+    g, rs, ag, w_update, gathered = group, group.rs, group.ag, group.w_update, group.gathered
+    one_phase = len(g.phases) == 1
+    base = f"fused_{rs.name}" if one_phase else f"fused_{rs.name}_0"
+    kerns = [_phase_kernel(g, k, options.kernels, base if k == 0 else f"fused_{rs.name}_{k}")
+             if p.has_kernel else None for k, p in enumerate(g.phases)]
+    op: ReduceOp = rs.attr("op")
+    # within a node phase 0's kernel also reduces: it reads every rank's chunk in place and sums them in its loop;
+    # with later phases it writes the sum over this rank's own chunk (they read it back), else it writes nothing
     reduce_of = kernel_reduce_of(shm, rs, options.fuse_reduction)
-    kern_src = None if reduce_of is None else build_kernel(body, outs, kernels, name=f"fused_{rs.name}_src",
-                                                           into=True, reads_out=reads_out, reduce_of=reduce_of)
-    scratch: dict[str, torch.Tensor] = {}
-    compiling = [True] if kern.backend == "inductor" else []
+    kern0_src = None
+    if reduce_of is not None and kerns[0] is not None and any(a is rs for a in kerns[0].inputs):
+        reduced_out = None if one_phase else (shm.local_rank, len(g.phases[0].roots))
+        kern0_src = _phase_kernel(g, 0, options.kernels, f"{base}_src", reduce_of=reduce_of, reduced_out=reduced_out)
+    compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
+    ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in g.norms if nm.op == "segment_norm"}
+    scratch: dict = {}
 
     def run(env: dict) -> None:
-        for s in scalars:
-            run_stage(s, env, comm)
-        put_consts(kern.inputs, env)
-        buf = reduce_buffer(rs, env, shm, donate, scratch)
-        if not all(env[id(s.args[0])].is_contiguous() for s in state_writes):
-            return run_stages(step.stages, env, comm)
-        if w_update is not None:
-            out = env[id(w_update.args[0])]
-            if not out.is_contiguous():
-                return run_stages(step.stages, env, comm)
-        else:
-            out = torch.empty(ag.shape, dtype=ag.dtype)
-        flat_out = out.view(-1)
-        if shm.nnodes > 1 and node_shared(shm, flat_out):
-            return run_stages(step.stages, env, comm)
-        start = owned_slice(shm, buf.numel())[0]
-        feeds = []
-        for a in kern.inputs:
-            if a is rs:
-                feeds.append(None)  # the reduced chunk
-            elif id(a) in src_of:  # slice of a Replicated input, read in place
-                feeds.append(("global", env[id(src_of[id(a)])].reshape(-1)))
-            elif a.ndim:
-                feeds.append(("local", env[id(a)].view(-1)))
-            else:
-                feeds.append(("scalar", env[id(a)]))
-        state_views = [env[id(s.args[0])].view(-1) for s in state_writes]
+        def scalars_at(k: int) -> None:
+            for s in g.scalars:
+                if g.level[id(s)] == k:
+                    run_stage(s, env, comm)
 
-        def chunk_fn(offset: int, parts: list[torch.Tensor] | torch.Tensor, out_chunk: torch.Tensor) -> None:
-            parts = parts if isinstance(parts, list) else [parts]  # every rank's chunk, or the reduced one
-            n, lo = parts[0].numel(), offset - start
-            args = []
-            for f in feeds:
-                if f is None:
-                    args += parts
-                else:
-                    args.append(f[1] if f[0] == "scalar" else
-                                f[1][offset:offset + n] if f[0] == "global" else f[1][lo:lo + n])
-            k = kern if len(parts) == 1 else kern_src
-            assert k is not None
-            k(*args, out_chunk, *(view[lo:lo + n] for view in state_views))
+        scalars_at(0)
+        put_consts([a for k in kerns if k is not None for a in k.inputs], env)
+        buf = reduce_buffer(rs, env, shm, options.donate, scratch).view(-1)
+        writes = g.writes
+        state = {id(s): env[id(s.args[0])].view(-1) for s in writes if env[id(s.args[0])].is_contiguous()}
+        out = env[id(w_update.args[0])] if w_update is not None else torch.empty(ag.shape, dtype=ag.dtype)
+        if len(state) < len(writes) or not out.is_contiguous() or shm.nnodes > 1 and node_shared(shm, out):
+            return run_stages(step.stages, env, comm)  # memory the kernels cannot write in place: reference
+        flat_out = out.view(-1)
+        start, stop = owned_slice(shm, buf.numel())
+        step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
+        values = {id(s.args[1]): state[id(s)] for s in writes}  # new values of states, read from the states
+        values[id(gathered)] = flat_out[start:stop]
+
+        def chunk_buffer(key, dtype: torch.dtype, n: int) -> torch.Tensor:
+            if key not in scratch:
+                scratch[key] = torch.empty(step_elems, dtype=dtype)
+            return scratch[key][:n]
+
+        def view(a: Node, offset: int, n: int) -> torch.Tensor:
+            k, lo = g.kinds[id(a)], offset - start
+            if k is OperandKind.REDUCED:
+                return buf[offset:offset + n]
+            if k is OperandKind.SEGNORM:  # each element gets its segment's norm (pieces filled in a cached buffer)
+                b = chunk_buffer(("seg", id(a)), a.dtype, n)
+                for i, p0, p1 in _pieces(ends[id(a)], offset, n):
+                    b[p0 - offset:p1 - offset].fill_(env[id(a)][i])
+                return b
+            if k is OperandKind.STAGE:
+                return values[id(a)][lo:lo + n]
+            if k is OperandKind.GLOBAL:
+                return env[id(g.src_of.get(id(a), a))].reshape(-1)[offset:offset + n]
+            if k is OperandKind.LOCAL:
+                return env[id(a)].view(-1)[lo:lo + n]
+            return env[id(a)]
+
+        def phase(k: int) -> tuple[Callable, list[torch.Tensor]]:
+            kern, p = kerns[k], g.phases[k]
+            has_out = gathered in p.roots
+            sqs = [torch.zeros((), dtype=torch.float32) for _ in p.whole]  # separate: never aliased
+            acc = [torch.zeros(len(sqs), dtype=torch.float64),
+                   *(torch.zeros(len(nm.attr("sizes")), dtype=torch.float64) for nm, _ in p.segmented)]
+
+            def chunk(offset: int, n: int, parts: list[torch.Tensor] | None = None) -> None:
+                if kern is None:
+                    return
+                lo = offset - start
+                sqvs = [chunk_buffer(("sq", j), torch.float32, n) for j in range(len(p.segmented))]
+                outs = [*([flat_out[offset:offset + n]] * has_out), *(state[id(s)][lo:lo + n] for s in p.writes)]
+                if parts is None or len(parts) == 1:  # the reduced chunk is in buf
+                    kern(*(view(a, offset, n) for a in kern.inputs), *outs, *sqs, *sqvs)
+                elif one_phase:  # every rank's chunk: the kernel sums them in its loop
+                    assert kern0_src is not None
+                    args = [x for a in kern0_src.inputs for x in (parts if a is rs else [view(a, offset, n)])]
+                    kern0_src(*args, *outs, *sqs, *sqvs)
+                else:  # ... and writes the sum over its own chunk in buf, for the later phases
+                    assert kern0_src is not None
+                    me = shm.local_rank
+                    peers = parts[:me] + parts[me + 1:]  # its own chunk is read from buf, where the sum goes
+                    args = [x for a in kern0_src.inputs for x in (peers if a is rs else [view(a, offset, n)])]
+                    kern0_src(*args, *outs, buf[offset:offset + n], *sqs, *sqvs)
+                for j, sq in enumerate(sqs):
+                    acc[0][j] += sq
+                for j, (nm, _) in enumerate(p.segmented):
+                    for i, p0, p1 in _pieces(ends[id(nm)], offset, n):
+                        acc[1 + j][i] += sqvs[j][p0 - offset:p1 - offset].sum()
+            return chunk, acc
+
+        def finish_norms(acc: list[torch.Tensor], p: Phase, k: int) -> None:
+            if p.whole or p.segmented:  # one all-reduce of every partial sum of this level
+                sums = shm.all_reduce(torch.cat(acc).float(), ReduceOp.SUM).sqrt()
+                for j, (nm, _) in enumerate(p.whole):
+                    env[id(nm)] = sums[j].to(nm.dtype)
+                at = len(p.whole)
+                for nm, _ in p.segmented:
+                    env[id(nm)] = sums[at:at + len(nm.attr("sizes"))].to(nm.dtype)
+                    at += len(nm.attr("sizes"))
+            scalars_at(k)
 
         with first_call_timeout(shm, compiling):
-            reduce_and_apply(shm, buf.view(-1), chunk_fn, out=flat_out, op=op, fn_bytes=KERNEL_BYTES,
-                             fn_sources=kern_src is not None)
-        store_results(env, ag, w_update, out, state_writes)
+            chunk, acc = phase(0)
+            sources = kern0_src is not None
+            # one phase: the all-gather is part of the same collective (it reads the results where the kernel
+            # wrote them); with later phases it waits for the last one (gather_slices)
+            apply = (lambda offset, parts, _out: chunk(offset, parts[0].numel(), parts)) if sources else \
+                (lambda offset, red, _out: chunk(offset, red.numel()))
+            reduce_and_apply(shm, buf, apply, out=flat_out if one_phase else None, op=op, gather=one_phase,
+                             fn_bytes=KERNEL_BYTES, fn_sources=sources)
+            if not one_phase:
+                finish_norms(acc, g.phases[0], 1)
+                for k in range(1, len(g.phases)):
+                    chunk, acc = phase(k)
+                    for a in range(start, stop, step_elems):
+                        chunk(a, min(step_elems, stop - a))
+                    finish_norms(acc, g.phases[k], k + 1)
+                gather_slices(shm, flat_out)
+        store_results(env, ag, w_update, out, writes)
     return run

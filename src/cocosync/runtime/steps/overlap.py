@@ -33,7 +33,7 @@ from cocosync.lower.plan import Overlap
 from cocosync.runtime.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
 from cocosync.runtime.steps.common import Runner, outside_readers
 
-__all__ = ["overlap_runner", "CommThread", "overlap_chunks", "comm_thread", "choose_dim", "chunk_plan", "segments"]
+__all__ = ["overlap_runner", "overlap_reason", "CommThread", "overlap_chunks", "comm_thread", "choose_dim", "chunk_plan", "segments"]
 
 #: collectives that act elementwise along any dimension other than the one they scatter/gather
 COMM_OPS = names(lambda d: d.pipelined)
@@ -167,20 +167,34 @@ def choose_dim(stages: tuple[Node, ...], chunks: int) -> tuple[int, list] | None
     return None
 
 
+def overlap_reason(step: Overlap) -> str | None:
+    """Why the step runs stage by stage (None: it runs pipelined by chunks)."""
+    stages = tuple(step.stages)
+    # one chunk: nothing to overlap
+    if not stages or step.chunks < 2:
+        return f"chunks={step.chunks}: nothing to overlap"
+    # we run each stage after the chain values it reads
+    inside, seen = {id(s) for s in stages}, set()
+    for s in stages:
+        if any(id(a) in inside and id(a) not in seen for a in s.args):
+            return f"{s.name} reads a later stage of the chain"
+        seen.add(id(s))
+    # every stage must keep chunks along one dimension independent
+    if choose_dim(stages, step.chunks) is None:
+        return (f"no dimension along which every stage of the chain can be cut into {step.chunks} chunks "
+                "(a stage Sliced or communicating along it, or an op that mixes positions)")
+    return None
+
+
 def overlap_runner(step: Overlap, program: Program, comm: StageComm) -> Runner | None:
     """A runner `run(env)` executing the Overlap step pipelined by chunks, or None (reference fallback).
     The chunks' local stages run as torch ops."""
+    if overlap_reason(step) is not None:
+        return None
     stages = tuple(step.stages)
-    if not stages or step.chunks < 2:
-        return None
-    inside, seen = {id(s) for s in stages}, set()
-    for s in stages:  # each stage after the chain values it reads (the order we run them in)
-        if any(id(a) in inside and id(a) not in seen for a in s.args):
-            return None
-        seen.add(id(s))
+    inside = {id(s) for s in stages}
     chosen = choose_dim(stages, step.chunks)
-    if chosen is None:
-        return None
+    assert chosen is not None
     d, cuts = chosen
     needed = [s for s in stages if id(s) in outside_readers(program, inside) and id(s) not in comm.pruning.dead]
     return _Pipelined(stages, d, cuts, step.chunks, needed, comm)
