@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: install test demo bench clean
+.PHONY: install lint test demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,10 @@ $(STAMP): pyproject.toml constraints.txt
 
 install: $(STAMP)
 
-test: $(STAMP)
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 demo: $(STAMP)

@@ -1,4 +1,5 @@
-"""The layering rules of ARCHITECTURE.md, checked on the import graph read from the source (cocosync.testing.imports)."""
+"""The layering rules of ARCHITECTURE.md, checked on the import graph read from the source
+(cocosync.testing.imports)."""
 
 from __future__ import annotations
 

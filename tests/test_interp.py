@@ -67,10 +67,10 @@ def test_matmul_sliced_contraction_gives_partial_sums():
 
 def test_norm_and_reduce_tensor_of_sliced_are_global():
     s = cs.Tensor("s", (4,), float32, Sliced(0))
-    l = cs.Tensor("l", (2,), float32, Local)
+    loc = cs.Tensor("l", (2,), float32, Local)
     outs = {"n": cs.norm(s), "sum": cs.reduce_tensor(s), "max": cs.reduce_tensor(s, "max"),
-            "mean": cs.reduce_tensor(s, "mean"), "nl": cs.norm(l)}
-    out = run(outs, {"s": t(1, 2, 2, 4), "l": [t(3, 4), t(0, 1)]}, decl=[s, l])
+            "mean": cs.reduce_tensor(s, "mean"), "nl": cs.norm(loc)}
+    out = run(outs, {"s": t(1, 2, 2, 4), "l": [t(3, 4), t(0, 1)]}, decl=[s, loc])
     for r in range(2):
         assert out[r]["n"].item() == 5 and out[r]["sum"].item() == 9 and out[r]["max"].item() == 4
         assert out[r]["mean"].item() == 2.25

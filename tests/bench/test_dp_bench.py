@@ -110,7 +110,8 @@ def test_bench_dp_end_to_end_writes_json_and_png(tmp_path):
     for case in ("ddp", "zero", "lamb_base", "sgd_ddp", "train_ddp"):
         assert cases[case]["median_s"] > 0, (case, cases[case])
     assert cases["ddp"]["base_over"] == pytest.approx(1.0)
-    for case in ("ours", "lamb_ours", "sgd_ours", "train_ours"):  # cocosync.optim: measured when present, else an n/a row
+    # cocosync.optim: measured when present, else an n/a row
+    for case in ("ours", "lamb_ours", "sgd_ours", "train_ours"):
         if _have_ours():
             assert cases[case]["median_s"] > 0 and cases[case]["over_ours"] == pytest.approx(1.0), cases[case]
         else:

@@ -73,7 +73,8 @@ def test_scheduled_programs_match_interpreter(rank_pool):
             for k, v in vals.items():
                 tol = dict(rtol=1e-2, atol=1e-2) if v.dtype == BF else dict(rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(rank_vals[k], v[sl] if k in states else v, **tol, msg=f"{program.name} {k}")
-            # every case is one fused shared-memory collective (with norms: in phases, runtime/steps/fused_collective.py)
+            # every case is one fused shared-memory collective (with norms: in phases,
+            # runtime/steps/fused_collective.py)
             assert len(fast) == 1 and fast[0].startswith("fused_collective"), (program.name, fast)
     ref = torch.stack([_grad(1, r, BF).float() for r in range(2)]).mean(0).to(BF).float().norm()
     assert abs(got[0][-1] - float(ref)) < 1e-3 * float(ref) and got[0][-1] == got[1][-1]

@@ -39,7 +39,8 @@ def _adam_on_rank(dtype, nnodes):
     ws, buf = torch.linspace(-1, 1, N).to(dtype), torch.zeros(N, dtype=dtype)[sl].clone()  # buf is sliced
     for step in range(1, STEPS + 1):
         sgd(g=_grad(step, rank, dtype), w=ws, buf=buf, lr=0.1, mu=0.9)
-    return {"w": w, "m": m, "v": v, "ws": ws, "donated": (w2, m2, v2), "fast": fn.fast_steps, "fast_sgd": sgd.fast_steps,
+    return {"w": w, "m": m, "v": v, "ws": ws, "donated": (w2, m2, v2), "fast": fn.fast_steps,
+            "fast_sgd": sgd.fast_steps,
             "backend": fn.comm.backend}
 
 
@@ -116,7 +117,8 @@ def test_reduction_inside_the_fused_kernel_gives_the_same_bits(rank_pool, P, dty
 
 
 def _norm_step_on_rank(fuse):
-    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective, runtime/steps/fused_collective.py) with
+    """DistributedAdam and DistributedLAMB with clipping (the phased fused collective,
+    runtime/steps/fused_collective.py) with
     phase 0's kernel reducing the gradients itself (fuse) or the collective reducing them first."""
     import os
 

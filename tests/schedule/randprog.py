@@ -191,7 +191,8 @@ def standard_case(name: str):
     g = [_rand(n, 100 + r) for r in range(P_MAX)]
     if name in ("adam", "lamb"):
         prog = adam_program(n) if name == "adam" else lamb_program(n)
-        vals = {"g": g, "w": _rand(n, 1), "m": _rand(n, 2), "v": _rand(n, 3).abs(), **adam_scalars(2, weight_decay=0.01)}
+        vals = {"g": g, "w": _rand(n, 1), "m": _rand(n, 2), "v": _rand(n, 3).abs(), **adam_scalars(2,
+                                                                                                   weight_decay=0.01)}
     elif name == "sgd":
         prog = sgd_program(n, momentum=True)
         vals = {"g": g, "w": _rand(n, 1), "buf": _rand(n, 2), "lr": 0.1, "mu": 0.9}

@@ -73,7 +73,8 @@ def test_config_errors_name_the_value_and_the_choices(tmp_path):
     p = tmp_path / "run.toml"
     p.write_text('trainers = 3\nexamples = 9000\n[sync]\nalgorithm = "fr-ma"\nevery = 4\n')
     cfg = load_train_config(p, workers=2)
-    assert (cfg.trainers, cfg.workers, cfg.sync.algorithm, cfg.sync.every, cfg.sync.mode) == (3, 2, "fr-ma", 4, "foreground")
+    assert (cfg.trainers, cfg.workers, cfg.sync.algorithm, cfg.sync.every, cfg.sync.mode) == (3, 2, "fr-ma", 4,
+                                                                                              "foreground")
     (tmp_path / "bad.json").write_text(json.dumps({"trainer": 2}))
     with pytest.raises(ConfigError, match=r"unknown config key\(s\) \['trainer'\]"):
         load_train_config(tmp_path / "bad.json")
@@ -119,7 +120,8 @@ def test_foreground_easgd_runs_and_counts_its_sync_gap(tmp_path):
 def _start_cli(tmp_path, *extra: str) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "cli"
     cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "150000", "--eval-examples", "4000",
-           "--no-progress", "--batch-size", "64", "--out", str(out), "--timeout", "120", "--config", str(tmp_path / "c.toml"), *extra]
+           "--no-progress", "--batch-size", "64", "--out", str(out), "--timeout", "120", "--config",
+           str(tmp_path / "c.toml"), *extra]
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

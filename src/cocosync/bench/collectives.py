@@ -172,7 +172,8 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
             med = stats(merge(name, "fused")).median
             fused["rows"].append({"variant": name, "median_s": med, "bound_over_time": fb / med})
     return {"P": P, "threads_per_rank": 1, "bandwidth_Bps": bw,
-            "bandwidth_samples_Bps": [sum(s) for s in zip(*(pr["bandwidth_samples"] for pr in per_rank))], "chunk_bytes": chunk_bytes, "rows": rows,
+            "bandwidth_samples_Bps": [sum(s) for s in zip(*(pr["bandwidth_samples"] for pr in per_rank))],
+            "chunk_bytes": chunk_bytes, "rows": rows,
             "fused": fused}
 
 
@@ -197,7 +198,8 @@ FUSED_COLUMNS = ["variant", "time", "(P+6)*N*4 B bound", "bound/time", "speed-up
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), default=None, help="Write results as JSON.")
 @click.option("--sizes", default=None, help=f"Comma-separated tensor sizes (default {DEFAULT_SIZES}).")
 @click.option("--quick", is_flag=True, help=f"Small sweep ({QUICK_SIZES}, fused over 4M params).")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Timed repeats (more for small sizes).")
+@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1),
+              help="Timed repeats (more for small sizes).")
 @click.option("--fused-params", default="16M", show_default=True,
               help="Parameters of the fused RS + Adam + AG (0 to skip); M means 2**20.")
 @click.option("--chunk", "chunk", default="256K", show_default=True, help="Reduction chunk size (cache blocking).")

@@ -20,8 +20,9 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
-__all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "parse_shapes", "fmt_bytes", "fmt_seconds", "fmt_ratio",
-           "copy_bandwidth", "bound_seconds", "machine_info", "print_table", "markdown_table", "write_json"]
+__all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "parse_shapes", "fmt_bytes",
+           "fmt_seconds", "fmt_ratio", "copy_bandwidth", "bound_seconds", "machine_info", "print_table",
+           "markdown_table", "write_json"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +186,8 @@ def print_table(title: str, columns: Sequence[str], rows: Iterable[Sequence[Any]
 
 def markdown_table(columns: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
     """The same table as GitHub markdown (for BENCHMARKS.md)."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
+    lines = ["| " + " | ".join(columns) + " |",
+             "|" + "|".join("---" if i == 0 else "---:" for i in range(len(columns))) + "|"]
     lines += ["| " + " | ".join(str(v) for v in r) + " |" for r in rows]
     return "\n".join(lines)
 

@@ -425,7 +425,8 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
     targets = _targets(rows)
     return {"suite": "dp", "config": asdict(cfg), "P": cfg.P, "threads_per_rank": 1, "params": N,
             "train_params": _train_params(cfg), "bandwidth_Bps": bw, "bandwidth_samples_Bps": bw_samples,
-            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "sgd_bound_s": sgd_bound, "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
+            "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "sgd_bound_s": sgd_bound,
+            "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
             "targets": targets, "notes": {k: v for k, v in notes.items()}}
 
 
@@ -473,7 +474,8 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
 
 def caption(result: dict[str, Any]) -> str:
     cfg = result["config"]
-    parts = [f"P={result['P']}, 1 thread/rank, ours' kernels: {result.get('kernels')}; adam/lamb: {result['params'] / 1e6:.1f}M params "
+    parts = [f"P={result['P']}, 1 thread/rank, ours' kernels: {result.get('kernels')}; "
+             f"adam/lamb: {result['params'] / 1e6:.1f}M params "
              f"({cfg['layers']} x Linear({cfg['width']}, {cfg['width']})); bandwidth "
              f"{result['bandwidth_Bps'] / 1e9:.1f} GB/s; bound = (P+6)*N*4 B at "
              f"copy bandwidth = {fmt_seconds(result['bound_s'])} (write-allocate not counted: can exceed 100%); "

@@ -8,7 +8,8 @@ from typing import Any
 from cocosync.bench.common import save_figure
 
 SECTIONS = ("adam", "lamb", "sgd", "train")
-OURS_OF = {"adam": "ours", "lamb": "lamb_ours", "sgd": "sgd_ours", "train": "train_ours"}  # the case that is ours, per section
+# the case that is ours, per section
+OURS_OF = {"adam": "ours", "lamb": "lamb_ours", "sgd": "sgd_ours", "train": "train_ours"}
 
 
 def write_png(result: dict[str, Any], path: str | Path) -> Path:

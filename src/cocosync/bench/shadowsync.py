@@ -83,7 +83,8 @@ def _median(samples: list[dict]) -> dict:
     import statistics
 
     out = dict(samples[0])
-    for key in ("eps", "eps_per_cpu", "eps_per_trainer", "eval_ne", "auc", "excess_ne", "sync_gap", "train_ne", "seconds"):
+    for key in ("eps", "eps_per_cpu", "eps_per_trainer", "eval_ne", "auc", "excess_ne", "sync_gap", "train_ne",
+                "seconds"):
         vals = [s[key] for s in samples if isinstance(s.get(key), float) and math.isfinite(s[key])]
         out[key] = statistics.median(vals) if vals else float("nan")
     out["syncs"] = int(statistics.median(s["syncs"] for s in samples))
@@ -131,7 +132,8 @@ def verdicts(runs: list[dict]) -> list[str]:
         if fr:
             f = fr[0]
             ok = r["eval_ne"] <= f["eval_ne"] * 1.002
-            out.append(f"{'PASS' if ok else 'MISS'} NE {r['name']} {r['eval_ne']:.4f} vs {f['name']} {f['eval_ne']:.4f} "
+            out.append(f"{'PASS' if ok else 'MISS'} NE {r['name']} {r['eval_ne']:.4f} "
+                       f"vs {f['name']} {f['eval_ne']:.4f} "
                        f"(gap {r['sync_gap']:.2f} vs {f['sync_gap']:.2f}; target: no worse, 0.2% noise allowed)")
         if not math.isfinite(r["ne_vs_single"]):
             continue  # no single-trainer reference (T=1 not in this run)

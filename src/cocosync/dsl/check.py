@@ -57,5 +57,6 @@ def check_world(program: "Program", world_size: int) -> int:
                            f"dim {n.layout.dim}; make that dim a multiple of {gsize}")
         root = n.attr("root")
         if root is not None and root >= gsize:
-            raise DslError(f"{n.name!r}: root={root} is not a rank of a group of {gsize} ranks (expected 0..{gsize - 1})")
+            raise DslError(f"{n.name!r}: root={root} is not a rank of a group of {gsize} ranks "
+                           f"(expected 0..{gsize - 1})")
     return gsize

@@ -130,7 +130,9 @@ class Program:
         set_("name", name)
         set_("groups", tuple(groups))
         if stages:  # already canonical (built by a pass): keep as given
-            set_("inputs", tuple(inputs)); set_("outputs", tuple(outputs)); set_("stages", tuple(stages))
+            set_("inputs", tuple(inputs))
+            set_("outputs", tuple(outputs))
+            set_("stages", tuple(stages))
             set_("output_names", tuple(output_names) or tuple(
                 o.args[0].name if o.op == "update" else o.name for o in outputs))
             set_("origin", dict(origin or {}))

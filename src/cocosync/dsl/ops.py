@@ -112,7 +112,8 @@ def _broadcast_layout(op: str, args: tuple[Node, ...], shape: tuple[int, ...]) -
     if not layouts:
         return Replicated
     if len(set(layouts)) > 1:
-        raise DslError(f"{op}: operands {', '.join(_desc(a) for a in args)} mix layouts {sorted(map(str, set(layouts)))}; "
+        raise DslError(f"{op}: operands {', '.join(_desc(a) for a in args)} mix layouts "
+                       f"{sorted(map(str, set(layouts)))}; "
                        "a Local tensor cannot meet a Sliced one (reduce_scatter or all_gather first), "
                        "and Sliced operands must be sliced along the same dim")
     return layouts[0]
@@ -358,5 +359,6 @@ def send(x: Node, *, groups: int) -> Node:
 
 PUBLIC = ["Tensor", "Scalar", "const", "add", "sub", "mul", "div", "pow", "maximum", "minimum", "neg", "abs", "sqrt",
           "rsqrt", "exp", "log", "lt", "le", "gt", "ge", "eq", "ne", "where", "cast", "dropout", "matmul", "norm",
-          "segment_norm", "reduce_tensor", "update", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "scatter",
+          "segment_norm", "reduce_tensor", "update", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+          "reduce", "scatter",
           "send"]

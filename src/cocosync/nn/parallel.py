@@ -132,7 +132,8 @@ class PlanCache:
             plan = compile_plan(lower(schedule), self.group, backend=self.backend, kernels=self.kernels)
             if self.world is not None and (plan.comm.group_size, plan.comm.group_rank) != (self.world, self.rank):
                 raise ValueError(f"the layer's shards were cut for rank {self.rank} of {self.world}, but this process "
-                                 f"is rank {plan.comm.group_rank} of {plan.comm.group_size} in its group; pass the group's rank "
+                                 f"is rank {plan.comm.group_rank} of {plan.comm.group_size} in its group; "
+                                 "pass the group's rank "
                                  "and size to from_dense (or leave rank/world out)")
             while len(self.plans) >= self.size:
                 self.plans.pop(next(iter(self.plans)))

@@ -20,7 +20,8 @@ class DistributedAdam(DistributedOptimizer):
     with the paper's Adam program under its standard schedule (RS -> sliced m, v, w update -> AG; m and v sliced).
 
     `weight_decay` is decoupled, as torch.optim.AdamW (weight_decay=0 is torch.optim.Adam). Parameter groups may
-    set their own lr, betas, eps and weight_decay. amsgrad and maximize are not supported. See DistributedOptimizer for max_grad_norm, master_dtype, group.
+    set their own lr, betas, eps and weight_decay. amsgrad and maximize are not supported. See DistributedOptimizer
+    for max_grad_norm, master_dtype, group.
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}

@@ -11,7 +11,8 @@ one rank: a plain local update, for debugging.
 
 Parameter groups (e.g. no weight decay on biases and norms) each get their own program, flat buffers and fused
 collective, called in group order by every rank. Frozen parameters (requires_grad=False at construction) are left
-out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. Restrictions (checked, with an error that says so): the
+out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. Restrictions (checked, with an
+error that says so): the
 parameters of a group share one dtype, dense, on CPU; `max_grad_norm` needs a single group (its norm is over all
 parameters, and each group is a separate update). Hyperparameters may change between steps through
 ``param_groups`` (LR schedulers work); the structure of each group's program (momentum on/off, weight decay on/off

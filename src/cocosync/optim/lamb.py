@@ -24,7 +24,8 @@ class DistributedLAMB(DistributedOptimizer):
     (`segment_norm` over the flat buffer, one segment per parameter); False: ONE ratio over all parameters of a
     parameter group (the norms over its whole flat vector, as `cocosync.programs.lamb.lamb_program` without sizes).
 
-    The norms split the fused collective into two phases (runtime/steps/fused_collective.py): RS -> moments and partial sums
+    The norms split the fused collective into two phases (runtime/steps/fused_collective.py): RS -> moments and
+    partial sums
     of squares per chunk -> all-reduce of those few sums -> w - lr * ratio * r on the slice -> AG. With
     bfloat16/float16 parameters and `master_dtype=torch.float32`, ||w|| is the norm of the float32 master weights,
     computed on their slices.

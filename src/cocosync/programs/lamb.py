@@ -44,7 +44,8 @@ def lamb_program(n: int, dtype: torch.dtype = float32, sizes: tuple[int, ...] | 
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
     r = (m1 / c1) / (sqrt(v1 / c2) + eps) + wd * w
     w1 = update(w, w - lr * trust_ratio(w, r, sizes) * r)
-    return Program("lamb" if sizes is None else "lamb_per_tensor", [g, w, m, v, lr, beta1, beta2, eps, wd, c1, c2], [w1, m1, v1])
+    return Program("lamb" if sizes is None else "lamb_per_tensor", [g, w, m, v, lr, beta1, beta2, eps, wd, c1, c2],
+                   [w1, m1, v1])
 
 
 def lamb_reference(w: torch.Tensor, m: torch.Tensor, v: torch.Tensor, g: torch.Tensor, step: int, lr: float = 1e-3,

@@ -14,8 +14,10 @@ for low-precision collectives) and rounds the mean to the gradient dtype.
 
 Clipping (`clip=True`, Scalar input `max_norm`): scale = min(1, max_norm / (||mean g|| + 1e-6)), as
 torch.nn.utils.clip_grad_norm_; the norm before clipping is also an output, "grad_norm" (what clip_grad_norm_
-returns, the number training loops log); the norm of the reduce-scattered slice is global (Sliced semantics). A norm is a
-reduction over the whole tensor: the runtime runs such a fused collective in phases around it (runtime/steps/fused_collective.py),
+returns, the number training loops log); the norm of the reduce-scattered slice is global (Sliced semantics). A norm
+is a
+reduction over the whole tensor: the runtime runs such a fused collective in phases around it
+(runtime/steps/fused_collective.py),
 still one reduction of the gradients. `grad_norm_program` is the norm alone (reduce-scatter + norm of the slice).
 
 With `master_dtype == dtype` and `clip=False` each program is the paper's program (same stages).

@@ -21,7 +21,8 @@ def megatron_mlp_program(batch: int, hidden: int, ffn: int, *, p: float = 0.1, s
     return Program("megatron_mlp", [x, w1, w2, b], {"out": out})
 
 
-def pipeline_program(batch: int, hidden: int, *, p: float = 0.1, seed: int = 0, dtype: torch.dtype = float32) -> Program:
+def pipeline_program(batch: int, hidden: int, *, p: float = 0.1, seed: int = 0,
+                     dtype: torch.dtype = float32) -> Program:
     """The boundary between two pipeline stages (groups=2): the last model-parallel layer of a stage all-reduces its
     partial sums y, adds the bias, applies dropout and sends the activation to the next stage."""
     y = Tensor("y", (batch, hidden), dtype, Local)

@@ -3,7 +3,8 @@
 - `runtime.comm`: transport, which knows nothing of the DSL: topology and process groups, the shared-memory arena,
   the call headers, chunk reductions, the collectives (`ShmCommunicator`) and the fused collectives built on them.
 - plan execution: `stage` (what one stage means on this rank: the reference every fast form is tested against),
-  `prune`, `steps/` (one module per fast step kind: kernel, matmul, fused collective with its analysis, overlap), `executor`
+  `prune`, `steps/` (one module per fast step kind: kernel, matmul, fused collective with its analysis, overlap),
+  `executor`
   (`compile`, `compile_plan`) and `profile`.
 """
 

@@ -132,7 +132,8 @@ class StageComm:
             t /= self.group_size
         return t.to(x.dtype)
 
-    def send(self, x: torch.Tensor | None, shape: tuple[int, ...] = (), dtype: torch.dtype | None = None) -> torch.Tensor:
+    def send(self, x: torch.Tensor | None, shape: tuple[int, ...] = (),
+             dtype: torch.dtype | None = None) -> torch.Tensor:
         """Send x to the next group, return what the previous group sent (zeros on the first group). x None: the
         last group, whose send only receives (a tensor of `shape`, `dtype`)."""
         pos = self.group_index * self.group_size + self.group_rank

@@ -13,7 +13,8 @@ Representation (documented once here, relied on by as_slice and fuse):
   `as_slice(w)` it becomes `update(w, value_slice)` with w Sliced state;
 * norm and reduce_tensor of a moved value read the slice: their Sliced semantics are global, the result is the
   same Replicated scalar; segment_norm (per-element, like an elementwise op) of a slice is the slice of the
-  segment norms, and of a Replicated input it reads `scatter(input)`; `send` of a slice sends each rank's slice (send(all_gather(x)) == all_gather(send(x))).
+  segment norms, and of a Replicated input it reads `scatter(input)`; `send` of a slice sends each rank's slice
+  (send(all_gather(x)) == all_gather(send(x))).
 """
 
 from __future__ import annotations

@@ -383,8 +383,8 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
     run.logger.log(event="summary", **summary)
     run.logger.close()
     (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
-    result = RunResult(name=name, summary=summary, records=read_metrics(out / "metrics.jsonl") + [{"examples": seen, "eval_ne": ev["ne"]}],
-                       out_dir=str(out), interrupted=interrupted)
+    records = read_metrics(out / "metrics.jsonl") + [{"examples": seen, "eval_ne": ev["ne"]}]
+    result = RunResult(name=name, summary=summary, records=records, out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
         ckpt = {
             "config": config_to_dict(cfg), "name": name,
@@ -397,7 +397,8 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
         os.replace(tmp, out / "checkpoint.pt")
         result.checkpoint = str(out / "checkpoint.pt")
     if cfg.plot:
-        run = {"name": name, "records": result.records, "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}
+        run = {"name": name, "records": result.records,
+               "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}
         result.plot = plot_ne([run], out / "ne.png", title=f"{name}: NE vs examples")
     return result
 

@@ -80,7 +80,8 @@ class DLRM(nn.Module):
         for t, (w, size) in enumerate(zip(weights, sizes)):
             if not isinstance(w, torch.Tensor) or tuple(w.shape) != (size, dim) or not w.is_floating_point():
                 got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-                raise ValueError(f"DLRM: embedding_weights[{t}] is {got}, expected a float tensor of shape {(size, dim)}")
+                raise ValueError(f"DLRM: embedding_weights[{t}] is {got}, expected a float tensor of shape "
+                                 f"{(size, dim)}")
 
     def dense_parameters(self) -> list[nn.Parameter]:
         """Parameters of the bottom and top MLPs (what ShadowSync synchronizes)."""

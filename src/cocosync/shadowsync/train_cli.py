@@ -32,7 +32,8 @@ def _console():
 
 
 @click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML/JSON/YAML file of TrainConfig fields.")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False),
+              help="TOML/JSON/YAML file of TrainConfig fields.")
 @click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file.")
 @click.option("--trainers", "-T", type=int, help="trainer processes (default 2).")
 @click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1).")

@@ -69,7 +69,8 @@ class ShmCommunicator:
             when there is more than one rank).
         arena: the shared-memory arena to use (a new one by default). Tensors allocated with ``arena.empty`` are
             reduced in place without copies.
-        timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or 60).
+        timeout: seconds to wait for peers before raising CollectiveTimeout (default $COCOSYNC_COLLECTIVE_TIMEOUT or
+        60).
         chunk_bytes: bytes reduced at a time (cache blocking).
         one_shot_bytes: a single-node all_reduce whose (local ranks - 1) x bytes are at most this runs one-shot:
             every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never).
@@ -103,7 +104,8 @@ class ShmCommunicator:
 
     # ------------------------------------------------------------------ public collectives
 
-    def all_reduce(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
+    def all_reduce(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce `t` over all ranks, in place (returns t), or into `out` (returns out; t is not modified).
         op: sum, mean, max, min."""
         name = "all_reduce"
@@ -125,7 +127,8 @@ class ShmCommunicator:
             t.copy_(x.view(t.shape))
         return t
 
-    def reduce_scatter(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM, out: torch.Tensor | None = None) -> torch.Tensor:
+    def reduce_scatter(self, t: torch.Tensor, op: ReduceOp | str = ReduceOp.SUM,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
         """Reduce `t` (first dimension divisible by the world size) over all ranks and return this rank's slice
         ``t.chunk(world_size)[rank]`` of the result (in `out` if given). `t` is not modified."""
         name = "reduce_scatter"
@@ -147,7 +150,8 @@ class ShmCommunicator:
         mine = out.view(-1) if self.nnodes == 1 and out.is_contiguous() else torch.empty(
             self.nnodes * c, dtype=t.dtype if self.nnodes == 1 else torch.float32)
         call = self.begin_call(name, x, op=op, fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)))
-        self.reduce_ranges(call, ranges[self.local_rank], op, x, mine, scale=self.scale(op) if self.nnodes == 1 else None)
+        self.reduce_ranges(call, ranges[self.local_rank], op, x, mine,
+                           scale=self.scale(op) if self.nnodes == 1 else None)
         self.end_call(call)
         if self.nnodes > 1:
             piece = torch.empty(c, dtype=torch.float32)
@@ -189,7 +193,8 @@ class ShmCommunicator:
         else:
             y[ranges[self.local_rank][0][0]:ranges[self.local_rank][0][1]].copy_(src)
             src_ranges = y
-        call = self.begin_call(name, y, numel=c, fill=lambda ws: self.copy_ranges(ws, src_ranges, [ranges[self.local_rank]]),
+        call = self.begin_call(name, y, numel=c, fill=lambda ws: self.copy_ranges(ws, src_ranges,
+                                                                                  [ranges[self.local_rank]]),
                            data=src_ranges)
         self._gather_ranges(call, ranges, y)
         self.end_call(call)
@@ -318,7 +323,8 @@ class ShmCommunicator:
             ws = self._ws[parity] = self.arena.workspace(cap)
         return ws
 
-    def begin_call(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1, numel: int | None = None,
+    def begin_call(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1,
+                   numel: int | None = None,
                fill: Callable[[torch.Tensor], None] | None = None, data: torch.Tensor | None = None,
                always_ws: bool = False, zero_copy: bool = True) -> Call:
         """Header exchange + first barrier. `fill(ws_view)` copies this rank's data into its workspace region

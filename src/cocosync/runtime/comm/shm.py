@@ -226,7 +226,8 @@ class Arena:
         topo = self.groups.topo
         self.local_rank, self.local_size = topo.local_rank, topo.local_world_size
         self.timeout = default_timeout() if timeout is None else float(timeout)
-        self._name = f"{SHM_PREFIX}{self.groups.job_id}-n{topo.node}-a{next(_arena_ids.setdefault(self.groups.job_id, itertools.count()))}"
+        arena_id = next(_arena_ids.setdefault(self.groups.job_id, itertools.count()))
+        self._name = f"{SHM_PREFIX}{self.groups.job_id}-n{topo.node}-a{arena_id}"
         self._segments: list[Segment] = []
         self._views: dict[tuple, torch.Tensor] = {}  # Arena.view results: collectives ask for the same ones per call
         self._nseg = 0

@@ -52,7 +52,8 @@ class Topology:
             raise ValueError(f"local_rank={self.local_rank} is outside [0, {self.local_world_size})")
         if self.rank != self.node * self.local_world_size + self.local_rank:
             raise ValueError(f"rank={self.rank} is not node*local_world_size+local_rank = "
-                             f"{self.node}*{self.local_world_size}+{self.local_rank}: ranks must be numbered node by node")
+                             f"{self.node}*{self.local_world_size}+{self.local_rank}: ranks must be numbered node "
+                             "by node")
 
     @property
     def nnodes(self) -> int:

@@ -232,5 +232,6 @@ def runtime_reason(group: FusedGroup, shm: ShmCommunicator | None) -> str | None
         return "no shared-memory communicator (backend 'torch', one rank, or a group spanning nodes)"
     # across nodes each rank owns 1/P of the vector: its length must divide by the world
     if shm.nnodes > 1 and torch.Size(group.rs.args[0].shape).numel() % shm.world:
-        return f"{group.rs.name}: {list(group.rs.args[0].shape)} does not split over {shm.world} ranks on {shm.nnodes} nodes"
+        return (f"{group.rs.name}: {list(group.rs.args[0].shape)} does not split over {shm.world} ranks on "
+                f"{shm.nnodes} nodes")
     return None

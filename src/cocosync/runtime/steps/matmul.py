@@ -2,7 +2,8 @@
 
 A bias add right after the matmul goes into the GEMM (`torch.addmm`), and relu, written either DSL way, runs in
 place on the GEMM's output: `maximum(t, 0)` as `relu_` (both propagate NaN), `where(gt(t, 0), t, 0)` as `relu_` +
-`nan_to_num_` (where() turns NaN into 0). What else follows becomes one fused kernel (runtime.steps.codegen) when it can,
+`nan_to_num_` (where() turns NaN into 0). What else follows becomes one fused kernel (runtime.steps.codegen) when it
+can,
 else runs stage by stage (e.g. backward's where(gt(h, 0), dz @ w2^T, 0): the GEMM, then one kernel).
 
 Why: right after a GEMM of any size, the next torch call runs with cold caches: a compiled kernel then costs

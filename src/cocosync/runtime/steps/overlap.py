@@ -33,7 +33,8 @@ from cocosync.lower.plan import Overlap
 from cocosync.runtime.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
 from cocosync.runtime.steps.common import Runner, outside_readers
 
-__all__ = ["overlap_runner", "overlap_reason", "CommThread", "overlap_chunks", "comm_thread", "choose_dim", "chunk_plan", "segments"]
+__all__ = ["overlap_runner", "overlap_reason", "CommThread", "overlap_chunks", "comm_thread", "choose_dim",
+           "chunk_plan", "segments"]
 
 #: collectives that act elementwise along any dimension other than the one they scatter/gather
 COMM_OPS = names(lambda d: d.pipelined)
@@ -246,7 +247,8 @@ class _Pipelined:
 
     def _mask(self, s: Node) -> torch.Tensor:
         m = self.masks.get(id(s))
-        if m is None:  # exactly the mask the reference (runtime.stage) uses, computed once (it depends on seed/shape/rank)
+        # exactly the mask the reference (runtime.stage) uses, computed once (it depends on seed/shape/rank)
+        if m is None:
             m = self.masks[id(s)] = _reference_mask(s, self.comm)
         return m
 

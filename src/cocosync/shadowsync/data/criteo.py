@@ -4,7 +4,8 @@ Format: one example per line, tab-separated: label (0/1), `num_dense` integer fe
 categorical features (Criteo: 13 and 26; categoricals are hex strings). Empty fields are missing.
 
 * Integers become log(1 + max(x, 0)) (missing -> 0).
-* Categoricals are hashed (8-byte blocks through splitmix64, see `hash_tokens`) into [1, table_size); a missing categorical is bucket 0.
+* Categoricals are hashed (8-byte blocks through splitmix64, see `hash_tokens`) into [1, table_size); a missing
+  categorical is bucket 0.
 * Malformed lines (wrong field count, label not 0/1, non-integer integer field) are skipped, counted in
   `.bad_lines`, the first few kept in `.bad_examples` as (line_no, reason) with 1-based line numbers, and
   summarized in a logged warning; past `DataConfig.max_bad_fraction` the reader raises `CriteoFormatError`.

@@ -191,7 +191,8 @@ class SyntheticStream:
         index, count = shard
         if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
             raise ValueError(f"SyntheticStream: shard={shard!r}: expected (index, count) with 0 <= index < count")
-        self.data, self.seed, self.split, self.rows, self.shard = data, data.seed if seed is None else seed, split, rows, shard
+        self.data, self.split, self.rows, self.shard = data, split, rows, shard
+        self.seed = data.seed if seed is None else seed
         self.batch_size = data.batch_size if batch_size is None else batch_size
         if self.batch_size < 1 or skip_rows < 0 or (max_rows is not None and max_rows < 0):
             raise ValueError(
@@ -290,7 +291,8 @@ def write_synthetic(
     probs = np.empty(rows, dtype=np.float32)
     labels = np.empty(rows, dtype=np.float32)
     opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "wt", encoding="ascii", newline="\n", **({"compresslevel": 4} if path.endswith(".gz") else {})) as f:
+    with opener(path, "wt", encoding="ascii", newline="\n",
+                **({"compresslevel": 4} if path.endswith(".gz") else {})) as f:
         for k in range(math.ceil(rows / CHUNK_ROWS)):
             n = min(CHUNK_ROWS, rows - k * CHUNK_ROWS)
             ints, dense_missing, cats, label, prob = teacher.chunk(seed, split, k, n)
