@@ -1,5 +1,5 @@
 """What each pipeline stage skips (runtime.prune): the first stage's received value is zeros, the last stage's
-send argument is dead. Values are checked against the oracle in test_executor / test_overlap_step / tests/nn."""
+send argument is dead. Values are checked against the oracle in test_executor / steps/test_overlap / tests/nn."""
 
 from cocosync.nn.pipeline import pipeline_send_program
 from cocosync.programs.optimizers import sgd_program

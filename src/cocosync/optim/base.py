@@ -1,7 +1,7 @@
 """Shared machinery of the data-parallel optimizers: one DSL program per optimizer, scheduled and compiled once.
 
 A `DistributedOptimizer` flattens its parameters into arena buffers (`FlatParams`), builds its DSL program for the
-padded flat length (programs/optimizers.py, programs/lamb.py, examples/mixed_precision.py), schedules it with the
+padded flat length (programs/optimizers.py, programs/lamb.py, programs/mixed_precision.py), schedules it with the
 standard sharded-update schedule (RS -> sliced update -> AG, the optimizer state sliced as ZeRO-1 does) and compiles
 the plan with the gradients donated. Each ``step()`` calls the compiled plan once with the flat gradient buffer, the
 flat parameter buffer, this rank's state slices and the step's scalars.

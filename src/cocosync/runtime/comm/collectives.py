@@ -53,7 +53,7 @@ class Call:
     seq: int
     sources: list[torch.Tensor | None]  # per local rank: flat view of its data in shared memory (None: not shared)
     zero_copy_ranks: tuple[bool, ...]  # per local rank: its data is its own arena tensor (peers read user memory)
-    ws: Segment | None  # this call's workspace (per-rank regions), if any rank copied its data in
+    workspace: Segment | None  # this call's workspace (per-rank regions), if any rank copied its data in
 
     @property
     def zero_copy(self) -> bool:
@@ -98,7 +98,7 @@ class ShmCommunicator:
         if one_shot_bytes < 0:
             raise ValueError(f"one_shot_bytes={one_shot_bytes} must be >= 0 (0 disables one-shot all_reduce)")
         self.one_shot_bytes = int(one_shot_bytes)
-        self._ws: list[Segment | None] = [None, None]
+        self._workspaces: list[Segment | None] = [None, None]
         self._calls = 0
         self._acc: torch.Tensor | None = None
 
@@ -145,11 +145,11 @@ class ShmCommunicator:
             out.copy_(t)
             return out
         # local rank l reduces the global slices (node b, local l) for every node b
-        ranges = [[((b * self.local_size + lr) * c, (b * self.local_size + lr + 1) * c) for b in range(self.nnodes)]
-                  for lr in range(self.local_size)]
+        ranges = [[((b * self.local_size + peer) * c, (b * self.local_size + peer + 1) * c) for b in range(self.nnodes)]
+                  for peer in range(self.local_size)]
         mine = out.view(-1) if self.nnodes == 1 and out.is_contiguous() else torch.empty(
             self.nnodes * c, dtype=t.dtype if self.nnodes == 1 else torch.float32)
-        call = self.begin_call(name, x, op=op, fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)))
+        call = self.begin_call(name, x, op=op, fill=lambda region: self.copy_ranges(region, x, self.others(ranges)))
         self.reduce_ranges(call, ranges[self.local_rank], op, x, mine,
                            scale=self.scale(op) if self.nnodes == 1 else None)
         self.end_call(call)
@@ -174,15 +174,15 @@ class ShmCommunicator:
         c = t.numel()
         if self.nnodes == 1:  # peers read this rank's slice where it is (zero-copy when t is an arena tensor)
             src = t.reshape(-1) if t.is_contiguous() else t.contiguous().view(-1)
-            call = self.begin_call(name, src, fill=lambda ws: ws.copy_(src))
-            for lr in range(self.local_size):
-                y[lr * c:(lr + 1) * c].copy_(src if lr == self.local_rank else call.sources[lr])
+            call = self.begin_call(name, src, fill=lambda region: region.copy_(src))
+            for peer in range(self.local_size):
+                y[peer * c:(peer + 1) * c].copy_(src if peer == self.local_rank else call.sources[peer])
             self.end_call(call)
             if writeback:
                 out.copy_(y.view(out_shape))
             return out
-        ranges = [[((b * self.local_size + lr) * c, (b * self.local_size + lr + 1) * c) for b in range(self.nnodes)]
-                  for lr in range(self.local_size)]
+        ranges = [[((b * self.local_size + peer) * c, (b * self.local_size + peer + 1) * c) for b in range(self.nnodes)]
+                  for peer in range(self.local_size)]
         src = t.reshape(-1)
         if self.nnodes > 1:  # gather the pieces of this local rank from every node first (inter-node)
             gathered = torch.empty(self.nnodes * c, dtype=t.dtype)
@@ -193,7 +193,7 @@ class ShmCommunicator:
         else:
             y[ranges[self.local_rank][0][0]:ranges[self.local_rank][0][1]].copy_(src)
             src_ranges = y
-        call = self.begin_call(name, y, numel=c, fill=lambda ws: self.copy_ranges(ws, src_ranges,
+        call = self.begin_call(name, y, numel=c, fill=lambda region: self.copy_ranges(region, src_ranges,
                                                                                   [ranges[self.local_rank]]),
                            data=src_ranges)
         self._gather_ranges(call, ranges, y)
@@ -213,7 +213,7 @@ class ShmCommunicator:
         root_node, root_local = divmod(root, self.local_size)
         if self.topo.node == root_node:
             am_root = self.local_rank == root_local
-            call = self.begin_call(name, x, root=root, fill=(lambda ws: ws.copy_(x)) if am_root else None)
+            call = self.begin_call(name, x, root=root, fill=(lambda region: region.copy_(x)) if am_root else None)
             if not am_root:
                 x.copy_(call.sources[root_local])
             self.end_call(call)
@@ -225,7 +225,7 @@ class ShmCommunicator:
                 dist.broadcast(piece, src=root_node * self.local_size + self.local_rank, group=self.groups.inter)
             if self.topo.node != root_node:
                 call = self.begin_call(name + " (intra all-gather)", x, root=root,
-                                   fill=lambda ws: self.copy_ranges(ws, x, [ranges[self.local_rank]]))
+                                   fill=lambda region: self.copy_ranges(region, x, [ranges[self.local_rank]]))
                 self._gather_ranges(call, ranges, x)
                 self.end_call(call)
         if writeback:
@@ -245,10 +245,10 @@ class ShmCommunicator:
         ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
         s, e = ranges[self.local_rank][0]
         call = self.begin_call(name, x, op=op, root=root,
-                           fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)), always_ws=True)
-        ws_me = self.ws_view(call.ws, self.local_rank, x.numel(), x.dtype)
+                           fill=lambda region: self.copy_ranges(region, x, self.others(ranges)), always_ws=True)
+        own_region = self.ws_view(call.workspace, self.local_rank, x.numel(), x.dtype)
         if self.nnodes == 1:
-            self.reduce_ranges(call, ranges[self.local_rank], op, x, ws_me[s:e], scale=self.scale(op))
+            self.reduce_ranges(call, ranges[self.local_rank], op, x, own_region[s:e], scale=self.scale(op))
         else:
             mine = torch.empty(e - s, dtype=torch.float32)
             self.reduce_ranges(call, ranges[self.local_rank], op, x, mine)
@@ -258,12 +258,12 @@ class ShmCommunicator:
             if self.topo.node == root_node:
                 if op is ReduceOp.MEAN:
                     mine.div_(self.world)
-                ws_me[s:e].copy_(mine)
+                own_region[s:e].copy_(mine)
         self.flags.barrier(name + " (reduced slices published)")
         if self.topo.node == root_node and self.local_rank == root_local:
-            for lr in range(self.local_size):
-                ls, le = ranges[lr][0]
-                x[ls:le].copy_(self.ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+            for peer in range(self.local_size):
+                ls, le = ranges[peer][0]
+                x[ls:le].copy_(self.ws_view(call.workspace, peer, x.numel(), x.dtype)[ls:le])
         self.end_call(call, skip_barrier=True)  # the root read workspaces only
         if writeback and self.rank == root:
             t.copy_(x.view(t.shape))
@@ -299,7 +299,7 @@ class ShmCommunicator:
             raise ValueError(f"{name}: root={root} is not a rank in [0, {self.world})")
 
     def others(self, ranges: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
-        return [r for lr, r in enumerate(ranges) if lr != self.local_rank]
+        return [r for peer, r in enumerate(ranges) if peer != self.local_rank]
 
     def scale(self, op: ReduceOp) -> float | None:
         return 1.0 / self.world if op is ReduceOp.MEAN else None
@@ -310,18 +310,18 @@ class ShmCommunicator:
             for s, e in rl:
                 dst[s:e].copy_(src[s:e])
 
-    def ws_view(self, ws: Segment | None, lr: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        assert ws is not None
-        return ws.region(lr)[: numel * element_size(dtype)].view(dtype)
+    def ws_view(self, workspace: Segment | None, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        assert workspace is not None
+        return workspace.region(peer)[: numel * element_size(dtype)].view(dtype)
 
     def _ensure_ws(self, parity: int, nbytes: int) -> Segment:
-        ws = self._ws[parity]
-        if ws is None or ws.region_bytes < nbytes:
-            if ws is not None:
-                self.arena.release(ws)
-            cap = max(nbytes, 2 * ws.region_bytes if ws is not None else 0, 1 << 16)
-            ws = self._ws[parity] = self.arena.workspace(cap)
-        return ws
+        workspace = self._workspaces[parity]
+        if workspace is None or workspace.region_bytes < nbytes:
+            if workspace is not None:
+                self.arena.release(workspace)
+            cap = max(nbytes, 2 * workspace.region_bytes if workspace is not None else 0, 1 << 16)
+            workspace = self._workspaces[parity] = self.arena.workspace(cap)
+        return workspace
 
     def begin_call(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1,
                    numel: int | None = None,
@@ -340,10 +340,10 @@ class ShmCommunicator:
                              "collectives take per-rank tensors (Arena.empty or ordinary tensors)")
         zc = where is not None
         seg, off = (where[0], where[1]) if zc else (-1, -1)
-        ws = self._ws[parity]
-        fits = ws is not None and ws.region_bytes >= nbytes
+        workspace = self._workspaces[parity]
+        fits = workspace is not None and workspace.region_bytes >= nbytes
         if fill is not None and not zc and fits:
-            fill(self.ws_view(ws, self.local_rank, x.numel(), x.dtype))
+            fill(self.ws_view(workspace, self.local_rank, x.numel(), x.dtype))
         self.flags.set_header(header(name, x.dtype, x.numel() if numel is None else numel, op, root, seg, off,
                                      (self.chunk_bytes, self.one_shot_bytes)))
         seq = self.flags.barrier(name)
@@ -351,21 +351,22 @@ class ShmCommunicator:
         validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)
         need_ws = always_ws or any(h.segment < 0 for h in hdrs)
         if need_ws and not fits:  # same decision on every rank: the headers agree
-            ws = self._ensure_ws(parity, nbytes)
+            workspace = self._ensure_ws(parity, nbytes)
             if fill is not None and not zc:
-                fill(self.ws_view(ws, self.local_rank, x.numel(), x.dtype))
+                fill(self.ws_view(workspace, self.local_rank, x.numel(), x.dtype))
             self.flags.barrier(name + " (workspace grown)")
         if not need_ws and not fits:
-            ws = None
+            workspace = None
         sources: list[torch.Tensor | None] = []
-        for lr in range(self.local_size):
-            if lr == self.local_rank:
+        for peer in range(self.local_size):
+            if peer == self.local_rank:
                 sources.append(data)
-            elif hdrs[lr].segment >= 0:
-                sources.append(self.arena.view(hdrs[lr].segment, lr, hdrs[lr].offset, (data.numel(),), x.dtype))
+            elif hdrs[peer].segment >= 0:
+                sources.append(self.arena.view(hdrs[peer].segment, peer, hdrs[peer].offset, (data.numel(),), x.dtype))
             else:
-                sources.append(self.ws_view(ws, lr, x.numel(), x.dtype))
-        return Call(name=name, seq=seq, sources=sources, zero_copy_ranks=tuple(h.segment >= 0 for h in hdrs), ws=ws)
+                sources.append(self.ws_view(workspace, peer, x.numel(), x.dtype))
+        return Call(name=name, seq=seq, sources=sources, zero_copy_ranks=tuple(h.segment >= 0 for h in hdrs),
+                    workspace=workspace)
 
     def end_call(self, call: Call, skip_barrier: bool = False) -> None:
         # peers read this rank's own memory (zero-copy): wait until they are done before returning it to the user.
@@ -398,24 +399,27 @@ class ShmCommunicator:
 
     def sources(self, call: Call, own: torch.Tensor) -> list[torch.Tensor]:
         """Every local rank's flat data in rank order (this rank's as `own`)."""
-        return [own if lr == self.local_rank else call.sources[lr] for lr in range(self.local_size)]
+        return [own if peer == self.local_rank else call.sources[peer] for peer in range(self.local_size)]
 
     def _gather_ranges(self, call: Call, ranges: list[list[tuple[int, int]]], y: torch.Tensor) -> None:
         """Copy every peer's ranges from where it published them into y."""
-        for lr in range(self.local_size):
-            if lr == self.local_rank:
+        for peer in range(self.local_size):
+            if peer == self.local_rank:
                 continue
-            src = call.sources[lr]
-            for s, e in ranges[lr]:
+            src = call.sources[peer]
+            for s, e in ranges[peer]:
                 y[s:e].copy_(src[s:e])
 
     def _all_reduce_three_phase(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]],
                                 op: ReduceOp) -> None:
         """Intra reduce-scatter (+ inter all-reduce of the slice) + intra all-gather, in place on flat x."""
         s, e = ranges[self.local_rank][0]
-        call = self.begin_call(name, x, op=op, fill=lambda ws: self.copy_ranges(ws, x, self.others(ranges)), data=x)
-        ws_me = self.ws_view(call.ws, self.local_rank, x.numel(), x.dtype) if call.ws is not None else None
-        publish = None if self.arena.locate(x) is not None else ws_me  # arena x: peers read the result in place
+        call = self.begin_call(name, x, op=op, fill=lambda region: self.copy_ranges(region, x, self.others(ranges)),
+                               data=x)
+        # an arena x: peers read the result in place; else it is published in this rank's workspace region
+        publish = None
+        if self.arena.locate(x) is None and call.workspace is not None:
+            publish = self.ws_view(call.workspace, self.local_rank, x.numel(), x.dtype)
         if self.nnodes == 1:
             self.reduce_ranges(call, ranges[self.local_rank], op, x, x[s:e], scale=self.scale(op), publish=publish)
         else:
@@ -447,7 +451,7 @@ class ShmCommunicator:
         same bits on every rank). Each rank reads L times the data: for small vectors, where the barriers of the
         three-phase algorithm cost more than the reads. Arena tensors are copied too: then nobody reads x, so the
         result can go straight into it and no closing barrier is needed (the workspaces alternate by call)."""
-        call = self.begin_call(name, x, op=op, fill=lambda ws: ws.copy_(x), zero_copy=False)
+        call = self.begin_call(name, x, op=op, fill=lambda region: region.copy_(x), zero_copy=False)
         target = t if out is None else out
         dst = target.view(-1) if target.is_contiguous() else x if out is None else torch.empty_like(x)
         self.reduce_ranges(call, [(0, x.numel())], op, x, dst, scale=self.scale(op))

@@ -86,10 +86,10 @@ def _fused_flat(comm: ShmCommunicator, name: str, x: torch.Tensor, y: torch.Tens
     where = comm.arena.locate(y)
     shared_out = where is not None and where[2]  # one copy per node: each rank writes its slice, no all-gather
     arena_out = where is not None and not where[2]  # peers read the results where fn wrote them
-    call = comm.begin_call(name, x, op=op, fill=lambda ws: comm.copy_ranges(ws, x, comm.others(ranges)), data=x,
+    call = comm.begin_call(name, x, op=op, fill=lambda region: comm.copy_ranges(region, x, comm.others(ranges)), data=x,
                            always_ws=where is None)
     # a plain y: results are published in this rank's workspace region for the peers to copy
-    publish = None if where is not None else comm.ws_view(call.ws, me, x.numel(), x.dtype)
+    publish = None if where is not None else comm.ws_view(call.workspace, me, x.numel(), x.dtype)
     sources = fn_sources and comm.nnodes == 1 and publish is None
     if fn_sources and not sources:  # reduce here; fn gets the reduced chunk as a list of one
         fn = (lambda f: lambda o, r, out: f(o, [r], out))(fn)
@@ -111,15 +111,15 @@ def _fused_flat(comm: ShmCommunicator, name: str, x: torch.Tensor, y: torch.Tens
         comm.flags.barrier(name + " (slices written)")
         return
     comm.flags.barrier(name + " (reduced slices published)")
-    for lr in range(comm.local_size):
-        if lr == me:
+    for peer in range(comm.local_size):
+        if peer == me:
             continue
-        ls, le = ranges[lr][0]
+        ls, le = ranges[peer][0]
         if arena_out:
             assert where is not None
-            y[ls:le].copy_(comm.arena.view(where[0], lr, where[1], (y.numel(),), y.dtype)[ls:le])
+            y[ls:le].copy_(comm.arena.view(where[0], peer, where[1], (y.numel(),), y.dtype)[ls:le])
         else:
-            y[ls:le].copy_(comm.ws_view(call.ws, lr, x.numel(), x.dtype)[ls:le])
+            y[ls:le].copy_(comm.ws_view(call.workspace, peer, x.numel(), x.dtype)[ls:le])
     if arena_out:
         comm.flags.barrier(name + " (done)")
     else:

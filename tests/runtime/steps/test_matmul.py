@@ -1,4 +1,4 @@
-"""A matmul and its epilogue in one step (runtime.matmul_step): bias folded into the GEMM, relu in place with
+"""A matmul and its epilogue in one step (runtime.steps.matmul): bias folded into the GEMM, relu in place with
 where()'s semantics (NaN -> 0, inf kept), the rest as a fused kernel. Compared with the interpreter on 2 ranks,
 with NaN and inf in the input."""
 

@@ -1,4 +1,4 @@
-"""Overlap steps run pipelined by chunks (runtime.overlap_step) equal the interpreter on the unscheduled program:
+"""Overlap steps run pipelined by chunks (runtime.steps.overlap) equal the interpreter on the unscheduled program:
 the Megatron MLP chain on 2 and 4 ranks (shared memory), the pipeline boundary on 2 groups x 2 ranks (torch
 backend, send), uneven chunks, bf16; and a chain with no safe chunk dim falls back to the reference."""
 
