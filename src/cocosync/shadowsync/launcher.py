@@ -27,6 +27,8 @@ import torch.distributed as dist
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cocosync.runtime.comm.store import LoopbackStore
+from cocosync.shadowsync.checkpoint import read_checkpoint
 from cocosync.shadowsync.config import DataConfig
 from cocosync.shadowsync.embeddings import SharedEmbeddings
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
@@ -317,10 +319,9 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     model, flat, state = build_shared_state(cfg, data, model_cfg, ckpt)
     resumed_from = int(ckpt["positions"].sum()) if ckpt is not None else 0
     extra = {**(extra_summary or {}), **({"resumed_from": resumed_from} if ckpt is not None else {})}
-    store = None
+    store = None  # the trainers' rendezvous for gloo (MA, BMUF): loopback only
     if cfg.sync.method in ("ma", "bmuf") and cfg.trainers > 1:
-        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=120),
-                              wait_for_workers=False)
+        store = LoopbackStore(timeout=120)
     logger = MetricsLogger(out / "metrics.jsonl", append=ckpt is not None)
     logger.log(event="start", name=name, config=config_to_dict(cfg), resumed_from=resumed_from)
     trainers = spawn_trainers(cfg, state, source, store.port if store else None)
@@ -329,7 +330,8 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
         monitor.run()
     finally:
         teardown(trainers, state, failed=bool(monitor.failures))
-        del store
+        if store is not None:
+            store.close()
     if monitor.failures:
         failures = monitor.failures
         logger.log(event="failed", error=failures[0])
@@ -342,9 +344,7 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
 
 def _resume_checkpoint(path: str | os.PathLike, cfg: TrainConfig) -> dict:
     p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"cannot resume: no checkpoint at {str(p)!r}")
-    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    ckpt = read_checkpoint(p)
     old = ckpt["config"]
     for key in ("data", "examples", "trainers", "workers", "seed", "batch_size", "model", "data_options"):
         new = config_to_dict(cfg)[key]
@@ -406,9 +406,7 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
 def load_checkpoint_model(path: str | os.PathLike) -> tuple[Any, TrainConfig, DataConfig, dict]:
     """(model with the checkpoint's dense + embedding weights, its TrainConfig, DataConfig, raw checkpoint)."""
     p = Path(path)
-    if not p.is_file():
-        raise FileNotFoundError(f"no checkpoint at {str(p)!r} (a run writes <out_dir>/checkpoint.pt)")
-    ckpt = torch.load(p, map_location="cpu", weights_only=False)
+    ckpt = read_checkpoint(p)
     cfg = config_from_dict(ckpt["config"])
     data, model_cfg = build_configs(cfg)
     emb = SharedEmbeddings.from_state_dict(ckpt["embeddings"])

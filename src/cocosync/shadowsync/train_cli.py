@@ -101,12 +101,9 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
 
 
 def _checkpoint_config(path: str) -> dict:
-    import torch
+    from cocosync.shadowsync.checkpoint import read_checkpoint
 
-    try:
-        return dict(torch.load(path, map_location="cpu", weights_only=False)["config"])
-    except (OSError, KeyError, RuntimeError) as e:
-        raise ConfigError(f"cannot resume from {path!r}: {e}") from None
+    return dict(read_checkpoint(path)["config"])
 
 
 def _print_result(console, result) -> None:
@@ -153,7 +150,9 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
 
     try:
         model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
-    except (FileNotFoundError, ValueError, KeyError) as e:
+    except ConfigError as e:  # CheckpointError: the message names the file and what is wrong with it
+        raise click.UsageError(str(e)) from None
+    except (ValueError, KeyError) as e:
         raise click.UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
     if examples is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)

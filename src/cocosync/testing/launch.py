@@ -22,6 +22,8 @@ import traceback
 import uuid
 from typing import Any, Callable, Sequence
 
+from cocosync.runtime.comm.store import LoopbackStore
+
 __all__ = ["RankPool", "RankFailure", "spawn", "free_port"]
 
 
@@ -83,8 +85,12 @@ class RankPool:
             raise ValueError(f"nnodes={nnodes} must divide world_size={world_size}")
         self.world_size, self.nnodes, self.timeout = world_size, nnodes, timeout
         ctx = mp.get_context("spawn")
+        # the rendezvous store is ours, on loopback only (TCPStore's own server would listen on every interface);
+        # every rank connects to it as a client, as under torchrun, and gloo stays on the loopback interface
+        self._store = LoopbackStore(timeout=max(timeout, 60.0))
         rank_env = {
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._store.port), "WORLD_SIZE": str(world_size),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "LOCAL_WORLD_SIZE": str(world_size // nnodes), "NNODES": str(nnodes),
             "TORCHELASTIC_RUN_ID": f"pool-{uuid.uuid4().hex[:10]}",
             "OMP_NUM_THREADS": str(threads), **(env or {}),
@@ -177,6 +183,7 @@ class RankPool:
         for q in [self._results, *self._tasks]:
             q.close()
             q.cancel_join_thread()
+        self._store.close()
 
     def __enter__(self) -> "RankPool":
         return self

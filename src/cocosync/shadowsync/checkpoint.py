@@ -1,0 +1,46 @@
+"""Reading a run's checkpoint.pt safely: torch.load with weights_only=True (tensors, containers and plain values
+only), so a crafted file cannot run code; anything else is refused with a message naming the file."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+from pathlib import Path
+
+import torch
+
+from cocosync.shadowsync.train_config import ConfigError
+
+__all__ = ["CheckpointError", "read_checkpoint", "REQUIRED_KEYS"]
+
+REQUIRED_KEYS = ("config", "dense", "embeddings", "positions")
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint file is missing, empty, not a cocosync checkpoint, or holds something other than data."""
+
+
+def read_checkpoint(path: str | os.PathLike) -> dict:
+    """The checkpoint dict written by `cocosync train` (<out_dir>/checkpoint.pt), or CheckpointError."""
+    p = Path(path)
+    if not p.is_file():
+        raise CheckpointError(f"no checkpoint at {str(p)!r} (a run writes <out_dir>/checkpoint.pt)")
+    if p.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {str(p)!r} is empty (0 bytes): the run that wrote it was cut off")
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:  # weights_only refuses globals it does not know: it never calls them
+        found = re.search(r"(?:unsupported )?GLOBAL ([\w.]+)", str(e), re.IGNORECASE)
+        if found is None:
+            raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt") from None
+        raise CheckpointError(f"refused to load {str(p)!r}: it holds an object ({found.group(1)}) that loading would "
+                              "have to call; a cocosync checkpoint holds only tensors and plain values") from None
+    except (RuntimeError, EOFError, OSError, ValueError) as e:
+        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt "
+                              f"({type(e).__name__}: {str(e)[:200]})") from None
+    if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
+        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
+        raise CheckpointError(f"{str(p)!r} is not a cocosync checkpoint: expected the keys {list(REQUIRED_KEYS)}, "
+                              f"found {keys}")
+    return ckpt

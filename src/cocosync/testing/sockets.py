@@ -1,0 +1,71 @@
+"""Which TCP sockets a process tree listens on, read from /proc (Linux): for tests that every listening socket of a
+run is on the loopback address."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from pathlib import Path
+
+__all__ = ["process_tree", "listening_sockets"]
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants (those alive now)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                todo += [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                pass
+    return out
+
+
+def _addr(hex_addr: str) -> tuple[str, int]:
+    ip, port = hex_addr.split(":")
+    raw = bytes.fromhex(ip)
+    if len(raw) == 4:
+        host = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(ip, 16)))
+    else:  # /proc prints IPv6 as four little-endian 32-bit words
+        host = socket.inet_ntop(socket.AF_INET6, b"".join(struct.pack("<I", int(ip[i:i + 8], 16))
+                                                          for i in range(0, 32, 8)))
+    return host, int(port, 16)
+
+
+def _listening_inodes() -> dict[int, tuple[str, int]]:
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[3] == "0A":  # TCP_LISTEN
+                out[int(f[9])] = _addr(f[1])
+    return out
+
+
+def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket the processes listen on."""
+    listening = _listening_inodes()
+    found = []
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inode = int(target[8:-1])
+                if inode in listening:
+                    found.append((pid, *listening[inode]))
+    return found
