@@ -30,6 +30,7 @@ import torch.distributed as dist
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
 from cocosync.optim.flat import FlatParams
+from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule.standard import sharded_update_schedule
 
@@ -91,8 +92,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._distributed = dist.is_available() and dist.is_initialized()
         self.world = dist.get_world_size(group) if self._distributed else 1
         self.group_rank, self.group_size = 0, 1
+        if self._distributed:  # fail at once, naming the difference, rather than hang or update differently
+            verify_same(type(self).__name__, self._signature(), group)
         self._updates = [self._build(gi, g, group) for gi, g in enumerate(self.param_groups)]
         self.steps = 0
+
+    def _signature(self) -> dict[str, Any]:
+        """What every rank must agree on: each group's trainable parameters (shapes, dtypes) and settings."""
+        sig: dict[str, Any] = {"parameter groups": len(self.param_groups), "max_grad_norm": self.max_grad_norm,
+                               "master_dtype": str(self._master_arg)}
+        for gi, g in enumerate(self.param_groups):
+            params = [p for p in g["params"] if p.requires_grad]
+            sig[f"group {gi} parameters"] = len(params)
+            for i, p in enumerate(params):
+                sig[f"group {gi} parameter {i}"] = (tuple(p.shape), str(p.dtype))
+            for k, v in g.items():
+                if k != "params":
+                    sig[f"group {gi} {k}"] = v.tolist() if isinstance(v, torch.Tensor) else v
+        return sig
 
     def _build(self, gi: int, param_group: dict[str, Any], group: dist.ProcessGroup | None) -> _GroupUpdate:
         # frozen parameters (requires_grad=False) are left out: torch.optim skips them (their grad stays None),

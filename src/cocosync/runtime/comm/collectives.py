@@ -324,12 +324,13 @@ class ShmCommunicator:
         return workspace
 
     def begin_call(self, name: str, x: torch.Tensor, *, op: ReduceOp | str = ReduceOp.SUM, root: int = -1,
-                   numel: int | None = None,
-               fill: Callable[[torch.Tensor], None] | None = None, data: torch.Tensor | None = None,
-               always_ws: bool = False, zero_copy: bool = True) -> Call:
+                   numel: int | None = None, fill: Callable[[torch.Tensor], None] | None = None,
+                   data: torch.Tensor | None = None, always_ws: bool = False, zero_copy: bool = True,
+                   tag: int = 0) -> Call:
         """Header exchange + first barrier. `fill(ws_view)` copies this rank's data into its workspace region
         (called only when the data is not already an arena tensor, or always with zero_copy=False); `data` is what
-        peers read (x by default)."""
+        peers read (x by default). `tag`: the caller's signature of the call (e.g. a hash of its hyperparameters);
+        ranks whose tags differ raise TagMismatch at once."""
         data = x if data is None else data
         parity = self._calls % 2
         self._calls += 1
@@ -345,7 +346,7 @@ class ShmCommunicator:
         if fill is not None and not zc and fits:
             fill(self.ws_view(workspace, self.local_rank, x.numel(), x.dtype))
         self.flags.set_header(header(name, x.dtype, x.numel() if numel is None else numel, op, root, seg, off,
-                                     (self.chunk_bytes, self.one_shot_bytes)))
+                                     (self.chunk_bytes, self.one_shot_bytes), tag))
         seq = self.flags.barrier(name)
         hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
         validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)

@@ -32,7 +32,7 @@ def slice_bounds(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
                      op: ReduceOp | str = ReduceOp.SUM, gather: bool = True, fn_bytes: int = 0,
-                     fn_sources: bool = False) -> torch.Tensor:
+                     fn_sources: bool = False, tag: int = 0) -> torch.Tensor:
     """Reduce `t` over all ranks; on this rank's slice call ``fn(offset, reduced_chunk, out_chunk)`` chunk by chunk;
     then (if `gather`) all-gather the results so every rank's `out` holds all of them.
 
@@ -52,6 +52,8 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
             1/world for "mean"), or the reduced chunk alone (a list of one: when the data crosses nodes or `out`
             is a plain tensor). t's slice is then left as it was. Saves writing the reduced values and reading
             them back.
+        tag: the caller's signature of this call (e.g. a hash of its hyperparameters), compared across the ranks
+            of the node in the call's header at no extra cost: ranks with different tags raise TagMismatch at once.
     Returns:
         out.
     """
@@ -71,13 +73,13 @@ def fused_all_reduce(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
         for a in range(0, x.numel(), step):
             fn(a, [x[a:a + step]] if fn_sources else x[a:a + step], y[a:a + step])
         return out
-    _fused_flat(comm, name, x, y, ranges, op, fn, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources)
+    _fused_flat(comm, name, x, y, ranges, op, fn, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources, tag=tag)
     return out
 
 
 def _fused_flat(comm: ShmCommunicator, name: str, x: torch.Tensor, y: torch.Tensor,
                 ranges: list[list[tuple[int, int]]], op: ReduceOp, fn: Callable, *, gather: bool, fn_bytes: int,
-                fn_sources: bool) -> None:
+                fn_sources: bool, tag: int) -> None:
     """Intra reduce-scatter (+ inter all-reduce of the slice) + fn on this rank's chunks + intra all-gather of y,
     on flat x, through the communicator's call surface. fn_sources: fn gets a list: every rank's chunk to reduce
     itself (within a node, with an arena or node-shared y), else the reduced chunk alone (a list of one)."""
@@ -86,8 +88,8 @@ def _fused_flat(comm: ShmCommunicator, name: str, x: torch.Tensor, y: torch.Tens
     where = comm.arena.locate(y)
     shared_out = where is not None and where[2]  # one copy per node: each rank writes its slice, no all-gather
     arena_out = where is not None and not where[2]  # peers read the results where fn wrote them
-    call = comm.begin_call(name, x, op=op, fill=lambda region: comm.copy_ranges(region, x, comm.others(ranges)), data=x,
-                           always_ws=where is None)
+    call = comm.begin_call(name, x, op=op, fill=lambda region: comm.copy_ranges(region, x, comm.others(ranges)),
+                           data=x, always_ws=where is None, tag=tag)
     # a plain y: results are published in this rank's workspace region for the peers to copy
     publish = None if where is not None else comm.ws_view(call.workspace, me, x.numel(), x.dtype)
     sources = fn_sources and comm.nnodes == 1 and publish is None
@@ -180,7 +182,7 @@ def owned_slice(comm: ShmCommunicator, numel: int) -> tuple[int, int]:
 
 def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out: torch.Tensor | None = None,
                      op: ReduceOp | str = ReduceOp.SUM, gather: bool = True, fn_bytes: int = 0,
-                     fn_sources: bool = False) -> torch.Tensor:
+                     fn_sources: bool = False, tag: int = 0) -> torch.Tensor:
     """Reduce `t` over all ranks, call `fn(offset, reduced, out_chunk)` on this rank's `owned_slice`, then (if
     `gather`) all-gather `out`; the reduced values are left in t's slice, as `fused_all_reduce` does (unless fn
     did the reduction: fn_sources).
@@ -191,7 +193,8 @@ def reduce_and_apply(comm: ShmCommunicator, t: torch.Tensor, fn: ChunkFn, *, out
     program (Sliced over all P ranks) lines up, and partial sums over slices count each element once.
     fn_sources: as in `fused_all_reduce` (across nodes fn always gets the reduced chunk, as a list of one)."""
     if comm.nnodes == 1:
-        return fused_all_reduce(comm, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources)
+        return fused_all_reduce(comm, t, fn, out=out, op=op, gather=gather, fn_bytes=fn_bytes, fn_sources=fn_sources,
+                                tag=tag)
     out = t if out is None else out
     x, y = t.view(-1), out.view(-1)
     start, stop = owned_slice(comm, x.numel())

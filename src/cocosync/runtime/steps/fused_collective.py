@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -28,6 +29,8 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import ReduceOp
 from cocosync.lower.plan import FusedCollective
 from cocosync.runtime.comm.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
+from cocosync.runtime.comm.headers import TagMismatch
+from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.stage import StageComm, run_stage, run_stages
 from cocosync.runtime.steps.codegen import Kernel, build_kernel
 from cocosync.runtime.steps.common import (
@@ -53,6 +56,18 @@ def _pieces(ends: list[int], offset: int, n: int):
         hi = min(ends[i], offset + n)
         yield i, lo, hi
         lo, i = hi, i + 1
+
+
+@contextmanager
+def _naming_mismatches(step: FusedCollective, comm: StageComm, scalars: dict[str, float]):
+    """Turn a TagMismatch (every rank of the node sees it in the same call) into an error naming the first scalar
+    input that differs, gathered from the ranks of the program's group."""
+    try:
+        yield
+    except TagMismatch:
+        verify_same(f"{step} (its scalar inputs)", {k: "nan" if v != v else v for k, v in scalars.items()},
+                    comm.group)
+        raise
 
 
 def _phase_kernel(g: FusedGroup, k: int, kernels: str, name: str, **kw) -> Kernel:
@@ -89,6 +104,7 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in g.norms if nm.op == "segment_norm"}
     scratch: dict = {}
+    scalar_inputs = [n for n in program.inputs if n.ndim == 0]
 
     def run(env: dict) -> None:
         def scalars_at(k: int) -> None:
@@ -175,7 +191,12 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
                     at += len(nm.attr("sizes"))
             scalars_at(k)
 
-        with first_call_timeout(shm, compiling):
+        # the scalar inputs (learning rate, betas, step-dependent corrections, ...) travel as a hash in the
+        # collective's header: ranks that disagree fail at this call, naming the input, instead of diverging
+        scalars = {n.name: float(env[id(n)]) for n in scalar_inputs if id(n) in env}
+        # (a NaN hashes by identity: give it one value, so equal inputs always give equal tags)
+        tag = hash(tuple(1e300 if v != v else v for v in scalars.values())) & 0x7FFF_FFFF_FFFF_FFFF
+        with first_call_timeout(shm, compiling), _naming_mismatches(step, comm, scalars):
             chunk, acc = phase(0)
             sources = kern0_src is not None
             # one phase: the all-gather is part of the same collective (it reads the results where the kernel
@@ -183,7 +204,7 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
             apply = (lambda offset, parts, _out: chunk(offset, parts[0].numel(), parts)) if sources else \
                 (lambda offset, red, _out: chunk(offset, red.numel()))
             reduce_and_apply(shm, buf, apply, out=flat_out if one_phase else None, op=op, gather=one_phase,
-                             fn_bytes=KERNEL_BYTES, fn_sources=sources)
+                             fn_bytes=KERNEL_BYTES, fn_sources=sources, tag=tag)
             if not one_phase:
                 finish_norms(acc, g.phases[0], 1)
                 for k in range(1, len(g.phases)):
