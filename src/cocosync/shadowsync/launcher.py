@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import datetime
+import fcntl
 import json
 import math
 import multiprocessing as mp
@@ -50,11 +51,21 @@ def _die_with_parent() -> None:
         pass
 
 
+def _beat(state: SharedState, rank: int, interval: float) -> None:
+    """The heartbeat thread: it runs whatever the trainer does (torch ops and gloo release the GIL), so a missing
+    beat means the process is stopped, hung in native code holding the GIL, or not scheduled."""
+    while True:
+        state.heartbeat[rank] = time.monotonic()  # CLOCK_MONOTONIC is system-wide: comparable across processes
+        time.sleep(interval)
+
+
 def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, store_port: int | None,
                   conn: Connection) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us through state.stop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
+    threading.Thread(target=_beat, args=(state, rank, cfg.heartbeat_timeout / 10), daemon=True,
+                     name="cocosync-heartbeat").start()
     torch.set_num_threads(cfg.threads)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo between trainers stays on loopback
     group_ready = False
@@ -186,11 +197,26 @@ class Monitor:
                     if time.time() - t_launch > self.cfg.timeout:
                         self.failures.append(f"run timed out after {self.cfg.timeout:.0f}s (TrainConfig.timeout)")
                         break
+                    stalled = self._stalled()
+                    if stalled:
+                        self.failures.append(stalled)
+                        break
                     self._poll(timeout=0.2)
                     if self.bar:
                         self.bar.update(self.task, completed=int(self.state.positions.sum()))
         except KeyboardInterrupt:
             self.failures.append("aborted by Ctrl-C")
+
+    def _stalled(self) -> str | None:
+        """The first trainer (not yet finished) whose heartbeat is older than cfg.heartbeat_timeout."""
+        now = time.monotonic()
+        for r, p in enumerate(self.trainers.procs):
+            last = float(self.state.heartbeat[r])
+            if r not in self.results and last > 0 and now - last > self.cfg.heartbeat_timeout:
+                return (f"trainer {r} (pid {p.pid}) stopped responding: no heartbeat for {now - last:.0f}s "
+                        f"(TrainConfig.heartbeat_timeout={self.cfg.heartbeat_timeout:g}s; the process is stopped, "
+                        "hung or not scheduled)")
+        return None
 
     def _poll(self, timeout: float) -> None:
         conns = self.trainers.conns
@@ -311,6 +337,37 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     data, model_cfg = build_configs(cfg)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    with _OutputLock(out):
+        return _run(cfg, name, console, data, model_cfg, out, extra_summary, resume)
+
+
+class _OutputLock:
+    """One run per output directory: an flock on <out>/.lock (released by the kernel even if the run is killed),
+    holding the pid of the run that owns it, so a second run is refused naming the first."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".lock"
+        self.fd = -1
+
+    def __enter__(self) -> "_OutputLock":
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ConfigError(f"output directory {str(self.path.parent)!r} is in use by another run (pid {owner}); "
+                              "wait for it to finish or pass another --out") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)  # releases the lock
+
+
+def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg: Any, out: Path,
+         extra_summary: dict | None, resume: str | os.PathLike | None) -> RunResult:
     torch.manual_seed(cfg.seed)
     source = make_source(cfg, data)
     if isinstance(source, InMemorySource):
@@ -382,7 +439,9 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
     run.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     run.logger.log(event="summary", **summary)
     run.logger.close()
-    (out / "summary.json").write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
+    tmp = out / "summary.json.tmp"  # atomic: a reader never sees half a file
+    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
+    os.replace(tmp, out / "summary.json")
     records = read_metrics(out / "metrics.jsonl") + [{"examples": seen, "eval_ne": ev["ne"]}]
     result = RunResult(name=name, summary=summary, records=records, out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:

@@ -29,6 +29,7 @@ class SharedState:
     stop: torch.Tensor  # int32 [1]: set by the parent (Ctrl-C, failure) -> trainers finish now
     go: torch.Tensor  # int32 [1]: set by the parent once every trainer is built -> all start together
     init_dense: torch.Tensor  # the common starting point of every dense replica (fresh init or a checkpoint)
+    heartbeat: torch.Tensor  # float64 [T]: time.monotonic() of each trainer's last heartbeat (0: not started)
 
     @classmethod
     def create(cls, cfg: TrainConfig, embeddings: SharedEmbeddings, init_flat: torch.Tensor) -> "SharedState":
@@ -37,7 +38,7 @@ class SharedState:
         return cls(embeddings.share_memory_(), center, torch.zeros(T, W, dtype=torch.int64).share_memory_(),
                    torch.zeros(T, dtype=torch.int64).share_memory_(), torch.zeros(T, dtype=torch.int64).share_memory_(),
                    torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
-                   init_flat.clone().share_memory_())
+                   init_flat.clone().share_memory_(), torch.zeros(T, dtype=torch.float64).share_memory_())
 
 
 def new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:

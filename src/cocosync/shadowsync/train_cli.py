@@ -11,6 +11,7 @@ import math
 import sys
 
 import click
+from rich.markup import escape
 
 from cocosync.shadowsync.train_config import SYNC_ALGORITHMS, ConfigError, config_from_dict, load_train_config
 
@@ -20,7 +21,8 @@ _OPTS = {  # CLI option -> TrainConfig field
     "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples",
     "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
     "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
-    "timeout": "timeout", "sync": "sync.algorithm", "sync_every": "sync.every", "sync_interval": "sync.interval",
+    "timeout": "timeout", "heartbeat_timeout": "heartbeat_timeout", "sync": "sync.algorithm",
+    "sync_every": "sync.every", "sync_interval": "sync.interval",
     "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
 }
 
@@ -51,6 +53,8 @@ def _console():
 @click.option("--seed", type=int, help="model and synthetic-data seed.")
 @click.option("--threads", type=int, help="intra-op torch threads per trainer.")
 @click.option("--timeout", type=float, help="abort the run after this many seconds.")
+@click.option("--heartbeat-timeout", type=float,
+              help="fail naming a trainer silent this many seconds (stopped or hung; default 30).")
 @click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest).")
 @click.option("--progress/--no-progress", default=None, help="progress bar while training.")
 @click.option("--resume", type=click.Path(dir_okay=False),
@@ -85,7 +89,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     except ConfigError as e:
         raise click.UsageError(str(e)) from None
     except TrainerFailure as e:
-        console.print(f"[bold red]error:[/] {e}")
+        console.print(f"[bold red]error:[/] {escape(str(e))}")  # tracebacks hold [brackets] rich would parse
         console.print(f"metrics so far: {cfg.out_dir}/metrics.jsonl")
         sys.exit(1)
     except KeyboardInterrupt:  # before the trainers started (data generation, model build)

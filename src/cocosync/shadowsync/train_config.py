@@ -126,6 +126,9 @@ class TrainConfig:
     """show a progress bar while training."""
     timeout: float = 900.0
     """seconds after which the run is aborted (a hung trainer never stalls the run forever)."""
+    heartbeat_timeout: float = 30.0
+    """seconds without a heartbeat from a trainer (each beats every heartbeat_timeout / 10 s from a thread of its
+    own, whatever its training does) after which the run fails naming that trainer (stopped, hung, swapped out)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model: dict = field(default_factory=dict)
@@ -147,7 +150,7 @@ class TrainConfig:
         _check(self.dense_optimizer in OPTIMIZERS, "dense_optimizer", self.dense_optimizer, f"one of {OPTIMIZERS}")
         _check(self.embedding_optimizer in OPTIMIZERS, "embedding_optimizer", self.embedding_optimizer,
                f"one of {OPTIMIZERS}")
-        for name in ("dense_lr", "embedding_lr", "log_every", "timeout"):
+        for name in ("dense_lr", "embedding_lr", "log_every", "timeout", "heartbeat_timeout"):
             v = getattr(self, name)
             _check(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, v, "a finite number > 0")
         _check(isinstance(self.model, dict), "model", self.model, "a table of ModelConfig overrides")

@@ -36,7 +36,8 @@ import torch
 
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
-__all__ = ["Arena", "CollectiveTimeout", "Flags", "default_timeout", "SHM_DIR", "SHM_PREFIX"]
+__all__ = ["Arena", "ArenaFull", "CollectiveTimeout", "Flags", "default_timeout", "SHM_DIR", "SHM_PREFIX",
+           "shm_space", "sweep_stale_segments", "leftover_segments"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "cocosync-"
@@ -231,6 +232,8 @@ class Arena:
         self._segments: list[Segment] = []
         self._views: dict[tuple, torch.Tensor] = {}  # Arena.view results: collectives ask for the same ones per call
         self._nseg = 0
+        if self.local_rank == 0:
+            sweep_stale_segments()
         ctrl_bytes = _round_up(self.local_size * _SLOT * 8)
         path = f"{SHM_DIR}/{self._name}-ctl"
         buf = self._map(path, ctrl_bytes, "arena creation (control segment)")
@@ -248,6 +251,13 @@ class Arena:
     # ---- segment creation: local rank 0 creates, the others map, everyone unlinks once all have mapped ----
 
     def _map(self, path: str, nbytes: int, what: str) -> torch.Tensor:
+        # every local rank checks (they see the same /dev/shm): all fail at once instead of the peers waiting
+        # for a segment that cannot be created, and nothing faults (SIGBUS) later on first touch
+        free, total = shm_space()
+        if nbytes > free:
+            raise ArenaFull(f"{what}: a shared-memory segment of {_gib(nbytes)} does not fit in {SHM_DIR} "
+                            f"({_gib(free)} free of {_gib(total)}); free space there, give the container more "
+                            "shared memory (docker --shm-size), or make the model or its buckets smaller")
         if self.local_rank == 0:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             with _pending_lock:
@@ -392,6 +402,41 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena({self._name}, local rank {self.local_rank}/{self.local_size}, "
                 f"{len(self._segments)} segments)")
+
+
+class ArenaFull(MemoryError):
+    """A segment would not fit in /dev/shm; the message gives the sizes."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def shm_space() -> tuple[int, int]:
+    """(free, total) bytes of the file system behind /dev/shm."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize, st.f_blocks * st.f_frsize
+
+
+#: a segment keeps its name only while the local ranks map it (milliseconds, at most the creation timeout); one
+#: still named after this long was left by a job killed during that window (SIGKILL skips every cleanup)
+STALE_SECONDS = 3600.0
+
+
+def sweep_stale_segments(older_than: float = STALE_SECONDS) -> list[str]:
+    """Remove this user's cocosync segments named in /dev/shm for longer than `older_than` seconds; their names."""
+    removed = []
+    now = time.time()
+    for name in leftover_segments():
+        path = f"{SHM_DIR}/{name}"
+        try:
+            st = os.stat(path)
+            if st.st_uid == os.getuid() and now - st.st_mtime > older_than:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue  # gone meanwhile, or not ours to remove
+    return removed
 
 
 def leftover_segments() -> list[str]:
