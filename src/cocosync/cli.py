@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from cocosync.bench.collectives import collectives_cmd
@@ -16,8 +18,11 @@ from cocosync.show_cli import show
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="cocosync")
-def main() -> None:
+@click.option("--debug", is_flag=True, help="Show the traceback of an error instead of its one-line message.")
+def main(debug: bool) -> None:
     """cocosync: take communication off the critical path of distributed PyTorch training."""
+    if debug:
+        os.environ["COCOSYNC_DEBUG"] = "1"
 
 
 @main.group()

@@ -36,7 +36,7 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
             raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt") from None
         raise CheckpointError(f"refused to load {str(p)!r}: it holds an object ({found.group(1)}) that loading would "
                               "have to call; a cocosync checkpoint holds only tensors and plain values") from None
-    except (RuntimeError, EOFError, OSError, ValueError) as e:
+    except Exception as e:  # torch raises RuntimeError, EOFError, struct.error, ... for a damaged file
         raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt "
                               f"({type(e).__name__}: {str(e)[:200]})") from None
     if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):

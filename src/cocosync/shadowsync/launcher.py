@@ -37,7 +37,7 @@ from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.sources import InMemorySource, build_configs, eval_batches, make_source
 from cocosync.shadowsync.state import SharedState, build_model, build_shared_state
 from cocosync.shadowsync.sync import FlatParams
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_from_dict, config_to_dict
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_from_dict, config_to_dict
 from cocosync.shadowsync.trainer import Trainer, TrainerFailure, json_safe
 
 __all__ = ["RunResult", "run_training", "load_checkpoint_model"]
@@ -334,6 +334,7 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     training restarts from its dense and embedding weights at its reader positions."""
     console = console or Console(stderr=True)
     name = name or f"{cfg.sync.algorithm} T={cfg.trainers}"
+    check_paths(cfg)  # before anything is spawned
     data, model_cfg = build_configs(cfg)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)

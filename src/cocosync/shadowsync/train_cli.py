@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import click
@@ -80,6 +81,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         else:
             cfg = config_from_dict({}, **overrides)
     except ConfigError as e:
+        if debug_mode():
+            raise
         raise click.UsageError(str(e)) from None
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
@@ -87,8 +90,12 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     try:
         result = run_training(cfg, console=console, resume=resume)
     except ConfigError as e:
+        if debug_mode():
+            raise
         raise click.UsageError(str(e)) from None
     except TrainerFailure as e:
+        if debug_mode():
+            raise
         console.print(f"[bold red]error:[/] {escape(str(e))}")  # tracebacks hold [brackets] rich would parse
         console.print(f"metrics so far: {cfg.out_dir}/metrics.jsonl")
         sys.exit(1)
@@ -102,6 +109,11 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:
         sys.exit(130)
+
+
+def debug_mode() -> bool:
+    """`cocosync --debug ...`: errors show their traceback."""
+    return os.environ.get("COCOSYNC_DEBUG") == "1"
 
 
 def _checkpoint_config(path: str) -> dict:
@@ -155,6 +167,8 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     try:
         model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
     except ConfigError as e:  # CheckpointError: the message names the file and what is wrong with it
+        if debug_mode():
+            raise
         raise click.UsageError(str(e)) from None
     except (ValueError, KeyError) as e:
         raise click.UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None

@@ -20,12 +20,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
 __all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS",
-           "config_from_dict", "config_to_dict"]
+           "config_from_dict", "config_to_dict", "check_paths"]
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
 SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "fr-bmuf", "fr-ma", "fr-easgd", "none")
@@ -39,6 +45,15 @@ class ConfigError(ValueError):
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{name}={value!r} is invalid: expected {allowed}")
+
+
+def _is_number(v: Any) -> bool:
+    """A finite int or float (not a bool, not a string that looks like a number)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,13 +78,15 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _check(self.algorithm in SYNC_ALGORITHMS, "sync.algorithm", self.algorithm, f"one of {SYNC_ALGORITHMS}")
-        _check(isinstance(self.every, int) and self.every >= 1, "sync.every", self.every, "an integer >= 1")
-        _check(isinstance(self.interval, (int, float)) and 0 <= self.interval <= 60, "sync.interval",
+        _check(_is_int(self.every) and self.every >= 1, "sync.every", self.every, "an integer >= 1")
+        _check(_is_number(self.interval) and 0 <= self.interval <= 60, "sync.interval",
                self.interval, "seconds in [0, 60]")
-        _check(0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
-        _check(self.block_momentum is None or 0 <= self.block_momentum < 1, "sync.block_momentum",
-               self.block_momentum, "a number in [0, 1), or None for 1 - 1/T")
-        _check(self.block_lr > 0, "sync.block_lr", self.block_lr, "a number > 0")
+        _check(_is_number(self.alpha) and 0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
+        _check(self.block_momentum is None or _is_number(self.block_momentum) and 0 <= self.block_momentum < 1,
+               "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for 1 - 1/T")
+        _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
+               "a finite number > 0")
+        _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
 
     @property
     def mode(self) -> str:
@@ -140,9 +157,13 @@ class TrainConfig:
         if isinstance(self.sync, dict):
             self.sync = SyncConfig(**self.sync)
         _check(isinstance(self.data, str) and bool(self.data), "data", self.data, "'synthetic' or a file path")
+        _check(isinstance(self.out_dir, str) and bool(self.out_dir), "out_dir", self.out_dir, "a directory path")
+        _check(_is_int(self.seed), "seed", self.seed, "an integer")
+        for name in ("checkpoint", "plot", "progress"):
+            _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
         for name in ("examples", "eval_examples", "trainers", "workers", "batch_size", "threads", "window"):
             v = getattr(self, name)
-            _check(isinstance(v, int) and not isinstance(v, bool) and v >= 1, name, v, "an integer >= 1")
+            _check(_is_int(v) and v >= 1, name, v, "an integer >= 1")
         _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
         _check(self.workers <= 64, "workers", self.workers, "at most 64 workers per trainer")
         _check(self.examples >= self.trainers * self.workers * self.batch_size, "examples", self.examples,
@@ -152,10 +173,23 @@ class TrainConfig:
                f"one of {OPTIMIZERS}")
         for name in ("dense_lr", "embedding_lr", "log_every", "timeout", "heartbeat_timeout"):
             v = getattr(self, name)
-            _check(isinstance(v, (int, float)) and math.isfinite(v) and v > 0, name, v, "a finite number > 0")
+            _check(_is_number(v) and v > 0, name, v, "a finite number > 0")
         _check(isinstance(self.model, dict), "model", self.model, "a table of ModelConfig overrides")
         _check(isinstance(self.data_options, dict), "data_options", self.data_options,
                "a table of DataConfig overrides")
+
+
+def check_paths(cfg: TrainConfig) -> None:
+    """The files a run reads exist (checked before anything is spawned), or ConfigError naming them."""
+    if cfg.data != "synthetic" and not Path(cfg.data).is_file():
+        raise ConfigError(f"data={cfg.data!r}: no such file; expected 'synthetic' or a Criteo-format TSV file "
+                          "(.gz accepted)")
+    eval_path = cfg.data_options.get("eval_path")
+    if eval_path is not None and not Path(str(eval_path)).is_file():
+        raise ConfigError(f"data_options.eval_path={eval_path!r}: no such file")
+    out = Path(cfg.out_dir)
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"out_dir={cfg.out_dir!r} is a file; expected a directory (it is created if missing)")
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:
@@ -196,17 +230,24 @@ def load_train_config(path: str | Path, **overrides: Any) -> TrainConfig:
     text = p.read_text()
     suffix = p.suffix.lower()
     if suffix == ".toml":
-        import tomllib
-
-        raw = tomllib.loads(text)
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:  # its message gives the line and column
+            raise ConfigError(f"config file {str(p)!r}: TOML syntax error: {e}") from None
     elif suffix == ".json":
-        raw = json.loads(text)
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"config file {str(p)!r}: JSON syntax error: {e}") from None
     elif suffix in (".yaml", ".yml"):
         try:
             import yaml  # type: ignore[import-not-found]
         except ImportError:
             raise ConfigError(f"{str(p)!r} is YAML but PyYAML is not installed; use .toml or .json") from None
-        raw = yaml.safe_load(text) or {}
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"config file {str(p)!r}: YAML syntax error: {e}") from None
     else:
         raise ConfigError(f"config file {str(p)!r}: unknown extension {suffix!r}; expected .toml, .json or .yaml")
     if not isinstance(raw, dict):

@@ -1,0 +1,63 @@
+"""Bad input at the CLI: one or two lines naming the input, what was wrong and what would be right; no traceback
+(unless --debug); usage errors exit 2; nothing is spawned."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from cocosync.cli import main as cli
+
+
+def _train(tmp_path, *args: str):
+    return CliRunner().invoke(cli, ["train", "--no-progress", "--out", str(tmp_path / "run"), *args])
+
+
+def _config(tmp_path, text: str, name: str = "c.toml") -> str:
+    p = tmp_path / name
+    p.write_text(text)
+    return str(p)
+
+
+def _one_error(res, *needles: str) -> None:
+    assert res.exit_code == 2, (res.exit_code, res.output)
+    assert "Traceback" not in res.output and res.exception is None or isinstance(res.exception, SystemExit)
+    for n in needles:
+        assert n in res.output, res.output
+
+
+def test_missing_data_file_is_named_before_anything_runs(tmp_path):
+    res = _train(tmp_path, "--data", str(tmp_path / "nope.tsv"))
+    _one_error(res, "nope.tsv", "no such file")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_toml_syntax_error_names_the_file_and_line(tmp_path):
+    cfg = _config(tmp_path, "trainers = 2\nexamples = = 5\n")
+    _one_error(_train(tmp_path, "--config", cfg), "c.toml", "TOML syntax error", "line 2")
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('[sync]\nalpha = "0.5"\n', "sync.alpha='0.5' is invalid"),
+    ("out_dir = 5\n", "out_dir=5 is invalid"),
+    ("[sync]\nblock_lr = inf\n", "sync.block_lr=inf is invalid"),
+    ("checkpoint = 1\n", "checkpoint=1 is invalid"),
+    ("seed = 1.5\n", "seed=1.5 is invalid"),
+])
+def test_wrong_typed_or_non_finite_values_are_named(tmp_path, text, needle):
+    _one_error(CliRunner().invoke(cli, ["train", "--no-progress", "--config", _config(tmp_path, text)]), needle)
+
+
+@pytest.mark.parametrize("content, needle", [(b"", "is empty"), (b"\x80\x02junk", "not a torch checkpoint or corrupt")])
+def test_bad_checkpoints_are_one_line(tmp_path, content, needle):
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.write_bytes(content)
+    _one_error(CliRunner().invoke(cli, ["eval", str(ckpt)]), needle, str(ckpt))
+    _one_error(_train(tmp_path, "--resume", str(ckpt)), needle)
+
+
+def test_debug_shows_the_traceback(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCOSYNC_DEBUG", "0")  # --debug sets it in this process; restored afterwards
+    cfg = _config(tmp_path, '[sync]\nalpha = "0.5"\n')
+    res = CliRunner().invoke(cli, ["--debug", "train", "--no-progress", "--config", cfg])
+    assert res.exit_code != 0 and res.exception is not None and "sync.alpha" in str(res.exception)
