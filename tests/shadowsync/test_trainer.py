@@ -185,9 +185,12 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
 
 
 def test_a_raising_trainer_is_reported(tmp_path):
-    cfg = _cfg(tmp_path, "none", data="/nonexistent/criteo.tsv")
-    with pytest.raises((TrainerFailure, FileNotFoundError)):
-        run_training(cfg)
+    with pytest.raises(ConfigError, match="no such file"):  # a missing file is refused before any trainer starts
+        run_training(_cfg(tmp_path, "none", data="/nonexistent/criteo.tsv"))
+    garbage = tmp_path / "garbage.tsv"  # a trainer that raises while reading: reported naming it
+    garbage.write_text("not\ta\tcriteo\tline\n" * 5000)
+    with pytest.raises(TrainerFailure, match="trainer [01]"):
+        run_training(_cfg(tmp_path, "none", data=str(garbage)))
 
 
 def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):
