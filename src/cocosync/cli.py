@@ -6,6 +6,7 @@ import os
 
 import click
 
+from cocosync.bench.backend import backend_cmd
 from cocosync.bench.collectives import collectives_cmd
 from cocosync.bench.dp import dp_cmd
 from cocosync.bench.pp import pp_cmd
@@ -41,7 +42,7 @@ def demo() -> None:
 
 for _cmd in (train, eval_checkpoint, data, show):
     main.add_command(_cmd)
-for _cmd in (collectives_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd):
+for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd):
     bench.add_command(_cmd)
 
 if __name__ == "__main__":

@@ -1,0 +1,196 @@
+"""`cocosync` as a torch.distributed backend: `import cocosync; dist.init_process_group("cocosync")` (or
+"cpu:cocosync,cuda:nccl"), so DDP, ZeroRedundancyOptimizer and any program using torch.distributed collectives run
+their CPU collectives through the node's shared memory instead of gloo over loopback TCP.
+
+A Python ProcessGroup (as PyTorch's test/distributed/test_c10d_pypg.py builds them): every operation the shared-memory
+communicator implements runs there when it applies (CPU tensors of float32/bfloat16/float16; sum, avg, min, max; the
+whole group on one node); everything else goes to an internal gloo group built on the same store, so every operation
+of torch.distributed works. Results equal gloo's (tests/runtime/comm/test_backend.py runs DDP on both).
+
+This first version uses shared memory for the default group on one node (the torchrun environment tells the node);
+groups made by `new_group`, and jobs across nodes, use the internal gloo group for everything.
+"""
+
+from __future__ import annotations
+
+import datetime
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.reduction import SUPPORTED_DTYPES
+from cocosync.runtime.comm.topology import NodeGroups, Topology, topology_from_env
+
+__all__ = ["CocosyncProcessGroup", "register", "BACKEND"]
+
+BACKEND = "cocosync"
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "mean", dist.ReduceOp.MIN: "min", dist.ReduceOp.MAX: "max"}
+
+
+class _Done(dist._Work):
+    """A Work that completed during the call (the shared-memory collectives are synchronous)."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._future: torch.futures.Future = torch.futures.Future()
+        self._future.set_result(result)
+
+    def wait(self, timeout: datetime.timedelta | None = None) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+    def is_success(self) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+def _op_of(opts: Any) -> str | None:
+    op = getattr(opts, "reduceOp", opts)
+    for k, v in _OPS.items():
+        if op == k:
+            return v
+    return None
+
+
+class CocosyncProcessGroup(dist.ProcessGroup):
+    """The `cocosync` backend's process group: shared memory where it applies, gloo (internal) otherwise."""
+
+    def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
+        super().__init__(rank, size)
+        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("cocosync/gloo", store), rank, size, timeout)
+        self._store = dist.PrefixStore("cocosync/shm", store)
+        self._timeout = timeout
+        self._shm: ShmCommunicator | None = None
+        self._shm_ready = False
+        topo = topology_from_env()
+        # shared memory only when the torchrun environment describes this very group on one node
+        self._topo: Topology | None = topo if (topo.world_size, topo.rank, topo.nnodes) == (size, rank, 1) else None
+
+    def getBackendName(self) -> str:  # noqa: N802 - the c10d interface
+        return BACKEND
+
+    def _comm(self) -> ShmCommunicator | None:
+        """The shared-memory communicator, created on first use (collective over the group: every rank makes
+        the same decision, as every rank calls the same collectives with the same dtypes)."""
+        if not self._shm_ready:
+            self._shm_ready = True
+            if self._topo is not None and self.size() > 1:
+                if self.rank() == 0:
+                    self._store.set("job", uuid.uuid4().hex[:12])
+                job = self._store.get("job").decode()
+                groups = NodeGroups(topo=self._topo, job_id=f"pg-{job}")
+                self._shm = ShmCommunicator(groups, timeout=self._timeout.total_seconds())
+        return self._shm
+
+    def _shm_for(self, tensors: list[torch.Tensor]) -> ShmCommunicator | None:
+        if not tensors or any(t.device.type != "cpu" or t.dtype not in SUPPORTED_DTYPES for t in tensors):
+            return None
+        return self._comm()
+
+    # ---------------------------------------------------------------- through shared memory where it applies
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+        op = _op_of(opts) if opts is not None else "sum"
+        comm = self._shm_for(tensors) if op is not None else None
+        if comm is None:
+            return self._gloo.allreduce(tensors, opts if opts is not None else dist.AllreduceOptions())
+        for t in tensors:
+            comm.all_reduce(t, op)
+        return _Done(tensors)
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+        comm = self._shm_for(tensors)
+        if comm is None:
+            return self._gloo.broadcast(tensors, opts)
+        for t in tensors:
+            comm.broadcast(t, opts.rootRank)
+        return _Done(tensors)
+
+    def allgather(self, output_lists: list[list[torch.Tensor]], inputs: list[torch.Tensor],
+                  opts: Any = None) -> dist._Work:
+        comm = self._shm_for(inputs)
+        if comm is None or any(len(o) != self.size() for o in output_lists):
+            return self._gloo.allgather(output_lists, inputs, opts or dist.AllgatherOptions())
+        for outs, t in zip(output_lists, inputs):
+            whole = comm.all_gather(t.reshape(1, -1).contiguous())
+            for r, o in enumerate(outs):
+                o.copy_(whole[r].view(o.shape))
+        return _Done(output_lists)
+
+    def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> dist._Work:  # noqa: A002
+        comm = self._shm_for([input, output])
+        if comm is None:
+            return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+        comm.all_gather(input.reshape(1, -1).contiguous(), out=output.view(self.size(), -1))
+        return _Done(output)
+
+    def _reduce_scatter_base(self, output: torch.Tensor, input: torch.Tensor,  # noqa: A002
+                             opts: Any = None) -> dist._Work:
+        op = _op_of(opts) if opts is not None else "sum"
+        comm = self._shm_for([input, output]) if op is not None else None
+        if comm is None or not input.is_contiguous():
+            return self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+        comm.reduce_scatter(input.view(self.size(), -1), op, out=output.view(1, -1))
+        return _Done(output)
+
+    # torch >= 2.12 names the tensor forms all_gather_single / reduce_scatter_single
+    all_gather_single = _allgather_base
+    reduce_scatter_single = _reduce_scatter_base
+
+    def barrier(self, opts: Any = None) -> dist._Work:
+        comm = self._comm()
+        if comm is None:
+            return self._gloo.barrier(opts or dist.BarrierOptions())
+        comm.barrier()
+        return _Done(None)
+
+    # ---------------------------------------------------------------- through the internal gloo group
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        return self._gloo.reduce_scatter(outputs, input_lists, opts or dist.ReduceScatterOptions())
+
+    def reduce(self, tensors, opts=None):
+        return self._gloo.reduce(tensors, opts or dist.ReduceOptions())
+
+    def gather(self, output_lists, inputs, opts=None):
+        return self._gloo.gather(output_lists, inputs, opts or dist.GatherOptions())
+
+    def scatter(self, outputs, input_lists, opts=None):
+        return self._gloo.scatter(outputs, input_lists, opts or dist.ScatterOptions())
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._gloo.alltoall(outputs, inputs, opts or dist.AllToAllOptions())
+
+    def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
+        return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
+                                        opts or dist.AllToAllOptions())
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        return self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        return self._gloo.allgather_coalesced(output_lists, inputs, opts or dist.AllgatherOptions())
+
+    def send(self, tensors, dst, tag=0):
+        return self._gloo.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self._gloo.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        return self._gloo.recv_anysource(tensors, tag)
+
+
+def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> CocosyncProcessGroup:
+    return CocosyncProcessGroup(store, rank, size, timeout)
+
+
+def register() -> None:
+    """Make `init_process_group("cocosync")` available (done when cocosync is imported; idempotent)."""
+    if BACKEND.upper() not in dist.Backend.backend_list and BACKEND not in dist.Backend.backend_list:
+        dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

@@ -1,0 +1,24 @@
+"""`init_process_group("cocosync")` under torchrun: its collectives give gloo's results (shared memory where it
+applies, gloo otherwise), and DDP (default, gradient_as_bucket_view, static_graph, no_sync) and
+ZeroRedundancyOptimizer train on it exactly as on gloo."""
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("backend_script.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_backend_under_torchrun_matches_gloo():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(SCRIPT)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("backend ok on rank") == 2, res.stdout
