@@ -4,7 +4,14 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
+import torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook as powerSGD
+import torch.distributed.checkpoint as dcp
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import cocosync  # noqa: F401 - registers the backend
@@ -47,10 +54,16 @@ dist.barrier()
 gloo = dist.new_group(backend="gloo")
 
 
-def train(group, **ddp_kw):
+def train(group, hook=None, **ddp_kw):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
     ddp = DDP(model, process_group=group, **ddp_kw)
+    if hook == "fp16":
+        ddp.register_comm_hook(group or dist.group.WORLD, default_hooks.fp16_compress_hook)
+    elif hook == "powersgd":
+        ddp.register_comm_hook(powerSGD.PowerSGDState(process_group=group or dist.group.WORLD,
+                                                      matrix_approximation_rank=1, start_powerSGD_iter=2),
+                               powerSGD.powerSGD_hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
     for step in range(6):
         g = torch.Generator().manual_seed(100 * step + r)
@@ -64,9 +77,39 @@ def train(group, **ddp_kw):
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-for kw in ({}, {"gradient_as_bucket_view": True}, {"static_graph": True}):
+for kw in ({}, {"gradient_as_bucket_view": True}, {"static_graph": True}, {"hook": "fp16"}, {"hook": "powersgd"}):
     a, b = train(None, **kw), train(gloo, **kw)
     assert torch.allclose(a, b, rtol=0, atol=1e-6), (kw, (a - b).abs().max())
+
+# the dispatcher-based clients (functional collectives, FSDP2, DTensor) and torch.distributed.checkpoint
+t = fc.all_reduce(torch.full((4,), float(r)), "sum", dist.group.WORLD)
+assert torch.equal(t, torch.full((4,), float(sum(range(P))))), t
+
+
+def fsdp_train(group_mesh):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    fully_shard(model, mesh=group_mesh)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(3):
+        g = torch.Generator().manual_seed(100 * step + r)
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(torch.randn(8, 16, generator=g)), torch.randn(8, 1, generator=g)).backward()
+        opt.step()
+    return torch.cat([p.full_tensor().reshape(-1) for p in model.parameters()])
+
+
+mesh = init_device_mesh("cpu", (P,))
+gloo_mesh = DeviceMesh.from_group(gloo, "cpu")
+a, b = fsdp_train(mesh), fsdp_train(gloo_mesh)
+assert torch.allclose(a, b, rtol=0, atol=1e-6), (a - b).abs().max()
+d = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+assert torch.equal(d.redistribute(mesh, [Replicate()]).to_local(), torch.arange(8.0))
+ckpt = sys.argv[2] if len(sys.argv) > 2 else "/tmp/cocosync-dcp"
+dcp.save({"w": torch.full((4,), 7.0)}, checkpoint_id=ckpt)
+loaded = {"w": torch.zeros(4)}
+dcp.load(loaded, checkpoint_id=ckpt)
+assert torch.equal(loaded["w"], torch.full((4,), 7.0))
 
 torch.manual_seed(0)
 model = torch.nn.Linear(32, 8)

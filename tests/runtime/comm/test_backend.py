@@ -1,6 +1,7 @@
 """`init_process_group("cocosync")` under torchrun: its collectives give gloo's results (shared memory where it
-applies, gloo otherwise), and DDP (default, gradient_as_bucket_view, static_graph, no_sync) and
-ZeroRedundancyOptimizer train on it exactly as on gloo."""
+applies, gloo otherwise); DDP (default, gradient_as_bucket_view, static_graph, no_sync, the fp16 and PowerSGD comm
+hooks), ZeroRedundancyOptimizer and FSDP2 train on it exactly as on gloo; functional collectives, DTensor
+redistribute and torch.distributed.checkpoint save/load work."""
 
 import socket
 import subprocess
@@ -16,9 +17,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_backend_under_torchrun_matches_gloo():
+def test_backend_under_torchrun_matches_gloo(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(SCRIPT)]
+           "--master-port", str(_free_port()), str(SCRIPT), "cocosync", str(tmp_path / "dcp")]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("backend ok on rank") == 2, res.stdout

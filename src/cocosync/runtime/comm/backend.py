@@ -65,6 +65,9 @@ class CocosyncProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("cocosync/gloo", store), rank, size, timeout)
+        # the C++ side of the group: torch keeps the group's name on its backend, and the dispatcher-based APIs
+        # (functional collectives, hence FSDP2 and DTensor) call the backend directly: they run on gloo
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._store = dist.PrefixStore("cocosync/shm", store)
         self._timeout = timeout
         self._shm: ShmCommunicator | None = None
