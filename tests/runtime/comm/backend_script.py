@@ -52,6 +52,10 @@ assert work.get_future().value() is not None
 dist.barrier()
 
 gloo = dist.new_group(backend="gloo")
+sub = dist.new_group(ranks=list(range(P)), backend="cocosync")  # a group of ranks on this node: shared memory too
+t = torch.full((6,), float(r) + 1)
+dist.all_reduce(t, group=sub)
+assert sub._shm is not None and torch.equal(t, torch.full((6,), float(sum(range(1, P + 1))))), t
 
 
 def train(group, hook=None, **ddp_kw):

@@ -7,8 +7,9 @@ communicator implements runs there when it applies (CPU tensors of float32/bfloa
 whole group on one node); everything else goes to an internal gloo group built on the same store, so every operation
 of torch.distributed works. Results equal gloo's (tests/runtime/comm/test_backend.py runs DDP on both).
 
-This first version uses shared memory for the default group on one node (the torchrun environment tells the node);
-groups made by `new_group`, and jobs across nodes, use the internal gloo group for everything.
+Shared memory serves a group whose members all live on this node (the torchrun environment tells each rank's
+node): the default group of a one-node job, or any `new_group` of ranks on one node; a group spanning nodes uses the
+internal gloo group for everything (hierarchical collectives across nodes are the next step).
 """
 
 from __future__ import annotations
@@ -72,9 +73,7 @@ class CocosyncProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._shm: ShmCommunicator | None = None
         self._shm_ready = False
-        topo = topology_from_env()
-        # shared memory only when the torchrun environment describes this very group on one node
-        self._topo: Topology | None = topo if (topo.world_size, topo.rank, topo.nnodes) == (size, rank, 1) else None
+        self._members = _members_on_this_node(self._store, rank, size)
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d interface
         return BACKEND
@@ -84,11 +83,13 @@ class CocosyncProcessGroup(dist.ProcessGroup):
         the same decision, as every rank calls the same collectives with the same dtypes)."""
         if not self._shm_ready:
             self._shm_ready = True
-            if self._topo is not None and self.size() > 1:
+            if self._members is not None and self.size() > 1:
                 if self.rank() == 0:
                     self._store.set("job", uuid.uuid4().hex[:12])
                 job = self._store.get("job").decode()
-                groups = NodeGroups(topo=self._topo, job_id=f"pg-{job}")
+                n, r = self.size(), self.rank()
+                topo = Topology(rank=r, world_size=n, local_rank=r, local_world_size=n, node=0)
+                groups = NodeGroups(topo=topo, job_id=f"pg-{job}", members=self._members)
                 self._shm = ShmCommunicator(groups, timeout=self._timeout.total_seconds())
         return self._shm
 
@@ -187,6 +188,24 @@ class CocosyncProcessGroup(dist.ProcessGroup):
 
     def recv_anysource(self, tensors, tag=0):
         return self._gloo.recv_anysource(tensors, tag)
+
+
+def _members_on_this_node(store: dist.Store, rank: int, size: int) -> list[int] | None:
+    """The group's members (global ranks, in group order) when they all share this node's memory, else None.
+    The default group is the job described by the torchrun environment; a group made by new_group learns its
+    members' global ranks through its own store (every member creates it together)."""
+    env = topology_from_env()
+    if dist.is_initialized():  # new_group: the default group exists and this rank knows its global rank
+        store.set(f"member{rank}", str(dist.get_rank()))
+        members = [int(store.get(f"member{i}")) for i in range(size)]
+    elif (env.world_size, env.rank) == (size, rank):
+        members = list(range(size))
+    else:
+        return None
+    if env.world_size != (dist.get_world_size() if dist.is_initialized() else size):
+        return None  # the environment describes another job: the node of each rank is unknown
+    nodes = {m // env.local_world_size for m in members}
+    return members if nodes == {env.node} else None
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> CocosyncProcessGroup:
