@@ -8,8 +8,9 @@ whole group on one node); everything else goes to an internal gloo group built o
 of torch.distributed works. Results equal gloo's (tests/runtime/comm/test_backend.py runs DDP on both).
 
 Shared memory serves a group whose members all live on this node (the torchrun environment tells each rank's
-node): the default group of a one-node job, or any `new_group` of ranks on one node; a group spanning nodes uses the
-internal gloo group for everything (hierarchical collectives across nodes are the next step).
+node): the default group of a one-node job, or any `new_group` of ranks on one node. The whole job across nodes runs
+hierarchically: shared memory within each node, and an internal gloo group per local rank between the nodes. Other
+groups spanning nodes use the internal gloo group for everything.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class CocosyncProcessGroup(dist.ProcessGroup):
         self._timeout = timeout
         self._shm: ShmCommunicator | None = None
         self._shm_ready = False
-        self._members = _members_on_this_node(self._store, rank, size)
+        self._members, self._spans_nodes = _members(self._store, rank, size)
 
     def getBackendName(self) -> str:  # noqa: N802 - the c10d interface
         return BACKEND
@@ -88,8 +89,14 @@ class CocosyncProcessGroup(dist.ProcessGroup):
                     self._store.set("job", uuid.uuid4().hex[:12])
                 job = self._store.get("job").decode()
                 n, r = self.size(), self.rank()
-                topo = Topology(rank=r, world_size=n, local_rank=r, local_world_size=n, node=0)
-                groups = NodeGroups(topo=topo, job_id=f"pg-{job}", members=self._members)
+                if self._spans_nodes:  # the whole job: shared memory within each node, gloo between them
+                    topo = topology_from_env()
+                    inter = _gloo_group(self._store, f"inter{topo.local_rank}", topo.node, topo.nnodes,
+                                        self._timeout)
+                    groups = NodeGroups(topo=topo, job_id=f"pg-{job}", inter=inter)
+                else:
+                    topo = Topology(rank=r, world_size=n, local_rank=r, local_world_size=n, node=0)
+                    groups = NodeGroups(topo=topo, job_id=f"pg-{job}", members=self._members)
                 self._shm = ShmCommunicator(groups, timeout=self._timeout.total_seconds())
         return self._shm
 
@@ -190,22 +197,37 @@ class CocosyncProcessGroup(dist.ProcessGroup):
         return self._gloo.recv_anysource(tensors, tag)
 
 
-def _members_on_this_node(store: dist.Store, rank: int, size: int) -> list[int] | None:
-    """The group's members (global ranks, in group order) when they all share this node's memory, else None.
-    The default group is the job described by the torchrun environment; a group made by new_group learns its
-    members' global ranks through its own store (every member creates it together)."""
+def _members(store: dist.Store, rank: int, size: int) -> tuple[list[int] | None, bool]:
+    """(the group's members as global ranks in group order, whether they span nodes), with members None when the
+    group cannot use shared memory: it spans nodes without being the whole job (a hierarchical collective needs
+    every node's full set of local ranks), or the torchrun environment describes another job. The default group is
+    the job itself; a group made by new_group learns its members' global ranks through its own store."""
     env = topology_from_env()
+    world = dist.get_world_size() if dist.is_initialized() else size
+    if env.world_size != world:
+        return None, False  # the environment describes another job: the node of each rank is unknown
     if dist.is_initialized():  # new_group: the default group exists and this rank knows its global rank
         store.set(f"member{rank}", str(dist.get_rank()))
         members = [int(store.get(f"member{i}")) for i in range(size)]
-    elif (env.world_size, env.rank) == (size, rank):
+    elif env.rank == rank:
         members = list(range(size))
     else:
-        return None
-    if env.world_size != (dist.get_world_size() if dist.is_initialized() else size):
-        return None  # the environment describes another job: the node of each rank is unknown
+        return None, False
     nodes = {m // env.local_world_size for m in members}
-    return members if nodes == {env.node} else None
+    if nodes == {env.node}:
+        return members, False
+    return (members, True) if members == list(range(env.world_size)) else (None, False)
+
+
+def _gloo_group(store: dist.Store, name: str, rank: int, size: int,
+                timeout: datetime.timedelta) -> dist.ProcessGroup:
+    """A gloo process group on a prefix of `store` (collective over its members), usable with torch.distributed's
+    functions (group_src / group_dst for roots: it is not registered in the world's group table)."""
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"cocosync/{name}", store), rank, size, timeout)
+    pg = dist.ProcessGroup(rank, size)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return pg
 
 
 def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> CocosyncProcessGroup:

@@ -222,7 +222,7 @@ class ShmCommunicator:
             s, e = ranges[self.local_rank][0]
             piece = x[s:e]
             if e > s:
-                dist.broadcast(piece, src=root_node * self.local_size + self.local_rank, group=self.groups.inter)
+                dist.broadcast(piece, group_src=root_node, group=self.groups.inter)  # inter group rank = node
             if self.topo.node != root_node:
                 call = self.begin_call(name + " (intra all-gather)", x, root=root,
                                    fill=lambda region: self.copy_ranges(region, x, [ranges[self.local_rank]]))
@@ -253,7 +253,7 @@ class ShmCommunicator:
             mine = torch.empty(e - s, dtype=torch.float32)
             self.reduce_ranges(call, ranges[self.local_rank], op, x, mine)
             if e > s:
-                dist.reduce(mine, dst=root_node * self.local_size + self.local_rank, op=op.dist_op,
+                dist.reduce(mine, group_dst=root_node, op=op.dist_op,
                             group=self.groups.inter)
             if self.topo.node == root_node:
                 if op is ReduceOp.MEAN:
