@@ -30,3 +30,15 @@ def test_readme_torchrun_snippet_runs(tmp_path):
            "--master-port", str(_free_port()), str(script)]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_readme_backend_snippet_runs(tmp_path):
+    section = README.read_text().split("## As a torch.distributed backend", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert 'init_process_group("cocosync")' in code and "DistributedDataParallel" in code
+    script = tmp_path / "ddp.py"
+    script.write_text(code)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(script)]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]

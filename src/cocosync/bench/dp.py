@@ -54,6 +54,7 @@ LABELS = {
     "ours": "ours: DistributedAdam (fused shm RS->Adam->AG)",
     "adamslice": "runtime AdamSlice (arena grads, node-shared params)",
     "ddp": "DDP-style: bucketed all_reduce(gloo) + Adam(fused)",
+    "ddp_cocosync": "DDP-style on the cocosync backend: bucketed all_reduce + Adam(fused)",
     "naive": "one all_reduce(gloo) of all grads, then Adam (foreach, torch's default)",
     "zero": "ZeRO-1: all_reduce(gloo) + ZeroRedundancyOptimizer(Adam)",
     "fsdp2": "FSDP2 fully_shard (fwd/bwd/step b=1 minus local fwd/bwd)",
@@ -93,7 +94,7 @@ class DpConfig:
     """Small transformer: vocabulary size."""
     sections: tuple[str, ...] = SECTIONS
     """Which comparisons to run (adam, lamb, train)."""
-    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_global")
+    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync")
     """Optional rows (ours and the DDP-style / same-math LAMB baselines always run)."""
     kernels: str | None = None
     """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
@@ -114,10 +115,10 @@ class DpConfig:
         bad = set(self.sections) - set(SECTIONS)
         if bad:
             raise ValueError(f"DpConfig.sections: unknown {sorted(bad)}; choose from {list(SECTIONS)}")
-        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_global"}
+        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync"}
         if bad:
             raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from naive, zero, fsdp2, "
-                             "adamslice, lamb_global")
+                             "adamslice, lamb_global, ddp_cocosync")
         if self.kernels not in (None, "inductor", "eager"):
             raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
@@ -236,6 +237,23 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
             opt.step()
         return step
 
+    def ddp_cocosync():  # the same, with the gradient all-reduces through the cocosync torch.distributed backend
+        from cocosync.bench.baselines import GradBuckets
+        from cocosync.runtime.comm.backend import register
+
+        register()
+        group = dist.new_group(backend="cocosync")
+        model = mlp(cfg)
+        set_grads(model, grads)
+        buckets = GradBuckets(model.parameters(), bucket, group=group)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+        keep.append((model, buckets, opt, group))
+
+        def step():
+            buckets.all_reduce_mean()
+            opt.step()
+        return step
+
     def naive():  # what the collectives suite's "gloo all_reduce + torch Adam" row does: one flat all_reduce
         from cocosync.bench.baselines import GradBuckets
 
@@ -297,6 +315,8 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
     if "adamslice" in cfg.baselines:
         cases.add("adamslice", adamslice)
     cases.add("ddp", ddp)
+    if "ddp_cocosync" in cfg.baselines:
+        cases.add("ddp_cocosync", ddp_cocosync)
     if "naive" in cfg.baselines:
         cases.add("naive", naive)
     if "zero" in cfg.baselines:
