@@ -46,6 +46,12 @@ assert torch.equal(o, torch.arange(P).repeat_interleave(2).float()), o
 o = torch.empty(2)
 dist.reduce_scatter_tensor(o, torch.arange(2.0 * P))
 assert torch.equal(o, (torch.arange(2.0 * P) * P)[2 * r:2 * r + 2]), o
+t = torch.full((4,), float(r) + 1)
+dist.reduce(t, dst=0)
+assert torch.equal(t, torch.full((4,), float(sum(range(1, P + 1))) if r == 0 else float(r) + 1)), t
+ts = [torch.full((3,), float(r)), torch.full((2,), 2.0 * r)]
+dist.all_reduce_coalesced(ts)
+assert torch.equal(ts[0], torch.full((3,), float(sum(range(P))))) and torch.equal(ts[1], 2 * ts[0][:2]), ts
 work = dist.all_reduce(torch.ones(5), async_op=True)
 work.wait()
 assert work.get_future().value() is not None

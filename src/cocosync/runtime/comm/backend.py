@@ -115,6 +115,24 @@ class CocosyncProcessGroup(dist.ProcessGroup):
             comm.all_reduce(t, op)
         return _Done(tensors)
 
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+        op = _op_of(opts) if opts is not None else "sum"
+        comm = self._shm_for(tensors) if op is not None else None
+        if comm is None:
+            return self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
+        for t in tensors:
+            comm.all_reduce(t, op)
+        return _Done(tensors)
+
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
+        op = _op_of(opts) if opts is not None else "sum"
+        comm = self._shm_for(tensors) if op is not None else None
+        if comm is None:
+            return self._gloo.reduce(tensors, opts or dist.ReduceOptions())
+        for t in tensors:  # the communicator numbers its ranks as this group does
+            comm.reduce(t, op, opts.rootRank)
+        return _Done(tensors)
+
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> dist._Work:
         comm = self._shm_for(tensors)
         if comm is None:
@@ -165,9 +183,6 @@ class CocosyncProcessGroup(dist.ProcessGroup):
     def reduce_scatter(self, outputs, input_lists, opts=None):
         return self._gloo.reduce_scatter(outputs, input_lists, opts or dist.ReduceScatterOptions())
 
-    def reduce(self, tensors, opts=None):
-        return self._gloo.reduce(tensors, opts or dist.ReduceOptions())
-
     def gather(self, output_lists, inputs, opts=None):
         return self._gloo.gather(output_lists, inputs, opts or dist.GatherOptions())
 
@@ -180,9 +195,6 @@ class CocosyncProcessGroup(dist.ProcessGroup):
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):  # noqa: A002
         return self._gloo.alltoall_base(output, input, output_split_sizes, input_split_sizes,
                                         opts or dist.AllToAllOptions())
-
-    def allreduce_coalesced(self, tensors, opts=None):
-        return self._gloo.allreduce_coalesced(tensors, opts or dist.AllreduceCoalescedOptions())
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         return self._gloo.allgather_coalesced(output_lists, inputs, opts or dist.AllgatherOptions())
