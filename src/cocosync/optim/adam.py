@@ -25,6 +25,9 @@ class DistributedAdam(DistributedOptimizer):
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
+    # weight decay is decoupled: torch.optim.AdamW, or Adam(decoupled_weight_decay=True)
+    torch_group_keys = {"amsgrad": False, "maximize": False, "decoupled_weight_decay": True, "foreach": None,
+                        "capturable": False, "differentiable": False, "fused": None}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, *, max_grad_norm: float | None = None,

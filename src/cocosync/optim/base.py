@@ -66,6 +66,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """
 
     state_names: dict[str, str] = {}
+    #: torch.optim's group keys that our state dicts carry, with the values that describe what this optimizer does
+    #: (so its state dict loads into the matching torch.optim class, and one saved there loads here)
+    torch_group_keys: dict[str, Any] = {}
+    #: of those, the ones that cannot change the result (implementation choices): any saved value is accepted
+    _IMPLEMENTATION_KEYS = ("foreach", "fused", "capturable", "differentiable")
     #: on one node with the fused path, keep the parameters once per node in shared memory (every rank's model
     #: reads the same memory; no all-gather within the node). All ranks hold identical parameters in data
     #: parallelism; after loading new weights into the model on every rank, have ranks meet (dist.barrier())
@@ -245,7 +250,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """torch.optim's format, with the FULL state of each parameter (gathered from the slices: collective,
         every rank must call it; every rank returns the same dict). Parameters are numbered across the groups in
-        order, as torch.optim does."""
+        order, as torch.optim does; groups carry torch.optim's keys (`torch_group_keys`). The state-dict hooks
+        registered as with torch.optim run before and after."""
+        for pre in self._optimizer_state_dict_pre_hooks.values():
+            pre(self)
+        out = self._state_dict()
+        for post in self._optimizer_state_dict_post_hooks.values():
+            returned = post(self, out)
+            out = out if returned is None else returned
+        return out
+
+    def _state_dict(self) -> dict[str, Any]:
         keys = {**self.state_names, "master": "master"}
         state, groups, first = {}, [], 0
         for g, u in zip(self.param_groups, self._updates):
@@ -256,15 +271,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 for name, t in full.items():
                     entry[keys[name]] = u.flat.view(t, i).clone()
                 state[first + pos] = entry
-            groups.append({**{key: v for key, v in g.items() if key != "params"},
+            groups.append({**self.torch_group_keys, **{key: v for key, v in g.items() if key != "params"},
                            "params": list(range(first, first + k))})
             first += k
         return {"state": state, "param_groups": groups}
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by `state_dict` (on any number of ranks): hyperparameters, step and this rank's slices
-        of the state. Missing state (saved before the first step) loads as zeros."""
+        """Load a state saved by `state_dict` (on any number of ranks), or by the matching torch.optim class:
+        hyperparameters, step and this rank's slices of the state. Missing state (saved before the first step) loads
+        as zeros. A saved setting this optimizer does not implement (amsgrad, maximize, ...) is refused, naming it.
+        The load-state-dict hooks registered as with torch.optim run before and after."""
+        for pre in self._optimizer_load_state_dict_pre_hooks.values():
+            returned = pre(self, state_dict)
+            state_dict = state_dict if returned is None else returned
+        self._load_state_dict(state_dict)
+        for post in self._optimizer_load_state_dict_post_hooks.values():
+            post(self)
+
+    def _check_torch_keys(self, gi: int, saved: dict[str, Any]) -> None:
+        name = type(self).__name__
+        for key, ours in self.torch_group_keys.items():
+            if key in self._IMPLEMENTATION_KEYS or key not in saved or saved[key] == ours:
+                continue
+            if key == "decoupled_weight_decay" and not saved.get("weight_decay"):
+                continue  # without weight decay both forms are the same update
+            raise ValueError(f"{name}.load_state_dict: saved group {gi} has {key}={saved[key]!r}; {name} "
+                             f"implements {key}={ours!r} only, so loading it would silently change the update")
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         name = type(self).__name__
         groups, state = state_dict.get("param_groups"), state_dict.get("state")
         if not isinstance(groups, list) or len(groups) != len(self.param_groups) or not isinstance(state, dict):
@@ -283,6 +318,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     if t is not None and tuple(t.shape) != tuple(u.flat.shapes[i]):
                         raise ValueError(f"{name}.load_state_dict: state {keys[sname]!r} of parameter {pid} has "
                                          f"shape {tuple(t.shape)}, the parameter {tuple(u.flat.shapes[i])}")
+            self._check_torch_keys(gi, saved)
             structure = self._structure_of({**self.param_groups[gi], **saved})
             if structure != u.structure:
                 raise ValueError(f"{name}.load_state_dict: saved hyperparameters {structure} of group {gi} select "

@@ -21,6 +21,8 @@ class DistributedSGD(DistributedOptimizer):
     program, so they may change between steps but not to or from zero."""
 
     state_names = {"buf": "momentum_buffer"}
+    torch_group_keys = {"dampening": 0, "nesterov": False, "maximize": False, "foreach": None,
+                        "differentiable": False, "fused": None}
 
     def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0, *,
                  max_grad_norm: float | None = None, master_dtype: torch.dtype | None = None,

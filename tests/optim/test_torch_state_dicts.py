@@ -1,0 +1,68 @@
+"""State dicts cross between ours and torch.optim in both directions; a saved setting we do not implement is refused
+(not silently ignored); torch.optim's state-dict hooks run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cocosync.optim import DistributedAdam, DistributedSGD
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2))
+
+
+def _steps(model, opt, steps, seed):
+    for s in range(steps):
+        g = torch.Generator().manual_seed(seed + s)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+
+
+@pytest.mark.parametrize("ours_cls, torch_cls, kw", [
+    (DistributedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (DistributedSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
+])
+def test_our_state_dict_continues_in_torch_optim_and_back(ours_cls, torch_cls, kw):
+    model = _model()
+    ours = ours_cls(model.parameters(), **kw)
+    _steps(model, ours, 3, seed=0)
+    saved = ours.state_dict()
+    twin = _model()
+    twin.load_state_dict(model.state_dict())
+    ref = torch_cls(twin.parameters(), **kw)
+    ref.load_state_dict(saved)  # torch's keys are there: it loads, with our semantics (AdamW's decoupled decay)
+    _steps(model, ours, 2, seed=10)
+    _steps(twin, ref, 2, seed=10)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    back = ours_cls(_model().parameters(), **kw)
+    back.load_state_dict(ref.state_dict())  # and torch's loads into ours
+    if ours_cls is DistributedAdam:  # (torch's SGD keeps no step count)
+        assert back.steps == ours.steps
+
+
+@pytest.mark.parametrize("key, value", [("amsgrad", True), ("maximize", True), ("decoupled_weight_decay", False)])
+def test_a_setting_we_do_not_implement_is_refused(key, value):
+    model = _model()
+    ref = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.1, **{key: value})
+    _steps(model, ref, 1, seed=0)
+    ours = DistributedAdam(_model().parameters(), lr=1e-3, weight_decay=0.1)
+    with pytest.raises(ValueError, match=f"{key}={value!r}"):
+        ours.load_state_dict(ref.state_dict())
+
+
+def test_state_dict_hooks_run():
+    opt = DistributedAdam(_model().parameters(), lr=1e-3)
+    calls = []
+    opt.register_state_dict_pre_hook(lambda o: calls.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "extra": 1})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: calls.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: calls.append("load_post"))
+    sd = opt.state_dict()
+    assert sd["extra"] == 1 and calls == ["pre"]
+    opt.load_state_dict(sd)
+    assert calls == ["pre", "load_pre", "load_post"]
