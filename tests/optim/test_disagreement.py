@@ -73,12 +73,31 @@ def _different_lr_at_construction():
     return ""
 
 
+def _add_group_on_ranks():
+    """add_param_group on 2 ranks: the new group's fused update averages its gradients like the first group's."""
+    import torch.distributed as dist
+
+    from cocosync.optim import DistributedAdam
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(8, 4), torch.nn.Linear(4, 2)
+    opt = DistributedAdam(a.parameters(), lr=1e-2)
+    opt.add_param_group({"params": list(b.parameters()), "lr": 1e-3})
+    for p in [*a.parameters(), *b.parameters()]:
+        p.grad = torch.full_like(p, float(dist.get_rank() + 1))
+    opt.step()
+    w = b.weight.detach().clone()
+    dist.all_reduce(w, op=dist.ReduceOp.MAX)
+    return torch.equal(w, b.weight.detach()), float((b.weight.detach() - w).abs().max())
+
+
 def test_ranks_that_disagree_fail_at_once_naming_the_difference():
     with RankPool(2, timeout=120) as pool:
         models = pool.run(_different_models)
         lrs = pool.run(_different_lr)
         at_construction = pool.run(_different_lr_at_construction)
         assert pool.run(_same_lr_changed_together) == [1.25e-4, 1.25e-4]
+        assert [ok for ok, _ in pool.run(_add_group_on_ranks)] == [True, True]
     for kind, msg, seconds in models:
         assert kind == "RanksDisagree" and "group 0 parameter 0" in msg, msg
         assert "(16, 8)" in msg and "(24, 8)" in msg and "global rank 0" in msg and "global rank 1" in msg, msg

@@ -169,8 +169,11 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_grad_norm clips the norm over all parameters, but each of the 2"):
         DistributedAdam([{"params": [net.s]}, {"params": list(net.l1.parameters())}], max_grad_norm=1.0)
     opt = DistributedAdam(net.parameters())
-    with pytest.raises(ValueError, match="add_param_group"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
+    with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
+        opt.add_param_group({"params": [net.s]})
+    clipped = DistributedAdam([torch.nn.Parameter(torch.ones(3))], max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="add_param_group: max_grad_norm"):
+        clipped.add_param_group({"params": [torch.nn.Parameter(torch.ones(2))]})
     with pytest.raises(TypeError, match="one dtype"):
         DistributedSGD([torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2, dtype=torch.float64))])
     with pytest.raises(ValueError, match="max_grad_norm"):

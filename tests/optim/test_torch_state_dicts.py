@@ -66,3 +66,17 @@ def test_state_dict_hooks_run():
     assert sd["extra"] == 1 and calls == ["pre"]
     opt.load_state_dict(sd)
     assert calls == ["pre", "load_pre", "load_post"]
+
+
+def test_add_param_group_after_construction_trains_as_torch():
+    """The new group gets its own fused update, with its own hyperparameters (here: no weight decay)."""
+    model, twin = _model(), _model()
+    ours = DistributedAdam(model[0].parameters(), lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(twin[0].parameters(), lr=1e-2, weight_decay=0.1)
+    ours.add_param_group({"params": list(model[1].parameters()), "weight_decay": 0.0})
+    ref.add_param_group({"params": list(twin[1].parameters()), "weight_decay": 0.0})
+    _steps(model, ours, 3, seed=5)
+    _steps(twin, ref, 3, seed=5)
+    assert len(ours.param_groups) == 2
+    for a, b in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

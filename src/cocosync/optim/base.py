@@ -95,6 +95,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm: torch.Tensor | None = None
         self._master_arg = master_dtype
         self._distributed = dist.is_available() and dist.is_initialized()
+        self._process_group = group
         self.world = dist.get_world_size(group) if self._distributed else 1
         self.group_rank, self.group_size = 0, 1
         if self._distributed:  # fail at once, naming the difference, rather than hang or update differently
@@ -106,14 +107,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """What every rank must agree on: each group's trainable parameters (shapes, dtypes) and settings."""
         sig: dict[str, Any] = {"parameter groups": len(self.param_groups), "max_grad_norm": self.max_grad_norm,
                                "master_dtype": str(self._master_arg)}
-        for gi, g in enumerate(self.param_groups):
-            params = [p for p in g["params"] if p.requires_grad]
-            sig[f"group {gi} parameters"] = len(params)
-            for i, p in enumerate(params):
-                sig[f"group {gi} parameter {i}"] = (tuple(p.shape), str(p.dtype))
-            for k, v in g.items():
-                if k != "params":
-                    sig[f"group {gi} {k}"] = v.tolist() if isinstance(v, torch.Tensor) else v
+        for gi in range(len(self.param_groups)):
+            sig.update(self._group_signature(gi))
+        return sig
+
+    def _group_signature(self, gi: int) -> dict[str, Any]:
+        g = self.param_groups[gi]
+        params = [p for p in g["params"] if p.requires_grad]
+        sig: dict[str, Any] = {f"group {gi} parameters": len(params)}
+        for i, p in enumerate(params):
+            sig[f"group {gi} parameter {i}"] = (tuple(p.shape), str(p.dtype))
+        for k, v in g.items():
+            if k != "params":
+                sig[f"group {gi} {k}"] = v.tolist() if isinstance(v, torch.Tensor) else v
         return sig
 
     def _build(self, gi: int, param_group: dict[str, Any], group: dist.ProcessGroup | None) -> _GroupUpdate:
@@ -187,11 +193,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- torch.optim.Optimizer interface ----
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not getattr(self, "_constructing", True):
-            raise ValueError(f"{type(self).__name__}: parameter groups are fixed at construction (each compiles its "
-                             "own fused update); add_param_group after it is not supported. Pass every group to the "
-                             "constructor, or create another optimizer for these parameters")
-        super().add_param_group(param_group)
+        """As torch.optim: after construction the new group gets its own compiled fused update (collective: every
+        rank adds the same group)."""
+        if getattr(self, "_constructing", True):
+            return super().add_param_group(param_group)
+        name = type(self).__name__
+        if self.max_grad_norm is not None:
+            raise ValueError(f"{name}.add_param_group: max_grad_norm clips over one parameter group; a second group "
+                             "would be clipped separately")
+        super().add_param_group(param_group)  # torch's checks and defaults
+        gi = len(self.param_groups) - 1
+        try:
+            if self._distributed:
+                verify_same(f"{name}.add_param_group", self._group_signature(gi), self._process_group)
+            self._updates.append(self._build(gi, self.param_groups[gi], self._process_group))
+        except BaseException:
+            self.param_groups.pop()
+            raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (one memset of the flat buffer). `set_to_none` is ignored: the gradients
