@@ -108,3 +108,32 @@ def test_ranks_that_disagree_fail_at_once_naming_the_difference():
         assert seconds < 30, seconds
     for msg in at_construction:
         assert "group 0 lr" in msg and "0.001" in msg and "1.0" in msg, msg
+
+
+def _save_on_rank_0_only():
+    import torch.distributed as dist
+
+    from cocosync.optim import DistributedAdam
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = DistributedAdam(model.parameters(), lr=1e-2)
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step + 10 * dist.get_rank()))
+        opt.step()
+    mine = opt.local_state["m"].clone()
+    saved = opt.state_dict() if dist.get_rank() == 0 else None  # rank 1 does not call it
+    for p in model.parameters():  # the next step needs both ranks: nobody waited for the other above
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return mine, saved
+
+
+def test_state_dict_on_one_rank_only():
+    with RankPool(2, timeout=120) as pool:
+        (m0, saved), (m1, _) = pool.run(_save_on_rank_0_only)
+    full = torch.cat([m0, m1])
+    got = torch.cat([saved["state"][0]["exp_avg"].reshape(-1), saved["state"][1]["exp_avg"].reshape(-1)])
+    torch.testing.assert_close(got, full[:got.numel()], rtol=0, atol=0)
+    assert got.abs().sum() > 0

@@ -51,6 +51,8 @@ class _GroupUpdate:
     slice: slice
     trainable: list[int]
     """Positions in the group's "params" of the parameters in `flat`: those that required grad at construction."""
+    arena: Any = None
+    """The node's arena when the state slices live in it (one node): any rank reads every slice, no collective."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -161,10 +163,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             shm.barrier()  # every local rank has copied its (identical) parameters in before anyone reads them
         n = flat.padded // self.group_size
         sl = slice(self.group_rank * n, (self.group_rank + 1) * n)
-        local_state = {s: torch.zeros(n, dtype=master) for s in self.state_names}
+        # on one node the state slices live in the arena: state_dict() on one rank reads the others' slices where
+        # they are (saving on rank 0 only works; the peers cannot change them before that rank joins the next step)
+        arena = shm.arena if shm is not None and shm.nnodes == 1 and shm.world == self.group_size else None
+        new = (lambda: arena.empty(n, master)) if arena is not None else (lambda: torch.empty(n, dtype=master))
+        local_state = {s: new().zero_() for s in self.state_names}
         if master != dtype:
-            local_state["master"] = flat.flat[sl].to(master)
-        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable)
+            local_state["master"] = new().copy_(flat.flat[sl])
+        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable, arena)
 
     # the first group's parts (the only ones with a single group, the common case)
     flat = property(lambda self: self._updates[0].flat)
@@ -263,13 +269,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _gather(self, u: _GroupUpdate, local: torch.Tensor) -> torch.Tensor:
         if u.compiled is None or self.group_size == 1:
             return local.clone()
+        if u.arena is not None:  # every slice is readable here: no collective
+            return torch.cat([u.arena.peer_view(local, peer) for peer in range(self.group_size)])
         return u.compiled.comm.all_gather(local.contiguous(), 0)
 
     def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format, with the FULL state of each parameter (gathered from the slices: collective,
-        every rank must call it; every rank returns the same dict). Parameters are numbered across the groups in
-        order, as torch.optim does; groups carry torch.optim's keys (`torch_group_keys`). The state-dict hooks
-        registered as with torch.optim run before and after."""
+        """torch.optim's format, with the FULL state of each parameter, gathered from the slices: on one node read
+        from shared memory, so one rank may call it alone (nanoGPT's `if master_process: save`); across nodes a
+        collective, which every rank must call. Every caller gets the same dict. Parameters are numbered across the
+        groups in order, as torch.optim does; groups carry torch.optim's keys (`torch_group_keys`). The state-dict
+        hooks registered as with torch.optim run before and after."""
         for pre in self._optimizer_state_dict_pre_hooks.values():
             pre(self)
         out = self._state_dict()
