@@ -23,3 +23,13 @@ def test_backend_under_torchrun_matches_gloo(tmp_path):
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert res.stdout.count("backend ok on rank") == 2, res.stdout
+
+
+def test_a_silent_rank_is_named_within_the_group_timeout():
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), str(SCRIPT.with_name("backend_timeout_script.py"))]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    line = next(x for x in res.stdout.splitlines() if x.startswith("named after"))
+    assert "rank 1" in line, line
+    assert float(line.split()[2].rstrip("s:")) < 8, line
