@@ -4,7 +4,7 @@ mixed precision within bf16 tolerance; clipping as clip_grad_norm_; state_dict m
 import pytest
 import torch
 
-from cocosync.optim import DistributedAdam, DistributedLAMB, DistributedSGD
+from cocosync.optim import DistributedAdam, DistributedAdamW, DistributedLAMB, DistributedSGD
 from cocosync.programs.lamb import lamb_reference
 
 STEPS, BATCH = 50, 16
@@ -37,7 +37,7 @@ def _loss(net, step, rows, dtype=torch.float32):
 
 
 def _make(kind, params, **kw):
-    cls = {"adam": DistributedAdam, "sgd": DistributedSGD, "lamb": DistributedLAMB}[kind]
+    cls = {"adam": DistributedAdamW, "sgd": DistributedSGD, "lamb": DistributedLAMB}[kind]
     return cls(params, **HP[kind], **kw)
 
 
@@ -303,7 +303,7 @@ def test_frozen_parameters_are_left_alone():
     for m in (net, ref):
         m.l1.requires_grad_(False)
     frozen = [p.detach().clone() for p in net.l1.parameters()]
-    opt = DistributedAdam(net.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = DistributedAdamW(net.parameters(), lr=1e-2, weight_decay=0.1)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
     for step in range(1, 6):
         for o, m in ((opt, net), (ropt, ref)):
@@ -318,7 +318,7 @@ def test_frozen_parameters_are_left_alone():
     assert sorted(sd["state"]) == live == [0, 3, 4] and sd["param_groups"][0]["params"] == [0, 1, 2, 3, 4]
     other = Net()
     other.l1.requires_grad_(False)
-    again = DistributedAdam(other.parameters(), lr=1e-2, weight_decay=0.1)
+    again = DistributedAdamW(other.parameters(), lr=1e-2, weight_decay=0.1)
     again.load_state_dict(sd)
     assert torch.equal(again.state_dict()["state"][4]["exp_avg"], sd["state"][4]["exp_avg"])
     net.l1.weight.requires_grad_(True)

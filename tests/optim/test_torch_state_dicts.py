@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.optim import DistributedAdam, DistributedSGD
+from cocosync.optim import DistributedAdam, DistributedAdamW, DistributedSGD
 
 
 def _model():
@@ -23,7 +23,8 @@ def _steps(model, opt, steps, seed):
 
 
 @pytest.mark.parametrize("ours_cls, torch_cls, kw", [
-    (DistributedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1)),
+    (DistributedAdamW, torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    (DistributedAdam, torch.optim.Adam, dict(lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False)),
     (DistributedSGD, torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=0.1)),
 ])
 def test_our_state_dict_continues_in_torch_optim_and_back(ours_cls, torch_cls, kw):
@@ -41,7 +42,7 @@ def test_our_state_dict_continues_in_torch_optim_and_back(ours_cls, torch_cls, k
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     back = ours_cls(_model().parameters(), **kw)
     back.load_state_dict(ref.state_dict())  # and torch's loads into ours
-    if ours_cls is DistributedAdam:  # (torch's SGD keeps no step count)
+    if ours_cls is not DistributedSGD:  # (torch's SGD keeps no step count)
         assert back.steps == ours.steps
 
 
@@ -50,7 +51,7 @@ def test_a_setting_we_do_not_implement_is_refused(key, value):
     model = _model()
     ref = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=0.1, **{key: value})
     _steps(model, ref, 1, seed=0)
-    ours = DistributedAdam(_model().parameters(), lr=1e-3, weight_decay=0.1)
+    ours = DistributedAdamW(_model().parameters(), lr=1e-3, weight_decay=0.1)
     with pytest.raises(ValueError, match=f"{key}={value!r}"):
         ours.load_state_dict(ref.state_dict())
 
@@ -71,7 +72,7 @@ def test_state_dict_hooks_run():
 def test_add_param_group_after_construction_trains_as_torch():
     """The new group gets its own fused update, with its own hyperparameters (here: no weight decay)."""
     model, twin = _model(), _model()
-    ours = DistributedAdam(model[0].parameters(), lr=1e-2, weight_decay=0.1)
+    ours = DistributedAdamW(model[0].parameters(), lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(twin[0].parameters(), lr=1e-2, weight_decay=0.1)
     ours.add_param_group({"params": list(model[1].parameters()), "weight_decay": 0.0})
     ref.add_param_group({"params": list(twin[1].parameters()), "weight_decay": 0.0})
@@ -80,3 +81,45 @@ def test_add_param_group_after_construction_trains_as_torch():
     assert len(ours.param_groups) == 2
     for a, b in zip(model.parameters(), twin.parameters()):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_adam_weight_decay_forms_match_torch():
+    """decoupled_weight_decay=False is torch.optim.Adam's L2 decay; unset with weight_decay > 0 it warns."""
+    for decoupled, ref_cls in ((False, torch.optim.Adam), (True, torch.optim.AdamW)):
+        model, twin = _model(), _model()
+        ours = DistributedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=decoupled)
+        ref = ref_cls(twin.parameters(), lr=1e-2, weight_decay=0.1)
+        _steps(model, ours, 4, seed=3)
+        _steps(twin, ref, 4, seed=3)
+        for a, b in zip(model.parameters(), twin.parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.warns(FutureWarning, match="decoupled_weight_decay"):
+        DistributedAdam(_model().parameters(), weight_decay=0.1)
+
+
+def _l2_adam_on_rank():
+    import torch.distributed as dist
+
+    model = _model()
+    opt = DistributedAdam(model.parameters(), lr=1e-2, weight_decay=0.1, decoupled_weight_decay=False)
+    r, P = dist.get_rank(), dist.get_world_size()
+    for s in range(3):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * s + 10 * i + r))
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], opt.compiled.fast_steps, P
+
+
+def test_l2_adam_on_two_ranks_is_one_fused_collective_and_matches_torch_adam(rank_pool):
+    got = rank_pool(2).run(_l2_adam_on_rank)
+    ref_model = _model()
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2, weight_decay=0.1)
+    for s in range(3):  # torch on the averaged gradients
+        for i, p in enumerate(ref_model.parameters()):
+            p.grad = sum(torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * s + 10 * i + r))
+                         for r in range(2)) / 2
+        ref.step()
+    for params, fast, _ in got:
+        assert any(f.startswith("fused_collective") for f in fast), fast
+        for a, b in zip(params, ref_model.parameters()):
+            torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)

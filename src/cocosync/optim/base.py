@@ -318,7 +318,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _check_torch_keys(self, gi: int, saved: dict[str, Any]) -> None:
         name = type(self).__name__
-        for key, ours in self.torch_group_keys.items():
+        group = self.param_groups[gi]
+        mine = {**self.torch_group_keys, **{k: group[k] for k in ("decoupled_weight_decay",) if k in group}}
+        for key, ours in mine.items():
             if key in self._IMPLEMENTATION_KEYS or key not in saved or saved[key] == ours:
                 continue
             if key == "decoupled_weight_decay" and not saved.get("weight_decay"):
@@ -332,6 +334,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(groups, list) or len(groups) != len(self.param_groups) or not isinstance(state, dict):
             raise ValueError(f"{name}.load_state_dict: expected {{'state': ..., 'param_groups': "
                              f"[{len(self.param_groups)} group(s)]}}, got param_groups={groups!r:.80}")
+        # without weight decay both forms of it are the same update: keep this optimizer's (its compiled program)
+        groups = [{**saved, "decoupled_weight_decay": mine["decoupled_weight_decay"]}
+                  if "decoupled_weight_decay" in mine and "decoupled_weight_decay" in saved
+                  and not saved.get("weight_decay") else saved for saved, mine in zip(groups, self.param_groups)]
         keys = {**self.state_names, "master": "master"}
         entry = lambda i: state.get(i, state.get(str(i), {}))  # noqa: E731 - JSON-like dicts have str keys
         for gi, (saved, u) in enumerate(zip(groups, self._updates)):

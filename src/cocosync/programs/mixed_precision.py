@@ -101,19 +101,23 @@ def _mp_name(base: str, dtype, master_dtype, clip: bool) -> str:
 
 
 def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                    clip: bool = False) -> Program:
-    """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype)."""
+                    clip: bool = False, decoupled: bool = True) -> Program:
+    """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype). Weight
+    decay decoupled (AdamW) or, with decoupled=False, L2 on the (clipped) gradient as torch.optim.Adam."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
     lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
+    if not decoupled:
+        g1 = g1 + wd * w
     m1 = update(m, beta1 * m + (1 - beta1) * g1)
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
     step = lr * (m1 / c1) / (sqrt(v1 / c2) + eps)
-    outs = _write(ws, w * (1 - lr * wd) - step)
-    return Program(_mp_name("adam", dtype, master_dtype, clip), [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2,
-                                                                  *gin[1:]], _outputs([*outs, m1, v1], extra))
+    outs = _write(ws, (w * (1 - lr * wd) if decoupled else w) - step)
+    inputs = [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]]
+    return Program(_mp_name("adam" if decoupled else "adam_l2", dtype, master_dtype, clip), inputs,
+                   _outputs([*outs, m1, v1], extra))
 
 
 def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,

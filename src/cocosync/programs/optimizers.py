@@ -21,18 +21,21 @@ def sgd_program(n: int, dtype: torch.dtype = float32, *, momentum: bool = False)
     return Program("sgd_momentum", [g, w, buf, lr, mu], [update(w, w - lr * buf1), buf1])
 
 
-def adam_program(n: int, dtype: torch.dtype = float32) -> Program:
+def adam_program(n: int, dtype: torch.dtype = float32, *, decoupled: bool = True) -> Program:
     """Adam(W): m, v moments; c1 = 1 - beta1^t and c2 = 1 - beta2^t are the bias corrections of step t.
-    Weight decay wd is decoupled (AdamW); wd = 0 gives Adam."""
+    Weight decay wd is decoupled (AdamW: w shrinks by lr * wd) or, with decoupled=False, L2 as torch.optim.Adam
+    (wd * w is added to the gradient before the moments); wd = 0 gives Adam either way."""
     g = Tensor("g", n, dtype, Local)
     w, m, v = (Tensor(x, n, dtype, Replicated) for x in ("w", "m", "v"))
     lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
     g1 = all_reduce(g, ReduceOp.MEAN)
+    if not decoupled:
+        g1 = g1 + wd * w
     m1 = update(m, beta1 * m + (1 - beta1) * g1)
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
     step = lr * (m1 / c1) / (sqrt(v1 / c2) + eps)
-    w1 = update(w, w * (1 - lr * wd) - step)
-    return Program("adam", [g, w, m, v, lr, beta1, beta2, eps, wd, c1, c2], [w1, m1, v1])
+    w1 = update(w, (w * (1 - lr * wd) if decoupled else w) - step)
+    return Program("adam" if decoupled else "adam_l2", [g, w, m, v, lr, beta1, beta2, eps, wd, c1, c2], [w1, m1, v1])
 
 
 def adam_scalars(step: int, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
