@@ -1,7 +1,9 @@
 """`init_process_group("cocosync")` under torchrun: its collectives give gloo's results (shared memory where it
 applies, gloo otherwise); DDP (default, gradient_as_bucket_view, static_graph, no_sync, the fp16 and PowerSGD comm
-hooks), ZeroRedundancyOptimizer and FSDP2 train on it exactly as on gloo; functional collectives, DTensor
-redistribute and torch.distributed.checkpoint save/load work."""
+hooks) and ZeroRedundancyOptimizer train on it exactly as on gloo; torch.distributed.checkpoint save/load works.
+(FSDP2, DTensor and functional collectives, which reach the group's gloo backend through the dispatcher, ran in
+isolated runs but deadlocked once inside gloo's enqueue during a full `make test`: not in the suite until that is
+understood.)"""
 
 import socket
 import subprocess
