@@ -44,5 +44,6 @@ def test_bench_collectives_cli_tiny(tmp_path):
     ops = {(r["op"], r["bytes"]) for r in data["rows"]}
     assert ops == {(op, b) for op in ("all_reduce", "reduce_scatter", "all_gather") for b in (4096, 65536)}
     assert data["bandwidth_Bps"] > 0 and len(data["fused"]["rows"]) == 4
+    assert all(r["backend_s"] > 0 and r["gloo_over_backend"] > 0 for r in data["rows"]) and "backend" in res.output
     assert any(r["variant"].startswith("DSL: scheduled adam_program") for r in data["fused"]["rows"])
     assert leftover_segments() == []

@@ -1,7 +1,8 @@
 """``cocosync bench collectives``: shared-memory collectives vs gloo on the local ranks of one node.
 
 Two ranks (RankPool, one intra-op thread each) run, size by size: all_reduce, reduce_scatter and all_gather with
-ours on plain tensors (copied in and out of the arena), ours on arena tensors (zero-copy), and gloo. The memory
+ours on plain tensors (copied in and out of the arena), ours on arena tensors (zero-copy), the same collectives
+through torch.distributed on a `cocosync` backend group (what DDP and other clients call), and gloo. The memory
 bandwidth is measured in the same run (both ranks copying at once), and every row is also reported as the fraction
 of its memory-traffic bound reached. Then the fused reduce-scatter + Adam + all-gather over N fp32 parameters is
 timed against its (P + 6) * N * 4 bytes bound, and against the unfused baseline (gloo all_reduce + torch Adam).
@@ -29,11 +30,12 @@ from cocosync.bench.common import (
     time_interleaved,
     write_json,
 )
+from cocosync.runtime.comm.backend import register
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M"
-COLUMNS = ["op", "size", "ours", "ours (arena)", "gloo", "gloo/ours", "gloo/arena", "bound", "bound/ours",
-           "bound/arena"]
+COLUMNS = ["op", "size", "ours", "ours (arena)", "backend", "gloo", "gloo/ours", "gloo/arena", "gloo/backend",
+           "bound", "bound/ours", "bound/arena"]
 
 
 def traffic_bytes(op: str, nbytes: int, P: int) -> float:
@@ -57,6 +59,8 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
     from cocosync.runtime.comm.collectives import ShmCommunicator
 
     comm = ShmCommunicator(chunk_bytes=chunk_bytes)
+    register()
+    backend = dist.new_group(backend="cocosync")  # the same collectives through torch.distributed (ordinary tensors)
     P = comm.world
     sync = lambda: comm.flags.barrier("bench")  # noqa: E731
     out: dict[str, Any] = {"P": P, "rows": {}}
@@ -78,12 +82,15 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
             ("all_reduce", "ours"): lambda: comm.all_reduce(x),
             ("all_reduce", "arena"): lambda: comm.all_reduce(a),
             ("all_reduce", "gloo"): lambda: dist.all_reduce(x),
+            ("all_reduce", "backend"): lambda: dist.all_reduce(x, group=backend),
             ("reduce_scatter", "ours"): lambda: comm.reduce_scatter(x, out=rs_out),
             ("reduce_scatter", "arena"): lambda: comm.reduce_scatter(a, out=rs_out),
             ("reduce_scatter", "gloo"): lambda: _rs(rs_out, x),
+            ("reduce_scatter", "backend"): lambda: _rs(rs_out, x, group=backend),
             ("all_gather", "ours"): lambda: comm.all_gather(sl, out=ag_out),
             ("all_gather", "arena"): lambda: comm.all_gather(asl, out=ag_out),
             ("all_gather", "gloo"): lambda: _ag(ag_out, sl),
+            ("all_gather", "backend"): lambda: _ag(ag_out, sl, group=backend),
         }
         for op in ("all_reduce", "reduce_scatter", "all_gather"):
             x.normal_()  # keep values bounded (all_reduce in place doubles them)
@@ -159,9 +166,10 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
     for (op, nbytes, impl) in per_rank[0]["rows"]:
         if impl != "ours":
             continue
-        t = {i: stats(merge((op, nbytes, i), "rows")).median for i in ("ours", "arena", "gloo")}
+        t = {i: stats(merge((op, nbytes, i), "rows")).median for i in ("ours", "arena", "backend", "gloo")}
         bound = bound_seconds(traffic_bytes(op, nbytes, P), bw)
         rows.append({"op": op, "bytes": nbytes, "ours_s": t["ours"], "arena_s": t["arena"], "gloo_s": t["gloo"],
+                     "backend_s": t["backend"], "gloo_over_backend": t["gloo"] / t["backend"],
                      "gloo_over_ours": t["gloo"] / t["ours"], "gloo_over_arena": t["gloo"] / t["arena"],
                      "bound_s": bound, "bound_over_ours": bound / t["ours"], "bound_over_arena": bound / t["arena"]})
     fused = None
@@ -179,8 +187,9 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     return [[r["op"], fmt_bytes(r["bytes"]), fmt_seconds(r["ours_s"]), fmt_seconds(r["arena_s"]),
-             fmt_seconds(r["gloo_s"]), fmt_ratio(r["gloo_over_ours"]), fmt_ratio(r["gloo_over_arena"]),
-             fmt_seconds(r["bound_s"]), f"{r['bound_over_ours']:.0%}", f"{r['bound_over_arena']:.0%}"]
+             fmt_seconds(r["backend_s"]), fmt_seconds(r["gloo_s"]), fmt_ratio(r["gloo_over_ours"]),
+             fmt_ratio(r["gloo_over_arena"]), fmt_ratio(r["gloo_over_backend"]), fmt_seconds(r["bound_s"]),
+             f"{r['bound_over_ours']:.0%}", f"{r['bound_over_arena']:.0%}"]
             for r in sorted(result["rows"], key=lambda r: (r["op"], r["bytes"]))]
 
 
