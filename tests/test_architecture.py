@@ -17,7 +17,8 @@ def _top(module: str) -> str:
 
 def test_the_reader_sees_the_package():
     assert "cocosync.runtime.comm.collectives" in MODULES and "cocosync.dsl.registry" in MODULES
-    assert any(i.importer == "cocosync.runtime.stage" and i.target == "cocosync.dsl.registry" for i in IMPORTS)
+    assert any(i.importer == "cocosync.runtime.reference.stage" and i.target == "cocosync.dsl.registry"
+               for i in IMPORTS)
 
 
 def test_the_compiler_stack_points_one_way():
@@ -38,6 +39,14 @@ def test_no_cycle_among_runtime_and_lower_modules():
     edges = {(i.importer, i.target) for i in RUNTIME_EDGES if i.importer != i.target}
     inside = [c for c in cycles(edges) if any(m.startswith(("cocosync.runtime", "cocosync.lower")) for m in c)]
     assert not inside, inside
+
+
+def test_no_cycle_between_runtime_layers():
+    """runtime.comm <- runtime.reference <- runtime.steps <- runtime (executor): the layers point one way."""
+    edges = {(layer_of(i.importer), layer_of(i.target)) for i in RUNTIME_EDGES}
+    edges = {(a, b) for a, b in edges if a != b and a.startswith("runtime") and b.startswith("runtime")}
+    assert ("runtime.steps", "runtime.reference") in edges  # the reader sees the layers
+    assert not cycles(edges), cycles(edges)
 
 
 def test_the_transport_layer_knows_nothing_of_the_dsl():

@@ -11,8 +11,8 @@ from cocosync.dsl.ir import Node
 from cocosync.dsl.printer import expr_str
 from cocosync.dsl.registry import OPS, OpKind, names
 from cocosync.dsl.types import Replicated
-from cocosync.runtime import stage
 from cocosync.runtime.comm.headers import COLLECTIVES
+from cocosync.runtime.reference import stage
 from cocosync.runtime.steps import codegen
 
 COMPUTED = [op for op, d in OPS.items() if d.kind is not OpKind.LEAF]
@@ -27,7 +27,7 @@ def _node(op: str) -> Node:
 @pytest.mark.parametrize("op", COMPUTED)
 def test_every_op_has_its_rules(op):
     assert op in interp.RULES, f"interpreter: no rule for {op}"
-    assert op in stage.RULES, f"executor (runtime.stage): no rule for {op}"
+    assert op in stage.RULES, f"executor (runtime.reference.stage): no rule for {op}"
     d = OPS[op]
     printed = expr_str(_node(op))
     assert (d.symbol and f" {d.symbol} " in printed) or printed.startswith(f"{op}("), printed

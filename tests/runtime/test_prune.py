@@ -1,9 +1,9 @@
-"""What each pipeline stage skips (runtime.prune): the first stage's received value is zeros, the last stage's
+"""What each pipeline stage skips (runtime.reference.prune): the first stage's received value is zeros, the last stage's
 send argument is dead. Values are checked against the oracle in test_executor / steps/test_overlap / tests/nn."""
 
 from cocosync.nn.pipeline import pipeline_send_program
 from cocosync.programs.optimizers import sgd_program
-from cocosync.runtime.prune import NO_PRUNING, prune
+from cocosync.runtime.reference.prune import NO_PRUNING, prune
 from cocosync.schedule.standard import pipeline_schedule
 
 

@@ -223,30 +223,14 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
         keep.append((comm, g, w, opt))
         return lambda: opt.step(g, w)
 
-    def ddp():
+    def bucketed(bucket_bytes: int, make_opt, group=None):
+        """A DDP-style step: bucketed all_reduce (mean) of the gradients, then a torch optimizer."""
         from cocosync.bench.baselines import GradBuckets
 
         model = mlp(cfg)
         set_grads(model, grads)
-        buckets = GradBuckets(model.parameters(), bucket)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-        keep.append((model, buckets, opt))
-
-        def step():
-            buckets.all_reduce_mean()
-            opt.step()
-        return step
-
-    def ddp_cocosync():  # the same, with the gradient all-reduces through the cocosync torch.distributed backend
-        from cocosync.bench.baselines import GradBuckets
-        from cocosync.runtime.comm.backend import register
-
-        register()
-        group = dist.new_group(backend="cocosync")
-        model = mlp(cfg)
-        set_grads(model, grads)
-        buckets = GradBuckets(model.parameters(), bucket, group=group)
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+        buckets = GradBuckets(model.parameters(), bucket_bytes, group=group)
+        opt = make_opt(model.parameters())
         keep.append((model, buckets, opt, group))
 
         def step():
@@ -254,35 +238,23 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
             opt.step()
         return step
 
-    def naive():  # what the collectives suite's "gloo all_reduce + torch Adam" row does: one flat all_reduce
-        from cocosync.bench.baselines import GradBuckets
+    fused_adam = lambda ps: torch.optim.Adam(ps, lr=1e-4, fused=True)  # noqa: E731
+    ddp = lambda: bucketed(bucket, fused_adam)  # noqa: E731
 
-        model = mlp(cfg)
-        set_grads(model, grads)
-        buckets = GradBuckets(model.parameters(), 1 << 62)  # one bucket holding every gradient
-        opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-        keep.append((model, buckets, opt))
+    def ddp_cocosync():  # the same, with the gradient all-reduces through the cocosync torch.distributed backend
+        from cocosync.runtime.comm.backend import register
 
-        def step():
-            buckets.all_reduce_mean()
-            opt.step()
-        return step
+        register()
+        return bucketed(bucket, fused_adam, group=dist.new_group(backend="cocosync"))
+
+    # what the collectives suite's "gloo all_reduce + torch Adam" row does: one flat all_reduce, foreach Adam
+    naive = lambda: bucketed(1 << 62, lambda ps: torch.optim.Adam(ps, lr=1e-4))  # noqa: E731
 
     def zero():
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        from cocosync.bench.baselines import GradBuckets
-
-        model = mlp(cfg)
-        set_grads(model, grads)
-        buckets = GradBuckets(model.parameters(), bucket)
-        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-4, fused=True)
-        keep.append((model, buckets, opt))
-
-        def step():
-            buckets.all_reduce_mean()
-            opt.step()
-        return step
+        return bucketed(bucket, lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.Adam, lr=1e-4,
+                                                                   fused=True))
 
     def fsdp2():
         from torch.distributed.fsdp import fully_shard

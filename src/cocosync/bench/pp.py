@@ -12,7 +12,7 @@ Compared round-robin in the same run (median of the per-iteration max over the 4
 - ours:     the same with `--chunks` chunks (the Overlap step: RS -> epilogue -> send -> AG pipelined by chunks).
 
 Every rank runs PipelineSend (it is a collective over the world). Each rank skips what its stage does not need
-(runtime.prune: the last stage only receives and all-gathers, the first stage's received value is zeros). The
+(runtime.reference.prune: the last stage only receives and all-gathers, the first stage's received value is zeros). The
 collectives within a stage go through shared memory (its ranks share this node); the sends between stages go
 through gloo in both, as they would between nodes.
 """

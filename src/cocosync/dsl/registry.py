@@ -44,7 +44,7 @@ class OpDef:
     chunkable: bool = True
     """May sit inside an `overlap` group (its values can be computed chunk by chunk)."""
     zero_preserving: bool = False
-    """Zero operands on every rank give zeros (runtime.prune skips it where its operand is known zero)."""
+    """Zero operands on every rank give zeros (runtime.reference.prune skips it where its operand is known zero)."""
     in_kernels: bool = False
     """Generated kernels (runtime.steps.codegen) compute it."""
     scalar_fn: str | None = None

@@ -1,5 +1,5 @@
 """A Plan: the ordered steps a rank runs, as plain data. Each step names its stages; runtime.executor runs a plan,
-each step in its fast form where one applies (runtime.steps) and otherwise stage by stage (runtime.stage)."""
+each step in its fast form where one applies (runtime.steps) and otherwise stage by stage (runtime.reference.stage)."""
 
 from __future__ import annotations
 

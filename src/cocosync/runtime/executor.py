@@ -1,6 +1,6 @@
 """Running programs and plans on the current rank of a real torch.distributed process group.
 
-`compile(program)` runs a Program stage by stage (runtime.stage: torch ops on this rank's part of the values;
+`compile(program)` runs a Program stage by stage (runtime.reference.stage: torch ops on this rank's part of the values;
 collectives through shared memory within a node, torch.distributed otherwise). `compile_plan(plan)` runs a lowered
 Plan, each step in its fast form where one applies (runtime.steps: fused kernels, fused shared-memory collectives,
 chunked overlap) and stage by stage otherwise. Tests compare both with the interpreter.
@@ -19,7 +19,7 @@ from cocosync.dsl.types import DslError
 from cocosync.lower.lower import lower
 from cocosync.lower.plan import Plan
 from cocosync.runtime.profile import StepProfile, timed_steps
-from cocosync.runtime.stage import StageComm, local_shape, run_stages
+from cocosync.runtime.reference.stage import StageComm, local_shape, run_stages
 from cocosync.runtime.steps.common import StepOptions
 from cocosync.runtime.steps.prepare import prepare
 

@@ -22,7 +22,7 @@ ROOT = "cocosync"
 class Import:
     """One `import` / `from ... import` of a cocosync module by another."""
 
-    importer: str  # dotted module name, e.g. cocosync.runtime.stage
+    importer: str  # dotted module name, e.g. cocosync.runtime.reference.stage
     target: str  # the module imported (for `from pkg import name`, pkg.name when that is a module)
     names: tuple[str, ...]  # the names taken (empty for `import x`)
     function_level: bool  # inside a function or method (a lazy import)

@@ -31,7 +31,7 @@ from cocosync.lower.plan import FusedCollective
 from cocosync.runtime.comm.fused import gather_slices, node_shared, owned_slice, reduce_and_apply
 from cocosync.runtime.comm.headers import TagMismatch
 from cocosync.runtime.comm.verify import verify_same
-from cocosync.runtime.stage import StageComm, run_stage, run_stages
+from cocosync.runtime.reference.stage import StageComm, run_stage, run_stages
 from cocosync.runtime.steps.codegen import Kernel, build_kernel
 from cocosync.runtime.steps.common import (
     KERNEL_BYTES,

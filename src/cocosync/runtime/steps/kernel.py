@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from cocosync.dsl.ir import Program
 from cocosync.lower.plan import Kernel
-from cocosync.runtime.stage import StageComm
+from cocosync.runtime.reference.stage import StageComm
 from cocosync.runtime.steps.codegen import build_kernel, can_fuse
 from cocosync.runtime.steps.common import Runner, StepOptions, outside_readers, put_consts
 from cocosync.runtime.steps.matmul import matmul_runner

@@ -17,7 +17,7 @@ import torch
 
 from cocosync.dsl.ir import Node, Program
 from cocosync.lower.plan import Kernel
-from cocosync.runtime.stage import StageComm, run_stage
+from cocosync.runtime.reference.stage import StageComm, run_stage
 from cocosync.runtime.steps.codegen import build_kernel, can_fuse
 from cocosync.runtime.steps.common import Runner, StepOptions, put_consts
 

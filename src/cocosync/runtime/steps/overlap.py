@@ -30,7 +30,7 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import names
 from cocosync.interp import ELEMENTWISE
 from cocosync.lower.plan import Overlap
-from cocosync.runtime.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
+from cocosync.runtime.reference.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
 from cocosync.runtime.steps.common import Runner, outside_readers
 
 __all__ = ["overlap_runner", "overlap_reason", "CommThread", "overlap_chunks", "comm_thread", "choose_dim",
@@ -247,13 +247,13 @@ class _Pipelined:
 
     def _mask(self, s: Node) -> torch.Tensor:
         m = self.masks.get(id(s))
-        # exactly the mask the reference (runtime.stage) uses, computed once (it depends on seed/shape/rank)
+        # exactly the mask the reference (runtime.reference.stage) uses, computed once (it depends on seed/shape/rank)
         if m is None:
             m = self.masks[id(s)] = _reference_mask(s, self.comm)
         return m
 
     def _pruned(self, s: Node, i: int, local: dict) -> bool:
-        """Whether this rank skips `s` (runtime.prune); zero stages get their chunk of zeros."""
+        """Whether this rank skips `s` (runtime.reference.prune); zero stages get their chunk of zeros."""
         pr = self.comm.pruning
         if not pr.touches((s,)):
             return False
@@ -319,5 +319,6 @@ class _Pipelined:
 
 
 def _reference_mask(s: Node, comm: StageComm) -> torch.Tensor:
-    """The keep mask (as s.dtype) the reference (runtime.stage) applies to this rank's value of dropout stage `s`."""
+    """The keep mask (as s.dtype) the reference (runtime.reference.stage) applies to this rank's value of dropout
+    stage `s`."""
     return rank_dropout_mask(s, comm).to(s.dtype).contiguous()

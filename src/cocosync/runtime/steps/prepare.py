@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from cocosync.dsl.ir import Program
 from cocosync.lower.plan import FusedCollective, Kernel, Overlap, Step
-from cocosync.runtime.stage import StageComm
+from cocosync.runtime.reference.stage import StageComm
 from cocosync.runtime.steps.common import Runner, StepOptions
 from cocosync.runtime.steps.fused_analysis import NotFused, analyze, runtime_reason
 from cocosync.runtime.steps.fused_collective import fused_collective_runner
@@ -22,7 +22,7 @@ __all__ = ["prepare", "static_reason"]
 def prepare(step: Step, program: Program, comm: StageComm, options: StepOptions) -> Runner | None:
     """A runner `run(env)` for the step's fast form, or None."""
     if comm.pruning.touches(step.stages) and not isinstance(step, Overlap):
-        return None  # stage by stage, skipping what this rank prunes (runtime.prune)
+        return None  # stage by stage, skipping what this rank prunes (runtime.reference.prune)
     if isinstance(step, Kernel):
         return kernel_runner(step, program, comm, options)
     if isinstance(step, FusedCollective):

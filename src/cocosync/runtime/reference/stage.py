@@ -4,8 +4,8 @@ against and falls back to.
 `StageComm` is the (sub)group a program talks in (shared memory within a node, torch.distributed otherwise);
 `eval_stage` computes one stage from this rank's operand values through a rule table keyed by op (one rule per op
 of dsl.registry); `run_stage` reads and writes the values in `env` (id(node) -> this rank's tensor) and skips what
-this rank prunes (runtime.prune). Values are *local* (a Sliced tensor is this rank's slice), unlike the interpreter's
-global values; tests compare the two.
+this rank prunes (runtime.reference.prune). Values are *local* (a Sliced tensor is this rank's slice), unlike the
+interpreter's global values; tests compare the two.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from cocosync.dsl.registry import names
 from cocosync.dsl.types import ReduceOp
 from cocosync.interp import ELEMENTWISE, dropout_mask, segment_norms
 from cocosync.runtime.comm.communicators import group_communicator, shared_communicator
-from cocosync.runtime.prune import prune
+from cocosync.runtime.reference.prune import prune
 
 __all__ = ["StageComm", "local_shape", "eval_stage", "run_stage", "run_stages", "rank_dropout_mask", "COMM_RULES",
            "BACKENDS"]
@@ -243,7 +243,7 @@ def eval_stage(s: Node, args: list[torch.Tensor], comm: StageComm) -> torch.Tens
 
 def run_stage(s: Node, env: dict[int, torch.Tensor], comm: StageComm) -> torch.Tensor:
     """Run stage `s` on this rank: read its arguments from `env` (keyed by id(node)), store and return its value.
-    Stages this rank prunes (runtime.prune) are not run: dead ones store nothing, zero ones store zeros."""
+    Stages this rank prunes (runtime.reference.prune) are not run: dead ones store nothing, zero ones store zeros."""
     if comm.pruning and comm.pruning.touches((s,)):
         if id(s) in comm.pruning.zero:
             device = next((env[id(a)].device for a in s.args if id(a) in env), comm.device)
