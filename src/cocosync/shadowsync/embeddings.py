@@ -17,9 +17,23 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["SharedEmbeddings"]
+__all__ = ["SharedEmbeddings", "rowwise_update", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adagrad", "sgd")
+
+
+@torch.no_grad()
+def rowwise_update(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
+                   optimizer: str, lr: float, eps: float) -> None:
+    """Apply the gradient rows `g[i]` to the distinct rows `rows[i]` of `weight`, in place and lock-free (Hogwild):
+    SGD, or row-wise Adagrad with one accumulator per row (acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps)).
+    `g` is consumed (scaled in place). The one definition for local tables and parameter-server shards."""
+    if optimizer == "sgd":
+        weight.index_add_(0, rows, g, alpha=-lr)
+        return
+    accumulator.index_add_(0, rows, g.pow(2).mean(1))
+    scale = accumulator.index_select(0, rows).sqrt_().add_(eps).reciprocal_().mul_(-lr)
+    weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
 
 
 class SharedEmbeddings:
@@ -76,13 +90,7 @@ class SharedEmbeddings:
         uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         g = torch.zeros(uniq.numel(), self.dim, dtype=self.weight.dtype).index_add_(
             0, inverse, grads.reshape(-1, self.dim).to(self.weight.dtype))
-        rows = uniq + self.offsets[table]
-        if self.optimizer == "sgd":
-            self.weight.index_add_(0, rows, g, alpha=-self.lr)
-            return
-        self.accumulator.index_add_(0, rows, g.pow(2).mean(1))
-        scale = self.accumulator.index_select(0, rows).sqrt_().add_(self.eps).reciprocal_().mul_(-self.lr)
-        self.weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
+        rowwise_update(self.weight, self.accumulator, uniq + self.offsets[table], g, self.optimizer, self.lr, self.eps)
 
     def apply_grads(self, grads: list[torch.Tensor]) -> None:
         """Apply one autograd gradient per table (sparse COO or dense) in a single fused row update."""

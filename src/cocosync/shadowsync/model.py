@@ -48,6 +48,7 @@ class DLRM(nn.Module):
         *,
         embedding_weights: Sequence[torch.Tensor] | None = None,
         sparse: bool | None = None,
+        external_embeddings: bool = False,
     ) -> None:
         super().__init__()
         self.config, self.data = config, data
@@ -62,13 +63,16 @@ class DLRM(nn.Module):
         if config.init_ctr is not None:
             with torch.no_grad():
                 self.top[-1].bias.fill_(math.log(config.init_ctr / (1 - config.init_ctr)))
-        if embedding_weights is None:
-            embedding_weights = new_embedding_weights(config, data)
-        self._check_weights(embedding_weights)
-        self.embeddings = nn.ModuleList(
-            nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=self.sparse)
-            for w in embedding_weights
-        )
+        if external_embeddings:  # the rows come from parameter servers: forward_pooled(dense, vectors)
+            self.embeddings = nn.ModuleList()
+        else:
+            if embedding_weights is None:
+                embedding_weights = new_embedding_weights(config, data)
+            self._check_weights(embedding_weights)
+            self.embeddings = nn.ModuleList(
+                nn.EmbeddingBag.from_pretrained(w, freeze=False, mode="sum", sparse=self.sparse)
+                for w in embedding_weights
+            )
         rows, cols = torch.triu_indices(n, n, offset=1)
         self.register_buffer("_rows", rows, persistent=False)
         self.register_buffer("_cols", cols, persistent=False)
@@ -98,8 +102,19 @@ class DLRM(nn.Module):
             raise ValueError(
                 f"DLRM: sparse has shape {tuple(sparse.shape)}, expected [{dense.shape[0]}, {self.data.num_sparse}]"
             )
+        if not self.embeddings:
+            raise ValueError("DLRM(external_embeddings=True) has no tables: call forward_pooled(dense, vectors)")
         x = self.bottom(dense)
         vectors = [x] + [emb(sparse[:, t : t + 1]) for t, emb in enumerate(self.embeddings)]
-        t = torch.stack(vectors, dim=1)  # [B, 1 + num_sparse, dim]
+        return self._interact(x, torch.stack(vectors, dim=1))
+
+    def forward_pooled(self, dense: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
+        """Logits from the dense features and the already looked-up embedding vectors [B, num_sparse, dim] (one row
+        per feature, e.g. fetched from parameter servers)."""
+        x = self.bottom(dense)
+        return self._interact(x, torch.cat([x.unsqueeze(1), vectors], dim=1))
+
+    def _interact(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """t: [B, 1 + num_sparse, dim], the bottom MLP's output first."""
         z = torch.bmm(t, t.transpose(1, 2))[:, self._rows, self._cols]  # [B, pairs]
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)

@@ -7,10 +7,10 @@ from typing import Any, Iterator
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig
 from cocosync.shadowsync.data.criteo import Batch, CriteoReader
-from cocosync.shadowsync.data.synth import EVAL, TRAIN, make_synthetic_dataset
+from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
-__all__ = ["build_configs", "InMemorySource", "FileSource", "make_source", "eval_batches"]
+__all__ = ["build_configs", "InMemorySource", "FileSource", "make_source", "trainer_source", "eval_batches"]
 
 
 def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
@@ -34,11 +34,15 @@ def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
 
 
 class InMemorySource:
-    """A synthetic training set held in (shared) tensors; shard s of S is the s-th contiguous block."""
+    """A synthetic training set held in (shared) tensors; shard s of S is the s-th contiguous block.
 
-    def __init__(self, dataset: Any):
+    `offset`/`rows`: the tensors hold rows [offset, offset + len) of a data set of `rows` rows (a trainer that
+    generated only its own shards); shards are numbered over the whole data set either way."""
+
+    def __init__(self, dataset: Any, *, offset: int = 0, rows: int | None = None):
         self.dense, self.sparse, self.label, self.prob = dataset.dense, dataset.sparse, dataset.label, dataset.prob
-        self.rows = int(self.label.shape[0])
+        self.offset = offset
+        self.rows = int(self.label.shape[0]) if rows is None else rows
 
     def share_memory_(self) -> "InMemorySource":
         for t in (self.dense, self.sparse, self.label, self.prob):
@@ -51,8 +55,11 @@ class InMemorySource:
 
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
         lo, hi = shard * self.rows // shards, (shard + 1) * self.rows // shards
-        for i in range(lo + start, hi, batch_size):
-            s = slice(i, min(i + batch_size, hi))
+        if lo < self.offset or hi - self.offset > self.label.shape[0]:
+            raise ValueError(f"shard {shard} of {shards} (rows {lo}..{hi}) is not in this source's rows "
+                             f"{self.offset}..{self.offset + self.label.shape[0]}")
+        for i in range(lo + start - self.offset, hi - self.offset, batch_size):
+            s = slice(i, min(i + batch_size, hi - self.offset))
             yield Batch(self.dense[s], self.sparse[s], self.label[s], None if self.prob is None else self.prob[s])
 
 
@@ -75,6 +82,20 @@ def make_source(cfg: TrainConfig, data: DataConfig) -> InMemorySource | FileSour
     if data.train_path is None:
         return InMemorySource(make_synthetic_dataset(cfg.examples, data.seed, data, split=TRAIN))
     return FileSource(data, cfg.examples)
+
+
+def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int) -> InMemorySource | FileSource:
+    """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
+    the same ones `make_source` would give it."""
+    if data.train_path is not None:
+        return FileSource(data, cfg.examples)
+    shards = cfg.trainers * cfg.workers
+    lo = trainer * cfg.workers * cfg.examples // shards
+    hi = (trainer + 1) * cfg.workers * cfg.examples // shards
+    stream = SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=hi - lo, skip_rows=lo,
+                             max_rows=hi - lo)
+    b = next(iter(stream))
+    return InMemorySource(b, offset=lo, rows=cfg.examples)
 
 
 def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:

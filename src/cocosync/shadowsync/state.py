@@ -21,7 +21,7 @@ __all__ = ["SharedState", "new_embeddings", "build_model", "build_shared_state"]
 class SharedState:
     """What the parent shares with every trainer (all shared-memory tensors, created before spawning)."""
 
-    embeddings: SharedEmbeddings
+    embeddings: SharedEmbeddings | None  # None: the tables live on parameter servers (multi-node)
     center: torch.Tensor | None  # EASGD central copy of the dense parameters
     positions: torch.Tensor  # int64 [T, W]: rows consumed by each worker shard (the reader position)
     iterations: torch.Tensor  # int64 [T]: worker iterations of each trainer
@@ -39,6 +39,16 @@ class SharedState:
                    torch.zeros(T, dtype=torch.int64).share_memory_(), torch.zeros(T, dtype=torch.int64).share_memory_(),
                    torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
                    init_flat.clone().share_memory_(), torch.zeros(T, dtype=torch.float64).share_memory_())
+
+
+    @classmethod
+    def private(cls, cfg: TrainConfig, init_flat: torch.Tensor) -> "SharedState":
+        """The counters of one trainer process of a multi-node job (nothing shared: its peers are other processes
+        of other launchers, reached through torch.distributed)."""
+        T, W = cfg.trainers, cfg.workers
+        return cls(None, None, torch.zeros(T, W, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+                   torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                   torch.ones(1, dtype=torch.int32), init_flat.clone(), torch.zeros(T, dtype=torch.float64))
 
 
 def new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:

@@ -14,11 +14,18 @@ import sys
 import click
 from rich.markup import escape
 
-from cocosync.shadowsync.train_config import SYNC_ALGORITHMS, ConfigError, config_from_dict, load_train_config
+from cocosync.shadowsync.train_config import (
+    SYNC_ALGORITHMS,
+    ConfigError,
+    TrainConfig,
+    config_from_dict,
+    load_train_config,
+)
 
-__all__ = ["train", "eval_checkpoint"]
+__all__ = ["train", "eval_checkpoint", "train_options", "cluster_options", "config_from_options"]
 
 _OPTS = {  # CLI option -> TrainConfig field
+    "progress": "progress",
     "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples",
     "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
     "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
@@ -34,56 +41,100 @@ def _console():
     return Console(stderr=True)
 
 
-@click.command()
-@click.option("--config", "config_path", type=click.Path(dir_okay=False),
-              help="TOML/JSON/YAML file of TrainConfig fields.")
-@click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file.")
-@click.option("--trainers", "-T", type=int, help="trainer processes (default 2).")
-@click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1).")
-@click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm (default shadow-bmuf).")
-@click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations.")
-@click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread.")
-@click.option("--alpha", type=float, help="EASGD elasticity.")
-@click.option("--block-momentum", type=float, help="BMUF block momentum.")
-@click.option("--block-lr", type=float, help="BMUF block learning rate.")
-@click.option("--examples", type=int, help="total training examples over all trainers (one pass).")
-@click.option("--eval-examples", type=int, help="held-out examples scored at the end.")
-@click.option("--batch-size", type=int, help="examples per worker iteration.")
-@click.option("--dense-lr", type=float, help="dense (MLP) learning rate.")
-@click.option("--embedding-lr", type=float, help="embedding row learning rate.")
-@click.option("--seed", type=int, help="model and synthetic-data seed.")
-@click.option("--threads", type=int, help="intra-op torch threads per trainer.")
-@click.option("--timeout", type=float, help="abort the run after this many seconds.")
-@click.option("--heartbeat-timeout", type=float,
-              help="fail naming a trainer silent this many seconds (stopped or hung; default 30).")
-@click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest).")
-@click.option("--progress/--no-progress", default=None, help="progress bar while training.")
-@click.option("--resume", type=click.Path(dir_okay=False),
-              help="continue a run (e.g. one stopped by Ctrl-C) from its checkpoint.pt, with its config.")
-@click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
-def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, **opts) -> None:
-    """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
+_TRAIN_OPTIONS = [
+    click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                 help="TOML/JSON/YAML file of TrainConfig fields."),
+    click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file."),
+    click.option("--trainers", "-T", type=int, help="trainer processes (default 2; multi-node: set by the roles)."),
+    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1)."),
+    click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm (default shadow-bmuf)."),
+    click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
+    click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
+    click.option("--alpha", type=float, help="EASGD elasticity."),
+    click.option("--block-momentum", type=float, help="BMUF block momentum."),
+    click.option("--block-lr", type=float, help="BMUF block learning rate."),
+    click.option("--examples", type=int, help="total training examples over all trainers (one pass)."),
+    click.option("--eval-examples", type=int, help="held-out examples scored at the end."),
+    click.option("--batch-size", type=int, help="examples per worker iteration."),
+    click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
+    click.option("--embedding-lr", type=float, help="embedding row learning rate."),
+    click.option("--seed", type=int, help="model and synthetic-data seed."),
+    click.option("--threads", type=int, help="intra-op torch threads per trainer."),
+    click.option("--timeout", type=float, help="abort the run after this many seconds."),
+    click.option("--heartbeat-timeout", type=float,
+                 help="fail naming a trainer silent this many seconds (stopped or hung; default 30)."),
+    click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest)."),
+]
 
-    Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
-    a second Ctrl-C aborts.
-    """
-    from cocosync.shadowsync.launcher import run_training
-    from cocosync.shadowsync.trainer import TrainerFailure
+_CLUSTER_OPTIONS = [
+    click.option("--embedding-servers", type=int, default=1, show_default=True,
+                 help="multi-node: embedding parameter servers per node."),
+    click.option("--sync-servers", type=int, default=None,
+                 help="multi-node: sync servers per node holding EASGD's centre (default 1 for EASGD, else 0)."),
+    click.option("--prefetch/--no-prefetch", default=True, show_default=True,
+                 help="multi-node: request the next batch's rows while the current batch trains."),
+]
 
+
+def train_options(f):
+    """The TrainConfig options shared by `cocosync train` and `python -m cocosync.shadowsync` (under torchrun)."""
+    for option in reversed(_TRAIN_OPTIONS):
+        f = option(f)
+    return f
+
+
+def cluster_options(f):
+    """The multi-machine options (ClusterConfig: the roles of the torchrun ranks)."""
+    for option in reversed(_CLUSTER_OPTIONS):
+        f = option(f)
+    return f
+
+
+def config_from_options(config_path: str | None, resume: str | None, opts: dict) -> TrainConfig:
+    """The TrainConfig the options describe (command line over --config over --resume's); UsageError if bad."""
     overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
-    if progress is not None:
-        overrides["progress"] = progress
     try:
         if config_path:
-            cfg = load_train_config(config_path, **overrides)
-        elif resume:
-            cfg = config_from_dict(_checkpoint_config(resume), **overrides)
-        else:
-            cfg = config_from_dict({}, **overrides)
+            return load_train_config(config_path, **overrides)
+        if resume:
+            return config_from_dict(_checkpoint_config(resume), **overrides)
+        return config_from_dict({}, **overrides)
     except ConfigError as e:
         if debug_mode():
             raise
         raise click.UsageError(str(e)) from None
+
+
+@click.command()
+@train_options
+@click.option("--progress/--no-progress", default=None, help="progress bar while training.")
+@click.option("--resume", type=click.Path(dir_okay=False),
+              help="continue a run (e.g. one stopped by Ctrl-C) from its checkpoint.pt, with its config.")
+@click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
+@click.option("--nnodes", type=int, help="multi-node: machines in the job (runs torchrun; see --rdzv-endpoint).")
+@click.option("--node-rank", type=int, default=0, show_default=True, help="multi-node: this machine's index.")
+@click.option("--nproc-per-node", type=int, default=2, show_default=True,
+              help="multi-node: processes per machine (servers first, then trainers).")
+@click.option("--rdzv-endpoint", default="127.0.0.1:29400", show_default=True,
+              help="multi-node: HOST:PORT of the rendezvous (torchrun's c10d store; node 0 hosts it).")
+@cluster_options
+def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
+          node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
+          prefetch: bool, **opts) -> None:
+    """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
+
+    Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
+    a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun for this machine
+    (the same as `torchrun ... -m cocosync.shadowsync`), with embedding parameter servers and sync servers.
+    """
+    from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.trainer import TrainerFailure
+
+    if nnodes is not None:
+        _exec_torchrun(nnodes, node_rank, nproc_per_node, rdzv_endpoint)
+    if progress is not None:
+        opts["progress"] = progress
+    cfg = config_from_options(config_path, resume, opts)
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples of {cfg.data!r} -> {cfg.out_dir}/")
@@ -109,6 +160,34 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:
         sys.exit(130)
+
+
+def _exec_torchrun(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str) -> None:
+    """Replace this process by torchrun running `-m cocosync.shadowsync` with the remaining arguments."""
+    if nnodes < 1 or nproc_per_node < 2:
+        raise click.UsageError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node}: expected nnodes >= 1 and "
+                               "nproc-per-node >= 2 (a server and a trainer per node)")
+    host = rdzv_endpoint.rsplit(":", 1)[0]
+    args, skip = [], False
+    argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else sys.argv[1:]
+    for a in argv:  # drop the launcher's own options, keep the training options
+        if skip:
+            skip = False
+            continue
+        name = a.split("=", 1)[0]
+        if name in ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-endpoint"):
+            skip = "=" not in a
+            continue
+        args.append(a)
+    host_conf = ["--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}"] if host not in ("127.0.0.1", "localhost") \
+        else []
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
+           "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
+           "--rdzv-id", os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"), "--max-restarts", "0",
+           *host_conf, "-m", "cocosync.shadowsync", *args]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, cmd)
 
 
 def debug_mode() -> bool:

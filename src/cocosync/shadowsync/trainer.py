@@ -22,6 +22,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cocosync.shadowsync.model import DLRM
+from cocosync.shadowsync.param_server import Lookup, ShardedEmbeddings
 from cocosync.shadowsync.sources import build_configs
 from cocosync.shadowsync.state import SharedState, build_model
 from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
@@ -50,16 +52,25 @@ class Trainer:
     """One trainer: a dense replica updated by W Hogwild worker threads, synced by `cfg.sync`."""
 
     def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
-                 group: Any = None, emit: Callable[[dict], None] = lambda rec: None):
+                 group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
+                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: bool = True):
+        """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
+        `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the next
+        batch's rows from the servers while the current batch trains."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
-        self.model = build_model(self.data, self.model_cfg, state.embeddings)
+        self.remote, self.prefetch = embeddings, prefetch
+        if embeddings is None:
+            self.model = build_model(self.data, self.model_cfg, state.embeddings)
+        else:
+            self.model = DLRM(self.model_cfg, self.data, external_embeddings=True)
         self.dense = self.model.dense_parameters()
         self.emb_params = self.model.embedding_parameters()
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
-        self.sync = make_sync(self.flat.flat, cfg.sync, center=state.center, group=group)
+        self.sync = make_sync(self.flat.flat, cfg.sync, center=state.center if center is None else center,
+                              group=group)
         self._counter = itertools.count(1)
         self._sync_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
@@ -72,11 +83,21 @@ class Trainer:
         self.errors: list[str] = []
 
     # -- one Hogwild iteration ----------------------------------------------------------------------------
-    def train_step(self, batch: Any) -> float:
-        """Forward, backward, and lock-free updates of the dense replica and the shared embedding rows."""
-        logits = self.model(batch.dense, batch.sparse)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.label)
-        grads = torch.autograd.grad(loss, self.dense + self.emb_params)
+    def train_step(self, batch: Any, lookup: Lookup | None = None) -> float:
+        """Forward, backward, and lock-free updates of the dense replica and the shared embedding rows (or, with
+        parameter servers, the batch's fetched rows pushed back as gradients; `lookup`: a prefetched fetch)."""
+        if self.remote is not None:
+            lookup = lookup or self.remote.fetch(batch.sparse)
+            rows = self.remote.wait(lookup).requires_grad_()
+            logits = self.model.forward_pooled(batch.dense, rows[lookup.inverse])
+            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+            grads = torch.autograd.grad(loss, self.dense + [rows])
+            self.remote.push(lookup, grads[-1])
+        else:
+            logits = self.model(batch.dense, batch.sparse)
+            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+            grads = torch.autograd.grad(loss, self.dense + self.emb_params)
+            self.state.embeddings.apply_grads(list(grads[len(self.dense):]))
         with torch.no_grad():
             g = self.flat.flatten_grads(grads[:len(self.dense)])
             if self.cfg.dense_optimizer == "adagrad":
@@ -84,7 +105,6 @@ class Trainer:
                 self.flat.flat.addcdiv_(g, self.accumulator.sqrt().add_(1e-8), value=-self.cfg.dense_lr)
             else:
                 self.flat.flat.add_(g, alpha=-self.cfg.dense_lr)
-        self.state.embeddings.apply_grads(list(grads[len(self.dense):]))
         value = float(loss.detach())
         n = len(batch)
         with self._metrics_lock:
@@ -111,11 +131,16 @@ class Trainer:
         shard = self.rank * self.cfg.workers + w
         pos = self.state.positions[self.rank]
         fr = self.cfg.sync.mode == "foreground"
+        batches = self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
+        if self.remote is not None and self.prefetch:
+            pairs = self.remote.prefetching(batches)
+        else:
+            pairs = ((b, None) for b in batches)
         try:
-            for batch in self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w])):
+            for batch, lookup in pairs:
                 if self.state.stop[0] or self.errors:
                     break
-                self.train_step(batch)
+                self.train_step(batch, lookup)
                 pos[w] += len(batch)
                 it = next(self._counter)
                 self.state.iterations[self.rank] = it
@@ -157,6 +182,8 @@ class Trainer:
             if time.time() - last_log >= self.cfg.log_every:
                 last_log = time.time()
                 self._log(t0)
+        if self.remote is not None and not self.errors:
+            self.remote.flush()  # every row gradient has reached its server before the trainer reports
         t_end, cpu_end = time.time(), time.process_time()
         done.set()
         if self.errors:
@@ -181,6 +208,7 @@ class Trainer:
             "active_syncs": self.active_syncs,
             "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
+            **({"lookups": self.remote.stats.as_dict()} if self.remote is not None else {}),
         }
 
     def _log(self, t0: float) -> None:

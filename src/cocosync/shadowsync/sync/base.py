@@ -22,7 +22,25 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.train_config import SyncConfig
 
-__all__ = ["FlatParams", "SyncAlgorithm", "NoSync"]
+__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "HierarchicalGroup"]
+
+
+class HierarchicalGroup:
+    """The trainers of a job across machines, as a collective sync sees them: `intra` holds this node's trainers
+    (the cocosync backend: shared memory; None when a node has one trainer), `inter` the trainers with this trainer's
+    node-local index, one per node (gloo; None on one node). all_reduce = intra, then inter: the sum over all."""
+
+    def __init__(self, intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None, size: int):
+        self.intra, self.inter, self._size = intra, inter, size
+
+    def size(self) -> int:
+        return self._size
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        if self.intra is not None:
+            dist.all_reduce(buf, group=self.intra)
+        if self.inter is not None:
+            dist.all_reduce(buf, group=self.inter)
 
 
 class FlatParams:
@@ -65,7 +83,7 @@ class SyncAlgorithm(ABC):
     name = "base"
     collective = False  # True when sync() runs a collective that every trainer must join
 
-    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None):
+    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | HierarchicalGroup | None = None):
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("sync algorithms work on a 1-D contiguous flat parameter buffer (see FlatParams)")
         self.flat, self.cfg, self.group = flat, cfg, group
@@ -83,6 +101,8 @@ class SyncAlgorithm(ABC):
 
     # -- helpers for the collective algorithms ---------------------------------------------------------
     def _world(self) -> int:
+        if isinstance(self.group, HierarchicalGroup):
+            return self.group.size()
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _mean_and_active(self, snapshot: torch.Tensor, active: bool) -> tuple[torch.Tensor, int]:
@@ -92,7 +112,9 @@ class SyncAlgorithm(ABC):
         buf[:n].copy_(snapshot)
         buf[n] = 1.0 if active else 0.0
         world = self._world()
-        if world > 1:
+        if isinstance(self.group, HierarchicalGroup):
+            self.group.all_reduce(buf)
+        elif world > 1:
             dist.all_reduce(buf, group=self.group)
         return buf[:n].div_(world), int(round(buf[n].item()))
 

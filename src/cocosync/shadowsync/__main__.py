@@ -1,0 +1,59 @@
+"""`torchrun ... -m cocosync.shadowsync [train options]`: one rank of a ShadowSync job across machines (cluster.py).
+
+    torchrun --nnodes 2 --nproc-per-node 3 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m cocosync.shadowsync --sync shadow-bmuf --embedding-servers 1 --out runs/two-nodes
+
+`cocosync train --nnodes 2 --node-rank R --rdzv-endpoint HOST:29400 ...` runs the same command for one machine.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+from rich.markup import escape
+
+from cocosync.shadowsync.roles import ClusterConfig
+from cocosync.shadowsync.train_cli import cluster_options, config_from_options, debug_mode, train_options
+from cocosync.shadowsync.train_config import ConfigError
+
+
+@click.command()
+@train_options
+@cluster_options
+@click.option("--max-inflight", type=int, default=4, show_default=True,
+              help="row-gradient pushes a trainer may have outstanding.")
+@click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
+def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: bool,
+         max_inflight: int, json_out: bool, **opts) -> None:
+    """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
+    import json
+
+    from rich.console import Console
+
+    from cocosync.shadowsync.cluster import run_cluster
+    from cocosync.shadowsync.trainer import json_safe
+
+    opts["progress"] = False
+    cfg = config_from_options(config_path, None, opts)
+    console = Console(stderr=True)
+    try:
+        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
+                                max_inflight=max_inflight)
+        summary = run_cluster(cfg, cluster, console=console)
+    except ConfigError as e:
+        if debug_mode():
+            raise
+        raise click.UsageError(str(e)) from None
+    if summary is None:
+        return
+    console.print(f"[bold]{escape(summary['name'])}[/]: {summary['examples']:,} examples, "
+                  f"{summary['eps']:,.0f} examples/s, eval NE {summary['eval_ne']:.4f}, "
+                  f"lookup wait {summary['lookup_wait_fraction']:.1%} of step time, "
+                  f"staleness {summary['staleness']:.2f} updates -> {cfg.out_dir}/summary.json")
+    if json_out:
+        click.echo(json.dumps(json_safe(summary), default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,239 @@
+"""A ShadowSync job across machines, one process per torchrun rank (`python -m cocosync.shadowsync` under torchrun).
+
+Every process joins the gloo default group and the RPC world (TensorPipe), then takes its role (roles.py):
+
+* an **embedding server** initializes its shard of the tables (row hash, param_server.py) in the node's shared
+  memory, serves lookups and row-gradient pushes from trainers on other nodes, and waits for the end;
+* a **sync server** holds a range of EASGD's centre and serves exchanges (sync/center.py);
+* a **trainer** runs the single-node `Trainer` (W Hogwild workers and the shadow or foreground sync) on its own share
+  of the data, with its embedding rows from the servers (its node's shards zero-copy, the others by RPC, prefetched)
+  and its dense sync over the trainers: MA/BMUF all-reduce within the node through the cocosync backend (shared
+  memory) and across nodes through gloo; EASGD against the sync servers.
+
+At the end the trainers gather their results on trainer 0, which scores the final model on the held-out set (rows
+looked up from the servers) and writes summary.json and metrics.jsonl. Nothing binds beyond loopback unless the
+rendezvous endpoint is another address (then GLOO_SOCKET_IFNAME / TP_SOCKET_IFNAME name the interface).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+from rich.console import Console
+
+from cocosync.runtime.comm.shm import Arena
+from cocosync.runtime.comm.topology import node_groups, topology_from_env
+from cocosync.shadowsync.metrics import MetricsLogger, evaluate
+from cocosync.shadowsync.model import DLRM
+from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
+from cocosync.shadowsync.roles import ClusterConfig, Roles
+from cocosync.shadowsync.sources import build_configs, eval_batches, trainer_source
+from cocosync.shadowsync.state import SharedState
+from cocosync.shadowsync.sync import FlatParams
+from cocosync.shadowsync.sync.base import HierarchicalGroup
+from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
+from cocosync.shadowsync.train_config import TrainConfig, check_paths, config_to_dict
+from cocosync.shadowsync.trainer import Trainer, json_safe
+
+__all__ = ["run_cluster"]
+
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def _loopback_interfaces() -> None:
+    """gloo and TensorPipe pick an interface from the hostname, which may be a public one: on a loopback
+    rendezvous keep them on `lo` unless the user named an interface."""
+    if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith(_LOOPBACK):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+
+class _ServedModel(torch.nn.Module):
+    """forward(dense, sparse) of a DLRM whose rows come from the parameter servers (for `evaluate`)."""
+
+    def __init__(self, model: DLRM, tables: ShardedEmbeddings):
+        super().__init__()
+        self.model, self.tables = model, tables
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_pooled(dense, self.tables.lookup(sparse))
+
+
+@dataclasses.dataclass
+class _Job:
+    cfg: TrainConfig
+    cluster: ClusterConfig
+    roles: Roles
+    data: Any
+    model_cfg: Any
+    shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
+    trainer_group: Any = None  # gloo group of the trainers (results)
+    dense_group: HierarchicalGroup | None = None
+
+
+def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
+    """Run this process's role of the job; returns the summary on trainer 0, None elsewhere."""
+    console = console or Console(stderr=True)
+    topo = topology_from_env()
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method))
+    cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
+    check_paths(cfg)
+    _loopback_interfaces()
+    timeout = datetime.timedelta(seconds=cfg.timeout)
+    torch.set_num_threads(cfg.threads)
+    dist.init_process_group("gloo", timeout=timeout)
+    try:
+        rpc.init_rpc(roles.rpc_name(), rank=topo.rank, world_size=topo.world_size,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout)))
+        try:
+            job = _setup(cfg, cluster, roles)
+            kind, index = roles.role()
+            summary = _train(job, index, console) if kind == "trainer" else None
+            dist.barrier()  # servers serve until every trainer is done (and trainer 0 has scored the model)
+        finally:
+            rpc.shutdown()
+    finally:
+        dist.destroy_process_group()
+    return summary
+
+
+def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
+    """Collective over the whole job, in the same order on every rank: shards, EASGD centre, process groups."""
+    data, model_cfg = build_configs(cfg)
+    topo = roles.topo
+    kind, index = roles.role()
+    E = roles.embedding_per_node
+    rowhash = RowHash(sum(data.table_sizes), E * topo.nnodes)
+    arena = Arena(node_groups())
+    shards: dict[int, Shard] = {}
+    for lr in range(E):  # this node's servers: every local process maps their shards
+        server = topo.node * E + lr
+        n, dim = rowhash.shard_rows(server), model_cfg.embedding_dim
+        weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
+        versions = arena.shared_empty(n, torch.int64)
+        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr)
+        if (kind, index) == ("embedding", server):
+            weight.copy_(initial_rows(data.table_sizes, dim, init_std=model_cfg.embedding_init_std,
+                                      seed=model_cfg.seed, rowhash=rowhash, server=server))
+            serve_shard(server, shard)
+        shards[server] = shard
+    if kind == "sync":
+        flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
+        lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
+        serve_center(index, CenterShard(flat[lo:hi]))
+    job = _Job(cfg, cluster, roles, data, model_cfg, shards)
+    trainers = roles.ranks("trainer")
+    job.trainer_group = dist.new_group(trainers)
+    Tn, nnodes = roles.trainers_per_node, topo.nnodes
+    intra = inter = None
+    for node in range(nnodes):  # every rank creates every group, in the same order (new_group is collective)
+        members = trainers[node * Tn:(node + 1) * Tn]
+        g = dist.new_group(members, backend="cocosync") if Tn > 1 else None
+        if node == topo.node:
+            intra = g
+    for i in range(Tn):
+        g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
+        if kind == "trainer" and index % Tn == i:
+            inter = g
+    if kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
+        job.dense_group = HierarchicalGroup(intra, inter, roles.trainers)
+    dist.barrier()  # every shard is initialized before a trainer reads it
+    return job
+
+
+def _train(job: _Job, t: int, console: Any) -> dict | None:
+    cfg, roles, data = job.cfg, job.roles, job.data
+    E = roles.embedding_per_node * roles.topo.nnodes
+    servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
+    tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
+                               max_inflight=job.cluster.max_inflight)
+    init = FlatParams(DLRM(job.model_cfg, data, external_embeddings=True).dense_parameters()).flat
+    center = None
+    if cfg.sync.method == "easgd":
+        center = RemoteCenter(init.numel(), [roles.rpc_name(r) for r in roles.ranks("sync")])
+    state = SharedState.private(cfg, init)
+    source = trainer_source(cfg, data, t)
+    out = Path(cfg.out_dir)
+    logger = None
+    if t == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        logger = MetricsLogger(out / "metrics.jsonl")
+        logger.log(event="start", name=_name(cfg, roles), config=config_to_dict(cfg), nodes=roles.topo.nnodes)
+    emit = _progress(logger, console, roles) if logger is not None else (lambda rec: None)
+    trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
+                      prefetch=job.cluster.prefetch, emit=emit)
+    result = trainer.train()
+    results: list[Any] = [None] * roles.trainers if t == 0 else []
+    dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=job.trainer_group)
+    if t != 0:
+        return None
+    if center is not None:
+        trainer.flat.flat.copy_(center.values())
+    return _finish(job, trainer, tables, results, logger)
+
+
+def _name(cfg: TrainConfig, roles: Roles) -> str:
+    return f"{cfg.sync.algorithm} T={roles.trainers} nodes={roles.topo.nnodes}"
+
+
+def _progress(logger: MetricsLogger, console: Any, roles: Roles):
+    last = [0.0]
+
+    def emit(rec: dict) -> None:
+        logger.log(json_safe({"event": "train", **{k: v for k, v in rec.items() if k != "kind"}}))
+        if time.time() - last[0] >= 5.0:
+            last[0] = time.time()
+            console.print(f"trainer 0 of {roles.trainers}: {rec['trainer_examples']:,} examples, "
+                          f"{rec['trainer_eps']:,.0f} examples/s, train NE {rec['train_ne']:.4f}")
+    return emit
+
+
+def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: list[dict],
+            logger: MetricsLogger) -> dict:
+    cfg, roles = job.cfg, job.roles
+    ev = evaluate(_ServedModel(trainer.model, tables), eval_batches(cfg, job.data))
+    examples = sum(r["examples"] for r in results)
+    seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
+    gaps = [r["sync_gap"] for r in results if math.isfinite(r["sync_gap"])]
+    lk = [r["lookups"] for r in results]
+    step_s = sum(r["seconds"] * cfg.workers for r in results)
+    sparse_bytes = sum(x["bytes_sent"] + x["bytes_received"] for x in lk)
+    summary = {
+        "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
+        "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
+        "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
+        "examples": examples, "eps": examples / max(seconds, 1e-9),
+        "eps_per_trainer": float(np.mean([r["examples"] / max(r["seconds"], 1e-9) for r in results])),
+        "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),
+        "train_ne": float(np.nanmean([r["train_ne"] for r in results])),
+        "eval_ne": ev["ne"], "auc": ev["auc"], "bayes_ne": ev["bayes_ne"],
+        "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
+        "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
+        "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,
+        "lookup_wait_fraction": sum(x["wait_s"] for x in lk) / max(step_s, 1e-9),
+        "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
+        "remote_row_fraction": sum(x["remote_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
+        "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
+        "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
+        "interrupted": False,
+    }
+    logger.log(event="eval", examples=examples, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
+    logger.log(event="summary", **json_safe(summary))
+    logger.close()
+    out = Path(cfg.out_dir)
+    tmp = out / "summary.json.tmp"
+    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
+    os.replace(tmp, out / "summary.json")
+    return summary

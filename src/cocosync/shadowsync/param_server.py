@@ -1,0 +1,269 @@
+"""Embedding parameter servers on torch.distributed.rpc, and the trainer's client of them.
+
+Sharding is by **row hash**: global row g (tables concatenated) lives on server g % S at local row g // S. Every
+server holds about 1/S of every table, so bytes and lookup load balance whatever the table sizes and however skewed
+the ids (table-wise placement would put a 10M-row table and its hot rows on one server; contiguous ranges would put
+each table's low, frequent ids together). The price, that one lookup touches every server, is paid once per batch:
+the client deduplicates the batch's ids and sends one message per server.
+
+A server's shard lives in its node's shared memory (an `Arena.shared_empty`, mapped by every process of the node):
+trainers on the same node read and update it in place, zero-copy, exactly as the single-node `SharedEmbeddings`;
+trainers on other nodes go through RPC. Updates are row-wise Adagrad or SGD, Hogwild, through the same
+`rowwise_update` as the local tables. Each row carries a version (its update count): a push reports how many
+updates its rows received between their fetch and its gradient (the staleness of asynchronous lookups).
+
+`ShardedEmbeddings.fetch` issues a lookup and returns at once; `prefetching(batches)` requests the next batch's rows
+while the current batch trains (ShadowSync's idea on the sparse side); `push` sends row gradients back
+asynchronously with at most `max_inflight` pushes outstanding.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Iterator, Sequence
+
+import torch
+import torch.distributed.rpc as rpc
+
+from cocosync.shadowsync.embeddings import OPTIMIZERS, rowwise_update
+
+__all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "serve_shard", "initial_rows"]
+
+
+@dataclass(frozen=True)
+class RowHash:
+    """Global row g -> (server g % servers, local row g // servers)."""
+
+    total_rows: int
+    servers: int
+
+    def __post_init__(self) -> None:
+        if self.servers < 1 or self.total_rows < 1:
+            raise ValueError(f"RowHash needs servers >= 1 and rows >= 1, got servers={self.servers}, "
+                             f"rows={self.total_rows}")
+
+    def shard_rows(self, server: int) -> int:
+        """Rows held by `server`."""
+        return (self.total_rows - server + self.servers - 1) // self.servers
+
+
+def initial_rows(rows: Sequence[int], dim: int, *, init_std: float, seed: int, rowhash: RowHash,
+                 server: int) -> torch.Tensor:
+    """The initial rows of one server's shard: the rows of `SharedEmbeddings(rows, dim, seed=seed)`'s init it owns,
+    so a sharded run starts from the same tables as a single-node one."""
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(sum(rows), dim, generator=gen).mul_(init_std)
+    return full[server::rowhash.servers].clone()
+
+
+class Shard:
+    """One server's rows: weight [n, dim], row-wise Adagrad accumulator [n], versions [n] (update counts)."""
+
+    def __init__(self, weight: torch.Tensor, accumulator: torch.Tensor, versions: torch.Tensor, *, optimizer: str,
+                 lr: float, eps: float = 1e-8):
+        if optimizer not in OPTIMIZERS:
+            raise ValueError(f"embedding optimizer={optimizer!r} is invalid: expected one of {OPTIMIZERS}")
+        self.weight, self.accumulator, self.versions = weight, accumulator, versions
+        self.optimizer, self.lr, self.eps = optimizer, float(lr), float(eps)
+
+    def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [len(ids), dim], their versions): a copy, taken without locks."""
+        return self.weight.index_select(0, ids), self.versions.index_select(0, ids)
+
+    @torch.no_grad()
+    def apply(self, ids: torch.Tensor, grads: torch.Tensor, fetched: torch.Tensor) -> int:
+        """Apply gradient rows to the distinct local rows `ids` (Hogwild); returns the summed staleness: updates the
+        rows received since `fetched` (their versions when the trainer read them)."""
+        stale = int((self.versions.index_select(0, ids) - fetched).sum())
+        rowwise_update(self.weight, self.accumulator, ids, grads.to(self.weight.dtype).clone(), self.optimizer,
+                       self.lr, self.eps)
+        self.versions.index_add_(0, ids, torch.ones_like(ids))
+        return stale
+
+
+# ---------------------------------------------------------------------------------------------- server side
+_SERVED: dict[int, Shard] = {}  # the shards this process serves, by server index (module state: RPC calls land here)
+
+
+def serve_shard(server: int, shard: Shard) -> None:
+    """Make `shard` answer the RPCs addressed to `server` in this process."""
+    _SERVED[server] = shard
+
+
+def _rpc_lookup(server: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return _SERVED[server].lookup(ids)
+
+
+def _rpc_push(server: int, ids: torch.Tensor, grads: torch.Tensor, fetched: torch.Tensor) -> int:
+    return _SERVED[server].apply(ids, grads, fetched)
+
+
+# ---------------------------------------------------------------------------------------------- client side
+@dataclass
+class LookupStats:
+    """What the client measured (summed over its worker threads)."""
+
+    lookups: int = 0
+    wait_s: float = 0.0  # time blocked waiting for rows (the lookups' share of the critical path)
+    rows: int = 0  # distinct rows fetched
+    remote_rows: int = 0  # ... of which through RPC
+    bytes_sent: int = 0  # RPC payload bytes (ids, gradients, versions), both directions counted where they go
+    bytes_received: int = 0
+    rpc_s: float = 0.0  # summed round trips of remote lookups (issue -> rows here)
+    rpc_calls: int = 0
+    pushes: int = 0
+    stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
+    stale_rows: int = 0
+
+    def as_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+@dataclass
+class Lookup:
+    """One batch's lookup in flight: distinct global rows, where each batch entry points, and the servers' parts."""
+
+    uniq: torch.Tensor  # distinct global rows, sorted
+    inverse: torch.Tensor  # [B, F]: index into uniq
+    order: torch.Tensor  # permutation of uniq grouping it by server
+    bounds: list[tuple[int, int, int]]  # (server, lo, hi) into order
+    parts: list[Any]  # per bound: (rows, versions) or a Future of it
+    issued: float
+    rows: torch.Tensor | None = None
+    versions: torch.Tensor | None = None
+    remote_since: list[float] = field(default_factory=list)
+
+
+class ShardedEmbeddings:
+    """The tables of a run, sharded by `RowHash` over `servers`: each entry a local `Shard` (same node, shared
+    memory) or the RPC worker name of the server that holds it."""
+
+    def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4):
+        self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
+        self.servers = list(servers)
+        self.hash = RowHash(sum(self.table_rows), len(self.servers))
+        offsets = [0]
+        for r in self.table_rows[:-1]:
+            offsets.append(offsets[-1] + r)
+        self.offsets = torch.tensor(offsets, dtype=torch.int64)
+        if max_inflight < 1:
+            raise ValueError(f"max_inflight={max_inflight!r} must be >= 1")
+        self.max_inflight = max_inflight
+        self.stats = LookupStats()
+        self._lock = threading.Lock()
+        self._inflight: collections.deque = collections.deque()
+
+    # -- lookups ----------------------------------------------------------------------------------------
+    def fetch(self, sparse: torch.Tensor) -> Lookup:
+        """Start the lookup of a batch's ids [B, num_tables]: one message per remote server, local shards read now."""
+        gids = sparse + self.offsets
+        uniq, inverse = torch.unique(gids.reshape(-1), return_inverse=True)
+        S = self.hash.servers
+        owner = uniq % S
+        order = torch.argsort(owner, stable=True)
+        local_ids = (uniq // S)[order]
+        counts = torch.bincount(owner, minlength=S).tolist()
+        bounds, parts, lo = [], [], 0
+        now = time.perf_counter()
+        for s, n in enumerate(counts):
+            if n == 0:
+                continue
+            ids = local_ids[lo:lo + n]
+            server = self.servers[s]
+            if isinstance(server, Shard):
+                parts.append(server.lookup(ids))
+            else:
+                parts.append(rpc.rpc_async(server, _rpc_lookup, args=(s, ids)))
+            bounds.append((s, lo, lo + n))
+            lo += n
+        return Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
+
+    def wait(self, lk: Lookup) -> torch.Tensor:
+        """The batch's distinct rows [U, dim] (in `lk.uniq` order), waiting for the remote parts."""
+        if lk.rows is not None:
+            return lk.rows
+        t0 = time.perf_counter()
+        rows = torch.empty(lk.uniq.numel(), self.dim)
+        versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
+        remote = received = 0
+        rpc_s = 0.0
+        for (s, lo, hi), part in zip(lk.bounds, lk.parts):
+            if not isinstance(part, tuple):
+                part = part.wait()
+                rpc_s += time.perf_counter() - lk.issued
+                remote += hi - lo
+                received += part[0].numel() * part[0].element_size() + part[1].numel() * 8
+            idx = lk.order[lo:hi]
+            rows[idx] = part[0]
+            versions[idx] = part[1]
+        lk.rows, lk.versions, lk.parts = rows, versions, []
+        with self._lock:
+            st = self.stats
+            st.wait_s += time.perf_counter() - t0
+            st.lookups += 1
+            st.rows += lk.uniq.numel()
+            st.remote_rows += remote
+            st.bytes_sent += remote * 8
+            st.bytes_received += received
+            st.rpc_s += rpc_s
+            st.rpc_calls += sum(1 for s, _, _ in lk.bounds if not isinstance(self.servers[s], Shard))
+        return rows
+
+    def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
+        """Embedding vectors [B, num_tables, dim] of a batch, synchronously (evaluation)."""
+        lk = self.fetch(sparse)
+        return self.wait(lk)[lk.inverse]
+
+    def prefetching(self, batches: Iterable[Any]) -> Iterator[tuple[Any, Lookup]]:
+        """(batch, its lookup) pairs, the next batch's lookup issued before the current one is handed out."""
+        it = iter(batches)
+        cur = next(it, None)
+        if cur is None:
+            return
+        lk = self.fetch(cur.sparse)
+        for nxt in it:
+            nlk = self.fetch(nxt.sparse)
+            yield cur, lk
+            cur, lk = nxt, nlk
+        yield cur, lk
+
+    # -- updates ----------------------------------------------------------------------------------------
+    def push(self, lk: Lookup, grads: torch.Tensor) -> None:
+        """Send the gradient of each distinct row of `lk` ([U, dim]) to its server; at most `max_inflight` pushes of
+        this client are outstanding (the oldest is waited for)."""
+        sent = stale = 0
+        futures = []
+        for s, lo, hi in lk.bounds:
+            idx = lk.order[lo:hi]
+            ids = lk.uniq[idx] // self.hash.servers
+            g, v = grads.index_select(0, idx), lk.versions[idx]
+            server = self.servers[s]
+            if isinstance(server, Shard):
+                stale += server.apply(ids, g, v)
+            else:
+                futures.append(rpc.rpc_async(server, _rpc_push, args=(s, ids, g, v)))
+                sent += ids.numel() * 16 + g.numel() * g.element_size()
+        with self._lock:
+            st = self.stats
+            st.pushes += 1
+            st.stale_sum += stale
+            st.stale_rows += lk.uniq.numel()
+            st.bytes_sent += sent
+            self._inflight.extend(futures)
+            excess = [self._inflight.popleft() for _ in range(max(0, len(self._inflight) - self.max_inflight))]
+        self._retire(excess)
+
+    def _retire(self, futures: list) -> None:
+        stale = sum(int(f.wait()) for f in futures)
+        with self._lock:
+            self.stats.stale_sum += stale
+
+    def flush(self) -> None:
+        """Wait for every outstanding push (before reading the tables or reporting)."""
+        with self._lock:
+            futures = list(self._inflight)
+            self._inflight.clear()
+        self._retire(futures)

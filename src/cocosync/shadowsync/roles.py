@@ -1,0 +1,99 @@
+"""Who does what in a ShadowSync job launched by torchrun: roles from the torchrun environment.
+
+On every node the local ranks are, in order: `embedding_servers` embedding parameter servers, `sync_servers` sync
+parameter servers (EASGD's centre), and trainers for the rest. Counts are **per node**, so every node has the same
+shape (torchrun gives every node the same --nproc-per-node): with N nodes and K processes per node there are
+N * embedding_servers embedding servers and N * (K - embedding_servers - sync_servers) trainers. Servers come first
+so a node's shards are created by the processes that own them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cocosync.runtime.comm.topology import Topology
+from cocosync.shadowsync.train_config import ConfigError
+
+__all__ = ["ClusterConfig", "Roles"]
+
+
+@dataclass(kw_only=True, slots=True)
+class ClusterConfig:
+    """The multi-machine options of a ShadowSync job (on top of its TrainConfig)."""
+
+    embedding_servers: int = 1
+    """embedding parameter servers per node (their shards live in the node's shared memory)."""
+    sync_servers: int | None = None
+    """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
+    prefetch: bool = True
+    """request the next batch's embedding rows while the current batch trains."""
+    max_inflight: int = 4
+    """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
+
+    def __post_init__(self) -> None:
+        for name in ("embedding_servers", "max_inflight"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
+        if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
+            raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
+
+    def sync_servers_for(self, method: str) -> int:
+        if self.sync_servers is None:
+            return 1 if method == "easgd" else 0
+        if method == "easgd" and self.sync_servers < 1:
+            raise ConfigError("sync_servers=0 is invalid for EASGD: its centre lives on the sync servers "
+                              "(--sync-servers >= 1 per node)")
+        if method != "easgd" and self.sync_servers > 0:
+            raise ConfigError(f"sync_servers={self.sync_servers} is invalid for sync method {method!r}: only EASGD "
+                              "has sync servers (MA and BMUF all-reduce among the trainers)")
+        return self.sync_servers
+
+
+@dataclass(frozen=True)
+class Roles:
+    """The role of every rank of the job (`topo`: this process, in torchrun's numbering)."""
+
+    topo: Topology
+    embedding_per_node: int
+    sync_per_node: int
+
+    def __post_init__(self) -> None:
+        L = self.topo.local_world_size
+        if self.trainers_per_node < 1:
+            raise ConfigError(f"--nproc-per-node={L} leaves no trainer on a node with embedding_servers="
+                              f"{self.embedding_per_node} and sync_servers={self.sync_per_node}: expected "
+                              f"nproc-per-node >= {self.embedding_per_node + self.sync_per_node + 1}")
+
+    @property
+    def trainers_per_node(self) -> int:
+        return self.topo.local_world_size - self.embedding_per_node - self.sync_per_node
+
+    @property
+    def trainers(self) -> int:
+        return self.trainers_per_node * self.topo.nnodes
+
+    def role(self, rank: int | None = None) -> tuple[str, int]:
+        """('embedding' | 'sync' | 'trainer', index among that role, numbered node by node)."""
+        rank = self.topo.rank if rank is None else rank
+        node, lr = divmod(rank, self.topo.local_world_size)
+        E, S = self.embedding_per_node, self.sync_per_node
+        if lr < E:
+            return "embedding", node * E + lr
+        if lr < E + S:
+            return "sync", node * S + lr - E
+        return "trainer", node * self.trainers_per_node + lr - E - S
+
+    def rpc_name(self, rank: int | None = None) -> str:
+        kind, index = self.role(rank)
+        return f"{kind}{index}"
+
+    def ranks(self, kind: str) -> list[int]:
+        """Global ranks of one role, in index order."""
+        return [r for r in range(self.topo.world_size) if self.role(r)[0] == kind]
+
+    def rank_of(self, kind: str, index: int) -> int:
+        return self.ranks(kind)[index]
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.topo.local_world_size

@@ -1,0 +1,68 @@
+"""EASGD's centre across machines: the centre variable sharded in contiguous ranges over the sync parameter servers,
+each range updated by RPC (lock-free, Hogwild on the centre, as the single-node shared-memory centre).
+
+A trainer's exchange sends its snapshot's ranges to their servers in one message each, in parallel; each server
+answers with alpha * (x - c) for its range and adds it to its centre: the elastic step of both sides in one round
+trip.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed.rpc as rpc
+
+__all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds"]
+
+
+def center_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
+    """Contiguous, near-equal ranges of a flat vector of `numel` elements over `servers`."""
+    return [(s * numel // servers, (s + 1) * numel // servers) for s in range(servers)]
+
+
+class CenterShard:
+    """One range of the centre, held by a sync server."""
+
+    def __init__(self, values: torch.Tensor):
+        self.values = values.detach().clone()
+
+    @torch.no_grad()
+    def exchange(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        diff = x.sub_(self.values).mul_(alpha)  # alpha * (x_local - x_center); x is this call's own copy
+        self.values.add_(diff)
+        return diff
+
+
+_SERVED: dict[int, CenterShard] = {}
+
+
+def serve_center(server: int, shard: CenterShard) -> None:
+    _SERVED[server] = shard
+
+
+def _rpc_exchange(server: int, x: torch.Tensor, alpha: float) -> torch.Tensor:
+    return _SERVED[server].exchange(x, alpha)
+
+
+def _rpc_values(server: int) -> torch.Tensor:
+    return _SERVED[server].values.clone()
+
+
+class RemoteCenter:
+    """The trainer's view of the sharded centre (`servers`: RPC worker names, in range order)."""
+
+    def __init__(self, numel: int, servers: list[str]):
+        if not servers:
+            raise ValueError("EASGD across machines needs at least one sync server (--sync-servers)")
+        self.numel, self.servers = numel, list(servers)
+        self.bounds = center_bounds(numel, len(servers))
+
+    def exchange(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
+        """alpha * (x - centre), the centre moved by the same amount; one parallel round trip to every server."""
+        futures = [rpc.rpc_async(name, _rpc_exchange, args=(s, x[lo:hi].clone(), float(alpha)))
+                   for s, (name, (lo, hi)) in enumerate(zip(self.servers, self.bounds))]
+        return torch.cat([f.wait() for f in futures])
+
+    def values(self) -> torch.Tensor:
+        """The whole centre (the final model of an EASGD run)."""
+        futures = [rpc.rpc_async(name, _rpc_values, args=(s,)) for s, name in enumerate(self.servers)]
+        return torch.cat([f.wait() for f in futures])
