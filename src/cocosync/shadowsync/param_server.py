@@ -30,7 +30,12 @@ import torch.distributed.rpc as rpc
 
 from cocosync.shadowsync.embeddings import OPTIMIZERS, rowwise_update
 
-__all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "serve_shard", "initial_rows"]
+__all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
+           "initial_rows"]
+
+
+class ServerLost(RuntimeError):
+    """A parameter server did not answer (it died, or its machine is unreachable); the message names it."""
 
 
 @dataclass(frozen=True)
@@ -141,9 +146,13 @@ class ShardedEmbeddings:
     """The tables of a run, sharded by `RowHash` over `servers`: each entry a local `Shard` (same node, shared
     memory) or the RPC worker name of the server that holds it."""
 
-    def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4):
+    def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
+                 labels: Sequence[str] | None = None):
+        """`labels`: how errors name each server (default: its RPC name)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
+        self.labels = list(labels) if labels is not None else [
+            s if isinstance(s, str) else f"local shard {i}" for i, s in enumerate(self.servers)]
         self.hash = RowHash(sum(self.table_rows), len(self.servers))
         offsets = [0]
         for r in self.table_rows[:-1]:
@@ -192,7 +201,7 @@ class ShardedEmbeddings:
         rpc_s = 0.0
         for (s, lo, hi), part in zip(lk.bounds, lk.parts):
             if not isinstance(part, tuple):
-                part = part.wait()
+                part = self._wait(part, s, "a lookup")
                 rpc_s += time.perf_counter() - lk.issued
                 remote += hi - lo
                 received += part[0].numel() * part[0].element_size() + part[1].numel() * 8
@@ -244,7 +253,7 @@ class ShardedEmbeddings:
             if isinstance(server, Shard):
                 stale += server.apply(ids, g, v)
             else:
-                futures.append(rpc.rpc_async(server, _rpc_push, args=(s, ids, g, v)))
+                futures.append((s, rpc.rpc_async(server, _rpc_push, args=(s, ids, g, v))))
                 sent += ids.numel() * 16 + g.numel() * g.element_size()
         with self._lock:
             st = self.stats
@@ -256,8 +265,14 @@ class ShardedEmbeddings:
             excess = [self._inflight.popleft() for _ in range(max(0, len(self._inflight) - self.max_inflight))]
         self._retire(excess)
 
+    def _wait(self, future: Any, server: int, what: str) -> Any:
+        try:
+            return future.wait()
+        except RuntimeError as e:
+            raise ServerLost(f"embedding server {self.labels[server]} did not answer {what}: {e}") from None
+
     def _retire(self, futures: list) -> None:
-        stale = sum(int(f.wait()) for f in futures)
+        stale = sum(int(self._wait(f, s, "a gradient push")) for s, f in futures)
         with self._lock:
             self.stats.stale_sum += stale
 

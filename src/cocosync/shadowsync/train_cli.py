@@ -112,7 +112,8 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
               help="continue a run (e.g. one stopped by Ctrl-C) from its checkpoint.pt, with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
 @click.option("--nnodes", type=int, help="multi-node: machines in the job (runs torchrun; see --rdzv-endpoint).")
-@click.option("--node-rank", type=int, default=0, show_default=True, help="multi-node: this machine's index.")
+@click.option("--node-rank", type=int, default=0, show_default=True,
+              help="multi-node: this machine's index (0 hosts the rendezvous store).")
 @click.option("--nproc-per-node", type=int, default=2, show_default=True,
               help="multi-node: processes per machine (servers first, then trainers).")
 @click.option("--rdzv-endpoint", default="127.0.0.1:29400", show_default=True,
@@ -179,12 +180,16 @@ def _exec_torchrun(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoi
             skip = "=" not in a
             continue
         args.append(a)
-    host_conf = ["--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}"] if host not in ("127.0.0.1", "localhost") \
-        else []
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--node-rank", str(node_rank),
-           "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint,
-           "--rdzv-id", os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"), "--max-restarts", "0",
-           *host_conf, "-m", "cocosync.shadowsync", *args]
+    # c10d numbers nodes itself; --node-rank says which machine hosts the rendezvous store. On loopback every
+    # agent names 127.0.0.1 as its address (torchrun would resolve the hostname, which may be a public interface).
+    if host in ("127.0.0.1", "localhost"):
+        host_conf = ["--local-addr", "127.0.0.1"]
+    else:
+        host_conf = ["--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}"]
+    run_id = os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
+           str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id,
+           "--max-restarts", "0", *host_conf, "-m", "cocosync.shadowsync", *args]
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, cmd)

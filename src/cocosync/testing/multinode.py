@@ -1,0 +1,132 @@
+"""Several torchrun agents on this host, as the nodes of one job: on loopback (every agent on 127.0.0.1, sharing
+/dev/shm), or on two simulated machines (`twohosts.sh`: a network namespace, an address and a private /dev/shm each).
+
+`run_nodes(module_args, nnodes=2, nproc_per_node=K)` starts one agent per node with a c10d rendezvous, waits for all
+with a timeout (a hang fails, it does not stall), kills every agent's process group on the way out, and returns each
+node's exit code and output.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+from cocosync.testing.launch import free_port
+from cocosync.testing.sockets import process_tree
+
+__all__ = ["NodeRun", "run_nodes", "start_nodes", "wait_nodes", "twohosts_script", "twohosts_available"]
+
+_TWOHOSTS = Path(__file__).resolve().parents[4] / "shared" / "tools" / "twohosts.sh"
+
+
+@dataclass
+class NodeRun:
+    """One agent's exit code (None: killed at the timeout) and its combined output."""
+
+    node: int
+    returncode: int | None
+    output: str
+
+
+def twohosts_script() -> Path | None:
+    """The twohosts.sh tool ($COCOSYNC_TWOHOSTS or ../shared/tools/twohosts.sh), or None."""
+    p = Path(os.environ.get("COCOSYNC_TWOHOSTS", _TWOHOSTS))
+    return p if p.is_file() else None
+
+
+def twohosts_available() -> bool:
+    """True when two simulated machines can be made here (root, iproute2): `twohosts.sh check` and `up` succeed."""
+    script = twohosts_script()
+    if script is None or shutil.which("ip") is None:
+        return False
+    for cmd in ("check", "up"):
+        if subprocess.run(["bash", str(script), cmd], capture_output=True, timeout=30).returncode != 0:
+            return False
+    return True
+
+
+def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, endpoint: str, run_id: str,
+               host_conf: bool, local_addr: str) -> list[str]:
+    # --local-addr: the address the workers' store and MASTER_ADDR use (torchrun would resolve the hostname, which
+    # names another interface, or none inside a network namespace)
+    conf = ["--rdzv-conf", f"is_host={1 if node == 0 else 0}"] if host_conf else []
+    conf += ["--local-addr", local_addr]
+    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "0", *conf,
+            *module_args]
+
+
+def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, two_hosts: bool = False,
+                env: dict | None = None, cwd: str | os.PathLike | None = None) -> list[subprocess.Popen]:
+    """Start `torchrun ... <module_args>` (e.g. ["-m", "cocosync.shadowsync", "--examples", "4000"]) as `nnodes`
+    agents, output piped; with `two_hosts` (nnodes must be 2) on the simulated machines A and B of twohosts.sh."""
+    port = free_port()
+    run_id = f"cocosync-{os.getpid()}-{port}"
+    base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+    procs: list[subprocess.Popen] = []
+    for node in range(nnodes):
+        node_env = dict(base_env)
+        if two_hosts:
+            if nnodes != 2:
+                raise ValueError("two_hosts runs exactly 2 nodes (twohosts.sh has hosts A and B)")
+            script = twohosts_script()
+            host = "AB"[node]
+            iface = f"{os.environ.get('TWOHOSTS_PREFIX', 'cc')}v{host}"
+            node_env.update(GLOO_SOCKET_IFNAME=iface, TP_SOCKET_IFNAME=iface)
+            a, mine = (subprocess.run(["bash", str(script), "addr", h], capture_output=True, text=True,
+                                      check=True).stdout.strip() for h in ("A", host))
+            cmd = ["bash", str(script), "run", host,
+                   *_agent_cmd(module_args, nnodes, node, nproc_per_node, f"{a}:{port}", run_id, True, mine)]
+        else:
+            cmd = _agent_cmd(module_args, nnodes, node, nproc_per_node, f"127.0.0.1:{port}", run_id, False,
+                             "127.0.0.1")
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env,
+                                      cwd=cwd, start_new_session=True))
+    return procs
+
+
+def wait_nodes(procs: list[subprocess.Popen], timeout: float) -> list[NodeRun]:
+    """Wait for every agent (at most `timeout` seconds in all); whatever is left then is killed, with its workers."""
+    deadline = time.monotonic() + timeout
+    outputs: list[str] = []
+    codes: list[int | None] = []
+    try:
+        for p in procs:
+            try:
+                out, _ = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+                codes.append(p.returncode)
+            except subprocess.TimeoutExpired:
+                _kill_group(p)
+                out, _ = p.communicate()
+                codes.append(None)
+            outputs.append(out)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_group(p)
+                p.communicate()
+    return [NodeRun(i, c, o) for i, (c, o) in enumerate(zip(codes, outputs))]
+
+
+def run_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 300.0,
+              two_hosts: bool = False, env: dict | None = None, cwd: str | os.PathLike | None = None) -> list[NodeRun]:
+    """`start_nodes` then `wait_nodes`: each node's exit code and output."""
+    procs = start_nodes(module_args, nnodes=nnodes, nproc_per_node=nproc_per_node, two_hosts=two_hosts, env=env,
+                        cwd=cwd)
+    return wait_nodes(procs, timeout)
+
+
+def _kill_group(p: subprocess.Popen) -> None:
+    """SIGKILL the agent and every process under it (torchrun starts its workers in sessions of their own)."""
+    for pid in [*process_tree(p.pid), p.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
