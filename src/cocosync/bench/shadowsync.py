@@ -156,8 +156,11 @@ def verdicts(runs: list[dict]) -> list[str]:
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-shadowsync", show_default=True)
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write all results as JSON here.")
 @click.option("--markdown/--no-markdown", default=True, help="also print the table as markdown (BENCHMARKS.md).")
+@click.option("--nodes", type=click.IntRange(1, 2), default=1, show_default=True,
+              help="2: one node vs two torchrun nodes (loopback) with parameter servers, plus the scaling model; "
+                   "uses the largest --trainers and the first --algorithms.")
 def shadowsync(examples: int, eval_examples: int, trainers: str, interval: float, batch_size: int, repeats: int,
-               algorithms: str, matched: bool, out: str, json_path: str | None, markdown: bool) -> None:
+               algorithms: str, matched: bool, out: str, json_path: str | None, markdown: bool, nodes: int) -> None:
     """ShadowSync vs FR-* vs independent trainers: EPS, eval NE, excess over Bayes, sync gap."""
     from rich.console import Console
 
@@ -177,6 +180,16 @@ def shadowsync(examples: int, eval_examples: int, trainers: str, interval: float
     if bad or not algs:
         raise click.BadParameter(f"--algorithms {algorithms!r}: expected a comma-separated subset of {SHADOW}")
     outp = Path(out)
+    if nodes == 2:
+        from .shadowsync_nodes import report, run_nodes_suite
+
+        try:
+            samples = run_nodes_suite(examples=examples, eval_examples=eval_examples, trainers=max(ts), sync=algs[0],
+                                      interval=interval, batch_size=batch_size, repeats=repeats, console=console)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+        report(samples, batch_size=batch_size, console=console, out=outp, json_path=json_path)
+        return
     runs = run_suite(examples=examples, eval_examples=eval_examples, trainers=ts, interval=interval,
                      batch_size=batch_size, out=outp, console=console, repeats=repeats, algorithms=algs,
                      matched=matched)

@@ -24,7 +24,7 @@ from cocosync.shadowsync.train_config import ConfigError
 @click.option("--max-inflight", type=int, default=4, show_default=True,
               help="row-gradient pushes a trainer may have outstanding.")
 @click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
-def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: bool,
+def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
          max_inflight: int, json_out: bool, **opts) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     import json

@@ -108,8 +108,15 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                              _transports=["uv"], _channels=["basic"]))
         job = _setup(cfg, cluster, roles)
         kind, index = roles.role()
+        cpu0 = time.process_time()
         summary = _train(job, index, console) if kind == "trainer" else None
-        dist.barrier()  # servers serve until every trainer is done (and trainer 0 has scored the model)
+        # servers serve until every trainer is done (and trainer 0 has scored the model); then the servers' CPU time
+        # since set-up, for the job's examples per CPU-second (servers included)
+        dist.barrier()
+        cpu: list[Any] = [None] * topo.world_size
+        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0))
+        if summary is not None:
+            _add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         rpc.shutdown()
     except BaseException:
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
@@ -119,6 +126,22 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         os._exit(1)
     dist.destroy_process_group()
     return summary
+
+
+def _add_job_cpu(summary: dict, cpu: list[tuple[str, float]], out: Path) -> None:
+    """Trainers count their training window (summary['trainer_cpu_seconds']), servers the time since set-up."""
+    servers = sum(c for kind, c in cpu if kind != "trainer")
+    summary["server_cpu_seconds"] = servers
+    # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
+    summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
+    summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
+    _write_summary(summary, out)
+
+
+def _write_summary(summary: dict, out: Path) -> None:
+    tmp = out / "summary.json.tmp"  # atomic: a reader never sees half a file
+    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
+    os.replace(tmp, out / "summary.json")
 
 
 def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
@@ -223,6 +246,13 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
     lk = [r["lookups"] for r in results]
     step_s = sum(r["seconds"] * cfg.workers for r in results)
     sparse_bytes = sum(x["bytes_sent"] + x["bytes_received"] for x in lk)
+    N, D = roles.topo.nnodes, trainer.flat.flat.numel()
+    if cfg.sync.method in ("ma", "bmuf"):  # a ring all-reduce across the nodes of D + 1 floats, per trainer
+        per_sync = 2 * (N - 1) / N * (D + 1) * 4
+    elif cfg.sync.method == "easgd":  # the snapshot out, the elastic difference back; (N-1)/N of it off-node
+        per_sync = 2 * D * 4 * (N - 1) / N
+    else:
+        per_sync = 0.0
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
         "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
@@ -230,6 +260,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "examples": examples, "eps": examples / max(seconds, 1e-9),
         "eps_per_trainer": float(np.mean([r["examples"] / max(r["seconds"], 1e-9) for r in results])),
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),
+        "trainer_cpu_seconds": sum(r["cpu_seconds"] for r in results),
         "train_ne": float(np.nanmean([r["train_ne"] for r in results])),
         "eval_ne": ev["ne"], "auc": ev["auc"], "bayes_ne": ev["bayes_ne"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
@@ -237,7 +268,11 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,
         "lookup_wait_fraction": sum(x["wait_s"] for x in lk) / max(step_s, 1e-9),
         "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
+        "dense_bytes_per_example": per_sync * sum(r["syncs"] for r in results) / max(examples, 1),
+        "rows_per_example": sum(x["rows"] for x in lk) / max(examples, 1),
+        "dense_params": D,
         "remote_row_fraction": sum(x["remote_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
+        "_remote_rows": sum(x["remote_rows"] for x in lk),
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": False,
@@ -245,8 +280,4 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
     logger.log(event="eval", examples=examples, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **json_safe(summary))
     logger.close()
-    out = Path(cfg.out_dir)
-    tmp = out / "summary.json.tmp"
-    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
-    os.replace(tmp, out / "summary.json")
-    return summary
+    return summary  # written by _add_job_cpu once the servers' CPU time is known

@@ -112,12 +112,12 @@ class LookupStats:
     """What the client measured (summed over its worker threads)."""
 
     lookups: int = 0
-    wait_s: float = 0.0  # time blocked waiting for rows (the lookups' share of the critical path)
+    wait_s: float = 0.0  # time blocked waiting for remote rows (the lookups' share of the critical path)
     rows: int = 0  # distinct rows fetched
     remote_rows: int = 0  # ... of which through RPC
     bytes_sent: int = 0  # RPC payload bytes (ids, gradients, versions), both directions counted where they go
     bytes_received: int = 0
-    rpc_s: float = 0.0  # summed round trips of remote lookups (issue -> rows here)
+    rpc_s: float = 0.0  # summed round trips of remote lookups (issue -> answer arrived)
     rpc_calls: int = 0
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
@@ -139,7 +139,7 @@ class Lookup:
     issued: float
     rows: torch.Tensor | None = None
     versions: torch.Tensor | None = None
-    remote_since: list[float] = field(default_factory=list)
+    answered: list[float] = field(default_factory=list)  # when each remote part arrived (an RPC thread notes it)
 
 
 class ShardedEmbeddings:
@@ -182,28 +182,33 @@ class ShardedEmbeddings:
                 continue
             ids = local_ids[lo:lo + n]
             server = self.servers[s]
+            bounds.append((s, lo, lo + n))
+            lo += n
             if isinstance(server, Shard):
                 parts.append(server.lookup(ids))
             else:
                 parts.append(rpc.rpc_async(server, _rpc_lookup, args=(s, ids)))
-            bounds.append((s, lo, lo + n))
-            lo += n
-        return Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
+        lk = Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
+        for part in parts:
+            if not isinstance(part, tuple):  # the round trip proper, not the time until the trainer looks
+                part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
+        return lk
 
     def wait(self, lk: Lookup) -> torch.Tensor:
         """The batch's distinct rows [U, dim] (in `lk.uniq` order), waiting for the remote parts."""
         if lk.rows is not None:
             return lk.rows
-        t0 = time.perf_counter()
+        blocked = 0.0
         rows = torch.empty(lk.uniq.numel(), self.dim)
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
-        remote = received = 0
-        rpc_s = 0.0
+        remote = received = calls = 0
         for (s, lo, hi), part in zip(lk.bounds, lk.parts):
             if not isinstance(part, tuple):
+                t0 = time.perf_counter()
                 part = self._wait(part, s, "a lookup")
-                rpc_s += time.perf_counter() - lk.issued
+                blocked += time.perf_counter() - t0
                 remote += hi - lo
+                calls += 1
                 received += part[0].numel() * part[0].element_size() + part[1].numel() * 8
             idx = lk.order[lo:hi]
             rows[idx] = part[0]
@@ -211,14 +216,16 @@ class ShardedEmbeddings:
         lk.rows, lk.versions, lk.parts = rows, versions, []
         with self._lock:
             st = self.stats
-            st.wait_s += time.perf_counter() - t0
+            st.wait_s += blocked
             st.lookups += 1
             st.rows += lk.uniq.numel()
             st.remote_rows += remote
             st.bytes_sent += remote * 8
             st.bytes_received += received
-            st.rpc_s += rpc_s
-            st.rpc_calls += sum(1 for s, _, _ in lk.bounds if not isinstance(self.servers[s], Shard))
+            answered = list(lk.answered)[:calls]  # a callback may still be on its way: count it as answered now
+            now = time.perf_counter()
+            st.rpc_s += sum(t - lk.issued for t in answered) + (calls - len(answered)) * (now - lk.issued)
+            st.rpc_calls += calls
         return rows
 
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
@@ -226,18 +233,18 @@ class ShardedEmbeddings:
         lk = self.fetch(sparse)
         return self.wait(lk)[lk.inverse]
 
-    def prefetching(self, batches: Iterable[Any]) -> Iterator[tuple[Any, Lookup]]:
-        """(batch, its lookup) pairs, the next batch's lookup issued before the current one is handed out."""
-        it = iter(batches)
-        cur = next(it, None)
-        if cur is None:
-            return
-        lk = self.fetch(cur.sparse)
-        for nxt in it:
-            nlk = self.fetch(nxt.sparse)
-            yield cur, lk
-            cur, lk = nxt, nlk
-        yield cur, lk
+    def prefetching(self, batches: Iterable[Any], depth: int = 1) -> Iterator[tuple[Any, Lookup]]:
+        """(batch, its lookup) pairs, the lookups of the next `depth` batches issued before the current one is
+        handed out (deeper hides longer round trips; each batch of depth makes the rows one batch staler)."""
+        if depth < 1:
+            raise ValueError(f"prefetch depth={depth!r} must be >= 1")
+        ahead: collections.deque = collections.deque()
+        for batch in batches:
+            ahead.append((batch, self.fetch(batch.sparse)))
+            if len(ahead) > depth:
+                yield ahead.popleft()
+        while ahead:
+            yield ahead.popleft()
 
     # -- updates ----------------------------------------------------------------------------------------
     def push(self, lk: Lookup, grads: torch.Tensor) -> None:

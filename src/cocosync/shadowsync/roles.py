@@ -25,8 +25,8 @@ class ClusterConfig:
     """embedding parameter servers per node (their shards live in the node's shared memory)."""
     sync_servers: int | None = None
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
-    prefetch: bool = True
-    """request the next batch's embedding rows while the current batch trains."""
+    prefetch: int = 2
+    """batches whose embedding rows are requested ahead of the one training (0: none)."""
     max_inflight: int = 4
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
 
@@ -35,6 +35,8 @@ class ClusterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
+        if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
+            raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 

@@ -53,10 +53,10 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
                  group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
-                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: bool = True):
+                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1):
         """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
-        `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the next
-        batch's rows from the servers while the current batch trains."""
+        `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the rows of the
+        next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due)."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
         self.remote, self.prefetch = embeddings, prefetch
@@ -132,8 +132,8 @@ class Trainer:
         pos = self.state.positions[self.rank]
         fr = self.cfg.sync.mode == "foreground"
         batches = self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
-        if self.remote is not None and self.prefetch:
-            pairs = self.remote.prefetching(batches)
+        if self.remote is not None and self.prefetch > 0:
+            pairs = self.remote.prefetching(batches, depth=self.prefetch)
         else:
             pairs = ((b, None) for b in batches)
         try:

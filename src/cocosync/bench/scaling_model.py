@@ -1,0 +1,84 @@
+"""A scaling model of ShadowSync across machines, from quantities measured on this host (bench shadowsync --nodes).
+
+Per machine: `t` trainers and `s` embedding servers, one core each; tables row-hashed over every server, so a fraction
+r = (M-1)/M of each example's rows lives on other machines. Three resources bound a machine's examples per second:
+
+* trainers: t * c(r). A trainer's CPU per example is linear in r between the two measured points: c(0) = the
+  single-node run's examples per trainer CPU-second (every row updated by the trainer itself) and c(1/2) = the 2-node
+  run's (half the rows updated by a server, plus the client's deduplication and RPC work);
+* servers: s * R / (u * r), with R the remote rows one server core serves per CPU-second (a lookup and a gradient
+  each, RPC handling included, measured in the 2-node run) and u the distinct rows per example (measured);
+* network: NIC bytes per direction per example = the trainers' remote-row traffic (ids out, rows in, gradients out,
+  measured per example, scaled by r), mirrored by the servers answering the other machines.
+
+Lookups are prefetched: their round trip leaves the critical path while it is shorter than a batch's compute, else
+a trainer runs at batch / RTT. Efficiency compares with one machine using all t + s cores as trainers on local
+tables: (t + s) * c(0). Dense sync runs in the shadow thread and costs no throughput; it costs sync gap: a round
+moves 2 r D * 4 bytes per trainer over the NIC (each trainer all-reduces across machines, as implemented), at the
+bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap = round time * iterations per second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["Measured", "project", "projection_table", "RATIOS", "MACHINES", "GBPS"]
+
+MACHINES = (1, 2, 4, 8, 16, 32, 64, 128)
+GBPS = (10, 25, 100)
+RATIOS = ((15, 1), (12, 4), (10, 6), (8, 8))  # (trainers, servers) on a 16-core machine
+
+
+@dataclass
+class Measured:
+    """Inputs of the model, each measured (see bench/shadowsync_nodes.py)."""
+
+    c_single: float  # examples per trainer CPU-second, one node (tables local)
+    c_remote: float  # ... on the 2-node run (half the rows remote)
+    rows_per_example: float  # distinct rows fetched per example
+    remote_bytes_per_example: float  # trainer-side RPC bytes per example if every row were remote
+    dense_params: int
+    rpc_s: float  # lookup round trip
+    server_rows_per_s: float  # remote rows one server core serves per CPU-second (lookup + gradient, RPC included)
+    batch_size: int
+    latency_s: float = 50e-6  # one network hop of the dense ring (assumed for data-centre networks)
+
+
+def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int) -> dict:
+    """Examples per second of `machines` machines, the binding resource, efficiency and sync gap."""
+    remote = (machines - 1) / machines
+    # trainer CPU per example, linear in the remote fraction through the two measured points (r = 0 and r = 1/2)
+    per_example = 1.0 / m.c_single + 2 * remote * (1.0 / m.c_remote - 1.0 / m.c_single)
+    if per_example <= 0:
+        raise ValueError(f"c_remote={m.c_remote:g} >= 2 * c_single={m.c_single:g}: the linear trainer-cost model "
+                         "does not extrapolate to every row remote")
+    c = 1.0 / per_example
+    step_s = m.batch_size / c
+    per_trainer = c if m.rpc_s <= step_s or machines == 1 else m.batch_size / m.rpc_s
+    bounds = {"trainers": trainers * per_trainer}
+    nic = gbps * 1e9 / 8
+    if remote > 0:
+        bounds["network"] = nic / (m.remote_bytes_per_example * remote)
+        bounds["servers"] = servers * m.server_rows_per_s / (m.rows_per_example * remote)
+    limit = min(bounds, key=bounds.get)
+    eps_machine = bounds[limit]
+    ideal = (trainers + servers) * m.c_single  # one machine, every core a trainer, tables local
+    left = nic - eps_machine * m.remote_bytes_per_example * remote
+    if machines == 1:
+        round_s = 0.0
+    elif left <= 0:
+        round_s = float("inf")
+    else:
+        round_s = trainers * 2 * remote * m.dense_params * 4 / left + 2 * (machines - 1) * m.latency_s
+    gap = round_s * (eps_machine / trainers) / m.batch_size
+    return {"machines": machines, "gbps": gbps, "trainers_per_machine": trainers, "servers_per_machine": servers,
+            "eps": eps_machine * machines, "efficiency": eps_machine / ideal, "limit": limit,
+            "sync_round_s": round_s, "sync_gap": gap}
+
+
+def projection_table(m: Measured) -> list[dict]:
+    return [project(m, n, g, t, s) for t, s in RATIOS for g in GBPS for n in MACHINES]
+
+
+def as_dict(m: Measured) -> dict:
+    return asdict(m)
