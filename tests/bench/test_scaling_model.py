@@ -9,7 +9,7 @@ from cocosync.bench.scaling_model import Measured, project, projection_table
 
 def _m(**kw) -> Measured:
     base = dict(c_single=40_000.0, c_remote=40_000.0, rows_per_example=20.0, remote_bytes_per_example=1_000.0,
-                dense_params=27_601, rpc_s=0.002, server_rows_per_s=2e7, batch_size=256)
+                dense_params=27_601, rpc_s=0.002, server_call_s=1e-6, server_row_s=5e-8, batch_size=256)
     return Measured(**{**base, **kw})
 
 
@@ -19,7 +19,7 @@ def test_one_machine_is_the_reference_but_its_server_core_idles():
 
 
 def test_trainer_cost_is_linear_in_the_remote_fraction():
-    m = _m(c_remote=50_000.0)  # servers take the remote rows' updates: a trainer gets cheaper per example
+    m = _m(c_remote=50_000.0, server_row_s=1e-9)  # servers take the remote rows' updates: trainers get cheaper
     p2, p32 = project(m, 2, 100, 15, 1), project(m, 32, 100, 15, 1)
     assert p2["limit"] == "trainers" and math.isclose(p2["eps"], 2 * 15 * 50_000)
     r = 31 / 32
@@ -35,10 +35,17 @@ def test_a_thin_network_binds_and_more_servers_do_not_help_it():
     assert p["sync_gap"] == math.inf  # no bandwidth left for the dense sync
 
 
-def test_slow_servers_bind_and_more_servers_lift_them():
-    slow = _m(server_rows_per_s=5e5)
+def test_slow_rows_bind_the_servers_and_more_servers_lift_them():
+    slow = _m(server_row_s=2e-6)
     assert project(slow, 32, 100, 15, 1)["limit"] == "servers"
     assert project(slow, 32, 100, 12, 4)["efficiency"] > project(slow, 32, 100, 15, 1)["efficiency"]
+
+
+def test_the_per_call_cost_grows_with_machines_and_more_servers_do_not_lift_it():
+    m = _m(server_call_s=5e-4)  # every trainer batch calls every remote server
+    e = [project(m, n, 100, 12, 4) for n in (2, 8, 32)]
+    assert e[2]["limit"] == "servers" and e[0]["efficiency"] > e[1]["efficiency"] > e[2]["efficiency"]
+    assert math.isclose(project(m, 32, 100, 8, 8)["eps"] / 32, 1 / (31 * 5e-4 / 256 + 20 * 31 / 32 * 5e-8 / 8))
 
 
 def test_a_round_trip_longer_than_a_batch_slows_the_trainers():

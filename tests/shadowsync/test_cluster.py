@@ -47,16 +47,17 @@ def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmu
 
 
 def test_two_node_run_learns_like_the_single_node_run(tmp_path):
-    """Same examples, same trainers (T=2): eval NE of the 2-node run within a few percent of the single-node run
-    (the gap measured at this small size is run-to-run noise; BENCHMARKS.md compares at full size)."""
-    args = ["--examples", "40000", "--eval-examples", "5000", "--sync", "shadow-ma"]
+    """Same examples, same trainers (T=2), foreground model averaging every iteration (the shadow thread's timing
+    would add run-to-run noise at this small size; BENCHMARKS.md compares Shadow-BMUF at full size): eval NE of the
+    2-node run within 3% of the single-node run."""
+    args = ["--examples", "120000", "--eval-examples", "10000", "--sync", "fr-ma", "--sync-every", "1"]
     two = tmp_path / "two"
     _ok(run_nodes(["-m", "cocosync.shadowsync", *args, "--out", str(two)], nproc_per_node=2, timeout=240))
     one = tmp_path / "one"
     subprocess.run([sys.executable, "-m", "cocosync.cli", "train", *args, "--trainers", "2", "--out", str(one),
                     "--no-progress"], check=True, capture_output=True, timeout=240)
     ne2, ne1 = _summary(two)["eval_ne"], _summary(one)["eval_ne"]
-    assert abs(ne2 - ne1) / ne1 < 0.06, (ne2, ne1)
+    assert abs(ne2 - ne1) / ne1 < 0.03, (ne2, ne1)
 
 
 def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path):

@@ -6,8 +6,11 @@ r = (M-1)/M of each example's rows lives on other machines. Three resources boun
 * trainers: t * c(r). A trainer's CPU per example is linear in r between the two measured points: c(0) = the
   single-node run's examples per trainer CPU-second (every row updated by the trainer itself) and c(1/2) = the 2-node
   run's (half the rows updated by a server, plus the client's deduplication and RPC work);
-* servers: s * R / (u * r), with R the remote rows one server core serves per CPU-second (a lookup and a gradient
-  each, RPC handling included, measured in the 2-node run) and u the distinct rows per example (measured);
+* servers: each server core pays k_call CPU per message and k_row per row (measured: server_costs.py). Row hash
+  sends every trainer batch one message (its lookup, the previous gradients riding on it) to *every* remote server,
+  so a server receives (M-1) x / B messages per second from the other machines (x: a machine's examples/s, B:
+  batch), whatever s is, plus x u r / s rows (u: distinct rows per example, measured):
+  x <= 1 / ((M-1) k_call / B + u r k_row / s). The per-message term grows with the machine count;
 * network: NIC bytes per direction per example = the trainers' remote-row traffic (ids out, rows in, gradients out,
   measured per example, scaled by r), mirrored by the servers answering the other machines.
 
@@ -39,7 +42,8 @@ class Measured:
     remote_bytes_per_example: float  # trainer-side RPC bytes per example if every row were remote
     dense_params: int
     rpc_s: float  # lookup round trip
-    server_rows_per_s: float  # remote rows one server core serves per CPU-second (lookup + gradient, RPC included)
+    server_call_s: float  # server CPU per RPC call (k_call)
+    server_row_s: float  # server CPU per row of a lookup + its gradient (k_row)
     batch_size: int
     latency_s: float = 50e-6  # one network hop of the dense ring (assumed for data-centre networks)
 
@@ -59,7 +63,9 @@ def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int
     nic = gbps * 1e9 / 8
     if remote > 0:
         bounds["network"] = nic / (m.remote_bytes_per_example * remote)
-        bounds["servers"] = servers * m.server_rows_per_s / (m.rows_per_example * remote)
+        per_example = ((machines - 1) * m.server_call_s / m.batch_size
+                       + m.rows_per_example * remote * m.server_row_s / servers)
+        bounds["servers"] = 1.0 / per_example
     limit = min(bounds, key=bounds.get)
     eps_machine = bounds[limit]
     ideal = (trainers + servers) * m.c_single  # one machine, every core a trainer, tables local

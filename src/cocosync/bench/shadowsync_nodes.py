@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from cocosync.bench.scaling_model import GBPS, MACHINES, RATIOS, Measured, projection_table
+from cocosync.bench.server_costs import measure_server_costs
 from cocosync.testing.multinode import run_nodes
 
 __all__ = ["run_nodes_suite", "report"]
 
 KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_wait_fraction",
         "sparse_bytes_per_example", "dense_bytes_per_example", "rpc_round_trip_s", "staleness", "remote_row_fraction",
-        "rows_per_example", "server_rows_per_cpu_s")
+        "rows_per_example", "server_rows_per_cpu_s", "server_cpu_seconds", "remote_calls")
 
 
 def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
@@ -113,16 +114,23 @@ def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out
         _verdict(abs(two["eval_ne"] / one["eval_ne"] - 1) <= 0.01, "eval NE, 2 nodes vs 1",
                  f"{100 * (two['eval_ne'] / one['eval_ne'] - 1):+.2f}% (target within 1%)"),
     ]
+    costs = measure_server_costs()
     measured = Measured(
         c_single=one["eps_per_cpu"], c_remote=two["eps_per_cpu"], rows_per_example=two["rows_per_example"],
         remote_bytes_per_example=two["sparse_bytes_per_example"] / max(two["remote_row_fraction"], 1e-9),
         dense_params=int(two["dense_params"]), rpc_s=two["rpc_round_trip_s"],
-        server_rows_per_s=two["server_rows_per_cpu_s"], batch_size=batch_size)
+        server_call_s=costs["call_s"], server_row_s=costs["row_s"], batch_size=batch_size)
     proj = projection_table(measured)
-    check = _model_check(measured, one, two)
+    check = _model_check(measured, two)
     verdicts += _projection_verdicts(proj)
     for line in verdicts:
         console.print(("[green]" if line.startswith("PASS") else "[red]") + line)
+    console.print(f"server costs: {1e6 * costs['call_s']:.0f} us CPU per RPC call, "
+                  f"{1e9 * costs['row_s']:.0f} ns per row")
+    for c in check:
+        err = abs(c["predicted"] - c["measured"]) / max(abs(c["measured"]), 1e-12)
+        console.print(f"model check: {c['quantity']}: predicted {c['predicted']:.4g}, measured {c['measured']:.4g} "
+                      f"({err:.0%} off)")
     pcols = ["trainers:servers", "Gb/s"] + [str(n) for n in MACHINES]
     prow = []
     for t, s in RATIOS:
@@ -158,11 +166,14 @@ def _json_row(name: str, r: dict) -> dict:
             "server_rows_per_cpu_s": r.get("server_rows_per_cpu_s")}
 
 
-def _model_check(m: Measured, one: dict, two: dict) -> list[dict]:
-    """The model against the runs it can be checked on: bytes per example over the network and the lookup wait."""
+def _model_check(m: Measured, two: dict) -> list[dict]:
+    """The model against what the 2-node run measured: the servers' CPU, network bytes, the lookup wait."""
     remote = 0.5  # two nodes, row hash
-    pred_bytes = m.remote_bytes_per_example * remote
-    return [{"quantity": "sparse bytes per example, 2 nodes", "predicted": pred_bytes,
+    rows = two["remote_row_fraction"] * two["rows_per_example"] * two["examples"]
+    return [{"quantity": "server CPU seconds, 2 nodes (calls x k_call + rows x k_row)",
+             "predicted": two["remote_calls"] * m.server_call_s + rows * m.server_row_s,
+             "measured": two["server_cpu_seconds"]},
+            {"quantity": "sparse bytes per example, 2 nodes", "predicted": m.remote_bytes_per_example * remote,
              "measured": two["sparse_bytes_per_example"]},
             {"quantity": "lookup wait fraction, 2 nodes (0 when RTT < batch compute)",
              "predicted": 0.0 if m.rpc_s <= m.batch_size / m.c_remote else 1 - m.rpc_s / (m.batch_size / m.c_remote),

@@ -273,6 +273,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "dense_params": D,
         "remote_row_fraction": sum(x["remote_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
         "_remote_rows": sum(x["remote_rows"] for x in lk),
+        "remote_calls": sum(x["rpc_calls"] + x["push_calls"] for x in lk),  # messages to remote servers
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": False,

@@ -12,9 +12,10 @@ trainers on other nodes go through RPC. Updates are row-wise Adagrad or SGD, Hog
 `rowwise_update` as the local tables. Each row carries a version (its update count): a push reports how many
 updates its rows received between their fetch and its gradient (the staleness of asynchronous lookups).
 
-`ShardedEmbeddings.fetch` issues a lookup and returns at once; `prefetching(batches)` requests the next batch's rows
-while the current batch trains (ShadowSync's idea on the sparse side); `push` sends row gradients back
-asynchronously with at most `max_inflight` pushes outstanding.
+`ShardedEmbeddings.fetch` issues a lookup and returns at once; `prefetching(batches)` requests the next batches' rows
+while the current batch trains (ShadowSync's idea on the sparse side). `push` queues row gradients for remote servers:
+they ride on the next lookup to the same server (one message per server and batch: a server's CPU goes mostly to
+per-message overhead, measured by bench/server_costs.py), or go alone once `max_inflight` batches are waiting.
 """
 
 from __future__ import annotations
@@ -93,17 +94,27 @@ class Shard:
 _SERVED: dict[int, Shard] = {}  # the shards this process serves, by server index (module state: RPC calls land here)
 
 
+def _push_bytes(pushes: list) -> int:
+    return sum(ids.numel() * 16 + g.numel() * g.element_size() for ids, g, _ in pushes)
+
+
 def serve_shard(server: int, shard: Shard) -> None:
     """Make `shard` answer the RPCs addressed to `server` in this process."""
     _SERVED[server] = shard
 
 
-def _rpc_lookup(server: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _SERVED[server].lookup(ids)
+def _rpc_push_lookup(server: int, pushes: list, ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """Apply the pushes [(ids, grads, fetched versions)] that rode along, then look `ids` up: one message per
+    remote server and batch (its summed staleness, rows, versions)."""
+    shard = _SERVED[server]
+    stale = sum(shard.apply(*push) for push in pushes)
+    rows, versions = shard.lookup(ids)
+    return stale, rows, versions
 
 
-def _rpc_push(server: int, ids: torch.Tensor, grads: torch.Tensor, fetched: torch.Tensor) -> int:
-    return _SERVED[server].apply(ids, grads, fetched)
+def _rpc_push(server: int, pushes: list) -> int:
+    shard = _SERVED[server]
+    return sum(shard.apply(*push) for push in pushes)
 
 
 # ---------------------------------------------------------------------------------------------- client side
@@ -118,7 +129,8 @@ class LookupStats:
     bytes_sent: int = 0  # RPC payload bytes (ids, gradients, versions), both directions counted where they go
     bytes_received: int = 0
     rpc_s: float = 0.0  # summed round trips of remote lookups (issue -> answer arrived)
-    rpc_calls: int = 0
+    rpc_calls: int = 0  # lookup messages (pushes ride on them)
+    push_calls: int = 0  # messages of pushes alone (queue full, or the final flush)
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
     stale_rows: int = 0
@@ -164,6 +176,7 @@ class ShardedEmbeddings:
         self.stats = LookupStats()
         self._lock = threading.Lock()
         self._inflight: collections.deque = collections.deque()
+        self._pending: dict[int, list] = {}  # server -> pushes waiting for the next message to it
 
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, sparse: torch.Tensor) -> Lookup:
@@ -187,7 +200,10 @@ class ShardedEmbeddings:
             if isinstance(server, Shard):
                 parts.append(server.lookup(ids))
             else:
-                parts.append(rpc.rpc_async(server, _rpc_lookup, args=(s, ids)))
+                with self._lock:
+                    pushes = self._pending.pop(s, [])
+                    self.stats.bytes_sent += _push_bytes(pushes) + ids.numel() * 8
+                parts.append(rpc.rpc_async(server, _rpc_push_lookup, args=(s, pushes, ids)))
         lk = Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
         for part in parts:
             if not isinstance(part, tuple):  # the round trip proper, not the time until the trainer looks
@@ -201,12 +217,13 @@ class ShardedEmbeddings:
         blocked = 0.0
         rows = torch.empty(lk.uniq.numel(), self.dim)
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
-        remote = received = calls = 0
+        remote = received = calls = stale = 0
         for (s, lo, hi), part in zip(lk.bounds, lk.parts):
             if not isinstance(part, tuple):
                 t0 = time.perf_counter()
-                part = self._wait(part, s, "a lookup")
+                pushed_stale, *part = self._wait(part, s, "a lookup")
                 blocked += time.perf_counter() - t0
+                stale += pushed_stale
                 remote += hi - lo
                 calls += 1
                 received += part[0].numel() * part[0].element_size() + part[1].numel() * 8
@@ -220,7 +237,7 @@ class ShardedEmbeddings:
             st.lookups += 1
             st.rows += lk.uniq.numel()
             st.remote_rows += remote
-            st.bytes_sent += remote * 8
+            st.stale_sum += stale
             st.bytes_received += received
             answered = list(lk.answered)[:calls]  # a callback may still be on its way: count it as answered now
             now = time.perf_counter()
@@ -248,26 +265,36 @@ class ShardedEmbeddings:
 
     # -- updates ----------------------------------------------------------------------------------------
     def push(self, lk: Lookup, grads: torch.Tensor) -> None:
-        """Send the gradient of each distinct row of `lk` ([U, dim]) to its server; at most `max_inflight` pushes of
-        this client are outstanding (the oldest is waited for)."""
-        sent = stale = 0
-        futures = []
-        for s, lo, hi in lk.bounds:
-            idx = lk.order[lo:hi]
-            ids = lk.uniq[idx] // self.hash.servers
-            g, v = grads.index_select(0, idx), lk.versions[idx]
-            server = self.servers[s]
-            if isinstance(server, Shard):
-                stale += server.apply(ids, g, v)
-            else:
-                futures.append((s, rpc.rpc_async(server, _rpc_push, args=(s, ids, g, v))))
-                sent += ids.numel() * 16 + g.numel() * g.element_size()
+        """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards now; for a remote server, queued
+        to ride on the next lookup sent to it (sent alone once `max_inflight` batches of pushes are queued)."""
+        stale = 0
+        alone: list = []
         with self._lock:
+            for s, lo, hi in lk.bounds:
+                idx = lk.order[lo:hi]
+                ids = lk.uniq[idx] // self.hash.servers
+                g, v = grads.index_select(0, idx), lk.versions[idx]
+                if isinstance(self.servers[s], Shard):
+                    stale += self.servers[s].apply(ids, g, v)
+                    continue
+                queue = self._pending.setdefault(s, [])
+                queue.append((ids, g, v))
+                if len(queue) >= self.max_inflight:
+                    alone.append((s, self._pending.pop(s)))
             st = self.stats
             st.pushes += 1
             st.stale_sum += stale
             st.stale_rows += lk.uniq.numel()
-            st.bytes_sent += sent
+        self._send_alone(alone)
+
+    def _send_alone(self, batches: list) -> None:
+        """Send queued pushes without a lookup; at most `max_inflight` such messages stay unanswered."""
+        if not batches:
+            return
+        futures = [(s, rpc.rpc_async(self.servers[s], _rpc_push, args=(s, pushes))) for s, pushes in batches]
+        with self._lock:
+            self.stats.bytes_sent += sum(_push_bytes(p) for _, p in batches)
+            self.stats.push_calls += len(futures)
             self._inflight.extend(futures)
             excess = [self._inflight.popleft() for _ in range(max(0, len(self._inflight) - self.max_inflight))]
         self._retire(excess)
@@ -284,7 +311,11 @@ class ShardedEmbeddings:
             self.stats.stale_sum += stale
 
     def flush(self) -> None:
-        """Wait for every outstanding push (before reading the tables or reporting)."""
+        """Send every queued push and wait for all of them (before reading the tables or reporting)."""
+        with self._lock:
+            queued = list(self._pending.items())
+            self._pending.clear()
+        self._send_alone(queued)
         with self._lock:
             futures = list(self._inflight)
             self._inflight.clear()
