@@ -122,7 +122,7 @@ def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out
         server_call_s=costs["call_s"], server_row_s=costs["row_s"], batch_size=batch_size)
     proj = projection_table(measured)
     check = _model_check(measured, two)
-    verdicts += _projection_verdicts(proj)
+    verdicts += _projection_verdicts(proj, measured)
     for line in verdicts:
         console.print(("[green]" if line.startswith("PASS") else "[red]") + line)
     console.print(f"server costs: {1e6 * costs['call_s']:.0f} us CPU per RPC call, "
@@ -180,7 +180,7 @@ def _model_check(m: Measured, two: dict) -> list[dict]:
              "measured": two["lookup_wait_fraction"]}]
 
 
-def _projection_verdicts(proj: list[dict]) -> list[str]:
+def _projection_verdicts(proj: list[dict], m: Measured) -> list[str]:
     out = []
     at32 = [p for p in proj if p["machines"] == 32]
     best = max(at32, key=lambda p: p["efficiency"])
@@ -192,7 +192,30 @@ def _projection_verdicts(proj: list[dict]) -> list[str]:
         if p["gbps"] == 10:
             out.append(f"NOTE at 32 machines, {p['trainers_per_machine']}:{p['servers_per_machine']}, 10 Gb/s: "
                        f"{p['efficiency']:.0%}, bound by {p['limit']}")
+    if not ok:  # what the binding resource would have to cost for the target
+        need = _needed_call_cost(m)
+        out.append(f"NOTE 90% at 32 machines (best ratio, 10 Gb/s) needs a server message to cost <= "
+                   f"{1e6 * need:.1f} us of CPU (measured {1e6 * m.server_call_s:.0f} us), or as many fewer "
+                   f"messages (lookups of {m.server_call_s / max(need, 1e-12):.0f} batches per message)"
+                   if need > 0 else "NOTE 90% at 32 machines is out of reach whatever a message costs "
+                   "(another resource binds first)")
     return out
+
+
+def _needed_call_cost(m: Measured) -> float:
+    """The largest server CPU per message at which some trainer:server ratio reaches 90% at 32 machines (0: none)."""
+    from dataclasses import replace
+
+    from cocosync.bench.scaling_model import project
+
+    lo, hi = 0.0, m.server_call_s
+    best = lambda k: max(project(replace(m, server_call_s=k), 32, 10, t, s)["efficiency"] for t, s in RATIOS)
+    if best(lo) < 0.9:
+        return 0.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if best(mid) >= 0.9 else (lo, mid)
+    return lo
 
 
 def _verdict(ok: bool, what: str, detail: str) -> str:

@@ -23,9 +23,10 @@ from cocosync.shadowsync.train_config import ConfigError
 @cluster_options
 @click.option("--max-inflight", type=int, default=4, show_default=True,
               help="row-gradient pushes a trainer may have outstanding.")
+@click.option("--resume", type=click.Path(), help="a checkpoint directory, or a run directory (its latest checkpoint).")
 @click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
 def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
-         max_inflight: int, json_out: bool, **opts) -> None:
+         stop_after: int | None, max_inflight: int, resume: str | None, json_out: bool, **opts) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     import json
 
@@ -39,7 +40,7 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     console = Console(stderr=True)
     try:
         cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
-                                max_inflight=max_inflight)
+                                max_inflight=max_inflight, resume=resume, stop_after=stop_after)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():
@@ -51,6 +52,9 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
                   f"{summary['eps']:,.0f} examples/s, eval NE {summary['eval_ne']:.4f}, "
                   f"lookup wait {summary['lookup_wait_fraction']:.1%} of step time, "
                   f"staleness {summary['staleness']:.2f} updates -> {cfg.out_dir}/summary.json")
+    if summary.get("checkpoint"):
+        console.print(f"checkpoint: {summary['checkpoint']}"
+                      + (f"  (stopped: continue with --resume {cfg.out_dir})" if summary["stopped"] else ""))
     if json_out:
         click.echo(json.dumps(json_safe(summary), default=str))
 

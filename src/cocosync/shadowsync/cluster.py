@@ -37,6 +37,14 @@ from rich.console import Console
 
 from cocosync.runtime.comm.shm import Arena
 from cocosync.runtime.comm.topology import node_groups, topology_from_env
+from cocosync.shadowsync.cluster_checkpoint import (
+    CheckpointParts,
+    check_resumable,
+    load_job,
+    read_meta,
+    resolve,
+    save_job,
+)
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
@@ -81,8 +89,11 @@ class _Job:
     data: Any
     model_cfg: Any
     shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
+    rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
     dense_group: HierarchicalGroup | None = None
+    center: CenterShard | None = None  # a sync server's range of EASGD's centre
+    dense_params: int = 0
 
 
 def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
@@ -92,6 +103,11 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method))
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
+    resume = meta = None
+    if cluster.resume is not None:  # checked on every rank before anything starts: all fail alike
+        resume = resolve(cluster.resume)
+        meta = read_meta(resume)
+        check_resumable(meta, cfg, roles.trainers, resume)
     _loopback_interfaces()
     timeout = datetime.timedelta(seconds=cfg.timeout)
     torch.set_num_threads(cfg.threads)
@@ -108,11 +124,24 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                              _transports=["uv"], _channels=["basic"]))
         job = _setup(cfg, cluster, roles)
         kind, index = roles.role()
+        parts = CheckpointParts(kind, index, shard=job.shards.get(index) if kind == "embedding" else None,
+                                center=job.center.values if job.center is not None else None)
+        run = _make_trainer(job, index, console) if kind == "trainer" else None
+        parts.trainer = run.trainer if run is not None else None
+        if resume is not None:
+            load_job(parts, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
+                     sync_servers=roles.sync_per_node * topo.nnodes)
+            dist.barrier()  # every part is back before a trainer reads a row
         cpu0 = time.process_time()
-        summary = _train(job, index, console) if kind == "trainer" else None
-        # servers serve until every trainer is done (and trainer 0 has scored the model); then the servers' CPU time
-        # since set-up, for the job's examples per CPU-second (servers included)
+        summary = _run_trainer(job, run, index) if run is not None else None
+        # servers serve until every trainer is done (and trainer 0 has scored the model)
         dist.barrier()
+        if cfg.checkpoint:
+            ckpt = save_job(parts, Path(cfg.out_dir), _meta(job, summary) if summary is not None else None,
+                            writer=roles.rank_of("trainer", 0))
+            if summary is not None:
+                summary["checkpoint"] = str(ckpt)
+        # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
         cpu: list[Any] = [None] * topo.world_size
         dist.all_gather_object(cpu, (kind, time.process_time() - cpu0))
         if summary is not None:
@@ -164,11 +193,12 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
+    flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
+    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel())
     if kind == "sync":
-        flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
-        serve_center(index, CenterShard(flat[lo:hi]))
-    job = _Job(cfg, cluster, roles, data, model_cfg, shards)
+        job.center = CenterShard(flat[lo:hi])
+        serve_center(index, job.center)
     trainers = roles.ranks("trainer")
     job.trainer_group = dist.new_group(trainers)
     Tn, nnodes = roles.trainers_per_node, topo.nnodes
@@ -188,7 +218,15 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
     return job
 
 
-def _train(job: _Job, t: int, console: Any) -> dict | None:
+@dataclasses.dataclass
+class _TrainerRun:
+    trainer: Trainer
+    tables: ShardedEmbeddings
+    center: RemoteCenter | None
+    logger: MetricsLogger | None
+
+
+def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
@@ -201,23 +239,41 @@ def _train(job: _Job, t: int, console: Any) -> dict | None:
         center = RemoteCenter(init.numel(), [roles.rpc_name(r) for r in roles.ranks("sync")])
     state = SharedState.private(cfg, init)
     source = trainer_source(cfg, data, t)
-    out = Path(cfg.out_dir)
     logger = None
     if t == 0:
+        out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
-        logger = MetricsLogger(out / "metrics.jsonl")
+        logger = MetricsLogger(out / "metrics.jsonl", append=job.cluster.resume is not None)
         logger.log(event="start", name=_name(cfg, roles), config=config_to_dict(cfg), nodes=roles.topo.nnodes)
     emit = _progress(logger, console, roles) if logger is not None else (lambda rec: None)
+    stop_at = None
+    if job.cluster.stop_after is not None:  # this trainer's share of the examples to stop at
+        stop_at = job.cluster.stop_after // roles.trainers
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
-                      prefetch=job.cluster.prefetch, emit=emit)
-    result = trainer.train()
+                      prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at)
+    return _TrainerRun(trainer, tables, center, logger)
+
+
+def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
+    roles = job.roles
+    resumed = int(run.trainer.state.positions[t].sum())
+    result = run.trainer.train()
+    result["resumed_from"] = resumed
     results: list[Any] = [None] * roles.trainers if t == 0 else []
     dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=job.trainer_group)
     if t != 0:
         return None
-    if center is not None:
-        trainer.flat.flat.copy_(center.values())
-    return _finish(job, trainer, tables, results, logger)
+    if run.center is not None:
+        run.trainer.flat.flat.copy_(run.center.values())
+    return _finish(job, run.trainer, run.tables, results, run.logger)
+
+
+def _meta(job: _Job, summary: dict) -> dict:
+    roles = job.roles
+    return {"config": config_to_dict(job.cfg), "trainers": roles.trainers, "workers": job.cfg.workers,
+            "embedding_servers": job.rowhash.servers, "sync_servers": roles.sync_per_node * roles.topo.nnodes,
+            "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.data.table_sizes),
+            "examples_seen": summary["examples"] + summary["resumed_from"], "stopped": summary["stopped"]}
 
 
 def _name(cfg: TrainConfig, roles: Roles) -> str:
@@ -253,8 +309,11 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         per_sync = 2 * D * 4 * (N - 1) / N
     else:
         per_sync = 0.0
+    resumed = sum(r["resumed_from"] for r in results)
+    seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
+        "resumed_from": resumed, "stopped": seen < cfg.examples,
         "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
         "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
         "examples": examples, "eps": examples / max(seconds, 1e-9),
@@ -278,7 +337,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": False,
     }
-    logger.log(event="eval", examples=examples, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
+    logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **json_safe(summary))
     logger.close()
     return summary  # written by _add_job_cpu once the servers' CPU time is known

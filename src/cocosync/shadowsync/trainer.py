@@ -53,13 +53,15 @@ class Trainer:
 
     def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
                  group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
-                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1):
+                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1,
+                 stop_at: int | None = None):
         """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
         `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the rows of the
-        next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due)."""
+        next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due);
+        `stop_at`: stop once this trainer's reader positions sum to this many examples."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
-        self.remote, self.prefetch = embeddings, prefetch
+        self.remote, self.prefetch, self.stop_at = embeddings, prefetch, stop_at
         if embeddings is None:
             self.model = build_model(self.data, self.model_cfg, state.embeddings)
         else:
@@ -139,6 +141,8 @@ class Trainer:
         try:
             for batch, lookup in pairs:
                 if self.state.stop[0] or self.errors:
+                    break
+                if self.stop_at is not None and int(pos.sum()) >= self.stop_at:
                     break
                 self.train_step(batch, lookup)
                 pos[w] += len(batch)

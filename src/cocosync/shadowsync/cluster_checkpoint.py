@@ -1,0 +1,149 @@
+"""Checkpoints of a multi-machine ShadowSync job with torch.distributed.checkpoint (DCP).
+
+Every rank saves its own part in one collective `dcp.save`: an embedding server its shard (weights, row-wise Adagrad
+accumulator, row versions), a sync server its range of EASGD's centre, a trainer its dense replica, dense Adagrad
+accumulator, BMUF state and reader positions. Trainer 0 adds `meta.json` (config, topology, examples seen). A
+checkpoint is a directory `checkpoints/seen-<examples>` under the run's output; `checkpoints/latest` names the last
+complete one (replaced atomically after every rank has written), so a crash while saving leaves the previous one.
+
+Loading is collective too. On the same topology every rank reads back its own keys (exact resume). With another
+number of embedding or sync servers each new server reads every old shard and keeps the rows the new row hash gives
+it (a read amplification of the old server count, paid once at resume). The trainer count must match: reader
+positions are per trainer shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from cocosync.shadowsync.param_server import RowHash, Shard
+from cocosync.shadowsync.sync.center import center_bounds
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
+
+__all__ = ["CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable"]
+
+RESUME_KEYS = ("data", "examples", "workers", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
+
+
+@dataclass
+class CheckpointParts:
+    """What this rank owns: its embedding shard (server), centre range (sync server) or trainer state."""
+
+    kind: str
+    index: int
+    shard: Shard | None = None
+    center: torch.Tensor | None = None  # this sync server's range of the centre
+    trainer: Any = None  # the Trainer (dense replica, accumulator, sync state, reader positions)
+
+
+def _trainer_tensors(trainer: Any, t: int) -> dict[str, torch.Tensor]:
+    out = {f"trainer.{t}.flat": trainer.flat.flat, f"trainer.{t}.accumulator": trainer.accumulator,
+           f"trainer.{t}.positions": trainer.state.positions[t]}
+    sync = trainer.sync
+    if sync.name == "bmuf":
+        out.update({f"trainer.{t}.bmuf.global": sync.global_params, f"trainer.{t}.bmuf.start": sync.start,
+                    f"trainer.{t}.bmuf.delta": sync.delta})
+    return out
+
+
+def _state_dict(parts: CheckpointParts) -> dict[str, torch.Tensor]:
+    i = parts.index
+    if parts.kind == "embedding":
+        s = parts.shard
+        return {f"emb.{i}.weight": s.weight, f"emb.{i}.accumulator": s.accumulator, f"emb.{i}.versions": s.versions}
+    if parts.kind == "sync":
+        return {f"center.{i}": parts.center}
+    return _trainer_tensors(parts.trainer, i)
+
+
+def save_job(parts: CheckpointParts, root: Path, meta: dict | None, *, writer: int) -> Path:
+    """Collective: every rank writes its part into root/checkpoints/seen-<N>; the writer (the rank holding `meta`:
+    trainer 0) then points root/checkpoints/latest at it."""
+    seen = [int(meta["examples_seen"]) if meta else -1]
+    dist.broadcast_object_list(seen, src=writer)
+    path = root / "checkpoints" / f"seen-{seen[0]}"
+    dcp.save(_state_dict(parts), checkpoint_id=str(path))
+    dist.barrier()  # every rank's files are written before `latest` points here
+    if meta is not None:
+        (path / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+        tmp = root / "checkpoints" / "latest.tmp"
+        tmp.write_text(path.name + "\n")
+        os.replace(tmp, root / "checkpoints" / "latest")
+    return path
+
+
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory from what a user names: the checkpoint itself, or a run directory (its latest)."""
+    p = Path(path)
+    if (p / "meta.json").is_file():
+        return p
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        cand = p / "checkpoints" / latest.read_text().strip()
+        if (cand / "meta.json").is_file():
+            return cand
+    raise ConfigError(f"resume={str(p)!r}: no checkpoint there (expected a directory with meta.json, or a run "
+                      "directory with checkpoints/latest)")
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        return json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"resume={str(path)!r}: unreadable meta.json: {e}") from None
+
+
+def check_resumable(meta: dict, cfg: TrainConfig, trainers: int, path: Path) -> None:
+    """ConfigError naming the first setting that differs from the checkpoint's (reader positions and tables only
+    mean something for the same data, budget and model), or a trainer count that differs."""
+    old, new = meta["config"], config_to_dict(cfg)
+    for key in RESUME_KEYS:
+        if old[key] != new[key]:
+            raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this job has "
+                              f"{key}={new[key]!r}")
+    if meta["trainers"] != trainers:
+        raise ConfigError(f"cannot resume {str(path)!r} with {trainers} trainers: it has {meta['trainers']} (reader "
+                          "positions are per trainer; the number of embedding and sync servers may change)")
+
+
+def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash, centre_numel: int,
+             sync_servers: int) -> None:
+    """Collective: fill this rank's part from the checkpoint (resharding servers when their count changed)."""
+    S_old, C_old = meta["embedding_servers"], meta["sync_servers"]
+    if parts.kind == "embedding" and S_old != rowhash.servers:
+        _load_resharded_shard(parts, path, meta, rowhash)
+        return
+    if parts.kind == "sync" and C_old != sync_servers:
+        old = {f"center.{i}": torch.empty(hi - lo) for i, (lo, hi) in enumerate(center_bounds(centre_numel, C_old))}
+        dcp.load(old, checkpoint_id=str(path))
+        lo, hi = center_bounds(centre_numel, sync_servers)[parts.index]
+        parts.center.copy_(torch.cat([old[f"center.{i}"] for i in range(C_old)])[lo:hi])
+        return
+    dcp.load(_state_dict(parts), checkpoint_id=str(path))
+
+
+def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhash: RowHash) -> None:
+    S_old, s_new, shard = meta["embedding_servers"], parts.index, parts.shard
+    old_hash = RowHash(rowhash.total_rows, S_old)
+    dim = shard.weight.shape[1]
+    old = {}
+    for s in range(S_old):
+        n = old_hash.shard_rows(s)
+        old.update({f"emb.{s}.weight": torch.empty(n, dim), f"emb.{s}.accumulator": torch.empty(n),
+                    f"emb.{s}.versions": torch.empty(n, dtype=torch.int64)})
+    dcp.load(old, checkpoint_id=str(path))
+    for s in range(S_old):
+        g = s + S_old * torch.arange(old_hash.shard_rows(s))  # the global rows of old shard s
+        mine = g % rowhash.servers == s_new
+        local = g[mine] // rowhash.servers
+        shard.weight[local] = old[f"emb.{s}.weight"][mine]
+        shard.accumulator[local] = old[f"emb.{s}.accumulator"][mine]
+        shard.versions[local] = old[f"emb.{s}.versions"][mine]

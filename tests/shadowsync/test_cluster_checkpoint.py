@@ -1,0 +1,93 @@
+"""DCP checkpoints of a multi-machine ShadowSync job: exact resume on the same topology, resharding to another number
+of embedding servers, and refusals that name what differs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from cocosync.shadowsync.param_server import RowHash
+from cocosync.testing.multinode import run_nodes
+
+BASE = ["-m", "cocosync.shadowsync", "--examples", "20000", "--eval-examples", "2000", "--prefetch", "0"]
+
+
+def _run(out: Path, *extra: str, nnodes: int = 1, nproc: int = 2, ok: bool = True):
+    runs = run_nodes([*BASE, "--out", str(out), *extra], nnodes=nnodes, nproc_per_node=nproc, timeout=240)
+    if ok:
+        for r in runs:
+            assert r.returncode == 0, f"node {r.node} exited {r.returncode}:\n{r.output[-4000:]}"
+    return runs
+
+
+def _load(ckpt: Path, tmp: Path) -> dict:
+    flat = tmp / f"{ckpt.parent.parent.name}-{ckpt.name}.pt"
+    dcp_to_torch_save(str(ckpt), str(flat))
+    return torch.load(flat, weights_only=True)
+
+
+def _summary(out: Path) -> dict:
+    return json.loads((out / "summary.json").read_text())
+
+
+def _tables(state: dict, servers: int, total_rows: int) -> torch.Tensor:
+    """The logical [rows, dim] table of a checkpoint from its row-hash shards."""
+    rh = RowHash(total_rows, servers)
+    dim = state["emb.0.weight"].shape[1]
+    out = torch.empty(total_rows, dim)
+    for s in range(servers):
+        out[s + servers * torch.arange(rh.shard_rows(s))] = state[f"emb.{s}.weight"]
+    return out
+
+
+def test_a_stopped_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):
+    """One trainer, one worker, no dense sync, no prefetch: the order is fixed, so the state is bit for bit equal,
+    and every example is seen once."""
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    _run(whole, "--sync", "none")
+    _run(parts, "--sync", "none", "--stop-after", "10000")
+    first = _summary(parts)
+    assert first["stopped"] and 10000 <= first["examples"] < 20000
+    _run(parts, "--sync", "none", "--resume", str(parts))
+    second = _summary(parts)
+    assert not second["stopped"] and second["resumed_from"] == first["examples"]
+    assert first["examples"] + second["examples"] == 20000  # each example once
+    a, b = _load(Path(_summary(whole)["checkpoint"]), tmp_path), _load(Path(second["checkpoint"]), tmp_path)
+    assert a.keys() == b.keys() and any(k.startswith("emb.") for k in a) and any(k.startswith("trainer.") for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert _summary(whole)["eval_ne"] == second["eval_ne"]
+
+
+def test_resume_reshards_the_tables_onto_another_number_of_servers(tmp_path):
+    """2 nodes x (1 server + 1 trainer), stopped; resumed on 1 node with 1 server + 2 trainers (T stays 2): the
+    logical tables are the same rows, now on one server."""
+    two = tmp_path / "two"
+    _run(two, "--sync", "shadow-bmuf", "--stop-after", "8000", nnodes=2, nproc=2)
+    ckpt = Path(_summary(two)["checkpoint"])
+    seen = _summary(two)["examples"]
+    one = tmp_path / "one"
+    _run(one, "--sync", "shadow-bmuf", "--resume", str(ckpt), "--stop-after", "8000", nproc=3)
+    assert _summary(one)["examples"] == 0 and _summary(one)["resumed_from"] == seen  # nothing left below 8000
+    a, b = _load(ckpt, tmp_path), _load(Path(_summary(one)["checkpoint"]), tmp_path)
+    rows = json.loads((ckpt / "meta.json").read_text())["table_rows"]
+    assert torch.equal(_tables(a, 2, sum(rows)), _tables(b, 1, sum(rows)))
+    for t in range(2):  # (BMUF's state moves: the closing sync rounds apply its block momentum once more)
+        assert torch.equal(a[f"trainer.{t}.positions"], b[f"trainer.{t}.positions"])
+        assert torch.equal(a[f"trainer.{t}.accumulator"], b[f"trainer.{t}.accumulator"])
+        assert f"trainer.{t}.bmuf.delta" in b
+
+
+def test_resume_refuses_another_trainer_count_or_budget_naming_it(tmp_path):
+    out = tmp_path / "run"
+    _run(out, "--sync", "none", "--stop-after", "4000")
+    runs = _run(tmp_path / "other", "--sync", "none", "--resume", str(out), nproc=3, ok=False)
+    assert all(r.returncode != 0 for r in runs)
+    assert "with 2 trainers: it has 1" in runs[0].output
+    runs = _run(tmp_path / "other2", "--sync", "none", "--resume", str(out), "--seed", "5", ok=False)
+    assert "it was trained with seed=0, this job has seed=5" in runs[0].output
+    runs = _run(tmp_path / "other3", "--sync", "none", "--resume", str(tmp_path / "nothing"), ok=False)
+    assert "no checkpoint there" in runs[0].output
