@@ -16,7 +16,7 @@ import pytest
 
 from cocosync.runtime.comm.shm import leftover_segments
 from cocosync.testing.launch import free_port
-from cocosync.testing.multinode import run_nodes, start_nodes, twohosts_available, wait_nodes
+from cocosync.testing.multinode import run_nodes, start_nodes, twohosts_available, wait_nodes, worker_pids
 from cocosync.testing.sockets import listening_sockets, process_tree
 
 SMALL = ["--examples", "24000", "--eval-examples", "4000", "--batch-size", "256"]
@@ -73,20 +73,6 @@ def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path):
     assert s["eval_ne"] < 0.95 and s["syncs"] > 0
 
 
-def _workers(agent_pid: int) -> dict[int, int]:
-    """RANK -> pid of the torchrun workers under an agent."""
-    out = {}
-    for pid in process_tree(agent_pid):
-        try:
-            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
-            cmd = Path(f"/proc/{pid}/cmdline").read_text()
-        except OSError:
-            continue
-        if "cocosync.shadowsync" in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
-            out[int(env["RANK"])] = pid
-    return out
-
-
 @pytest.mark.parametrize("victim", [2, 3], ids=["embedding-server", "trainer"])
 def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim):
     """Rank 2 is node 1's embedding server, rank 3 its trainer: every process exits (non-zero) well within the
@@ -102,7 +88,7 @@ def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim):
             time.sleep(0.2)
         servers = {}
         for p in procs:
-            servers.update(_workers(p.pid))
+            servers.update(worker_pids(p.pid))
         os.kill(servers[victim], signal.SIGKILL)
         t0 = time.monotonic()
         runs = wait_nodes(procs, timeout=150)

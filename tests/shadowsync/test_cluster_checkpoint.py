@@ -4,13 +4,17 @@ of embedding servers, and refusals that name what differs."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from cocosync.runtime.comm.shm import leftover_segments
 from cocosync.shadowsync.param_server import RowHash
-from cocosync.testing.multinode import run_nodes
+from cocosync.testing.multinode import run_nodes, start_nodes, wait_nodes, worker_pids
 
 BASE = ["-m", "cocosync.shadowsync", "--examples", "20000", "--eval-examples", "2000", "--prefetch", "0"]
 
@@ -91,3 +95,39 @@ def test_resume_refuses_another_trainer_count_or_budget_naming_it(tmp_path):
     assert "it was trained with seed=0, this job has seed=5" in runs[0].output
     runs = _run(tmp_path / "other3", "--sync", "none", "--resume", str(tmp_path / "nothing"), ok=False)
     assert "no checkpoint there" in runs[0].output
+
+
+def test_periodic_checkpoints_survive_a_killed_trainer_and_the_job_resumes_from_the_last(tmp_path):
+    """2 nodes x (1 server + 1 trainer), Shadow-BMUF, a checkpoint every 20k examples; a trainer is killed after the
+    first one: the job stops, `latest` names an intact checkpoint, and resuming from it finishes the budget with
+    every example seen once."""
+    out = tmp_path / "run"
+    args = ["-m", "cocosync.shadowsync", "--examples", "200000", "--eval-examples", "2000", "--sync", "shadow-bmuf",
+            "--checkpoint-every", "20000", "--out", str(out)]
+    procs = start_nodes(args, nproc_per_node=2)
+    latest = out / "checkpoints" / "latest"
+    try:
+        deadline = time.monotonic() + 120
+        while not latest.exists():
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "no checkpoint was written"
+            time.sleep(0.05)
+        workers = {}
+        for p in procs:
+            workers.update(worker_pids(p.pid))
+        os.kill(workers[3], signal.SIGKILL)  # node 1's trainer
+        runs = wait_nodes(procs, timeout=120)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert all(r.returncode not in (0, None) for r in runs)
+    ckpt = out / "checkpoints" / latest.read_text().strip()
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["stopped"] and meta["examples_seen"] >= 20000
+    state = _load(ckpt, tmp_path)  # every rank's part is there and readable
+    assert {"emb.0.weight", "emb.1.weight", "trainer.0.flat", "trainer.1.bmuf.delta"} <= state.keys()
+    resumed = tmp_path / "resumed"
+    _run(resumed, "--sync", "shadow-bmuf", "--examples", "200000", "--resume", str(ckpt), nnodes=2, nproc=2)
+    s = _summary(resumed)
+    assert s["resumed_from"] == meta["examples_seen"] and s["resumed_from"] + s["examples"] == 200000
+    assert leftover_segments() == []

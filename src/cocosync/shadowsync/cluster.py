@@ -55,7 +55,7 @@ from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
 from cocosync.shadowsync.train_config import TrainConfig, check_paths, config_to_dict
-from cocosync.shadowsync.trainer import Trainer, json_safe
+from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, json_safe
 
 __all__ = ["run_cluster"]
 
@@ -133,12 +133,19 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                      sync_servers=roles.sync_per_node * topo.nnodes)
             dist.barrier()  # every part is back before a trainer reads a row
         cpu0 = time.process_time()
-        summary = _run_trainer(job, run, index) if run is not None else None
-        # servers serve until every trainer is done (and trainer 0 has scored the model)
+        if run is not None:
+            _periodic_checkpoints(job, run, parts)
+            summary = _run_trainer(job, run, index)
+            _command(job, "end")
+        else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
+            summary = None
+            while _command(job, None) == "checkpoint":
+                save_job(parts, Path(cfg.out_dir), None, writer=roles.rank_of("trainer", 0))
         dist.barrier()
         if cfg.checkpoint:
-            ckpt = save_job(parts, Path(cfg.out_dir), _meta(job, summary) if summary is not None else None,
-                            writer=roles.rank_of("trainer", 0))
+            meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
+            parts.trainer_state = run.trainer.checkpoint_state() if run is not None else None
+            ckpt = save_job(parts, Path(cfg.out_dir), meta, writer=roles.rank_of("trainer", 0))
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
@@ -268,12 +275,49 @@ def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
     return _finish(job, run.trainer, run.tables, results, run.logger)
 
 
-def _meta(job: _Job, summary: dict) -> dict:
+def _meta(job: _Job, seen: int, stopped: bool) -> dict:
     roles = job.roles
     return {"config": config_to_dict(job.cfg), "trainers": roles.trainers, "workers": job.cfg.workers,
             "embedding_servers": job.rowhash.servers, "sync_servers": roles.sync_per_node * roles.topo.nnodes,
             "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.data.table_sizes),
-            "examples_seen": summary["examples"] + summary["resumed_from"], "stopped": summary["stopped"]}
+            "examples_seen": seen, "stopped": stopped}
+
+
+def _command(job: _Job, cmd: str | None) -> str:
+    """Trainer 0 tells every rank what comes next ('checkpoint' or 'end'); the others receive it. A trainer passes
+    what it expects and fails if trainer 0 said otherwise (their checkpoint marks would disagree)."""
+    roles = job.roles
+    src = roles.rank_of("trainer", 0)
+    obj = [cmd if roles.topo.rank == src else None]
+    dist.broadcast_object_list(obj, src=src)
+    if cmd is not None and obj[0] != cmd:
+        raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer 0, got {obj[0]!r}")
+    return obj[0]
+
+
+def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -> None:
+    """Pause this trainer's workers at its share of every `checkpoint_every` examples and save with every rank."""
+    cfg, roles, every = job.cfg, job.roles, job.cluster.checkpoint_every
+    if not cfg.checkpoint or every is None:
+        return
+    trainer, t = run.trainer, parts.index
+    T, W = roles.trainers, cfg.workers
+    per_trainer = max(1, every // T)
+    last = W * (cfg.examples // (T * W)) - 1  # below every trainer's share: the end writes its own checkpoint
+
+    def save(mark: int) -> None:
+        run.tables.flush()  # every row gradient of the batches before the mark is on its server
+        state = trainer.checkpoint_state()
+        _command(job, "checkpoint")
+        seen = torch.tensor([int(state["positions"].sum())])
+        dist.all_reduce(seen, group=job.trainer_group)
+        meta = _meta(job, int(seen), True) if t == 0 else None
+        path = save_job(dataclasses.replace(parts, trainer_state=state), Path(cfg.out_dir), meta,
+                        writer=roles.rank_of("trainer", 0))
+        if run.logger is not None:
+            run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
+
+    trainer.checkpoints = CheckpointMarks(per_trainer, int(trainer.state.positions[t].sum()), last, W, save)
 
 
 def _name(cfg: TrainConfig, roles: Roles) -> str:

@@ -14,6 +14,7 @@ positions are per trainer shard.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass
@@ -42,9 +43,11 @@ class CheckpointParts:
     shard: Shard | None = None
     center: torch.Tensor | None = None  # this sync server's range of the centre
     trainer: Any = None  # the Trainer (dense replica, accumulator, sync state, reader positions)
+    trainer_state: dict | None = None  # a snapshot of it to save (Trainer.checkpoint_state)
 
 
 def _trainer_tensors(trainer: Any, t: int) -> dict[str, torch.Tensor]:
+    """The trainer's live tensors, to load into."""
     out = {f"trainer.{t}.flat": trainer.flat.flat, f"trainer.{t}.accumulator": trainer.accumulator,
            f"trainer.{t}.positions": trainer.state.positions[t]}
     sync = trainer.sync
@@ -61,6 +64,8 @@ def _state_dict(parts: CheckpointParts) -> dict[str, torch.Tensor]:
         return {f"emb.{i}.weight": s.weight, f"emb.{i}.accumulator": s.accumulator, f"emb.{i}.versions": s.versions}
     if parts.kind == "sync":
         return {f"center.{i}": parts.center}
+    if parts.trainer_state is not None:
+        return {f"trainer.{i}.{k}": v for k, v in parts.trainer_state.items()}
     return _trainer_tensors(parts.trainer, i)
 
 
@@ -127,7 +132,7 @@ def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash
         lo, hi = center_bounds(centre_numel, sync_servers)[parts.index]
         parts.center.copy_(torch.cat([old[f"center.{i}"] for i in range(C_old)])[lo:hi])
         return
-    dcp.load(_state_dict(parts), checkpoint_id=str(path))
+    dcp.load(_state_dict(dataclasses.replace(parts, trainer_state=None)), checkpoint_id=str(path))
 
 
 def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhash: RowHash) -> None:

@@ -31,6 +31,8 @@ class ClusterConfig:
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
+    checkpoint_every: int | None = None
+    """also checkpoint every this many examples of the job (each trainer pauses at its share of the mark)."""
     stop_after: int | None = None
     """stop once the job has seen this many examples (earlier sessions included): a checkpoint to resume from."""
 
@@ -41,8 +43,10 @@ class ClusterConfig:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
-        if self.stop_after is not None and (not isinstance(self.stop_after, int) or self.stop_after < 1):
-            raise ConfigError(f"stop_after={self.stop_after!r} is invalid: expected a number of examples >= 1")
+        for name in ("stop_after", "checkpoint_every"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 

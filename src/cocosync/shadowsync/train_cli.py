@@ -71,6 +71,8 @@ _CLUSTER_OPTIONS = [
                  help="multi-node: embedding parameter servers per node."),
     click.option("--sync-servers", type=int, default=None,
                  help="multi-node: sync servers per node holding EASGD's centre (default 1 for EASGD, else 0)."),
+    click.option("--checkpoint-every", type=int, default=None,
+                 help="multi-node: also checkpoint every this many examples of the job (DCP, under --out)."),
     click.option("--stop-after", type=int, default=None,
                  help="multi-node: stop (with a checkpoint) once the job has seen this many examples."),
     click.option("--prefetch", type=int, default=2, show_default=True,
@@ -123,7 +125,7 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
 @cluster_options
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
-          prefetch: int, stop_after: int | None, **opts) -> None:
+          prefetch: int, stop_after: int | None, checkpoint_every: int | None, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);

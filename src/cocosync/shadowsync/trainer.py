@@ -11,6 +11,7 @@ already fill the cores; see the README for the measurement.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import threading
@@ -29,7 +30,7 @@ from cocosync.shadowsync.state import SharedState, build_model
 from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
 from cocosync.shadowsync.train_config import TrainConfig
 
-__all__ = ["Trainer", "TrainerFailure", "json_safe"]
+__all__ = ["Trainer", "TrainerFailure", "CheckpointMarks", "json_safe"]
 
 
 def json_safe(obj: Any) -> Any:
@@ -47,6 +48,55 @@ class TrainerFailure(RuntimeError):
     """A trainer process raised, died, or the run timed out; the message names the trainer and the cause."""
 
 
+class CheckpointMarks:
+    """Pauses a trainer's W workers when its reader positions cross a multiple of `every` (up to `limit`) and runs
+    `save(mark)` in the last worker to arrive, every worker stopped between two batches. A worker that runs out of
+    data leaves (`leave`), so the others never wait for it."""
+
+    def __init__(self, every: int, start: int, limit: int, workers: int, save: Callable[[int], None]):
+        if every < 1:
+            raise ValueError(f"checkpoint every={every!r} must be >= 1 example per trainer")
+        self.every, self.limit, self.save = every, limit, save
+        self.next = (start // every + 1) * every
+        self.active, self.waiting, self.pending, self.round = workers, 0, None, 0
+        self.cond = threading.Condition()
+        self.saved: list[int] = []
+
+    def after_batch(self, seen: int) -> None:
+        with self.cond:
+            if self.pending is None and self.next <= self.limit and seen >= self.next:
+                self.pending, self.next = self.next, self.next + self.every
+            if self.pending is None:
+                return
+            self.waiting += 1
+            self._run_or_wait()
+
+    def leave(self) -> None:
+        with self.cond:
+            self.active -= 1
+            if self.pending is not None and self.active > 0 and self.waiting == self.active:
+                self.waiting += 1  # this thread stands in for the leaver and runs the save
+                self.active += 1
+                try:
+                    self._run_or_wait()
+                finally:
+                    self.active -= 1
+
+    def _run_or_wait(self) -> None:
+        if self.waiting >= self.active:
+            try:
+                self.save(self.pending)
+                self.saved.append(self.pending)
+            finally:
+                self.pending, self.waiting = None, 0
+                self.round += 1
+                self.cond.notify_all()
+            return
+        r = self.round
+        while self.round == r:
+            self.cond.wait()
+
+
 # ---------------------------------------------------------------------------------------------- trainer
 class Trainer:
     """One trainer: a dense replica updated by W Hogwild worker threads, synced by `cfg.sync`."""
@@ -54,14 +104,16 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
                  group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
                  embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1,
-                 stop_at: int | None = None):
+                 stop_at: int | None = None, checkpoints: "CheckpointMarks | None" = None):
         """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
         `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the rows of the
         next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due);
-        `stop_at`: stop once this trainer's reader positions sum to this many examples."""
+        `stop_at`: stop once this trainer's reader positions sum to this many examples; `checkpoints`: pause the
+        workers at marks of the reader positions and save (CheckpointMarks)."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
-        self.remote, self.prefetch, self.stop_at = embeddings, prefetch, stop_at
+        self.remote, self.prefetch, self.stop_at, self.checkpoints = embeddings, prefetch, stop_at, checkpoints
+        self._shadow: ShadowThread | None = None
         if embeddings is None:
             self.model = build_model(self.data, self.model_cfg, state.embeddings)
         else:
@@ -153,8 +205,13 @@ class Trainer:
                         self.sync.sync(True)
                         self.active_syncs += 1
                         self.state.syncs[self.rank] += 1
+                if self.checkpoints is not None:
+                    self.checkpoints.after_batch(int(pos.sum()))
         except BaseException:
             self.errors.append(f"trainer {self.rank} worker {w}:\n{traceback.format_exc()}")
+        finally:
+            if self.checkpoints is not None:
+                self.checkpoints.leave()
 
     def train(self) -> dict:
         """Run the workers to the end of this trainer's data (or a stop), finish the sync protocol, and return
@@ -169,6 +226,7 @@ class Trainer:
 
             shadow = ShadowThread(self.sync, interval=self.cfg.sync.interval, is_active=on_active,
                                   iterations=lambda: int(self.state.iterations[self.rank]))
+            self._shadow = shadow
         t0, cpu0 = time.time(), time.process_time()
         for t in workers:
             t.start()
@@ -214,6 +272,18 @@ class Trainer:
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
             **({"lookups": self.remote.stats.as_dict()} if self.remote is not None else {}),
         }
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """Copies of what a checkpoint holds of this trainer (dense replica, Adagrad accumulator, sync state, reader
+        positions), read between two sync rounds (the shadow thread's gate, the foreground sync's lock)."""
+        gate = self._shadow.gate if self._shadow is not None else contextlib.nullcontext()
+        with self._sync_lock, gate:
+            out = {"flat": self.flat.flat.clone(), "accumulator": self.accumulator.clone(),
+                   "positions": self.state.positions[self.rank].clone()}
+            if self.sync.name == "bmuf":
+                out.update({"bmuf.global": self.sync.global_params.clone(), "bmuf.start": self.sync.start.clone(),
+                            "bmuf.delta": self.sync.delta.clone()})
+        return out
 
     def _log(self, t0: float) -> None:
         elapsed = max(time.time() - t0, 1e-9)

@@ -21,7 +21,7 @@ from typing import Sequence
 from cocosync.testing.launch import free_port
 from cocosync.testing.sockets import process_tree
 
-__all__ = ["NodeRun", "run_nodes", "start_nodes", "wait_nodes", "twohosts_script", "twohosts_available"]
+__all__ = ["NodeRun", "run_nodes", "start_nodes", "wait_nodes", "worker_pids", "twohosts_script", "twohosts_available"]
 
 _TWOHOSTS = Path(__file__).resolve().parents[4] / "shared" / "tools" / "twohosts.sh"
 
@@ -121,6 +121,20 @@ def run_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: in
     procs = start_nodes(module_args, nnodes=nnodes, nproc_per_node=nproc_per_node, two_hosts=two_hosts, env=env,
                         cwd=cwd)
     return wait_nodes(procs, timeout)
+
+
+def worker_pids(agent_pid: int, module: str = "cocosync.shadowsync") -> dict[int, int]:
+    """RANK -> pid of the torchrun workers running `module` under an agent (read from /proc)."""
+    out = {}
+    for pid in process_tree(agent_pid):
+        try:
+            env = dict(kv.split("=", 1) for kv in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in kv)
+            cmd = Path(f"/proc/{pid}/cmdline").read_text()
+        except OSError:
+            continue
+        if module in cmd and "RANK" in env and "torch.distributed.run" not in cmd:
+            out[int(env["RANK"])] = pid
+    return out
 
 
 def _kill_group(p: subprocess.Popen) -> None:

@@ -31,6 +31,7 @@ class ShadowThread:
         self.error: BaseException | None = None
         self.active_syncs = 0  # syncs that started while this trainer was still training
         self.sync_seconds = 0.0
+        self.gate = threading.Lock()  # held during each round: a checkpoint reads a state between two rounds
         self._abort = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
@@ -43,7 +44,8 @@ class ShadowThread:
             while not self._abort.is_set():
                 active = self._is_active()
                 t0 = time.perf_counter()
-                n_active = self.algorithm.sync(active)
+                with self.gate:
+                    n_active = self.algorithm.sync(active)
                 self.sync_seconds += time.perf_counter() - t0
                 if active:
                     self.active_syncs += 1
