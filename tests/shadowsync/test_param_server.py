@@ -110,6 +110,26 @@ def test_lookups_and_pushes_through_rpc_equal_the_shared_tables_bit_for_bit(opti
     assert stats["stale_sum"] == 0
 
 
+def test_a_group_of_batches_shares_one_lookup_and_each_batch_gets_its_own_rows():
+    rowhash = RowHash(sum(ROWS), 2)
+    client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, "sgd"), group=3)
+    local = SharedEmbeddings(ROWS, DIM, seed=3, optimizer="sgd", lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    batches = [_Batch(torch.stack([torch.randint(0, r, (5,), generator=gen) for r in ROWS], dim=1)) for _ in range(7)]
+    seen = 0
+    for batch, lk in client.prefetching(batches, depth=2):
+        rows = client.wait(lk)
+        expected = torch.stack([local.tables[t][batch.sparse[:, t]] for t in range(len(ROWS))], dim=1)
+        assert torch.equal(rows[lk.inverse], expected)  # nothing pushed yet: the group's rows are the tables'
+        seen += 1
+    assert seen == 7 and client.stats.lookups == 3  # groups of 3, 3 and 1 batches
+
+
+class _Batch:
+    def __init__(self, sparse: torch.Tensor):
+        self.sparse = sparse
+
+
 def test_staleness_counts_updates_between_fetch_and_push():
     rowhash = RowHash(sum(ROWS), 1)
     client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, "sgd"))

@@ -46,6 +46,7 @@ class Measured:
     server_row_s: float  # server CPU per row of a lookup + its gradient (k_row)
     batch_size: int
     latency_s: float = 50e-6  # one network hop of the dense ring (assumed for data-centre networks)
+    lookup_batches: int = 1  # batches whose lookups share one message per server
 
 
 def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int) -> dict:
@@ -63,7 +64,7 @@ def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int
     nic = gbps * 1e9 / 8
     if remote > 0:
         bounds["network"] = nic / (m.remote_bytes_per_example * remote)
-        per_example = ((machines - 1) * m.server_call_s / m.batch_size
+        per_example = ((machines - 1) * m.server_call_s / (m.batch_size * m.lookup_batches)
                        + m.rows_per_example * remote * m.server_row_s / servers)
         bounds["servers"] = 1.0 / per_example
     limit = min(bounds, key=bounds.get)

@@ -22,6 +22,9 @@ from cocosync.testing.multinode import run_nodes
 
 __all__ = ["run_nodes_suite", "report"]
 
+GROUP = 16  # the grouped run: lookups of 16 batches per message (and 16 batches of prefetch)
+GROUPED = f"2 nodes, {GROUP} batches/message"
+
 KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_wait_fraction",
         "sparse_bytes_per_example", "dense_bytes_per_example", "rpc_round_trip_s", "staleness", "remote_row_fraction",
         "rows_per_example", "server_rows_per_cpu_s", "server_cpu_seconds", "remote_calls")
@@ -37,10 +40,10 @@ def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
     return dict(run_training(cfg, name="1 node", console=console).summary, nodes=1)
 
 
-def _two_nodes(args: list[str], trainers: int, out: Path, prefetch: int) -> dict:
+def _two_nodes(args: list[str], trainers: int, out: Path, prefetch: int, group: int) -> dict:
     per_node = trainers // 2
-    runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--out", str(out), "--prefetch", str(prefetch)],
-                     nproc_per_node=1 + per_node, timeout=900)
+    runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--out", str(out), "--prefetch", str(prefetch),
+                      "--lookup-batches", str(group)], nproc_per_node=1 + per_node, timeout=900)
     for r in runs:
         if r.returncode != 0:
             raise RuntimeError(f"2-node run failed on node {r.node} (exit {r.returncode}):\n{r.output[-3000:]}")
@@ -54,7 +57,7 @@ def run_nodes_suite(*, examples: int, eval_examples: int, trainers: int, sync: s
         raise ValueError(f"--trainers {trainers}: the 2-node comparison needs an even number of trainers >= 2")
     args = ["--examples", str(examples), "--eval-examples", str(eval_examples), "--batch-size", str(batch_size),
             "--sync", sync, "--sync-interval", str(interval)]
-    samples: dict[str, list[dict]] = {"1 node": [], "2 nodes": [], "2 nodes, no prefetch": []}
+    samples: dict[str, list[dict]] = {"1 node": [], "2 nodes": [], "2 nodes, no prefetch": [], GROUPED: []}
     with tempfile.TemporaryDirectory(prefix="cocosync-bench-nodes-") as tmp:
         for rnd in range(repeats):
             console.print(f"[bold]round {rnd + 1}/{repeats}[/]")
@@ -65,7 +68,9 @@ def run_nodes_suite(*, examples: int, eval_examples: int, trainers: int, sync: s
                               trainers=trainers, sync={"algorithm": sync, "interval": interval})
                     s = _single(kw, out, console)
                 else:
-                    s = _two_nodes(args, trainers, out, prefetch=0 if "no prefetch" in name else 2)
+                    group = GROUP if name == GROUPED else 1
+                    s = _two_nodes(args, trainers, out, prefetch=0 if "no prefetch" in name else max(2, group),
+                                   group=group)
                 samples[name].append(s)
                 console.print(f"  {name:22s} EPS {s['eps']:9,.0f}  EPS/CPU-s {s['eps_per_cpu']:9,.0f}  "
                               f"eval NE {s['eval_ne']:.4f}  lookup wait {s.get('lookup_wait_fraction', 0):.1%}")
@@ -115,14 +120,11 @@ def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out
                  f"{100 * (two['eval_ne'] / one['eval_ne'] - 1):+.2f}% (target within 1%)"),
     ]
     costs = measure_server_costs()
-    measured = Measured(
-        c_single=one["eps_per_cpu"], c_remote=two["eps_per_cpu"], rows_per_example=two["rows_per_example"],
-        remote_bytes_per_example=two["sparse_bytes_per_example"] / max(two["remote_row_fraction"], 1e-9),
-        dense_params=int(two["dense_params"]), rpc_s=two["rpc_round_trip_s"],
-        server_call_s=costs["call_s"], server_row_s=costs["row_s"], batch_size=batch_size)
-    proj = projection_table(measured)
+    measured = _measured(one, two, costs, batch_size, 1)
+    grouped = _measured(one, med[GROUPED], costs, batch_size, GROUP)
+    proj, proj_g = projection_table(measured), projection_table(grouped)
     check = _model_check(measured, two)
-    verdicts += _projection_verdicts(proj, measured)
+    verdicts += _projection_verdicts(proj, proj_g, measured)
     for line in verdicts:
         console.print(("[green]" if line.startswith("PASS") else "[red]") + line)
     console.print(f"server costs: {1e6 * costs['call_s']:.0f} us CPU per RPC call, "
@@ -131,27 +133,40 @@ def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out
         err = abs(c["predicted"] - c["measured"]) / max(abs(c["measured"]), 1e-12)
         console.print(f"model check: {c['quantity']}: predicted {c['predicted']:.4g}, measured {c['measured']:.4g} "
                       f"({err:.0%} off)")
-    pcols = ["trainers:servers", "Gb/s"] + [str(n) for n in MACHINES]
+    pcols = ["batches/message", "trainers:servers", "Gb/s"] + [str(n) for n in MACHINES]
     prow = []
-    for t, s in RATIOS:
-        for g in GBPS:
-            cells = [p for p in proj if (p["trainers_per_machine"], p["servers_per_machine"], p["gbps"]) == (t, s, g)]
-            prow.append([f"{t}:{s}", str(g)] + [f"{p['efficiency']:.0%} {p['limit'][0]}" for p in cells])
+    for k, table in ((1, proj), (GROUP, proj_g)):
+        for t, s in RATIOS:
+            for g in GBPS:
+                cells = [p for p in table
+                         if (p["trainers_per_machine"], p["servers_per_machine"], p["gbps"]) == (t, s, g)]
+                prow.append([str(k), f"{t}:{s}", str(g)] + [f"{p['efficiency']:.0%} {p['limit'][0]}" for p in cells])
     print_table("projected scaling efficiency (bound: t = trainers, s = servers, n = network)", pcols, prow,
                 console=console)
     console.print(markdown_table(cols, rows), markup=False, highlight=False, soft_wrap=True)
     console.print(markdown_table(pcols, prow), markup=False, highlight=False, soft_wrap=True)
     out.mkdir(parents=True, exist_ok=True)
-    plot = save_figure(_plot(proj), out / "scaling.png")
+    plot = save_figure(_plot(proj, proj_g), out / "scaling.png")
     console.print(f"plot: {plot}")
+    keys = ("machines", "gbps", "eps", "efficiency", "limit", "sync_gap", "trainers_per_machine",
+            "servers_per_machine")
     payload = {"runs": [_json_row(name, r) for name, r in med.items()], "model_inputs": measured.__dict__,
-               "model_check": check, "projection": [{k: p[k] for k in ("machines", "gbps", "eps", "efficiency",
-                                                                          "limit", "sync_gap", "trainers_per_machine",
-                                                                          "servers_per_machine")} for p in proj],
+               "model_inputs_grouped": grouped.__dict__, "model_check": check,
+               "projection": [{**{k: p[k] for k in keys}, "lookup_batches": k} for k, table in
+                              ((1, proj), (GROUP, proj_g)) for p in table],
                "verdicts": verdicts}
     if json_path:
         console.print(f"json: {write_json(json_path, json_safe(payload))}")
     return payload
+
+
+def _measured(one: dict, two: dict, costs: dict, batch_size: int, group: int) -> Measured:
+    """The model's inputs from the 1-node run, a 2-node run (with `group` batches per message) and the server costs."""
+    return Measured(
+        c_single=one["eps_per_cpu"], c_remote=two["eps_per_cpu"], rows_per_example=two["rows_per_example"],
+        remote_bytes_per_example=two["sparse_bytes_per_example"] / max(two["remote_row_fraction"], 1e-9),
+        dense_params=int(two["dense_params"]), rpc_s=two["rpc_round_trip_s"], server_call_s=costs["call_s"],
+        server_row_s=costs["row_s"], batch_size=batch_size, lookup_batches=group)
 
 
 def _json_row(name: str, r: dict) -> dict:
@@ -180,14 +195,16 @@ def _model_check(m: Measured, two: dict) -> list[dict]:
              "measured": two["lookup_wait_fraction"]}]
 
 
-def _projection_verdicts(proj: list[dict], m: Measured) -> list[str]:
+def _projection_verdicts(proj: list[dict], proj_g: list[dict], m: Measured) -> list[str]:
     out = []
+    for k, table in ((1, proj), (GROUP, proj_g)):
+        best = max((p for p in table if p["machines"] == 32), key=lambda p: p["efficiency"])
+        out.append(_verdict(best["efficiency"] >= 0.9, f"projected efficiency at 32 machines, {k} batch(es)/message",
+                            f"{best['efficiency']:.0%} at {best['trainers_per_machine']}:"
+                            f"{best['servers_per_machine']} trainers:servers, {best['gbps']} Gb/s (bound: "
+                            f"{best['limit']}; target >= 90%)"))
     at32 = [p for p in proj if p["machines"] == 32]
-    best = max(at32, key=lambda p: p["efficiency"])
-    ok = best["efficiency"] >= 0.9
-    out.append(_verdict(ok, "projected efficiency at 32 machines",
-                        f"{best['efficiency']:.0%} at {best['trainers_per_machine']}:{best['servers_per_machine']} "
-                        f"trainers:servers, {best['gbps']} Gb/s (bound: {best['limit']}; target >= 90%)"))
+    ok = max(p["efficiency"] for p in at32) >= 0.9
     for p in at32:
         if p["gbps"] == 10:
             out.append(f"NOTE at 32 machines, {p['trainers_per_machine']}:{p['servers_per_machine']}, 10 Gb/s: "
@@ -222,7 +239,7 @@ def _verdict(ok: bool, what: str, detail: str) -> str:
     return f"{'PASS' if ok else 'MISS'} {what}: {detail}"
 
 
-def _plot(proj: list[dict]):
+def _plot(proj: list[dict], proj_g: list[dict]):
     import logging
 
     import matplotlib
@@ -233,11 +250,12 @@ def _plot(proj: list[dict]):
 
     fig, axes = plt.subplots(1, len(RATIOS), figsize=(5 * len(RATIOS), 4), sharey=True)
     for ax, (t, s) in zip(axes, RATIOS):
-        for g in GBPS:
-            pts = [p for p in proj if (p["trainers_per_machine"], p["servers_per_machine"], p["gbps"]) == (t, s, g)]
-            ax.plot([p["machines"] for p in pts], [p["efficiency"] for p in pts], marker="o", label=f"{g} Gb/s")
+        for k, table, style in ((1, proj, "-"), (GROUP, proj_g, "--")):
+            pts = [p for p in table if (p["trainers_per_machine"], p["servers_per_machine"], p["gbps"]) == (t, s, 10)]
+            ax.plot([p["machines"] for p in pts], [p["efficiency"] for p in pts], style, marker="o",
+                    label=f"{k} batch{'es' if k > 1 else ''}/message, 10 Gb/s")
         ax.set_xscale("log", base=2)
-        ax.set_title(f"{t} trainers : {s} servers per machine")
+        ax.set_title(f"{t} trainers : {s} server{'s' if s > 1 else ''} per machine")
         ax.set_xlabel("machines")
         ax.axhline(0.9, color="grey", linestyle=":")
         ax.grid(alpha=0.3)

@@ -239,7 +239,8 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
     labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)})" for r in roles.ranks("embedding")]
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
-                               max_inflight=job.cluster.max_inflight, labels=labels)
+                               max_inflight=job.cluster.max_inflight, labels=labels,
+                               group=job.cluster.lookup_batches)
     init = FlatParams(DLRM(job.model_cfg, data, external_embeddings=True).dense_parameters()).flat
     center = None
     if cfg.sync.method == "easgd":
@@ -360,6 +361,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "resumed_from": resumed, "stopped": seen < cfg.examples,
         "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
         "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
+        "lookup_batches": job.cluster.lookup_batches,
         "examples": examples, "eps": examples / max(seconds, 1e-9),
         "eps_per_trainer": float(np.mean([r["examples"] / max(r["seconds"], 1e-9) for r in results])),
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),

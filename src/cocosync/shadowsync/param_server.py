@@ -21,6 +21,7 @@ per-message overhead, measured by bench/server_costs.py), or go alone once `max_
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -152,6 +153,7 @@ class Lookup:
     rows: torch.Tensor | None = None
     versions: torch.Tensor | None = None
     answered: list[float] = field(default_factory=list)  # when each remote part arrived (an RPC thread notes it)
+    within: tuple[Lookup, torch.Tensor] | None = None  # (the lookup of a group of batches, uniq's positions in it)
 
 
 class ShardedEmbeddings:
@@ -159,8 +161,9 @@ class ShardedEmbeddings:
     memory) or the RPC worker name of the server that holds it."""
 
     def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
-                 labels: Sequence[str] | None = None):
-        """`labels`: how errors name each server (default: its RPC name)."""
+                 labels: Sequence[str] | None = None, group: int = 1):
+        """`labels`: how errors name each server (default: its RPC name); `group`: batches whose lookups go in one
+        message per server when prefetching (fewer messages, staler rows)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -172,7 +175,9 @@ class ShardedEmbeddings:
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         if max_inflight < 1:
             raise ValueError(f"max_inflight={max_inflight!r} must be >= 1")
-        self.max_inflight = max_inflight
+        if group < 1:
+            raise ValueError(f"group={group!r} must be >= 1 batch per message")
+        self.max_inflight, self.group = max_inflight, group
         self.stats = LookupStats()
         self._lock = threading.Lock()
         self._inflight: collections.deque = collections.deque()
@@ -181,22 +186,14 @@ class ShardedEmbeddings:
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, sparse: torch.Tensor) -> Lookup:
         """Start the lookup of a batch's ids [B, num_tables]: one message per remote server, local shards read now."""
-        gids = sparse + self.offsets
-        uniq, inverse = torch.unique(gids.reshape(-1), return_inverse=True)
-        S = self.hash.servers
-        owner = uniq % S
-        order = torch.argsort(owner, stable=True)
-        local_ids = (uniq // S)[order]
-        counts = torch.bincount(owner, minlength=S).tolist()
-        bounds, parts, lo = [], [], 0
+        uniq, inverse = self._distinct(sparse)
+        order, bounds = self._by_server(uniq)
+        local_ids = (uniq // self.hash.servers)[order]
+        parts = []
         now = time.perf_counter()
-        for s, n in enumerate(counts):
-            if n == 0:
-                continue
-            ids = local_ids[lo:lo + n]
+        for s, lo, hi in bounds:
+            ids = local_ids[lo:hi]
             server = self.servers[s]
-            bounds.append((s, lo, lo + n))
-            lo += n
             if isinstance(server, Shard):
                 parts.append(server.lookup(ids))
             else:
@@ -210,9 +207,42 @@ class ShardedEmbeddings:
                 part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
         return lk
 
+    def _distinct(self, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        uniq, inverse = torch.unique((sparse + self.offsets).reshape(-1), return_inverse=True)
+        return uniq, inverse.view(sparse.shape)
+
+    def _by_server(self, uniq: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """A permutation of `uniq` grouping it by server, and each server's (server, lo, hi) range in it."""
+        owner = uniq % self.hash.servers
+        order = torch.argsort(owner, stable=True)
+        bounds, lo = [], 0
+        for s, n in enumerate(torch.bincount(owner, minlength=self.hash.servers).tolist()):
+            if n:
+                bounds.append((s, lo, lo + n))
+                lo += n
+        return order, bounds
+
+    def fetch_group(self, sparses: list[torch.Tensor]) -> list[Lookup]:
+        """One lookup for several batches (one message per server for all of them), and a Lookup per batch that
+        takes its rows from it."""
+        if len(sparses) == 1:
+            return [self.fetch(sparses[0])]
+        union = self.fetch(torch.cat(sparses))
+        out = []
+        for sparse in sparses:
+            uniq, inverse = self._distinct(sparse)
+            order, bounds = self._by_server(uniq)
+            out.append(Lookup(uniq, inverse, order, bounds, [], union.issued,
+                              within=(union, torch.searchsorted(union.uniq, uniq))))
+        return out
+
     def wait(self, lk: Lookup) -> torch.Tensor:
         """The batch's distinct rows [U, dim] (in `lk.uniq` order), waiting for the remote parts."""
         if lk.rows is not None:
+            return lk.rows
+        if lk.within is not None:
+            union, pos = lk.within
+            lk.rows, lk.versions = self.wait(union).index_select(0, pos), union.versions.index_select(0, pos)
             return lk.rows
         blocked = 0.0
         rows = torch.empty(lk.uniq.numel(), self.dim)
@@ -252,15 +282,21 @@ class ShardedEmbeddings:
 
     def prefetching(self, batches: Iterable[Any], depth: int = 1) -> Iterator[tuple[Any, Lookup]]:
         """(batch, its lookup) pairs, the lookups of the next `depth` batches issued before the current one is
-        handed out (deeper hides longer round trips; each batch of depth makes the rows one batch staler)."""
+        handed out (deeper hides longer round trips; each batch of depth makes the rows one batch staler), `group`
+        batches per message."""
         if depth < 1:
             raise ValueError(f"prefetch depth={depth!r} must be >= 1")
+        it = iter(batches)
         ahead: collections.deque = collections.deque()
-        for batch in batches:
-            ahead.append((batch, self.fetch(batch.sparse)))
-            if len(ahead) > depth:
-                yield ahead.popleft()
-        while ahead:
+        done = False
+        while True:
+            while not done and len(ahead) <= depth:  # keep `depth` batches fetched beyond the one handed out
+                group = list(itertools.islice(it, self.group))
+                done = len(group) < self.group
+                if group:
+                    ahead.extend(zip(group, self.fetch_group([b.sparse for b in group])))
+            if not ahead:
+                return
             yield ahead.popleft()
 
     # -- updates ----------------------------------------------------------------------------------------
@@ -279,7 +315,7 @@ class ShardedEmbeddings:
                     continue
                 queue = self._pending.setdefault(s, [])
                 queue.append((ids, g, v))
-                if len(queue) >= self.max_inflight:
+                if len(queue) >= max(self.max_inflight, 2 * self.group):
                     alone.append((s, self._pending.pop(s)))
             st = self.stats
             st.pushes += 1

@@ -27,6 +27,8 @@ class ClusterConfig:
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
     prefetch: int = 2
     """batches whose embedding rows are requested ahead of the one training (0: none)."""
+    lookup_batches: int = 1
+    """batches whose embedding lookups go in one message per server (fewer messages, staler rows)."""
     max_inflight: int = 4
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
     resume: str | None = None
@@ -37,7 +39,7 @@ class ClusterConfig:
     """stop once the job has seen this many examples (earlier sessions included): a checkpoint to resume from."""
 
     def __post_init__(self) -> None:
-        for name in ("embedding_servers", "max_inflight"):
+        for name in ("embedding_servers", "max_inflight", "lookup_batches"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
