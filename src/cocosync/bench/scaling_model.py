@@ -5,7 +5,7 @@ r = (M-1)/M of each example's rows lives on other machines. Three resources boun
 
 * trainers: t * c(r). A trainer's CPU per example is linear in r between the two measured points: c(0) = the
   single-node run's examples per trainer CPU-second (every row updated by the trainer itself) and c(1/2) = the 2-node
-  run's (half the rows updated by a server, plus the client's deduplication and RPC work);
+  run's (half the rows updated by a server, plus the client's deduplication and RPC work), and c(1/2) beyond;
 * servers: each server core pays k_call CPU per message and k_row per row (measured: server_costs.py). Row hash
   sends every trainer batch one message (its lookup, the previous gradients riding on it) to *every* remote server,
   so a server receives (M-1) x / B messages per second from the other machines (x: a machine's examples/s, B:
@@ -14,8 +14,8 @@ r = (M-1)/M of each example's rows lives on other machines. Three resources boun
 * network: NIC bytes per direction per example = the trainers' remote-row traffic (ids out, rows in, gradients out,
   measured per example, scaled by r), mirrored by the servers answering the other machines.
 
-Lookups are prefetched: their round trip leaves the critical path while it is shorter than a batch's compute, else
-a trainer runs at batch / RTT. Efficiency compares with one machine using all t + s cores as trainers on local
+Lookups are prefetched: their round trip leaves the critical path while it is shorter than `prefetch` batches of
+compute, else a trainer runs at prefetch batches per RTT. Efficiency compares with one machine using all t + s cores as trainers on local
 tables: (t + s) * c(0). Dense sync runs in the shadow thread and costs no throughput; it costs sync gap: a round
 moves 2 r D * 4 bytes per trainer over the NIC (each trainer all-reduces across machines, as implemented), at the
 bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap = round time * iterations per second.
@@ -47,19 +47,23 @@ class Measured:
     batch_size: int
     latency_s: float = 50e-6  # one network hop of the dense ring (assumed for data-centre networks)
     lookup_batches: int = 1  # batches whose lookups share one message per server
+    prefetch: int = 2  # batches of lookups requested ahead of the one training
 
 
 def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int) -> dict:
     """Examples per second of `machines` machines, the binding resource, efficiency and sync gap."""
     remote = (machines - 1) / machines
-    # trainer CPU per example, linear in the remote fraction through the two measured points (r = 0 and r = 1/2)
-    per_example = 1.0 / m.c_single + 2 * remote * (1.0 / m.c_remote - 1.0 / m.c_single)
+    # trainer CPU per example, linear in the remote fraction between the two measured points (r = 0 and r = 1/2),
+    # not extrapolated past the 2-node point: more remote rows are not assumed to make a trainer cheaper still
+    per_example = 1.0 / m.c_single + 2 * min(remote, 0.5) * (1.0 / m.c_remote - 1.0 / m.c_single)
     if per_example <= 0:
         raise ValueError(f"c_remote={m.c_remote:g} >= 2 * c_single={m.c_single:g}: the linear trainer-cost model "
                          "does not extrapolate to every row remote")
     c = 1.0 / per_example
     step_s = m.batch_size / c
-    per_trainer = c if m.rpc_s <= step_s or machines == 1 else m.batch_size / m.rpc_s
+    # `prefetch` batches of compute hide a round trip; a longer one paces the trainer at prefetch batches per RTT
+    ahead = max(1, m.prefetch)
+    per_trainer = c if m.rpc_s <= ahead * step_s or machines == 1 else ahead * m.batch_size / m.rpc_s
     bounds = {"trainers": trainers * per_trainer}
     nic = gbps * 1e9 / 8
     if remote > 0:

@@ -166,7 +166,7 @@ def _measured(one: dict, two: dict, costs: dict, batch_size: int, group: int) ->
         c_single=one["eps_per_cpu"], c_remote=two["eps_per_cpu"], rows_per_example=two["rows_per_example"],
         remote_bytes_per_example=two["sparse_bytes_per_example"] / max(two["remote_row_fraction"], 1e-9),
         dense_params=int(two["dense_params"]), rpc_s=two["rpc_round_trip_s"], server_call_s=costs["call_s"],
-        server_row_s=costs["row_s"], batch_size=batch_size, lookup_batches=group)
+        server_row_s=costs["row_s"], batch_size=batch_size, lookup_batches=group, prefetch=max(2, group))
 
 
 def _json_row(name: str, r: dict) -> dict:
