@@ -15,10 +15,11 @@ r = (M-1)/M of each example's rows lives on other machines. Three resources boun
   measured per example, scaled by r), mirrored by the servers answering the other machines.
 
 Lookups are prefetched: their round trip leaves the critical path while it is shorter than `prefetch` batches of
-compute, else a trainer runs at prefetch batches per RTT. Efficiency compares with one machine using all t + s cores as trainers on local
-tables: (t + s) * c(0). Dense sync runs in the shadow thread and costs no throughput; it costs sync gap: a round
-moves 2 r D * 4 bytes per trainer over the NIC (each trainer all-reduces across machines, as implemented), at the
-bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap = round time * iterations per second.
+compute, else a trainer runs at prefetch batches per RTT. Efficiency compares with one machine using all t + s
+cores as trainers on local tables: (t + s) * c(0). Dense sync runs in the shadow thread and costs no throughput;
+it costs sync gap: a round moves 2 r D * 4 bytes per trainer over the NIC (each trainer all-reduces across machines,
+as implemented), at the bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap = round time *
+iterations per second.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 
 
 def _worker(rank: int, world: int, port: int, out: dict) -> None:
-    import cocosync as cs
+    from cocosync.optim import DistributedAdam
     from cocosync.runtime.comm.topology import node_groups
 
     for k in TORCHRUN_VARS:
@@ -31,7 +31,7 @@ def _worker(rank: int, world: int, port: int, out: dict) -> None:
         model = torch.nn.Linear(8, 4)
         ref = torch.nn.Linear(8, 4)
         ref.load_state_dict(model.state_dict())
-        opt = cs.optim.DistributedAdam(model.parameters(), lr=1e-2)
+        opt = DistributedAdam(model.parameters(), lr=1e-2)
         ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
         for step in range(3):
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))

@@ -9,13 +9,16 @@ then intra again.
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "NodeGroups", "topology_from_env", "node_groups", "subgroup_node_groups"]
+__all__ = ["Topology", "NodeGroups", "topology_from_env", "topology_from_group", "machine_id", "node_groups",
+           "subgroup_node_groups"]
 
 
 def _env_int(name: str, default: int | None = None) -> int:
@@ -82,6 +85,41 @@ def topology_from_env() -> Topology:
     return Topology(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world, node=node)
 
 
+def machine_id() -> str:
+    """What two processes must share to share memory: the kernel (boot id), the /dev/shm mount and the network
+    namespace (simulated machines on one host differ in the last two)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = socket.gethostname()
+    st = os.stat("/dev/shm") if os.path.isdir("/dev/shm") else None
+    shm = f"{st.st_dev}:{st.st_ino}" if st else ""
+    try:
+        net = os.readlink("/proc/self/ns/net")
+    except OSError:
+        net = ""
+    return f"{boot}|{shm}|{net}"
+
+
+def topology_from_group() -> Topology:
+    """Rank, world and node layout from the initialized default process group, for processes not started by torchrun
+    (mp.spawn + init_process_group(init_method="tcp://...")): the ranks exchange `machine_id()`s; a node is the
+    ranks sharing one. Collective over the default group."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ids: list[Any] = [None] * world
+    dist.all_gather_object(ids, machine_id())
+    machines = list(dict.fromkeys(ids))  # in order of their lowest rank
+    local = [r for r in range(world) if ids[r] == ids[rank]]
+    sizes = {ids.count(m) for m in machines}
+    numbered = all(ids[r] == machines[r // len(local)] for r in range(world)) if len(sizes) == 1 else False
+    if not numbered:
+        raise RuntimeError(f"ranks are not numbered machine by machine with the same count on each (machines of ranks "
+                           f"0..{world - 1}: {[machines.index(i) for i in ids]}): launch with torchrun, or give "
+                           "consecutive ranks to the processes of one machine")
+    return Topology(rank=rank, world_size=world, local_rank=local.index(rank), local_world_size=len(local),
+                    node=machines.index(ids[rank]))
+
+
 @dataclass(eq=False)
 class NodeGroups:
     """Topology plus the torch.distributed groups a hierarchical collective needs, and a job id agreed by all ranks."""
@@ -131,8 +169,11 @@ def node_groups(topo: Topology | None = None) -> NodeGroups:
         _groups[key] = ng
         return ng
     if dist.get_world_size() != topo.world_size or dist.get_rank() != topo.rank:
-        raise RuntimeError(f"environment says rank {topo.rank}/{topo.world_size}, torch.distributed says "
-                           f"{dist.get_rank()}/{dist.get_world_size()}")
+        # not started by torchrun (or its variables describe another job): ask the process group itself
+        topo = topology_from_group()
+        key = (key[0], topo)
+        if key in _groups:
+            return _groups[key]
     # A uuid from rank 0 makes the id unique even when TORCHELASTIC_RUN_ID is absent or reused ("none").
     obj = [f"{_sanitize(run_id)}-{uuid.uuid4().hex[:8]}" if run_id and run_id != "none" else uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(obj, src=0)
