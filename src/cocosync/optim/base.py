@@ -56,6 +56,10 @@ class _GroupUpdate:
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
+    # torch.amp.GradScaler's protocol for optimizers that average gradients themselves (as torch's fused ones take
+    # part in it): the scaler hands us `grad_scale` and its local `found_inf` instead of stepping around us
+    _step_supports_amp_scaling = True
+
     """Base class: subclasses define `state_names` (program state -> torch.optim state key), `_program` and
     `_scalars`.
 
@@ -242,9 +246,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if structure != u.structure:
                 raise ValueError(f"{type(self).__name__}: {structure} changed since construction ({u.structure}); "
                                  "these select the program and are fixed: construct a new optimizer")
+        skip, inv_scale = self._amp_scaling()
+        if skip:
+            return loss
         self.steps += 1
         for g, u in zip(self.param_groups, self._updates):  # every rank: the same groups in the same order
             u.flat.sync()
+            if inv_scale is not None:
+                u.flat.grad.mul_(inv_scale)
             inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state,
                                       **self._scalars(g, self.steps)}
             if self.max_grad_norm is not None:
@@ -253,6 +262,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if "grad_norm" in out:
                 self.last_grad_norm = out["grad_norm"]
         return loss
+
+    def _amp_scaling(self) -> tuple[bool, float | None]:
+        """Under torch.amp.GradScaler (`grad_scale` / `found_inf` set for this step): (skip the step, 1/scale to
+        unscale the gradients by, or None when they are unscaled already). A rank's found_inf is its own gradients'
+        (GradScaler checks before we average), so the ranks agree through one all-reduce (MAX) of one flag: every
+        rank skips or steps together, where skipping alone would leave its peers waiting in the fused collective.
+        Each rank's scaler then follows torch's rules on its own found_inf; ranks whose scales differ stay correct,
+        as each unscales its own gradients before they are averaged."""
+        found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if found is None and scale is None:
+            return False, None
+        flag = torch.zeros(1) if found is None else found.detach().float().reshape(1).cpu().clone()
+        group = self._process_group
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        if flag.item() > 0:
+            return True, None
+        return False, (None if scale is None else 1.0 / float(scale))
 
     @staticmethod
     def _run_local(u: _GroupUpdate, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
