@@ -99,3 +99,12 @@ def test_evaluate_restores_mode():
     assert m.training and out["examples"] == 8
     assert out["ne"] == pytest.approx(1.0) and out["bayes_ne"] == pytest.approx(1.0)
     assert out["ctr"] == 0.25 and math.isnan(out["auc"]) is False
+
+
+def test_calibration_is_predicted_over_actual_ctr():
+    from cocosync.shadowsync.metrics import calibration
+
+    y = np.array([1, 0, 0, 0], dtype=float)
+    assert calibration(y, np.full(4, 0.25)) == 1.0
+    assert calibration(y, np.full(4, 0.5)) == 2.0
+    assert np.isnan(calibration(np.zeros(4), np.full(4, 0.1)))

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 __all__ = [
-    "normalized_entropy", "log_loss", "auc", "bayes_ne", "SlidingWindowNE", "Throughput", "sync_gap",
+    "normalized_entropy", "log_loss", "auc", "calibration", "bayes_ne", "SlidingWindowNE", "Throughput", "sync_gap",
     "MetricsLogger", "read_metrics", "load_run", "summary_table", "plot_ne", "evaluate",
 ]
 
@@ -53,6 +53,12 @@ def normalized_entropy(labels: Any, probs: Any, base_rate: float | None = None) 
             "(NE is undefined when every label is the same)"
         )
     return log_loss(y, probs) / _entropy(rate)
+
+
+def calibration(labels: Any, probs: Any) -> float:
+    """Predicted CTR over actual CTR (1 is calibrated; NaN when no example clicked)."""
+    y, p = _np(labels), _np(probs)
+    return float(p.mean() / y.mean()) if y.size and y.mean() > 0 else float("nan")
 
 
 def bayes_ne(labels: Any, true_probs: Any) -> float:
@@ -271,7 +277,7 @@ def evaluate(model: torch.nn.Module, batches: Iterable, *, max_batches: int | No
         raise ValueError("evaluate: no batches to evaluate on")
     y, p = np.concatenate(labels), np.concatenate(probs)
     out = {"examples": int(y.size), "ctr": float(y.mean()), "ne": normalized_entropy(y, p),
-           "log_loss": log_loss(y, p), "auc": auc(y, p), "bayes_ne": float("nan")}
+           "log_loss": log_loss(y, p), "auc": auc(y, p), "calibration": calibration(y, p), "bayes_ne": float("nan")}
     if all(t is not None for t in true):
         out["bayes_ne"] = bayes_ne(y, np.concatenate(true))
     return out

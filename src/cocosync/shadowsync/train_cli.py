@@ -220,6 +220,7 @@ def _print_result(console, result) -> None:
     rows = [("examples", f"{s['examples']:,}"), ("examples/s (total)", f"{s['eps']:,.0f}"),
             ("examples/s per trainer", f"{s['eps_per_trainer']:,.0f}"), ("train NE (window)", f"{s['train_ne']:.4f}"),
             ("eval NE", f"{s['eval_ne']:.4f}"), ("eval AUC", f"{s['auc']:.4f}"),
+            ("calibration (predicted / actual CTR)", f"{s['calibration']:.3f}"),
             ("Bayes NE", f"{s['bayes_ne']:.4f}"), ("excess NE over Bayes", f"{s['excess_ne']:.4f}"),
             ("sync gap (iterations)", f"{s['sync_gap']:.2f}"), ("syncs", f"{s['syncs']:,}"),
             ("training seconds", f"{s['seconds']:.1f}")]
