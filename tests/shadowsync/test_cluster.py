@@ -134,3 +134,12 @@ def test_cocosync_train_nnodes_runs_torchrun_and_its_ranks_listen_on_loopback_on
     assert _summary(out)["sync"] == "fr-ma"
     assert seen, "expected the ranks' gloo and TensorPipe sockets"
     assert all(addr in ("127.0.0.1", "::1") for _, addr, _ in seen), seen
+
+
+def test_an_eval_curve_while_training_and_the_ne_plot(tmp_path):
+    out = tmp_path / "run"
+    _ok(run_nodes(["-m", "cocosync.shadowsync", *SMALL, "--eval-every", "8000", "--out", str(out)], timeout=240))
+    evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "eval"]
+    assert len(evals) >= 2 and evals[0]["examples"] < evals[-1]["examples"] == 24000
+    assert all(0 < r["eval_ne"] < 1.2 for r in evals) and "calibration" in evals[0]
+    assert (out / "ne.png").stat().st_size > 0 and 0.5 < _summary(out)["calibration"] < 2

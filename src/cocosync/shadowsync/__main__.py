@@ -26,8 +26,8 @@ from cocosync.shadowsync.train_config import ConfigError
 @click.option("--resume", type=click.Path(), help="a checkpoint directory, or a run directory (its latest checkpoint).")
 @click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
 def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
-         stop_after: int | None, checkpoint_every: int | None, lookup_batches: int, max_inflight: int,
-         resume: str | None, json_out: bool, **opts) -> None:
+         stop_after: int | None, checkpoint_every: int | None, lookup_batches: int, eval_every: int | None,
+         max_inflight: int, resume: str | None, json_out: bool, **opts) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     import json
 
@@ -42,7 +42,8 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     try:
         cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
                                 max_inflight=max_inflight, resume=resume, stop_after=stop_after,
-                                checkpoint_every=checkpoint_every, lookup_batches=lookup_batches)
+                                checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
+                                eval_every=eval_every)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():

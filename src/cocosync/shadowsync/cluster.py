@@ -45,7 +45,7 @@ from cocosync.shadowsync.cluster_checkpoint import (
     resolve,
     save_job,
 )
-from cocosync.shadowsync.metrics import MetricsLogger, evaluate
+from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.roles import ClusterConfig, Roles
@@ -257,9 +257,34 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     stop_at = None
     if job.cluster.stop_after is not None:  # this trainer's share of the examples to stop at
         stop_at = job.cluster.stop_after // roles.trainers
+    on_eval, every = None, None
+    if t == 0 and job.cluster.eval_every is not None:  # trainer 0 scores its replica while the job trains
+        every = max(1, job.cluster.eval_every // roles.trainers)
+        on_eval = _eval_curve(job, tables, logger, console)
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
-                      prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at)
+                      prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every)
+    if on_eval is not None:
+        on_eval.trainer = trainer
     return _TrainerRun(trainer, tables, center, logger)
+
+
+class _eval_curve:  # noqa: N801 (a callable standing in for a closure that needs the trainer after it exists)
+    """Trainer 0's eval NE curve (dlrm's --test-freq): its replica with rows from the servers, on the held-out set,
+    logged as `eval` records with the job's examples (this trainer's times the trainer count)."""
+
+    def __init__(self, job: _Job, tables: ShardedEmbeddings, logger: MetricsLogger, console: Any):
+        self.job, self.tables, self.logger, self.console = job, tables, logger, console
+        self.batches = eval_batches(job.cfg, job.data)
+        self.trainer: Trainer | None = None
+
+    def __call__(self, examples: int) -> None:
+        trainer = self.trainer  # the job's examples, estimated from this trainer's reader positions (resumed included)
+        seen = int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
+        ev = evaluate(_ServedModel(trainer.model, self.tables), self.batches)
+        self.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"],
+                        calibration=ev["calibration"])
+        self.console.print(f"eval at ~{seen:,} examples: NE {ev['ne']:.4f}, AUC {ev['auc']:.4f}, "
+                           f"calibration {ev['calibration']:.3f}")
 
 
 def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
@@ -329,7 +354,8 @@ def _progress(logger: MetricsLogger, console: Any, roles: Roles):
     last = [0.0]
 
     def emit(rec: dict) -> None:
-        logger.log(json_safe({"event": "train", **{k: v for k, v in rec.items() if k != "kind"}}))
+        rec = {k: v for k, v in rec.items() if k != "kind"}
+        logger.log(json_safe({"event": "train", "examples": rec["trainer_examples"] * roles.trainers, **rec}))
         if time.time() - last[0] >= 5.0:
             last[0] = time.time()
             console.print(f"trainer 0 of {roles.trainers}: {rec['trainer_examples']:,} examples, "
@@ -386,4 +412,9 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
     logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **json_safe(summary))
     logger.close()
+    if cfg.plot:
+        out = Path(cfg.out_dir)
+        run = {"name": summary["name"], "records": read_metrics(out / "metrics.jsonl"),
+               "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}
+        summary["plot"] = plot_ne([run], out / "ne.png", title=f"{summary['name']}: NE vs examples")
     return summary  # written by _add_job_cpu once the servers' CPU time is known

@@ -33,6 +33,8 @@ class ClusterConfig:
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
+    eval_every: int | None = None
+    """score trainer 0's replica on the held-out set every this many examples of the job (an eval NE curve)."""
     checkpoint_every: int | None = None
     """also checkpoint every this many examples of the job (each trainer pauses at its share of the mark)."""
     stop_after: int | None = None
@@ -45,7 +47,7 @@ class ClusterConfig:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
-        for name in ("stop_after", "checkpoint_every"):
+        for name in ("stop_after", "checkpoint_every", "eval_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")

@@ -73,6 +73,8 @@ _CLUSTER_OPTIONS = [
                  help="multi-node: sync servers per node holding EASGD's centre (default 1 for EASGD, else 0)."),
     click.option("--lookup-batches", type=int, default=1, show_default=True,
                  help="multi-node: batches whose embedding lookups share one message per server (with prefetch)."),
+    click.option("--eval-every", type=int, default=None,
+                 help="multi-node: score the model on the held-out set every this many examples (an NE curve)."),
     click.option("--checkpoint-every", type=int, default=None,
                  help="multi-node: also checkpoint every this many examples of the job (DCP, under --out)."),
     click.option("--stop-after", type=int, default=None,
@@ -128,7 +130,7 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
           prefetch: int, stop_after: int | None, checkpoint_every: int | None, lookup_batches: int,
-          **opts) -> None:
+          eval_every: int | None, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);

@@ -104,16 +104,21 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
                  group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
                  embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1,
-                 stop_at: int | None = None, checkpoints: "CheckpointMarks | None" = None):
+                 stop_at: int | None = None, checkpoints: "CheckpointMarks | None" = None,
+                 on_eval: Callable[[int], None] | None = None, eval_every: int | None = None):
         """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
         `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the rows of the
         next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due);
         `stop_at`: stop once this trainer's reader positions sum to this many examples; `checkpoints`: pause the
-        workers at marks of the reader positions and save (CheckpointMarks)."""
+        workers at marks of the reader positions and save (CheckpointMarks); `on_eval(examples)`: called from the
+        trainer's own thread every `eval_every` examples of this trainer while the workers train (an eval curve)."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
         self.remote, self.prefetch, self.stop_at, self.checkpoints = embeddings, prefetch, stop_at, checkpoints
         self._shadow: ShadowThread | None = None
+        if on_eval is not None and (eval_every is None or eval_every < 1):
+            raise ValueError(f"eval_every={eval_every!r}: expected examples >= 1 with on_eval")
+        self.on_eval, self.eval_every = on_eval, eval_every
         if embeddings is None:
             self.model = build_model(self.data, self.model_cfg, state.embeddings)
         else:
@@ -233,6 +238,7 @@ class Trainer:
         if shadow is not None:
             shadow.start()
         last_log = time.time()
+        next_eval = self.eval_every or 0
         while any(t.is_alive() for t in workers):
             for t in workers:
                 t.join(timeout=0.05)
@@ -244,6 +250,9 @@ class Trainer:
             if time.time() - last_log >= self.cfg.log_every:
                 last_log = time.time()
                 self._log(t0)
+            if self.on_eval is not None and self.examples >= next_eval:
+                self.on_eval(self.examples)
+                next_eval += self.eval_every
         if self.remote is not None and not self.errors:
             self.remote.flush()  # every row gradient has reached its server before the trainer reports
         t_end, cpu_end = time.time(), time.process_time()
