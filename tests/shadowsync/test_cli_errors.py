@@ -61,3 +61,21 @@ def test_debug_shows_the_traceback(tmp_path, monkeypatch):
     cfg = _config(tmp_path, '[sync]\nalpha = "0.5"\n')
     res = CliRunner().invoke(cli, ["--debug", "train", "--no-progress", "--config", cfg])
     assert res.exit_code != 0 and res.exception is not None and "sync.alpha" in str(res.exception)
+
+
+def test_a_missing_eval_data_file_is_named(tmp_path):
+    res = _train(tmp_path, "--eval-data", str(tmp_path / "held-out.tsv"))
+    _one_error(res, "held-out.tsv", "no such file")
+
+
+def test_eval_data_scores_on_that_file(tmp_path):
+    import json
+
+    from cocosync.shadowsync.data.synth import EVAL, write_synthetic
+
+    held = tmp_path / "held.tsv"
+    write_synthetic(held, 1500, seed=0, split=EVAL)
+    res = _train(tmp_path, "--eval-data", str(held), "--examples", "6000", "--eval-examples", "20000", "--json")
+    assert res.exit_code == 0, res.output
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["eval_examples_scored"] == 1500  # the file's rows, not a synthetic draw of 20000

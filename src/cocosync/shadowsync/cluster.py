@@ -394,6 +394,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "trainer_cpu_seconds": sum(r["cpu_seconds"] for r in results),
         "train_ne": float(np.nanmean([r["train_ne"] for r in results])),
         "eval_ne": ev["ne"], "auc": ev["auc"], "calibration": ev["calibration"], "bayes_ne": ev["bayes_ne"],
+        "eval_examples_scored": ev["examples"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,

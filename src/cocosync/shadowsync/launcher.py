@@ -431,6 +431,7 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results.values()), 1e-9),
         "train_ne": float(np.nanmean([r["train_ne"] for r in results.values()])),
         "eval_ne": ev["ne"], "auc": ev["auc"], "calibration": ev["calibration"], "bayes_ne": ev["bayes_ne"],
+        "eval_examples_scored": ev["examples"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results.values())),

@@ -6,6 +6,7 @@ Options given on the command line win over `--config FILE` (TOML/JSON/YAML with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +56,8 @@ _TRAIN_OPTIONS = [
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
     click.option("--examples", type=int, help="total training examples over all trainers (one pass)."),
     click.option("--eval-examples", type=int, help="held-out examples scored at the end."),
+    click.option("--eval-data", type=click.Path(dir_okay=False),
+                 help="a Criteo-format file to score on (default: a synthetic draw, or PATH's rows after the budget)."),
     click.option("--batch-size", type=int, help="examples per worker iteration."),
     click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
     click.option("--embedding-lr", type=float, help="embedding row learning rate."),
@@ -100,13 +103,18 @@ def cluster_options(f):
 
 def config_from_options(config_path: str | None, resume: str | None, opts: dict) -> TrainConfig:
     """The TrainConfig the options describe (command line over --config over --resume's); UsageError if bad."""
+    eval_data = opts.pop("eval_data", None)
     overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
     try:
         if config_path:
-            return load_train_config(config_path, **overrides)
-        if resume:
-            return config_from_dict(_checkpoint_config(resume), **overrides)
-        return config_from_dict({}, **overrides)
+            cfg = load_train_config(config_path, **overrides)
+        elif resume:
+            cfg = config_from_dict(_checkpoint_config(resume), **overrides)
+        else:
+            cfg = config_from_dict({}, **overrides)
+        if eval_data is not None:
+            cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "eval_path": eval_data})
+        return cfg
     except ConfigError as e:
         if debug_mode():
             raise
@@ -252,8 +260,6 @@ def _print_result(console, result) -> None:
 @click.option("--json", "json_out", is_flag=True, help="print the metrics as JSON on stdout.")
 def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, json_out: bool) -> None:
     """Score a checkpoint written by `cocosync train` (NE, AUC, Bayes NE on synthetic data)."""
-    import dataclasses
-
     from cocosync.shadowsync.launcher import load_checkpoint_model
     from cocosync.shadowsync.metrics import evaluate, summary_table
     from cocosync.shadowsync.sources import eval_batches
