@@ -374,8 +374,8 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
     step_s = sum(r["seconds"] * cfg.workers for r in results)
     sparse_bytes = sum(x["bytes_sent"] + x["bytes_received"] for x in lk)
     N, D = roles.topo.nnodes, trainer.flat.flat.numel()
-    if cfg.sync.method in ("ma", "bmuf"):  # a ring all-reduce across the nodes of D + 1 floats, per trainer
-        per_sync = 2 * (N - 1) / N * (D + 1) * 4
+    if cfg.sync.method in ("ma", "bmuf"):  # a ring all-reduce across the nodes of each trainer's slice of D + 1
+        per_sync = 2 * (N - 1) / N * (D + 1) * 4 / roles.trainers_per_node
     elif cfg.sync.method == "easgd":  # the snapshot out, the elastic difference back; (N-1)/N of it off-node
         per_sync = 2 * D * 4 * (N - 1) / N
     else:

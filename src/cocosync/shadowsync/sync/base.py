@@ -28,19 +28,33 @@ __all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "HierarchicalGroup"]
 class HierarchicalGroup:
     """The trainers of a job across machines, as a collective sync sees them: `intra` holds this node's trainers
     (the cocosync backend: shared memory; None when a node has one trainer), `inter` the trainers with this trainer's
-    node-local index, one per node (gloo; None on one node). all_reduce = intra, then inter: the sum over all."""
+    node-local index, one per node (gloo; None on one node).
+
+    all_reduce with both: reduce-scatter within the node, all-reduce of this trainer's slice across the nodes, then
+    all-gather within the node, so each trainer sends only 1/(trainers per node) of the vector over the network."""
 
     def __init__(self, intra: dist.ProcessGroup | None, inter: dist.ProcessGroup | None, size: int):
         self.intra, self.inter, self._size = intra, inter, size
+        self.local = dist.get_world_size(intra) if intra is not None else 1
 
     def size(self) -> int:
         return self._size
 
     def all_reduce(self, buf: torch.Tensor) -> None:
-        if self.intra is not None:
-            dist.all_reduce(buf, group=self.intra)
-        if self.inter is not None:
-            dist.all_reduce(buf, group=self.inter)
+        if self.intra is None or self.inter is None:
+            for group in (self.intra, self.inter):
+                if group is not None:
+                    dist.all_reduce(buf, group=group)
+            return
+        n = buf.numel()
+        padded = -(-n // self.local) * self.local
+        work = buf if padded == n else torch.cat([buf, buf.new_zeros(padded - n)])
+        mine = work.new_empty(padded // self.local)
+        dist.reduce_scatter_tensor(mine, work, group=self.intra)
+        dist.all_reduce(mine, group=self.inter)
+        dist.all_gather_into_tensor(work, mine, group=self.intra)
+        if work is not buf:
+            buf.copy_(work[:n])
 
 
 class FlatParams:
