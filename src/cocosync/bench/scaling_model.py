@@ -17,9 +17,9 @@ r = (M-1)/M of each example's rows lives on other machines. Three resources boun
 Lookups are prefetched: their round trip leaves the critical path while it is shorter than `prefetch` batches of
 compute, else a trainer runs at prefetch batches per RTT. Efficiency compares with one machine using all t + s
 cores as trainers on local tables: (t + s) * c(0). Dense sync runs in the shadow thread and costs no throughput;
-it costs sync gap: a round moves 2 r D * 4 bytes per trainer over the NIC (each trainer all-reduces across machines,
-as implemented), at the bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap = round time *
-iterations per second.
+it costs sync gap: a round moves 2 r D * 4 bytes per machine over the NIC (each of its t trainers all-reduces its
+1/t slice across machines), at the bandwidth the sparse traffic leaves, plus 2 (M-1) latencies (ring steps); gap =
+round time * iterations per second.
 """
 
 from __future__ import annotations
@@ -81,7 +81,7 @@ def project(m: Measured, machines: int, gbps: float, trainers: int, servers: int
     elif left <= 0:
         round_s = float("inf")
     else:
-        round_s = trainers * 2 * remote * m.dense_params * 4 / left + 2 * (machines - 1) * m.latency_s
+        round_s = 2 * remote * m.dense_params * 4 / left + 2 * (machines - 1) * m.latency_s
     gap = round_s * (eps_machine / trainers) / m.batch_size
     return {"machines": machines, "gbps": gbps, "trainers_per_machine": trainers, "servers_per_machine": servers,
             "eps": eps_machine * machines, "efficiency": eps_machine / ideal, "limit": limit,
