@@ -86,6 +86,8 @@ def _rpc_rank(optimizer: str) -> dict:
         shards = _shards(rowhash, optimizer)
         if rank == 0:
             serve_shard(1, shards[1])  # server 1 lives here; rank 1 reads server 0 locally and server 1 by RPC
+        dist.barrier()  # served before the first lookup (the job's set-up ends with the same barrier)
+        if rank == 0:
             return {}
         client = ShardedEmbeddings(ROWS, DIM, [shards[0], "w0"], max_inflight=2)
         local = SharedEmbeddings(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)

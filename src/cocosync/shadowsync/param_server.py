@@ -104,17 +104,25 @@ def serve_shard(server: int, shard: Shard) -> None:
     _SERVED[server] = shard
 
 
+def _served(server: int) -> Shard:
+    shard = _SERVED.get(server)
+    if shard is None:
+        raise LookupError(f"embedding server {server} is not served by this process (served here: {sorted(_SERVED)}; "
+                          "a lookup arrived before the server's set-up finished, or went to the wrong worker)")
+    return shard
+
+
 def _rpc_push_lookup(server: int, pushes: list, ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Apply the pushes [(ids, grads, fetched versions)] that rode along, then look `ids` up: one message per
     remote server and batch (its summed staleness, rows, versions)."""
-    shard = _SERVED[server]
+    shard = _served(server)
     stale = sum(shard.apply(*push) for push in pushes)
     rows, versions = shard.lookup(ids)
     return stale, rows, versions
 
 
 def _rpc_push(server: int, pushes: list) -> int:
-    shard = _SERVED[server]
+    shard = _served(server)
     return sum(shard.apply(*push) for push in pushes)
 
 
