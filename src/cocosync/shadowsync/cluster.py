@@ -22,6 +22,7 @@ import datetime
 import json
 import math
 import os
+import socket
 import sys
 import time
 import traceback
@@ -94,6 +95,7 @@ class _Job:
     dense_group: HierarchicalGroup | None = None
     center: CenterShard | None = None  # a sync server's range of EASGD's centre
     dense_params: int = 0
+    hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
 
 
 def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
@@ -221,7 +223,8 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             inter = g
     if kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
         job.dense_group = HierarchicalGroup(intra, inter, roles.trainers)
-    dist.barrier()  # every shard is initialized before a trainer reads it
+    job.hosts = [""] * topo.world_size
+    dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return job
 
 
@@ -237,7 +240,8 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
-    labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)})" for r in roles.ranks("embedding")]
+    labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)}, host {job.hosts[r]})"
+              for r in roles.ranks("embedding")]
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,
                                group=job.cluster.lookup_batches)
