@@ -79,3 +79,11 @@ def test_eval_data_scores_on_that_file(tmp_path):
     assert res.exit_code == 0, res.output
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["eval_examples_scored"] == 1500  # the file's rows, not a synthetic draw of 20000
+
+
+def test_the_multi_node_entry_point_outside_torchrun_says_how_to_launch_it(monkeypatch):
+    from cocosync.shadowsync.__main__ import main
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    res = CliRunner().invoke(main, ["--examples", "1000"])
+    _one_error(res, "one rank of a torchrun job", "torchrun --nnodes N", "cocosync train --nnodes N")

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
@@ -36,6 +37,11 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     from cocosync.shadowsync.cluster import run_cluster
     from cocosync.shadowsync.trainer import json_safe
 
+    if "LOCAL_WORLD_SIZE" not in os.environ:
+        raise click.UsageError("python -m cocosync.shadowsync is one rank of a torchrun job: launch it with "
+                               "`torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
+                               "-m cocosync.shadowsync ...`, or use `cocosync train --nnodes N ...` (`cocosync train` "
+                               "alone trains on this machine)")
     opts["progress"] = False
     cfg = config_from_options(config_path, None, opts)
     console = Console(stderr=True)
