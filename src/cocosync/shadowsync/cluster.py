@@ -95,6 +95,7 @@ class _Job:
     dense_group: HierarchicalGroup | None = None
     center: CenterShard | None = None  # a sync server's range of EASGD's centre
     dense_params: int = 0
+    init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from
     hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
 
 
@@ -203,7 +204,7 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             serve_shard(server, shard)
         shards[server] = shard
     flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
-    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel())
+    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel(), init_dense=flat)
     if kind == "sync":
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
         job.center = CenterShard(flat[lo:hi])
@@ -245,11 +246,10 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,
                                group=job.cluster.lookup_batches)
-    init = FlatParams(DLRM(job.model_cfg, data, external_embeddings=True).dense_parameters()).flat
     center = None
     if cfg.sync.method == "easgd":
-        center = RemoteCenter(init.numel(), [roles.rpc_name(r) for r in roles.ranks("sync")])
-    state = SharedState.private(cfg, init)
+        center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
+    state = SharedState.private(cfg, job.init_dense)
     source = trainer_source(cfg, data, t)
     logger = None
     if t == 0:

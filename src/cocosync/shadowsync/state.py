@@ -40,7 +40,6 @@ class SharedState:
                    torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
                    init_flat.clone().share_memory_(), torch.zeros(T, dtype=torch.float64).share_memory_())
 
-
     @classmethod
     def private(cls, cfg: TrainConfig, init_flat: torch.Tensor) -> "SharedState":
         """The counters of one trainer process of a multi-node job (nothing shared: its peers are other processes

@@ -69,32 +69,28 @@ class CheckpointMarks:
             if self.pending is None:
                 return
             self.waiting += 1
-            self._run_or_wait()
+            if self.waiting >= self.active:
+                self._save()
+                return
+            r = self.round
+            while self.round == r:
+                self.cond.wait()
 
     def leave(self) -> None:
         with self.cond:
             self.active -= 1
-            if self.pending is not None and self.active > 0 and self.waiting == self.active:
-                self.waiting += 1  # this thread stands in for the leaver and runs the save
-                self.active += 1
-                try:
-                    self._run_or_wait()
-                finally:
-                    self.active -= 1
+            if self.pending is not None and 0 < self.active <= self.waiting:  # the others wait only for the leaver
+                self._save()
 
-    def _run_or_wait(self) -> None:
-        if self.waiting >= self.active:
-            try:
-                self.save(self.pending)
-                self.saved.append(self.pending)
-            finally:
-                self.pending, self.waiting = None, 0
-                self.round += 1
-                self.cond.notify_all()
-            return
-        r = self.round
-        while self.round == r:
-            self.cond.wait()
+    def _save(self) -> None:
+        """Run the save with every remaining worker paused, then release them (the condition's lock is held)."""
+        try:
+            self.save(self.pending)
+            self.saved.append(self.pending)
+        finally:
+            self.pending, self.waiting = None, 0
+            self.round += 1
+            self.cond.notify_all()
 
 
 # ---------------------------------------------------------------------------------------------- trainer

@@ -39,12 +39,20 @@ def serve_center(server: int, shard: CenterShard) -> None:
     _SERVED[server] = shard
 
 
+def _served(server: int) -> CenterShard:
+    shard = _SERVED.get(server)
+    if shard is None:
+        raise LookupError(f"sync server {server} is not served by this process (served here: {sorted(_SERVED)}; "
+                          "an exchange arrived before the server's set-up finished, or went to the wrong worker)")
+    return shard
+
+
 def _rpc_exchange(server: int, x: torch.Tensor, alpha: float) -> torch.Tensor:
-    return _SERVED[server].exchange(x, alpha)
+    return _served(server).exchange(x, alpha)
 
 
 def _rpc_values(server: int) -> torch.Tensor:
-    return _SERVED[server].values.clone()
+    return _served(server).values.clone()
 
 
 class RemoteCenter:
