@@ -87,3 +87,13 @@ def test_the_multi_node_entry_point_outside_torchrun_says_how_to_launch_it(monke
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     res = CliRunner().invoke(main, ["--examples", "1000"])
     _one_error(res, "one rank of a torchrun job", "torchrun --nnodes N", "cocosync train --nnodes N")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--eval-every", "1000"], "--eval-every is for multi-node jobs"),
+    (["--checkpoint-every", "0"], "checkpoint_every=0 is invalid"),
+    (["--stop-after", "-5"], "stop_after=-5 is invalid"),
+])
+def test_single_machine_checkpoint_and_eval_options_are_checked(tmp_path, args, needle):
+    _one_error(_train(tmp_path, *args), needle)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -16,7 +16,7 @@ def _shm() -> set[str]:
     (other suites running concurrently create and remove them)."""
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.mp-", "cocosync-"))}
+    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.", "cocosync-"))}
 
 
 def test_views_and_validation():

@@ -22,12 +22,13 @@ MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
 
 
 def _shm() -> set[str]:
-    # Other suites running concurrently on this machine create transient entries (multiprocessing semaphores
-    # sem.mp-*, the runtime arena's cocosync-* segments). The trainers create none: pipes, not queues, and
-    # shared tensors that never have a name (file-descriptor sharing), which the /proc/PID/maps check proves.
+    # Other suites running concurrently on this machine create transient entries (semaphores of multiprocessing and
+    # joblib: sem.mp-*, sem.loky-*; the runtime arena's cocosync-* segments). The trainers create none: pipes, not
+    # queues, and shared tensors that never have a name (file-descriptor sharing), which the /proc/PID/maps check
+    # proves.
     if not os.path.isdir("/dev/shm"):
         return set()
-    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.mp-", "cocosync-"))}
+    return {f for f in os.listdir("/dev/shm") if not f.startswith(("sem.", "cocosync-"))}
 
 
 def _children(pid: int) -> list[int]:

@@ -1,5 +1,10 @@
-"""Reading a run's checkpoint.pt safely: torch.load with weights_only=True (tensors, containers and plain values
-only), so a crafted file cannot run code; anything else is refused with a message naming the file."""
+"""A single-machine run's checkpoint.pt: written atomically (periodically with --checkpoint-every, and at the end),
+read safely: torch.load with weights_only=True (tensors, containers and plain values only), so a crafted file cannot
+run code; anything else is refused with a message naming the file.
+
+It holds the model for scoring (`dense`: EASGD's centre or trainer 0's replica, and the embedding tables), and what an
+exact resume needs: each trainer's replica, dense Adagrad accumulator and BMUF state (`trainers`), the embedding
+tables' row-wise Adagrad accumulator and every worker shard's reader position."""
 
 from __future__ import annotations
 
@@ -10,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from cocosync.shadowsync.train_config import ConfigError
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
 
-__all__ = ["CheckpointError", "read_checkpoint", "REQUIRED_KEYS"]
+__all__ = ["CheckpointError", "read_checkpoint", "write_checkpoint", "check_resumable", "REQUIRED_KEYS"]
 
 REQUIRED_KEYS = ("config", "dense", "embeddings", "positions")
 
@@ -44,3 +49,28 @@ def read_checkpoint(path: str | os.PathLike) -> dict:
         raise CheckpointError(f"{str(p)!r} is not a cocosync checkpoint: expected the keys {list(REQUIRED_KEYS)}, "
                               f"found {keys}")
     return ckpt
+
+
+def write_checkpoint(path: Path, ckpt: dict) -> None:
+    """torch.save to a temporary name, then rename: a reader (or a resume after a kill) never sees half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(ckpt, tmp)
+    os.replace(tmp, path)
+
+
+RESUME_KEYS = ("data", "examples", "trainers", "workers", "seed", "batch_size", "model", "data_options")
+
+
+def check_resumable(ckpt: dict, cfg: TrainConfig, path: Path) -> None:
+    """ConfigError naming the first setting that differs from the checkpoint's: reader positions only mean something
+    for the same data, budget and shards. The sync algorithm may change (a new one starts its state from the
+    checkpoint's model)."""
+    old, new = ckpt["config"], config_to_dict(cfg)
+    for key in RESUME_KEYS:
+        if old[key] != new[key]:
+            raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this run has "
+                              f"{key}={new[key]!r} (the reader positions only mean something for the same data and "
+                              "shards)")
+    if ckpt["embeddings"]["optimizer"] != cfg.embedding_optimizer:
+        raise ConfigError(f"cannot resume {str(path)!r}: embedding_optimizer {ckpt['embeddings']['optimizer']!r} "
+                          f"!= {cfg.embedding_optimizer!r}")

@@ -29,7 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cocosync.runtime.comm.store import LoopbackStore
-from cocosync.shadowsync.checkpoint import read_checkpoint
+from cocosync.shadowsync.checkpoint import check_resumable, read_checkpoint, write_checkpoint
 from cocosync.shadowsync.config import DataConfig
 from cocosync.shadowsync.embeddings import SharedEmbeddings
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
@@ -38,7 +38,7 @@ from cocosync.shadowsync.sources import InMemorySource, build_configs, eval_batc
 from cocosync.shadowsync.state import SharedState, build_model, build_shared_state
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_from_dict, config_to_dict
-from cocosync.shadowsync.trainer import Trainer, TrainerFailure, json_safe
+from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, TrainerFailure, json_safe
 
 __all__ = ["RunResult", "run_training", "load_checkpoint_model"]
 
@@ -59,8 +59,48 @@ def _beat(state: SharedState, rank: int, interval: float) -> None:
         time.sleep(interval)
 
 
+@dataclass
+class TrainerPlan:
+    """What the launcher tells every trainer beyond the config: where to resume, when to checkpoint and stop."""
+
+    resume: list[dict] | None = None  # per trainer: Trainer.checkpoint_state() of the checkpoint resumed from
+    checkpoint_every: int | None = None  # examples per trainer between two periodic checkpoints
+    stop_at: int | None = None  # a trainer stops once its reader positions sum to this
+    mark_base: int = 0  # examples every trainer had seen at the start (the least of them): marks count from here
+    limit: int = 0  # the last mark: below every trainer's share (the end writes its own checkpoint)
+
+
+def _plan(cfg: TrainConfig, positions: torch.Tensor, resume: list[dict] | None, checkpoint_every: int | None,
+          stop_after: int | None) -> TrainerPlan:
+    T, W = cfg.trainers, cfg.workers
+    stop_at = stop_after // T if stop_after is not None else None
+    limit = W * (cfg.examples // (T * W)) - 1
+    if stop_at is not None:
+        limit = min(limit, stop_at - 1)
+    every = max(1, checkpoint_every // T) if checkpoint_every is not None and cfg.checkpoint else None
+    return TrainerPlan(resume, every, stop_at, int(positions.sum(dim=1).min()), limit)
+
+
+def _periodic_save(trainer: Trainer, state: SharedState, rank: int, send: Callable[[dict], None]):
+    """The save of a trainer's CheckpointMarks: hand its state to the launcher, wait (workers paused) until the
+    launcher has written the checkpoint with every trainer's state, or let the mark pass, or the run stops."""
+    def save(mark: int) -> None:
+        def passed() -> bool:  # written, or let pass because a trainer cannot come, or the run stops
+            return bool(state.released[0] >= mark or state.stop[0])
+
+        saved = trainer.checkpoint_state(give_up=passed)
+        if saved is None:
+            return
+        send({"kind": "checkpoint", "trainer": rank, "mark": mark, "state": {k: v.numpy() for k, v in saved.items()}})
+        while not passed():
+            time.sleep(0.002)
+
+
+    return save
+
+
 def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, store_port: int | None,
-                  conn: Connection) -> None:
+                  conn: Connection, plan: TrainerPlan) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C and tells us through state.stop
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     _die_with_parent()
@@ -76,12 +116,24 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
             store = dist.TCPStore("127.0.0.1", store_port, cfg.trainers, False, timeout=timeout)
             dist.init_process_group("gloo", store=store, rank=rank, world_size=cfg.trainers, timeout=timeout)
             group_ready = True
-        trainer = Trainer(cfg, rank, state, source, group=group, emit=conn.send)
-        conn.send({"kind": "ready", "trainer": rank})
+        lock = threading.Lock()  # the workers (checkpoint marks) and the main thread (progress) both send
+
+        def send(msg: dict) -> None:
+            with lock:
+                conn.send(msg)
+
+        trainer = Trainer(cfg, rank, state, source, group=group, emit=send, stop_at=plan.stop_at)
+        if plan.resume is not None:
+            trainer.load_checkpoint_state(plan.resume[rank])
+        trainer.mark_base = plan.mark_base
+        if plan.checkpoint_every is not None:
+            trainer.checkpoints = CheckpointMarks(plan.checkpoint_every, plan.mark_base, plan.limit, cfg.workers,
+                                                  _periodic_save(trainer, state, rank, send))
+        send({"kind": "ready", "trainer": rank})
         while not state.go[0] and not state.stop[0]:  # start together: EPS is measured over a common window
             time.sleep(0.001)
         result = trainer.train()
-        conn.send({"kind": "result", **result})
+        send({"kind": "result", **result})
     except BaseException:
         try:
             conn.send({"kind": "error", "trainer": rank, "traceback": traceback.format_exc()})
@@ -122,7 +174,8 @@ class Trainers:
     main_thread: bool
 
 
-def spawn_trainers(cfg: TrainConfig, state: SharedState, source: Any, store_port: int | None) -> Trainers:
+def spawn_trainers(cfg: TrainConfig, state: SharedState, source: Any, store_port: int | None,
+                   plan: TrainerPlan | None = None) -> Trainers:
     """Start the T trainers. They are spawned with SIGINT blocked and ignore it: the launcher owns Ctrl-C (its
     handler counts presses from here on; teardown restores the previous one)."""
     ctx = mp.get_context("spawn")
@@ -135,7 +188,7 @@ def spawn_trainers(cfg: TrainConfig, state: SharedState, source: Any, store_port
         for r in range(cfg.trainers):
             rd, wr = ctx.Pipe(duplex=False)
             p = ctx.Process(target=_trainer_main, name=f"cocosync-trainer{r}", daemon=True,
-                            args=(r, cfg, state, source, store_port, wr))
+                            args=(r, cfg, state, source, store_port, wr, plan or TrainerPlan()))
             p.start()
             wr.close()
             trainers.procs.append(p)
@@ -167,9 +220,11 @@ class Monitor:
     """Reads the trainers' messages until each has reported its result, or something failed (`failures`)."""
 
     def __init__(self, cfg: TrainConfig, name: str, state: SharedState, trainers: Trainers, logger: MetricsLogger,
-                 console: Any, resumed_from: int):
+                 console: Any, resumed_from: int, save: Callable[[dict[int, dict]], None] | None = None):
+        """`save(states)`: write a periodic checkpoint from every trainer's state (all paused at one mark)."""
         self.cfg, self.name, self.state, self.trainers = cfg, name, state, trainers
-        self.logger, self.console, self.resumed_from = logger, console, resumed_from
+        self.logger, self.console, self.resumed_from, self.save = logger, console, resumed_from, save
+        self.marks: dict[int, dict[int, dict]] = {}  # mark -> trainer -> its state, while they wait at the mark
         self.results: dict[int, dict] = {}
         self.failures: list[str] = []
         self.latest: dict[int, dict] = {}  # each trainer's last progress message
@@ -178,7 +233,8 @@ class Monitor:
         self.bar: Any = None
         self.task: Any = None
         self.handlers: dict[str, Callable[[int, dict], None]] = {
-            "train": self._on_train, "ready": self._on_ready, "result": self._on_result, "error": self._on_error}
+            "train": self._on_train, "ready": self._on_ready, "result": self._on_result, "error": self._on_error,
+            "checkpoint": self._on_checkpoint}
 
     def run(self) -> None:
         t_launch = time.time()
@@ -202,6 +258,7 @@ class Monitor:
                         self.failures.append(stalled)
                         break
                     self._poll(timeout=0.2)
+                    self._release_marks()
                     if self.bar:
                         self.bar.update(self.task, completed=int(self.state.positions.sum()))
         except KeyboardInterrupt:
@@ -253,6 +310,22 @@ class Monitor:
 
     def _on_result(self, r: int, msg: dict) -> None:
         self.results[r] = msg
+
+    def _on_checkpoint(self, r: int, msg: dict) -> None:
+        self.marks.setdefault(msg["mark"], {})[r] = msg["state"]
+
+    def _release_marks(self) -> None:
+        """Write the checkpoint of a mark once every trainer waits at it; let it pass unwritten if a trainer cannot
+        come (its workers are done, or the run stops: the end writes a checkpoint anyway)."""
+        T = self.cfg.trainers
+        for mark in sorted(self.marks):
+            states = self.marks[mark]
+            if len(states) == T and not self.state.stop[0]:
+                self.save(states)
+            elif not (self.state.stop[0] or any(self.state.done[r] for r in range(T) if r not in states)):
+                return  # some trainer is still on its way to this mark
+            del self.marks[mark]
+            self.state.released[0] = mark
 
     def _on_error(self, r: int, msg: dict) -> None:
         self.failures.append(f"trainer {r} raised:\n{msg['traceback']}")
@@ -327,11 +400,19 @@ class _Run:
 
 
 def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = None,
-                 extra_summary: dict | None = None, resume: str | os.PathLike | None = None) -> RunResult:
+                 extra_summary: dict | None = None, resume: str | os.PathLike | None = None,
+                 checkpoint_every: int | None = None, stop_after: int | None = None) -> RunResult:
     """Train T trainers x W workers as configured; returns the measurements (see module doc).
 
-    `resume`: a checkpoint of a run with the same data, budget, T and W (e.g. one stopped by Ctrl-C):
-    training restarts from its dense and embedding weights at its reader positions."""
+    `resume`: a checkpoint of a run with the same data, budget, T and W (one stopped by Ctrl-C or --stop-after, or
+    the last periodic checkpoint of a run that was killed): every trainer restarts from its replica, dense
+    optimizer and sync state, the tables from their weights and accumulators, the readers at their positions.
+    `checkpoint_every`: also write checkpoint.pt every this many examples of the run (every trainer pauses at its
+    share of the mark; a killed run loses at most that much). `stop_after`: stop once the run (earlier sessions
+    included) has seen this many examples, with a checkpoint."""
+    for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ConfigError(f"{key}={v!r} is invalid: expected a number of examples >= 1")
     console = console or Console(stderr=True)
     name = name or f"{cfg.sync.algorithm} T={cfg.trainers}"
     check_paths(cfg)  # before anything is spawned
@@ -339,7 +420,7 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with _OutputLock(out):
-        return _run(cfg, name, console, data, model_cfg, out, extra_summary, resume)
+        return _run(cfg, name, console, data, model_cfg, out, extra_summary, resume, checkpoint_every, stop_after)
 
 
 class _OutputLock:
@@ -368,12 +449,16 @@ class _OutputLock:
 
 
 def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg: Any, out: Path,
-         extra_summary: dict | None, resume: str | os.PathLike | None) -> RunResult:
+         extra_summary: dict | None, resume: str | os.PathLike | None, checkpoint_every: int | None,
+         stop_after: int | None) -> RunResult:
     torch.manual_seed(cfg.seed)
     source = make_source(cfg, data)
     if isinstance(source, InMemorySource):
         source.share_memory_()
-    ckpt = _resume_checkpoint(resume, cfg) if resume is not None else None
+    ckpt = None
+    if resume is not None:
+        ckpt = read_checkpoint(resume)
+        check_resumable(ckpt, cfg, Path(resume))
     model, flat, state = build_shared_state(cfg, data, model_cfg, ckpt)
     resumed_from = int(ckpt["positions"].sum()) if ckpt is not None else 0
     extra = {**(extra_summary or {}), **({"resumed_from": resumed_from} if ckpt is not None else {})}
@@ -382,8 +467,17 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
         store = LoopbackStore(timeout=120)
     logger = MetricsLogger(out / "metrics.jsonl", append=ckpt is not None)
     logger.log(event="start", name=name, config=config_to_dict(cfg), resumed_from=resumed_from)
-    trainers = spawn_trainers(cfg, state, source, store.port if store else None)
-    monitor = Monitor(cfg, name, state, trainers, logger, console, resumed_from)
+    run = _Run(cfg, name, data, model, flat, state, logger, out, extra)
+    saved = ckpt.get("trainers") if ckpt is not None else None  # absent in checkpoints of earlier versions
+    resume_states = [{k: v.numpy() for k, v in t.items()} for t in saved] if saved is not None else None
+    plan = _plan(cfg, state.positions, resume_states, checkpoint_every, stop_after)
+    trainers = spawn_trainers(cfg, state, source, store.port if store else None, plan)
+
+    def save(states: dict[int, dict]) -> None:
+        path = _write_checkpoint(run, states)
+        logger.log(event="checkpoint", examples=int(state.positions.sum()), path=str(path))
+
+    monitor = Monitor(cfg, name, state, trainers, logger, console, resumed_from, save)
     try:
         monitor.run()
     finally:
@@ -396,26 +490,29 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
         logger.close()
         raise TrainerFailure(f"training failed: {failures[0]}" +
                              (f"\n(and {len(failures) - 1} consequential error(s))" if len(failures) > 1 else ""))
-    run = _Run(cfg, name, data, model, flat, state, logger, out, extra)
-    return _finish(run, monitor.results, interrupted=bool(state.stop[0]))
+    stopped = (stop_after is not None and stop_after < cfg.examples
+               and int(state.positions.sum()) >= plan.stop_at * cfg.trainers)
+    return _finish(run, monitor.results, interrupted=bool(state.stop[0]), stopped=stopped)
 
 
-def _resume_checkpoint(path: str | os.PathLike, cfg: TrainConfig) -> dict:
-    p = Path(path)
-    ckpt = read_checkpoint(p)
-    old = ckpt["config"]
-    for key in ("data", "examples", "trainers", "workers", "seed", "batch_size", "model", "data_options"):
-        new = config_to_dict(cfg)[key]
-        if old[key] != new:
-            raise ConfigError(f"cannot resume {str(p)!r}: it was trained with {key}={old[key]!r}, this run has "
-                              f"{key}={new!r} (the reader positions only mean something for the same data and shards)")
-    if ckpt["embeddings"]["optimizer"] != cfg.embedding_optimizer:
-        raise ConfigError(f"cannot resume {str(p)!r}: embedding_optimizer {ckpt['embeddings']['optimizer']!r} "
-                          f"!= {cfg.embedding_optimizer!r}")
-    return ckpt
+def _write_checkpoint(run: _Run, states: dict[int, dict], summary: dict | None = None) -> Path:
+    """checkpoint.pt from every trainer's state (Trainer.checkpoint_state, one mark or the end) and the tables."""
+    cfg, state = run.cfg, run.state
+    trainers = [{k: torch.from_numpy(np.asarray(v)) for k, v in states[r].items()} for r in range(cfg.trainers)]
+    run.flat.flat.copy_(state.center if state.center is not None else trainers[0]["flat"])
+    ckpt = {
+        "config": config_to_dict(cfg), "name": run.name,
+        "dense": {k: v.clone() for k, v in run.model.state_dict().items() if not k.startswith("embeddings.")},
+        "embeddings": state.embeddings.state_dict(),
+        "positions": torch.stack([t.pop("positions") for t in trainers]), "shards": cfg.trainers * cfg.workers,
+        "trainers": trainers, **({"summary": summary} if summary is not None else {}),
+    }
+    path = run.out / "checkpoint.pt"
+    write_checkpoint(path, ckpt)
+    return path
 
 
-def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult:
+def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: bool = False) -> RunResult:
     cfg, name, state, out, extra = run.cfg, run.name, run.state, run.out, run.extra
     T = cfg.trainers
     final = state.center if state.center is not None else torch.from_numpy(results[0]["dense"])
@@ -435,7 +532,7 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results.values())),
-        "seconds": seconds, "interrupted": interrupted, **extra,
+        "seconds": seconds, "interrupted": interrupted, "stopped": stopped, **extra,
     }
     seen = examples + int(extra.get("resumed_from", 0))  # the x axis of the plots counts earlier sessions too
     run.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
@@ -447,16 +544,7 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool) -> RunResult
     records = read_metrics(out / "metrics.jsonl") + [{"examples": seen, "eval_ne": ev["ne"]}]
     result = RunResult(name=name, summary=summary, records=records, out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
-        ckpt = {
-            "config": config_to_dict(cfg), "name": name,
-            "dense": {k: v for k, v in run.model.state_dict().items() if not k.startswith("embeddings.")},
-            "embeddings": state.embeddings.state_dict(),
-            "positions": state.positions.clone(), "shards": T * cfg.workers, "summary": summary,
-        }
-        tmp = out / "checkpoint.pt.tmp"
-        torch.save(ckpt, tmp)
-        os.replace(tmp, out / "checkpoint.pt")
-        result.checkpoint = str(out / "checkpoint.pt")
+        result.checkpoint = str(_write_checkpoint(run, {r: results[r]["state"] for r in range(T)}, summary))
     if cfg.plot:
         run = {"name": name, "records": result.records,
                "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}

@@ -30,6 +30,8 @@ class SharedState:
     go: torch.Tensor  # int32 [1]: set by the parent once every trainer is built -> all start together
     init_dense: torch.Tensor  # the common starting point of every dense replica (fresh init or a checkpoint)
     heartbeat: torch.Tensor  # float64 [T]: time.monotonic() of each trainer's last heartbeat (0: not started)
+    done: torch.Tensor  # int32 [T]: set once every worker of a trainer has finished (it reaches no more marks)
+    released: torch.Tensor  # int64 [1]: the last checkpoint mark the launcher has written (or let pass)
 
     @classmethod
     def create(cls, cfg: TrainConfig, embeddings: SharedEmbeddings, init_flat: torch.Tensor) -> "SharedState":
@@ -38,7 +40,8 @@ class SharedState:
         return cls(embeddings.share_memory_(), center, torch.zeros(T, W, dtype=torch.int64).share_memory_(),
                    torch.zeros(T, dtype=torch.int64).share_memory_(), torch.zeros(T, dtype=torch.int64).share_memory_(),
                    torch.zeros(1, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int32).share_memory_(),
-                   init_flat.clone().share_memory_(), torch.zeros(T, dtype=torch.float64).share_memory_())
+                   init_flat.clone().share_memory_(), torch.zeros(T, dtype=torch.float64).share_memory_(),
+                   torch.zeros(T, dtype=torch.int32).share_memory_(), torch.zeros(1, dtype=torch.int64).share_memory_())
 
     @classmethod
     def private(cls, cfg: TrainConfig, init_flat: torch.Tensor) -> "SharedState":
@@ -47,7 +50,8 @@ class SharedState:
         T, W = cfg.trainers, cfg.workers
         return cls(None, None, torch.zeros(T, W, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
                    torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
-                   torch.ones(1, dtype=torch.int32), init_flat.clone(), torch.zeros(T, dtype=torch.float64))
+                   torch.ones(1, dtype=torch.int32), init_flat.clone(), torch.zeros(T, dtype=torch.float64),
+                   torch.zeros(T, dtype=torch.int32), torch.zeros(1, dtype=torch.int64))
 
 
 def new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:

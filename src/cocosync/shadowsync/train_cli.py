@@ -79,9 +79,11 @@ _CLUSTER_OPTIONS = [
     click.option("--eval-every", type=int, default=None,
                  help="multi-node: score the model on the held-out set every this many examples (an NE curve)."),
     click.option("--checkpoint-every", type=int, default=None,
-                 help="multi-node: also checkpoint every this many examples of the job (DCP, under --out)."),
+                 help="also checkpoint every this many examples of the run (--out/checkpoint.pt; multi-node: DCP "
+                      "under --out/checkpoints): a killed run resumes from the last one."),
     click.option("--stop-after", type=int, default=None,
-                 help="multi-node: stop (with a checkpoint) once the job has seen this many examples."),
+                 help="stop (with a checkpoint) once the run has seen this many examples (earlier sessions "
+                      "included)."),
     click.option("--prefetch", type=int, default=2, show_default=True,
                  help="multi-node: batches whose embedding rows are requested ahead of the one training (0: none)."),
 ]
@@ -152,12 +154,16 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         _exec_torchrun(nnodes, node_rank, nproc_per_node, rdzv_endpoint)
     if progress is not None:
         opts["progress"] = progress
+    if eval_every is not None:
+        raise click.UsageError("--eval-every is for multi-node jobs (with --nnodes); a single-machine run scores "
+                               "its model at the end (cocosync eval scores any checkpoint.pt)")
     cfg = config_from_options(config_path, resume, opts)
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples of {cfg.data!r} -> {cfg.out_dir}/")
     try:
-        result = run_training(cfg, console=console, resume=resume)
+        result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
+                              stop_after=stop_after)
     except ConfigError as e:
         if debug_mode():
             raise

@@ -51,7 +51,12 @@ class TrainerFailure(RuntimeError):
 class CheckpointMarks:
     """Pauses a trainer's W workers when its reader positions cross a multiple of `every` (up to `limit`) and runs
     `save(mark)` in the last worker to arrive, every worker stopped between two batches. A worker that runs out of
-    data leaves (`leave`), so the others never wait for it."""
+    data leaves (`leave`), so the others never wait for it.
+
+    With a foreground collective sync (fr-ma, fr-bmuf) only the worker that just ran sync round k opens a mark (under
+    the sync lock), with `seen` = k * every * batch_size, and a worker due for round k+1 joins the open mark first:
+    every trainer pauses after exactly k rounds, so none is paused while a peer waits in a collective for it (marks
+    opened from each trainer's own positions could differ by a round across trainers and deadlock)."""
 
     def __init__(self, every: int, start: int, limit: int, workers: int, save: Callable[[int], None]):
         if every < 1:
@@ -62,10 +67,21 @@ class CheckpointMarks:
         self.cond = threading.Condition()
         self.saved: list[int] = []
 
-    def after_batch(self, seen: int) -> None:
+    def after_batch(self, seen: int | None) -> None:
+        """A worker finished a batch; `seen`: this trainer's examples so far (None: join an open mark, open none)."""
+        if seen is not None:
+            self.open(seen)
+        self.join()
+
+    def open(self, seen: int) -> None:
+        """Open the next mark if `seen` crossed it (no waiting)."""
         with self.cond:
             if self.pending is None and self.next <= self.limit and seen >= self.next:
                 self.pending, self.next = self.next, self.next + self.every
+
+    def join(self) -> None:
+        """If a mark is open, wait until every worker has arrived (the last one to arrive saves)."""
+        with self.cond:
             if self.pending is None:
                 return
             self.waiting += 1
@@ -135,6 +151,7 @@ class Trainer:
         self._slot = 0
         self.examples = 0
         self.active_syncs = 0
+        self.mark_base: int | None = None  # fr marks count from here (default: this trainer's start); equal on all
         self.errors: list[str] = []
 
     # -- one Hogwild iteration ----------------------------------------------------------------------------
@@ -202,22 +219,44 @@ class Trainer:
                 it = next(self._counter)
                 self.state.iterations[self.rank] = it
                 if fr and it % self.cfg.sync.every == 0:
-                    with self._sync_lock:
-                        self.sync.sync(True)
-                        self.active_syncs += 1
-                        self.state.syncs[self.rank] += 1
-                if self.checkpoints is not None:
-                    self.checkpoints.after_batch(int(pos.sum()))
+                    self._foreground_round(pos)
+                elif self.checkpoints is not None:  # fr collective: marks open at sync rounds only
+                    self.checkpoints.after_batch(None if fr and self.sync.collective else int(pos.sum()))
         except BaseException:
             self.errors.append(f"trainer {self.rank} worker {w}:\n{traceback.format_exc()}")
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.leave()
+            with self._metrics_lock:
+                self._working -= 1
+                if self._working == 0:
+                    self.state.done[self.rank] = 1  # no worker of this trainer will reach another mark
+
+    def _foreground_round(self, pos: torch.Tensor) -> None:
+        """One foreground sync round, then the checkpoint mark it may open (see CheckpointMarks)."""
+        marks = self.checkpoints
+        while True:
+            with self._sync_lock:
+                if marks is None or marks.pending is None:
+                    self.sync.sync(True)
+                    self.active_syncs += 1
+                    self.state.syncs[self.rank] += 1
+                    if marks is not None:
+                        every, bs = self.cfg.sync.every, self.cfg.batch_size
+                        marks.open(self.mark_base + self.active_syncs * every * bs if self.sync.collective
+                                   else int(pos.sum()))
+                    break
+            marks.join()  # the round before opened a mark: pause for it before running this round
+        if marks is not None:
+            marks.join()
 
     def train(self) -> dict:
         """Run the workers to the end of this trainer's data (or a stop), finish the sync protocol, and return
         this trainer's measurements and final dense parameters."""
         W = self.cfg.workers
+        self._working = W
+        if self.mark_base is None:
+            self.mark_base = int(self.state.positions[self.rank].sum())
         workers = [threading.Thread(target=self._worker, args=(w,), name=f"worker{w}", daemon=True) for w in range(W)]
         done = threading.Event()
         shadow = None
@@ -275,20 +314,35 @@ class Trainer:
             "active_syncs": self.active_syncs,
             "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
+            "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
             **({"lookups": self.remote.stats.as_dict()} if self.remote is not None else {}),
         }
 
-    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+    def checkpoint_state(self, give_up: Callable[[], bool] = lambda: False) -> dict[str, torch.Tensor] | None:
         """Copies of what a checkpoint holds of this trainer (dense replica, Adagrad accumulator, sync state, reader
-        positions), read between two sync rounds (the shadow thread's gate, the foreground sync's lock)."""
-        gate = self._shadow.gate if self._shadow is not None else contextlib.nullcontext()
-        with self._sync_lock, gate:
+        positions), read between two sync rounds: the foreground sync's lock, and in shadow mode a pause of the
+        shadow thread (for MA/BMUF after a round every trainer paused at, so all trainers' states are from one
+        round). None if `give_up()` turned true while waiting for the other trainers."""
+        paused = self._shadow.paused(give_up) if self._shadow is not None else contextlib.nullcontext(True)
+        with self._sync_lock, paused as ok:
+            if not ok:
+                return None
             out = {"flat": self.flat.flat.clone(), "accumulator": self.accumulator.clone(),
                    "positions": self.state.positions[self.rank].clone()}
             if self.sync.name == "bmuf":
                 out.update({"bmuf.global": self.sync.global_params.clone(), "bmuf.start": self.sync.start.clone(),
                             "bmuf.delta": self.sync.delta.clone()})
         return out
+
+    def load_checkpoint_state(self, saved: dict[str, Any]) -> None:
+        """Restore what `checkpoint_state` returned (before training; reader positions are the launcher's). BMUF's
+        state is restored when the checkpoint has it; else BMUF starts from the common point, as a fresh run."""
+        self.flat.flat.copy_(torch.as_tensor(saved["flat"]))
+        self.accumulator.copy_(torch.as_tensor(saved["accumulator"]))
+        if self.sync.name == "bmuf" and "bmuf.global" in saved:
+            self.sync.global_params.copy_(torch.as_tensor(saved["bmuf.global"]))
+            self.sync.start.copy_(torch.as_tensor(saved["bmuf.start"]))
+            self.sync.delta.copy_(torch.as_tensor(saved["bmuf.delta"]))
 
     def _log(self, t0: float) -> None:
         elapsed = max(time.time() - t0, 1e-9)

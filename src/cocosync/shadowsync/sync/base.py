@@ -102,6 +102,8 @@ class SyncAlgorithm(ABC):
             raise ValueError("sync algorithms work on a 1-D contiguous flat parameter buffer (see FlatParams)")
         self.flat, self.cfg, self.group = flat, cfg, group
         self.syncs = 0
+        self.holding = False  # this trainer asks every trainer to pause after a common round (a checkpoint)
+        self.holds = 0  # how many trainers asked that in the last round
 
     def sync(self, active: bool = True) -> int:
         """One synchronization round. Returns the number of trainers that reported active (see module doc)."""
@@ -120,16 +122,19 @@ class SyncAlgorithm(ABC):
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
     def _mean_and_active(self, snapshot: torch.Tensor, active: bool) -> tuple[torch.Tensor, int]:
-        """All-reduce `snapshot` and the active flag in one message; returns (mean over trainers, #active)."""
+        """All-reduce `snapshot`, the active flag and the hold flag in one message; returns (mean over trainers,
+        #active) and sets `holds`."""
         n = snapshot.numel()
-        buf = torch.empty(n + 1, dtype=snapshot.dtype)
+        buf = torch.empty(n + 2, dtype=snapshot.dtype)
         buf[:n].copy_(snapshot)
         buf[n] = 1.0 if active else 0.0
+        buf[n + 1] = 1.0 if self.holding else 0.0
         world = self._world()
         if isinstance(self.group, HierarchicalGroup):
             self.group.all_reduce(buf)
         elif world > 1:
             dist.all_reduce(buf, group=self.group)
+        self.holds = int(round(buf[n + 1].item()))
         return buf[:n].div_(world), int(round(buf[n].item()))
 
 

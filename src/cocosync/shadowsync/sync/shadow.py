@@ -4,13 +4,18 @@ The workers never wait for it: the thread reads a snapshot of the dense buffer, 
 the EASGD center), and adds the resulting delta back, lock-free. torch ops release the GIL, and `interval`
 seconds of sleep between syncs bound its share of the CPU. The loop ends when `sync()` reports no active
 trainer (collectives: every trainer has finished; local algorithms: this one has).
+
+A checkpoint of a collective algorithm needs every trainer's sync state from the same round: `paused()` asks for
+a hold (a flag riding on the round's all-reduce); after the first round in which every trainer asked, every shadow
+thread parks, so the states read then are from one round.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
-from typing import Callable
+from typing import Callable, Iterator
 
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 
@@ -33,6 +38,7 @@ class ShadowThread:
         self.sync_seconds = 0.0
         self.gate = threading.Lock()  # held during each round: a checkpoint reads a state between two rounds
         self._abort = threading.Event()
+        self._parked = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
 
     def start(self) -> "ShadowThread":
@@ -51,10 +57,39 @@ class ShadowThread:
                     self.active_syncs += 1
                 if n_active == 0:
                     return
+                if self.algorithm.collective and self.algorithm.holds == self.algorithm._world():
+                    self._park()
                 if active and self.interval > 0:
                     self._abort.wait(self.interval)
         except BaseException as e:  # surfaced by the trainer, which owns the error report
             self.error = e
+
+    def _park(self) -> None:
+        """Wait until this trainer's hold is lifted (paused() exits): every trainer asked for it in the last round."""
+        self._parked.set()
+        while self.algorithm.holding and not self._abort.wait(0.005):
+            pass
+        self._parked.clear()
+
+    @contextlib.contextmanager
+    def paused(self, give_up: Callable[[], bool] = lambda: False) -> Iterator[bool]:
+        """Pause the loop between two rounds; for a collective algorithm, after a round every trainer paused at.
+        Yields False (nothing paused) if `give_up()` turns true first (a peer will not come)."""
+        if not self.algorithm.collective:
+            with self.gate:
+                yield True
+            return
+        self.algorithm.holding = True
+        try:
+            while not self._parked.wait(0.01):
+                if not self._thread.is_alive():
+                    break  # the loop has ended: nothing runs any more
+                if give_up():
+                    yield False
+                    return
+            yield True
+        finally:
+            self.algorithm.holding = False  # a parked loop (now or after the round in flight) goes on
 
     def abort(self) -> None:
         """Stop after the current sync (used on errors; a clean finish ends through the active flag)."""

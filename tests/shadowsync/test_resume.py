@@ -1,0 +1,148 @@
+"""Nothing is lost on one machine: periodic checkpoints (--checkpoint-every) survive a killed launcher or trainer,
+and a resumed run continues every trainer's state exactly (replica, dense Adagrad, BMUF state, tables, readers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cocosync.shadowsync.checkpoint import read_checkpoint
+from cocosync.shadowsync.launcher import run_training
+from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
+
+SMALL = {"table_size": 2000}
+MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
+CONFIG = ("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\nbottom_mlp = [32, 8]\ntop_mlp = [32]\n")
+
+
+def _cfg(out: Path, algorithm: str, **kw) -> TrainConfig:
+    base = dict(examples=24_000, eval_examples=2_000, trainers=1, workers=1, batch_size=64, progress=False, plot=False,
+                out_dir=str(out), data_options=SMALL, model=MODEL, timeout=120, sync=SyncConfig(algorithm=algorithm))
+    return TrainConfig(**{**base, **kw})
+
+
+def _flat_tensors(ckpt: dict) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint under a dotted name (the summary and config aside)."""
+    out = {f"dense.{k}": v for k, v in ckpt["dense"].items()}
+    out.update({"emb.weight": ckpt["embeddings"]["weight"], "emb.accumulator": ckpt["embeddings"]["accumulator"],
+                "positions": ckpt["positions"]})
+    for r, t in enumerate(ckpt["trainers"]):
+        out.update({f"trainer.{r}.{k}": v for k, v in t.items()})
+    return out
+
+
+def _assert_equal(a: dict, b: dict) -> None:
+    ta, tb = _flat_tensors(a), _flat_tensors(b)
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+
+
+def _cli(out: Path, tmp: Path, *extra: str) -> subprocess.Popen:
+    (tmp / "c.toml").write_text(CONFIG)
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--config", str(tmp / "c.toml"), "--no-progress",
+           "--out", str(out), "--timeout", "120", *extra]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_checkpoint(proc: subprocess.Popen, out: Path, timeout: float = 90) -> dict:
+    """The first 'checkpoint' record of a running CLI's metrics."""
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if metrics.exists():
+            for line in metrics.read_text().splitlines():
+                if '"event": "checkpoint"' in line:
+                    return json.loads(line)
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"no checkpoint was written: {proc.communicate(timeout=10)}")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_stop_and_resume_continue_exactly_as_an_uninterrupted_run(tmp_path):
+    """One trainer, one worker, no dense sync: the order is fixed, so stopping after N examples and resuming ends
+    bit for bit where the uninterrupted run ends (dense Adagrad accumulator and table accumulators included)."""
+    whole = run_training(_cfg(tmp_path / "whole", "none"))
+    first = run_training(_cfg(tmp_path / "parts", "none"), stop_after=10_000)
+    done = first.summary["examples"]
+    assert first.summary["stopped"] and 10_000 <= done < 10_000 + 64  # whole batches
+    second = run_training(_cfg(tmp_path / "parts", "none"), resume=first.checkpoint)
+    assert second.summary["resumed_from"] == done and second.summary["examples"] == 24_000 - done
+    _assert_equal(read_checkpoint(whole.checkpoint), read_checkpoint(second.checkpoint))
+    assert second.summary["eval_ne"] == whole.summary["eval_ne"]
+
+
+def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp_path):
+    whole = run_training(_cfg(tmp_path / "whole", "none", examples=60_000))
+    out = tmp_path / "killed"
+    proc = _cli(out, tmp_path, "--sync", "none", "--trainers", "1", "--examples", "60000", "--eval-examples", "2000",
+                "--batch-size", "64", "--checkpoint-every", "6000")
+    trainers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
+    rec = _wait_for_checkpoint(proc, out)
+    os.kill(proc.pid, signal.SIGKILL)  # no chance to write anything more
+    proc.communicate(timeout=30)
+    deadline = time.monotonic() + 10  # the trainer dies with its launcher (PDEATHSIG)
+    while time.monotonic() < deadline and any(_alive(t) for t in trainers):
+        time.sleep(0.1)
+    assert not any(_alive(t) for t in trainers)
+    ckpt = read_checkpoint(out / "checkpoint.pt")
+    seen = int(ckpt["positions"].sum())
+    assert seen % 6000 < 64 and 6000 <= seen < 60_000 and rec["examples"] <= seen  # a mark, not the end
+    resumed = run_training(_cfg(out, "none", examples=60_000), resume=out / "checkpoint.pt")
+    assert resumed.summary["resumed_from"] == seen and resumed.summary["examples"] == 60_000 - seen
+    _assert_equal(read_checkpoint(whole.checkpoint), read_checkpoint(resumed.checkpoint))
+
+
+def test_a_killed_trainer_loses_only_what_followed_the_last_checkpoint(tmp_path):
+    """Two trainers x two Hogwild workers with Shadow-BMUF: a trainer killed after a periodic checkpoint fails the
+    run naming it; the resumed run restores every trainer's replica and BMUF state and sees every example once."""
+    out = tmp_path / "run"
+    proc = _cli(out, tmp_path, "--sync", "shadow-bmuf", "--trainers", "2", "--workers", "2", "--examples", "150000",
+                "--eval-examples", "4000", "--batch-size", "64", "--checkpoint-every", "20000")
+    _wait_for_checkpoint(proc, out)
+    trainers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+                if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ")]
+    saved = read_checkpoint(out / "checkpoint.pt")
+    os.kill(trainers[1], signal.SIGKILL)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 1 and "trainer 1" in err and "SIGKILL" in err
+    ckpt = read_checkpoint(out / "checkpoint.pt")
+    seen = int(ckpt["positions"].sum())
+    assert seen >= int(saved["positions"].sum()) and seen < 150_000
+    assert len(ckpt["trainers"]) == 2 and {"flat", "accumulator", "bmuf.global", "bmuf.start",
+                                            "bmuf.delta"} <= set(ckpt["trainers"][0])
+    assert torch.equal(ckpt["trainers"][0]["bmuf.global"], ckpt["trainers"][1]["bmuf.global"])  # one global model
+    cfg = _cfg(out, "shadow-bmuf", trainers=2, workers=2, examples=150_000, eval_examples=4_000)
+    resumed = run_training(cfg, resume=out / "checkpoint.pt")
+    s = resumed.summary
+    assert s["resumed_from"] == seen and s["examples"] == 150_000 - seen  # every example exactly once
+    assert s["eval_ne"] < 0.9, s
+
+
+def test_foreground_collective_sync_checkpoints_at_common_rounds_without_deadlock(tmp_path):
+    """FR-MA, two trainers x two workers: marks open only after a sync round every trainer ran, so no trainer waits
+    in the all-reduce for one paused at a mark."""
+    cfg = _cfg(tmp_path / "fr", "fr-ma", trainers=2, workers=2, examples=40_000, sync=SyncConfig(algorithm="fr-ma",
+                                                                                                   every=3))
+    res = run_training(cfg, checkpoint_every=4_000)
+    marks = [json.loads(line) for line in (tmp_path / "fr" / "metrics.jsonl").read_text().splitlines()
+             if '"event": "checkpoint"' in line]
+    assert len(marks) >= 5 and res.summary["examples"] == 40_000
+    ckpt = read_checkpoint(res.checkpoint)
+    a, b = ckpt["trainers"][0]["flat"], ckpt["trainers"][1]["flat"]
+    assert torch.allclose(a, b, atol=1e-6)  # the last round averaged them (x + (mean - x): equal up to rounding)
