@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: install lint test demo bench clean
+.PHONY: install lint test test-soak demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ lint: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# minutes: 30 torchrun launches of the example script, each must exit cleanly
+test-soak: $(STAMP)
+	COCOSYNC_SOAK=1 $(PY) -m pytest -q tests/soak
 
 demo: $(STAMP)
 	$(VENV)/bin/cocosync demo
