@@ -123,3 +123,48 @@ def test_l2_adam_on_two_ranks_is_one_fused_collective_and_matches_torch_adam(ran
         assert any(f.startswith("fused_collective") for f in fast), fast
         for a, b in zip(params, ref_model.parameters()):
             torch.testing.assert_close(a, b.detach(), rtol=1e-5, atol=1e-6)
+
+
+def _per_parameter_state_on_rank():
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model = _model()
+    opt = DistributedAdam(model.parameters(), lr=1e-2)
+    r = dist.get_rank()
+    first = next(model.parameters())
+    empty_before = len(opt.state) == 0 and first not in opt.state
+    for s in range(3):
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(100 * s + 10 * i + r))
+        opt.step()
+    full = opt.state_dict()
+    views = {}  # this rank's part of each parameter's exp_avg, and where it sits in the full flat tensor
+    start = opt._updates[0].slice.start
+    for i, p in enumerate(model.parameters()):
+        e = opt.state[p]
+        lo = opt.flat.offsets[i]
+        a = max(lo, start) - lo
+        views[i] = (float(e["step"]), e["exp_avg"].clone(), full["state"][i]["exp_avg"].reshape(-1)[a:a + e[
+            "exp_avg"].numel()].clone(), e["exp_avg"].numel())
+    model.zero_grad()  # grads None: DCP would run its initialising fake step if opt.state looked empty
+    _, osd = get_state_dict(model, opt)
+    after = opt.state_dict()
+    unchanged = opt.steps == 3 and all(torch.equal(full["state"][i]["exp_avg"], after["state"][i]["exp_avg"])
+                                       for i in full["state"])
+    e = opt.state[first]  # a view: writing into it changes the optimizer's state
+    if e["exp_avg"].numel():
+        e["exp_avg"].fill_(7.0)
+    a = max(0, start)  # parameter 0 starts at offset 0: this rank's part is [start, start + n) of it
+    part = opt.state_dict()["state"][0]["exp_avg"].reshape(-1)[a:a + e["exp_avg"].numel()]
+    written = bool((part == 7.0).all())
+    return empty_before, views, unchanged, written, len(osd["state"])
+
+
+def test_opt_state_holds_views_of_this_ranks_slices_and_dcp_takes_no_step(rank_pool):
+    for empty_before, views, unchanged, written, n_state in rank_pool(2).run(_per_parameter_state_on_rank):
+        assert empty_before and unchanged and written and n_state == 4
+        for step, view, full_part, n in views.values():
+            assert step == 3.0 and torch.equal(view, full_part)
+    covered = [sum(v[3] for v in r[1].values()) for r in rank_pool(2).run(_per_parameter_state_on_rank)]
+    assert sum(covered) == sum(p.numel() for p in _model().parameters())  # the slices cover every element once

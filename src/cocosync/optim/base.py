@@ -30,6 +30,7 @@ import torch.distributed as dist
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
 from cocosync.optim.flat import FlatParams
+from cocosync.optim.param_state import SlicedState
 from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule.standard import sharded_update_schedule
@@ -108,6 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             verify_same(type(self).__name__, self._signature(), group)
         self._updates = [self._build(gi, g, group) for gi, g in enumerate(self.param_groups)]
         self.steps = 0
+        self.state = SlicedState(self)  # torch.optim's per-parameter view (optim/param_state.py)
 
     def _signature(self) -> dict[str, Any]:
         """What every rank must agree on: each group's trainable parameters (shapes, dtypes) and settings."""
