@@ -37,7 +37,14 @@ from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.sources import InMemorySource, build_configs, eval_batches, make_source
 from cocosync.shadowsync.state import SharedState, build_model, build_shared_state
 from cocosync.shadowsync.sync import FlatParams
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_from_dict, config_to_dict
+from cocosync.shadowsync.train_config import (
+    COLLECTIVE_METHODS,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+    config_from_dict,
+    config_to_dict,
+)
 from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, TrainerFailure, json_safe
 
 __all__ = ["RunResult", "run_training", "load_checkpoint_model"]
@@ -463,7 +470,7 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
     resumed_from = int(ckpt["positions"].sum()) if ckpt is not None else 0
     extra = {**(extra_summary or {}), **({"resumed_from": resumed_from} if ckpt is not None else {})}
     store = None  # the trainers' rendezvous for gloo (MA, BMUF): loopback only
-    if cfg.sync.method in ("ma", "bmuf") and cfg.trainers > 1:
+    if cfg.sync.method in COLLECTIVE_METHODS and cfg.trainers > 1:
         store = LoopbackStore(timeout=120)
     logger = MetricsLogger(out / "metrics.jsonl", append=ckpt is not None)
     logger.log(event="start", name=name, config=config_to_dict(cfg), resumed_from=resumed_from)

@@ -55,6 +55,9 @@ class ClusterConfig:
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 
     def sync_servers_for(self, method: str) -> int:
+        if method == "dssync":
+            raise ConfigError("sync 'dssync' runs on one machine for now (its groups are flat gloo groups; across "
+                              "machines use ma, bmuf or easgd)")
         if self.sync_servers is None:
             return 1 if method == "easgd" else 0
         if method == "easgd" and self.sync_servers < 1:

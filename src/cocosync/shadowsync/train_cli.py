@@ -31,7 +31,7 @@ _OPTS = {  # CLI option -> TrainConfig field
     "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
     "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
     "timeout": "timeout", "heartbeat_timeout": "heartbeat_timeout", "sync": "sync.algorithm",
-    "sync_every": "sync.every", "sync_interval": "sync.interval",
+    "sync_every": "sync.every", "sync_interval": "sync.interval", "sync_groups": "sync.groups",
     "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
 }
 
@@ -50,6 +50,7 @@ _TRAIN_OPTIONS = [
     click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1)."),
     click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm (default shadow-bmuf)."),
     click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
+    click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
     click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),

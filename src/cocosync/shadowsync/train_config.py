@@ -30,11 +30,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-__all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS",
+__all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS", "COLLECTIVE_METHODS",
            "config_from_dict", "config_to_dict", "check_paths"]
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
-SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "fr-bmuf", "fr-ma", "fr-easgd", "none")
+SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "shadow-dssync", "fr-bmuf", "fr-ma", "fr-easgd",
+                   "fr-dssync", "none")
+#: the methods whose sync() is a collective every trainer joins (gloo among the trainers)
+COLLECTIVE_METHODS = ("ma", "bmuf", "dssync")
 OPTIMIZERS = ("adagrad", "sgd")
 
 
@@ -75,6 +78,10 @@ class SyncConfig:
     """BMUF block learning rate, > 0."""
     nesterov: bool = True
     """BMUF: restart trainers from x_global + block_momentum * delta (Nesterov) instead of x_global."""
+    groups: int = 2
+    """DS-Sync: the trainers are split into this many groups each round, each averaging within itself only."""
+    shuffle_seed: int = 0
+    """DS-Sync: seed of the per-round shuffle of the groups (the same on every trainer)."""
 
     def __post_init__(self) -> None:
         _check(self.algorithm in SYNC_ALGORITHMS, "sync.algorithm", self.algorithm, f"one of {SYNC_ALGORITHMS}")
@@ -87,6 +94,8 @@ class SyncConfig:
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
                "a finite number > 0")
         _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
+        _check(_is_int(self.groups) and self.groups >= 1, "sync.groups", self.groups, "an integer >= 1")
+        _check(_is_int(self.shuffle_seed), "sync.shuffle_seed", self.shuffle_seed, "an integer")
 
     @property
     def mode(self) -> str:
@@ -97,7 +106,7 @@ class SyncConfig:
 
     @property
     def method(self) -> str:
-        """'easgd', 'ma', 'bmuf' or 'none' (the algorithm without its mode)."""
+        """'easgd', 'ma', 'bmuf', 'dssync' or 'none' (the algorithm without its mode)."""
         return self.algorithm.split("-", 1)[1] if "-" in self.algorithm else "none"
 
 
@@ -166,6 +175,9 @@ class TrainConfig:
             _check(_is_int(v) and v >= 1, name, v, "an integer >= 1")
         _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
         _check(self.workers <= 64, "workers", self.workers, "at most 64 workers per trainer")
+        if self.sync.method == "dssync":
+            _check(self.sync.groups <= self.trainers, "sync.groups", self.sync.groups,
+                   f"at most trainers={self.trainers} groups (each group holds at least one trainer)")
         _check(self.examples >= self.trainers * self.workers * self.batch_size, "examples", self.examples,
                f"at least trainers*workers*batch_size = {self.trainers * self.workers * self.batch_size}")
         _check(self.dense_optimizer in OPTIMIZERS, "dense_optimizer", self.dense_optimizer, f"one of {OPTIMIZERS}")

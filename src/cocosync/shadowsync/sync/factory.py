@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.sync.base import NoSync, SyncAlgorithm
 from cocosync.shadowsync.sync.bmuf import BMUF
+from cocosync.shadowsync.sync.dssync import DSSync
 from cocosync.shadowsync.sync.easgd import EASGD
 from cocosync.shadowsync.sync.ma import ModelAveraging
 from cocosync.shadowsync.train_config import SyncConfig
@@ -27,4 +28,6 @@ def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | Non
         return ModelAveraging(flat, cfg, group=group)
     if cfg.method == "bmuf":
         return BMUF(flat, cfg, group=group)
+    if cfg.method == "dssync":
+        return DSSync(flat, cfg, group=group)
     raise ValueError(f"unknown sync method {cfg.method!r}")
