@@ -16,6 +16,8 @@ from typing import Any
 
 import click
 
+from cocosync.shadowsync.train_config import SYNC_ALGORITHMS
+
 __all__ = ["shadowsync", "run_suite"]
 
 SHADOW = ("shadow-ma", "shadow-bmuf", "shadow-easgd")
@@ -176,9 +178,10 @@ def shadowsync(examples: int, eval_examples: int, trainers: str, interval: float
     except ValueError:
         raise click.BadParameter(f"{trainers!r}: expected comma-separated integers, e.g. 1,2") from None
     algs = tuple(a.strip() for a in algorithms.split(",") if a.strip())
-    bad = [a for a in algs if a not in SHADOW]
+    choices = tuple(a for a in SYNC_ALGORITHMS if a.startswith("shadow-"))
+    bad = [a for a in algs if a not in choices]
     if bad or not algs:
-        raise click.BadParameter(f"--algorithms {algorithms!r}: expected a comma-separated subset of {SHADOW}")
+        raise click.BadParameter(f"--algorithms {algorithms!r}: expected a comma-separated subset of {choices}")
     outp = Path(out)
     if nodes == 2:
         from .shadowsync_nodes import report, run_nodes_suite

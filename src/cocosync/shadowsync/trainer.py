@@ -328,10 +328,7 @@ class Trainer:
             if not ok:
                 return None
             out = {"flat": self.flat.flat.clone(), "accumulator": self.accumulator.clone(),
-                   "positions": self.state.positions[self.rank].clone()}
-            if self.sync.name == "bmuf":
-                out.update({"bmuf.global": self.sync.global_params.clone(), "bmuf.start": self.sync.start.clone(),
-                            "bmuf.delta": self.sync.delta.clone()})
+                   "positions": self.state.positions[self.rank].clone(), **self.sync.state()}
         return out
 
     def load_checkpoint_state(self, saved: dict[str, Any]) -> None:
@@ -339,10 +336,7 @@ class Trainer:
         state is restored when the checkpoint has it; else BMUF starts from the common point, as a fresh run."""
         self.flat.flat.copy_(torch.as_tensor(saved["flat"]))
         self.accumulator.copy_(torch.as_tensor(saved["accumulator"]))
-        if self.sync.name == "bmuf" and "bmuf.global" in saved:
-            self.sync.global_params.copy_(torch.as_tensor(saved["bmuf.global"]))
-            self.sync.start.copy_(torch.as_tensor(saved["bmuf.start"]))
-            self.sync.delta.copy_(torch.as_tensor(saved["bmuf.delta"]))
+        self.sync.load_state(saved)
 
     def _log(self, t0: float) -> None:
         elapsed = max(time.time() - t0, 1e-9)

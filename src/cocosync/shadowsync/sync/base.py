@@ -115,6 +115,13 @@ class SyncAlgorithm(ABC):
     @abstractmethod
     def _sync(self, active: bool) -> int: ...
 
+    def state(self) -> dict[str, torch.Tensor]:
+        """Copies of the algorithm's own state, for a checkpoint (the flat buffer is the trainer's)."""
+        return {}
+
+    def load_state(self, saved: dict[str, torch.Tensor]) -> None:
+        """Restore `state()`'s keys found in `saved` (absent ones keep the fresh state)."""
+
     # -- helpers for the collective algorithms ---------------------------------------------------------
     def _world(self) -> int:
         if isinstance(self.group, HierarchicalGroup):

@@ -50,3 +50,13 @@ class BMUF(SyncAlgorithm):
             self.start.add_(self.delta, alpha=self.momentum)
         self.flat.add_(self.start - snapshot)  # delta write-back: keeps updates made during the all_reduce
         return n_active
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {"bmuf.global": self.global_params.clone(), "bmuf.start": self.start.clone(),
+                "bmuf.delta": self.delta.clone()}
+
+    def load_state(self, saved: dict[str, torch.Tensor]) -> None:
+        if "bmuf.global" in saved:  # else start from the common point, as a fresh run
+            self.global_params.copy_(torch.as_tensor(saved["bmuf.global"]))
+            self.start.copy_(torch.as_tensor(saved["bmuf.start"]))
+            self.delta.copy_(torch.as_tensor(saved["bmuf.delta"]))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cocosync.shadowsync.sync.base import NoSync, SyncAlgorithm
+from cocosync.shadowsync.sync.base import HierarchicalGroup, NoSync, SyncAlgorithm
 from cocosync.shadowsync.sync.bmuf import BMUF
+from cocosync.shadowsync.sync.compiled import CompiledSync, NotOnOneMachine
 from cocosync.shadowsync.sync.dssync import DSSync
 from cocosync.shadowsync.sync.easgd import EASGD
 from cocosync.shadowsync.sync.ma import ModelAveraging
@@ -24,10 +25,15 @@ def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | Non
         if center is None:
             raise ValueError("EASGD needs the shared central copy (center=...)")
         return EASGD(flat, cfg, center=center)
-    if cfg.method == "ma":
-        return ModelAveraging(flat, cfg, group=group)
-    if cfg.method == "bmuf":
-        return BMUF(flat, cfg, group=group)
+    if cfg.method in ("ma", "bmuf"):
+        plain = not isinstance(group, HierarchicalGroup) and dist.is_initialized()
+        if plain and dist.get_world_size(group) > 1:
+            try:  # the compiled program on shared memory (sync/compiled.py)
+                return CompiledSync(flat, cfg, group)
+            except NotOnOneMachine:  # every trainer finds the same: they all fall back
+                pass
+        return (BMUF if cfg.method == "bmuf" else ModelAveraging)(flat, cfg, group=group)
     if cfg.method == "dssync":
         return DSSync(flat, cfg, group=group)
     raise ValueError(f"unknown sync method {cfg.method!r}")
+
