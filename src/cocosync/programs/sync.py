@@ -20,9 +20,11 @@ __all__ = ["ma_program", "bmuf_program"]
 
 
 def ma_program(n: int, dtype: torch.dtype = float32) -> Program:
-    """Model averaging: s <- mean over trainers of x."""
+    """Model averaging: s <- mean over trainers of x, written as the step from the last round's point
+    (s + (avg - s)): a value computed from the reduced slice, so the sharded schedule fuses it into one collective
+    (a bare copy of the reduce-scatter's output has no fused form)."""
     x, s = Tensor("x", n, dtype, Local), Tensor("s", n, dtype, Replicated)
-    return Program("ma", [x, s], [update(s, all_reduce(x, ReduceOp.MEAN))])
+    return Program("ma", [x, s], [update(s, s + (all_reduce(x, ReduceOp.MEAN) - s))])
 
 
 def bmuf_program(n: int, dtype: torch.dtype = float32) -> Program:

@@ -1,14 +1,17 @@
 """MA and BMUF as compiled DSL programs (programs/sync.py) on the cocosync runtime: the trainers of one machine
 average through shared memory, in one collective per round, instead of gloo over loopback TCP.
 
-One program per algorithm. BMUF has two schedules, chosen by size as the communicator chooses its all-reduce: up
-to the one-shot size (1 MB of peer data) the program runs as written (a one-shot all-reduce, then the update on the
-whole vector, the state replicated: fewest round trips); above it with the optimizers' sharded-update schedule
-(reduce-scatter -> update on this trainer's slice -> all-gather, one fused collective), the BMUF state sliced across
-the trainers (each holds 1/T of the global model and block momentum). MA has no state to slice: its program is the
-communicator's all-reduce, which itself goes one-shot or reduce-scatter + all-gather by size. The hand-written classes
-(ma.py, bmuf.py) are the reference the tests compare against, and run where this does not apply: one trainer, and
-across machines (HierarchicalGroup). The active and hold flags ride on a separate 8-byte all-reduce.
+One program per algorithm, two schedules, chosen by size (SLICED_FROM_BYTES, measured): for small vectors the
+program runs as written (a one-shot all-reduce, then the update on the whole vector, the state replicated: fewest
+round trips); above it with the optimizers' sharded-update schedule (reduce-scatter -> update on this trainer's
+slice -> all-gather, one fused collective), BMUF's state sliced across the trainers (each holds 1/T of the global
+model and block momentum). The hand-written classes (ma.py, bmuf.py) are the reference the tests compare against,
+and run where this does not apply: one trainer, and across machines (HierarchicalGroup).
+
+The active and hold flags ride in the same collective: two elements past the parameters (`x[n]`, `x[n+1]`), whose
+BMUF state is reset before every round, so the round's restart point there is a known multiple of their mean. BMUF
+with Nesterov momentum looks ahead while any trainer trains; the round that finds none active (the last) is known
+only after it, so it is corrected then: every trainer ends on the global model itself, as the class does.
 """
 
 from __future__ import annotations
@@ -18,8 +21,6 @@ import torch.distributed as dist
 
 from cocosync.lower import lower
 from cocosync.programs.sync import bmuf_program, ma_program
-from cocosync.reduce_op import ReduceOp
-from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule import Schedule
 from cocosync.schedule.standard import sharded_update_schedule
@@ -27,6 +28,11 @@ from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["CompiledSync", "NotOnOneMachine"]
+
+
+#: peer bytes from which the sliced schedule runs (T=2, rounds measured here: at 27,601 parameters replicated MA/BMUF
+#: 382/585 us vs sliced 444/725 us; at 200,000 replicated 1231/3379 us vs sliced 881/1088 us)
+SLICED_FROM_BYTES = 256 << 10
 
 
 class NotOnOneMachine(ValueError):
@@ -47,11 +53,11 @@ class CompiledSync(SyncAlgorithm):
             raise ValueError(f"CompiledSync runs 'ma' and 'bmuf', not {self.name!r}")
         world = self._world()
         n = flat.numel()
-        self.n, self.padded = n, -(-n // world) * world
+        self.n, self.padded = n, -(-(n + 2) // world) * world  # + the active and hold flags
         program = (bmuf_program if self.name == "bmuf" else ma_program)(self.padded, flat.dtype)
-        if sliced is None:  # the size up to which the communicator's own all-reduce is one-shot
-            sliced = n * flat.element_size() * (world - 1) > DEFAULT_ONE_SHOT_BYTES
-        self.sliced = sliced = sliced and self.name == "bmuf"  # MA has no state; its all-reduce splits itself
+        if sliced is None:
+            sliced = n * flat.element_size() * (world - 1) > SLICED_FROM_BYTES
+        self.sliced = sliced
         states = ("glob", "delta") if self.name == "bmuf" else ()
         schedule = sharded_update_schedule(program, states) if sliced else Schedule(program)
         self.plan = compile_plan(lower(schedule), group, donate=("x",))
@@ -67,24 +73,33 @@ class CompiledSync(SyncAlgorithm):
         self._lo = self.rank * k if sliced else 0
         self.glob = alloc(k, flat.dtype).copy_(self.s[self._lo:self._lo + k])  # x_prev_global (its slice)
         self.delta = alloc(k, flat.dtype).zero_()
-        self._flags = alloc(2, torch.float32)
+        self._flag_slots = [(i - self._lo) for i in (n, n + 1) if self._lo <= i < self._lo + k]  # in my slice
         m = cfg.block_momentum
         self.momentum = (1.0 - 1.0 / world) if m is None else m
 
     def _sync(self, active: bool) -> int:
-        self._flags[0], self._flags[1] = float(active), float(self.holding)
-        self._comm.all_reduce(self._flags, ReduceOp.SUM)
-        n_active, self.holds = int(round(self._flags[0].item())), int(round(self._flags[1].item()))
+        n, x, s = self.n, self.x, self.s
         snapshot = self.flat.clone()
-        self.x[:self.n].copy_(snapshot)
-        self.x[self.n:].zero_()
+        x[:n].copy_(snapshot)
+        x[n:].zero_()
+        x[n], x[n + 1] = float(active), float(self.holding)
+        s[n:].zero_()
         if self.name == "bmuf":
-            look_ahead = self.momentum if self.cfg.nesterov and n_active > 0 else 0.0
-            self.plan(x=self.x, s=self.s, glob=self.glob, delta=self.delta, mom=self.momentum,
-                      blr=self.cfg.block_lr, nm=look_ahead)
+            for i in self._flag_slots:
+                self.glob[i] = self.delta[i] = 0.0
+            look_ahead = self.momentum if self.cfg.nesterov else 0.0
+            self.plan(x=x, s=s, glob=self.glob, delta=self.delta, mom=self.momentum, blr=self.cfg.block_lr,
+                      nm=look_ahead)
+            scale = self.cfg.block_lr * (1.0 + look_ahead)  # s = glob + nm * delta = blr * (1 + nm) * mean there
         else:
-            self.plan(x=self.x, s=self.s)
-        self.flat.add_(self.s[:self.n]).sub_(snapshot)  # delta write-back: keeps updates made during the round
+            self.plan(x=x, s=s)
+            scale = 1.0
+        world = self._world()
+        n_active = int(round(float(s[n]) / scale * world))
+        self.holds = int(round(float(s[n + 1]) / scale * world))
+        if self.name == "bmuf" and look_ahead and n_active == 0:  # the last round: end on the global model
+            s[:n].copy_(self._full(self.glob))
+        self.flat.add_(s[:n]).sub_(snapshot)  # delta write-back: keeps updates made during the round
         return n_active
 
     # -- the state a checkpoint holds (full vectors; the slices are read from the peers' shared memory) ----------
