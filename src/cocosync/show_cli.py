@@ -1,7 +1,7 @@
 """`cocosync show FILE.py|NAME`: a program, its schedule, the transformed listing and the plan.
 
 FILE.py defines `program` (a Program) and optionally `schedule` (a Schedule, or a function program -> Schedule).
-NAME is a built-in example: sgd, adam, lamb, megatron, pipeline.
+NAME is a built-in example: sgd, adam, lamb, megatron, pipeline, ma, bmuf (ShadowSync's dense sync).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ def _builtin(name: str):
     from cocosync.programs.lamb import lamb_program
     from cocosync.programs.model_parallel import megatron_mlp_program, pipeline_program
     from cocosync.programs.optimizers import adam_program, sgd_program
+    from cocosync.programs.sync import bmuf_program, ma_program
     from cocosync.schedule.standard import STANDARD
 
     programs = {"sgd": lambda: sgd_program(1024, momentum=True), "adam": lambda: adam_program(1024),
                 "lamb": lambda: lamb_program(1024), "megatron": lambda: megatron_mlp_program(8, 1024, 4096),
-                "pipeline": lambda: pipeline_program(8, 1024)}
+                "pipeline": lambda: pipeline_program(8, 1024), "ma": lambda: ma_program(1024),
+                "bmuf": lambda: bmuf_program(1024)}
     return programs[name](), STANDARD[name]
 
 
@@ -33,7 +35,7 @@ def load(target: str):
             program, sched = _builtin(target)
         except KeyError:
             raise click.BadParameter(f"{target!r} is neither a .py file nor a built-in example "
-                                     "(sgd, adam, lamb, megatron, pipeline)") from None
+                                     "(sgd, adam, lamb, megatron, pipeline, ma, bmuf)") from None
     else:
         if not Path(target).is_file():
             raise click.BadParameter(f"file {target!r} does not exist")

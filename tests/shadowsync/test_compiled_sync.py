@@ -99,6 +99,7 @@ def _round_trip():
     saved = a.state()
     b = CompiledSync(torch.zeros(N), cfg, sliced=True)
     b.load_state(saved)
+    dist.barrier()  # state() reads the peers' slices: after every rank has loaded its own
     return saved, b.state()
 
 

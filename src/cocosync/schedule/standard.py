@@ -73,5 +73,10 @@ def pipeline_schedule(program: Program, chunks: int = 4) -> Schedule:
     return s
 
 
+def bmuf_schedule(program: Program) -> Schedule:
+    """ShadowSync's BMUF (large vectors): RS(x) -> block momentum on the sliced global model -> AG(s)."""
+    return sharded_update_schedule(program, ("glob", "delta"))
+
+
 STANDARD = {"sgd": sgd_schedule, "adam": adam_schedule, "lamb": lamb_schedule, "megatron": megatron_schedule,
-            "pipeline": pipeline_schedule}
+            "pipeline": pipeline_schedule, "ma": sharded_update_schedule, "bmuf": bmuf_schedule}

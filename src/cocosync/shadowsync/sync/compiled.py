@@ -23,7 +23,7 @@ from cocosync.lower import lower
 from cocosync.programs.sync import bmuf_program, ma_program
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule import Schedule
-from cocosync.schedule.standard import sharded_update_schedule
+from cocosync.schedule.standard import STANDARD
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.train_config import SyncConfig
 
@@ -58,8 +58,7 @@ class CompiledSync(SyncAlgorithm):
         if sliced is None:
             sliced = n * flat.element_size() * (world - 1) > SLICED_FROM_BYTES
         self.sliced = sliced
-        states = ("glob", "delta") if self.name == "bmuf" else ()
-        schedule = sharded_update_schedule(program, states) if sliced else Schedule(program)
+        schedule = STANDARD[self.name](program) if sliced else Schedule(program)
         self.plan = compile_plan(lower(schedule), group, donate=("x",))
         shm = self.plan.comm.shm
         if shm is None:
