@@ -256,8 +256,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             u.flat.sync()
             if inv_scale is not None:
                 u.flat.grad.mul_(inv_scale)
-            inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state,
-                                      **self._scalars(g, self.steps)}
+            if g.get("maximize"):  # ascend: the average of -g is -(the average of g)
+                u.flat.grad.neg_()
+            scalars = {k: float(v) if isinstance(v, torch.Tensor) else v  # a Tensor lr: its value this step
+                       for k, v in self._scalars(g, self.steps).items()}
+            inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state, **scalars}
             if self.max_grad_norm is not None:
                 inputs["max_norm"] = float(self.max_grad_norm)
             out = u.compiled(**inputs) if u.compiled is not None else self._run_local(u, inputs)

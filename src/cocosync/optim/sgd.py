@@ -1,4 +1,5 @@
-"""DistributedSGD: SGD with momentum and weight decay (torch.optim.SGD's), RS -> sliced update -> AG."""
+"""DistributedSGD: torch.optim.SGD (momentum, dampening, Nesterov, weight decay, maximize) as RS -> sliced update
+-> AG."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
 from cocosync.optim.base import DistributedOptimizer
+from cocosync.optim.torch_args import check_sgd_args, refuse_unsupported
 from cocosync.programs.mixed_precision import sgd_mp_program
 from cocosync.programs.optimizers import sgd_program
 
@@ -16,36 +18,46 @@ __all__ = ["DistributedSGD"]
 
 
 class DistributedSGD(DistributedOptimizer):
-    """Data-parallel SGD as torch.optim.SGD with dampening=0, nesterov=False: g += wd * w; buf <- mu * buf + g;
-    w <- w - lr * buf. The momentum buffer is sliced. Whether momentum and weight decay are zero selects the
-    program, so they may change between steps but not to or from zero."""
+    """Data-parallel SGD with torch.optim.SGD's arguments and semantics: g += wd * w (g negated first with
+    `maximize`); buf <- mu * buf + (1 - dampening) * g (buf = g on the first step); w <- w - lr * buf, or
+    w - lr * (g + mu * buf) with `nesterov`. The momentum buffer is sliced. Whether momentum, dampening, weight decay
+    and Nesterov are on selects the program, so their values may change between steps but not to or from zero.
+    `foreach` and `fused` are accepted (ours has one implementation); `differentiable` is refused."""
 
     state_names = {"buf": "momentum_buffer"}
-    torch_group_keys = {"dampening": 0, "nesterov": False, "maximize": False, "foreach": None,
-                        "differentiable": False, "fused": None}
+    torch_group_keys = {"foreach": None, "differentiable": False, "fused": None}
 
-    def __init__(self, params: Iterable, lr: float = 1e-3, momentum: float = 0.0, weight_decay: float = 0.0, *,
-                 max_grad_norm: float | None = None, master_dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None):
-        if not lr >= 0 or not momentum >= 0 or not weight_decay >= 0:
-            raise ValueError(f"DistributedSGD: lr={lr}, momentum={momentum}, weight_decay={weight_decay} must be >= 0")
+    def __init__(self, params: Iterable, lr: float | torch.Tensor = 1e-3, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
+                 maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
+                 fused: bool | None = None, max_grad_norm: float | None = None,
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+        check_sgd_args(lr, momentum, dampening, weight_decay, nesterov, foreach)
+        refuse_unsupported("DistributedSGD", differentiable=differentiable)
         self.state_names = {"buf": "momentum_buffer"} if momentum else {}
-        super().__init__(params, dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+        super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
+                                      nesterov=bool(nesterov), maximize=bool(maximize)),
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
     def _structure_of(self, group: dict[str, Any]) -> dict[str, bool]:
-        return {"momentum": bool(group["momentum"]), "weight_decay": bool(group["weight_decay"])}
+        return {"momentum": bool(group["momentum"]), "weight_decay": bool(group["weight_decay"]),
+                "dampening": bool(group.get("dampening", 0)) and bool(group["momentum"]),
+                "nesterov": bool(group.get("nesterov", False))}
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 params: list[torch.Tensor], momentum: bool, weight_decay: bool) -> Program:
-        if master_dtype is None and not clip and not weight_decay:
+                 params: list[torch.Tensor], momentum: bool, weight_decay: bool, dampening: bool = False,
+                 nesterov: bool = False) -> Program:
+        if master_dtype is None and not clip and not weight_decay and not dampening and not nesterov:
             return sgd_program(n, dtype, momentum=momentum)  # the paper's program
-        return sgd_mp_program(n, dtype, master_dtype, momentum=momentum, weight_decay=weight_decay, clip=clip)
+        return sgd_mp_program(n, dtype, master_dtype, momentum=momentum, weight_decay=weight_decay, clip=clip,
+                              dampening=dampening, nesterov=nesterov)
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         out = {"lr": group["lr"]}
         if group["momentum"]:
             out["mu"] = group["momentum"]
+            if group.get("dampening"):
+                out["damp"] = 1.0 if step == 1 else 1.0 - group["dampening"]
         if group["weight_decay"]:
             out["wd"] = group["weight_decay"]
         return out

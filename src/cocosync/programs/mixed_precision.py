@@ -39,6 +39,7 @@ from cocosync.dsl import (
     cast,
     float32,
     gt,
+    maximum,
     norm,
     reduce_scatter,
     sqrt,
@@ -101,9 +102,10 @@ def _mp_name(base: str, dtype, master_dtype, clip: bool) -> str:
 
 
 def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                    clip: bool = False, decoupled: bool = True) -> Program:
+                    clip: bool = False, decoupled: bool = True, amsgrad: bool = False) -> Program:
     """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype). Weight
-    decay decoupled (AdamW) or, with decoupled=False, L2 on the (clipped) gradient as torch.optim.Adam."""
+    decay decoupled (AdamW) or, with decoupled=False, L2 on the (clipped) gradient as torch.optim.Adam. amsgrad:
+    the denominator uses the running maximum vmax of v (state vmax), as torch.optim.Adam(amsgrad=True)."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
@@ -113,11 +115,16 @@ def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
         g1 = g1 + wd * w
     m1 = update(m, beta1 * m + (1 - beta1) * g1)
     v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
-    step = lr * (m1 / c1) / (sqrt(v1 / c2) + eps)
+    states, second = [m1, v1], v1
+    vmax = Tensor("vmax", n, master_dtype, Replicated)
+    if amsgrad:
+        second = update(vmax, maximum(vmax, v1))
+        states.append(second)
+    step = lr * (m1 / c1) / (sqrt(second / c2) + eps)
     outs = _write(ws, (w * (1 - lr * wd) if decoupled else w) - step)
-    inputs = [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]]
-    return Program(_mp_name("adam" if decoupled else "adam_l2", dtype, master_dtype, clip), inputs,
-                   _outputs([*outs, m1, v1], extra))
+    inputs = [gin[0], *ws, m, v, *([vmax] if amsgrad else []), lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]]
+    name = ("adam" if decoupled else "adam_l2") + ("_amsgrad" if amsgrad else "")
+    return Program(_mp_name(name, dtype, master_dtype, clip), inputs, _outputs([*outs, *states], extra))
 
 
 def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
@@ -139,9 +146,11 @@ def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dt
 
 
 def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                   momentum: bool = False, weight_decay: bool = False, clip: bool = False) -> Program:
-    """SGD as torch.optim.SGD (dampening 0, not Nesterov): g += wd * w; buf <- mu * buf + g; w <- w - lr * buf.
-    Scalars lr (and mu, wd); state buf (master_dtype)."""
+                   momentum: bool = False, weight_decay: bool = False, clip: bool = False, dampening: bool = False,
+                   nesterov: bool = False) -> Program:
+    """SGD as torch.optim.SGD: g += wd * w; buf <- mu * buf + damp * g; w <- w - lr * d with d = buf, or
+    g + mu * buf (Nesterov). damp is 1 - dampening, except 1 on the first step (torch starts buf at g).
+    Scalars lr (and mu, damp, wd); state buf (master_dtype)."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
@@ -156,11 +165,18 @@ def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dty
         buf, mu = Tensor("buf", n, master_dtype, Replicated), Scalar("mu")
         states.append(buf)
         scalars.append(mu)
-        g1 = update(buf, mu * buf + g1)
-        outs.append(g1)
+        if dampening:
+            damp = Scalar("damp")
+            scalars.append(damp)
+            buf1 = update(buf, mu * buf + damp * g1)
+        else:
+            buf1 = update(buf, mu * buf + g1)
+        outs.append(buf1)
+        g1 = g1 + mu * buf1 if nesterov else buf1
     if weight_decay:
         scalars.append(wd)
-    name = _mp_name("sgd_momentum" if momentum else "sgd", dtype, master_dtype, clip)
+    base = "sgd_momentum" + ("_dampening" if dampening else "") + ("_nesterov" if nesterov else "")
+    name = _mp_name(base if momentum else "sgd", dtype, master_dtype, clip)
     return Program(name, [gin[0], *ws, *states, *scalars, *gin[1:]], _outputs([*_write(ws, w - lr * g1), *outs],
                                                                               extra))
 
