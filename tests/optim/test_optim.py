@@ -166,8 +166,6 @@ def test_two_ranks_match_torch_optim(rank_pool):
 
 def test_bad_inputs():
     net = Net()
-    with pytest.raises(ValueError, match="max_grad_norm clips the norm over all parameters, but each of the 2"):
-        DistributedAdam([{"params": [net.s]}, {"params": list(net.l1.parameters())}], max_grad_norm=1.0)
     opt = DistributedAdam(net.parameters())
     with pytest.raises(ValueError, match="more than one parameter group"):  # torch's own check
         opt.add_param_group({"params": [net.s]})

@@ -12,11 +12,11 @@ one rank: a plain local update, for debugging.
 Parameter groups (e.g. no weight decay on biases and norms) each get their own program, flat buffers and fused
 collective, called in group order by every rank. Frozen parameters (requires_grad=False at construction) are left
 out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. Restrictions (checked, with an
-error that says so): the
-parameters of a group share one dtype, dense, on CPU; `max_grad_norm` needs a single group (its norm is over all
-parameters, and each group is a separate update). Hyperparameters may change between steps through
-``param_groups`` (LR schedulers work); the structure of each group's program (momentum on/off, weight decay on/off
-for SGD, clipping on/off, master dtype) is fixed at construction.
+error that says so): the parameters of a group share one dtype, dense, on CPU. `max_grad_norm` clips by the norm
+over all groups (inside the fused update with one group, before the updates with several: optim/clip.py).
+Hyperparameters may change between steps through ``param_groups`` (LR schedulers work); the structure of each
+group's program (momentum on/off, weight decay on/off for SGD, clipping on/off, master dtype) is fixed at
+construction.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
+from cocosync.optim.clip import GlobalNormClip
 from cocosync.optim.flat import FlatParams
 from cocosync.optim.param_state import SlicedState
 from cocosync.runtime.comm.verify import verify_same
@@ -65,8 +66,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     `_scalars`.
 
     Args (common to all subclasses):
-        max_grad_norm: clip the averaged gradient to this global L2 norm (as torch.nn.utils.clip_grad_norm_ on the
-            full gradient); None: no clipping. Needs a single parameter group.
+        max_grad_norm: clip the averaged gradient to this global L2 norm over every parameter group (as
+            torch.nn.utils.clip_grad_norm_ on DDP-averaged gradients); None: no clipping. With one group the clipping
+            runs inside the fused update; with several, one reduce-scatter more per step (optim/clip.py).
         master_dtype: dtype of the master weights and of the optimizer state (float32 for bfloat16/float16
             parameters); None: the parameters' dtype.
         group: torch.distributed process group (default: the whole world).
@@ -91,12 +93,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._constructing = False
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm={max_grad_norm}: expected a positive number or None")
-        if max_grad_norm is not None and len(self.param_groups) > 1:
-            raise ValueError(f"{type(self).__name__}: max_grad_norm clips the norm over all parameters, but each of "
-                             f"the {len(self.param_groups)} parameter groups is a separate fused update; use one "
-                             "group (clip_grad_norm_ before step() is not the same: the gradients are averaged "
-                             "over ranks inside step())")
         self.max_grad_norm = max_grad_norm
+        # one group: clipping runs inside its fused update; several: before them, by the norm over all (clip.py)
+        self._clip_in_program = max_grad_norm is not None and len(self.param_groups) == 1
+        self._clipper = GlobalNormClip(self)
         #: with max_grad_norm: the norm of the averaged gradient before clipping in the last step() (a 0-dim tensor,
         #: the same on every rank: what torch.nn.utils.clip_grad_norm_ returns); None before the first step
         self.last_grad_norm: torch.Tensor | None = None
@@ -148,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # clipping is inside the update program: its norm splits the fused collective into two phases
         # (runtime/steps/fused_collective.py), still one reduction of the gradients
         program = self._program(n_pad, dtype, master if master != dtype else None,
-                                clip=self.max_grad_norm is not None, params=params, **structure)
+                                clip=self._clip_in_program, params=params, **structure)
         states = tuple(s for s in self._program_states() if s in program.updates)
         schedule = sharded_update_schedule(program, states)
         compiled: Callable | None = None
@@ -210,7 +210,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if getattr(self, "_constructing", True):
             return super().add_param_group(param_group)
         name = type(self).__name__
-        if self.max_grad_norm is not None:
+        if self._clip_in_program:
             raise ValueError(f"{name}.add_param_group: max_grad_norm clips over one parameter group; a second group "
                              "would be clipped separately")
         super().add_param_group(param_group)  # torch's checks and defaults
@@ -258,15 +258,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 u.flat.grad.mul_(inv_scale)
             if g.get("maximize"):  # ascend: the average of -g is -(the average of g)
                 u.flat.grad.neg_()
+        if self.max_grad_norm is not None and not self._clip_in_program:
+            self.last_grad_norm = self._clipper.clip_(float(self.max_grad_norm))
+        for g, u in zip(self.param_groups, self._updates):
             scalars = {k: float(v) if isinstance(v, torch.Tensor) else v  # a Tensor lr: its value this step
                        for k, v in self._scalars(g, self.steps).items()}
             inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state, **scalars}
-            if self.max_grad_norm is not None:
+            if self._clip_in_program:
                 inputs["max_norm"] = float(self.max_grad_norm)
             out = u.compiled(**inputs) if u.compiled is not None else self._run_local(u, inputs)
             if "grad_norm" in out:
                 self.last_grad_norm = out["grad_norm"]
         return loss
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients so that their average over ranks has global L2 norm <= max_norm, over every group;
+        returns the norm before clipping, the same on every rank (FSDP's convention for gradients it reduces
+        itself). Collective: every rank calls it before step(). It costs one reduce-scatter of the gradients more
+        than `max_grad_norm=` with one group (clipped inside the fused update). torch.nn.utils.clip_grad_norm_
+        here would clip each rank's own gradient before the average, and log a per-rank norm."""
+        if norm_type != 2.0:
+            raise ValueError(f"{type(self).__name__}.clip_grad_norm_: norm_type={norm_type!r}; only the L2 norm "
+                             "(2.0) is supported")
+        if not max_norm > 0:
+            raise ValueError(f"{type(self).__name__}.clip_grad_norm_: max_norm={max_norm!r} must be > 0")
+        for u in self._updates:
+            u.flat.sync()
+        self.last_grad_norm = self._clipper.clip_(float(max_norm))
+        return self.last_grad_norm
 
     def _amp_scaling(self) -> tuple[bool, float | None]:
         """Under torch.amp.GradScaler (`grad_scale` / `found_inf` set for this step): (skip the step, 1/scale to
