@@ -324,3 +324,22 @@ def test_frozen_parameters_are_left_alone():
         opt.step()
     with pytest.raises(ValueError, match="parameter group 1 has no parameter that requires grad"):
         DistributedAdam([{"params": [net.s]}, {"params": [net.l1.bias]}])
+
+
+def _dtensor_refused() -> str:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    p = torch.nn.Parameter(distribute_tensor(torch.ones(4, 3), mesh, [Shard(0)]))
+    try:
+        DistributedAdam([p])
+    except TypeError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_dtensor_parameters_are_refused_saying_what_works(rank_pool):
+    for msg in rank_pool(2).run(_dtensor_refused):
+        assert "is a DTensor" in msg and "torch.optim.Adam" in msg and "init_process_group('cocosync')" in msg

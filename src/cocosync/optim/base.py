@@ -138,6 +138,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"{type(self).__name__}: parameter group {gi} has no parameter "
                              "that requires grad; leave it out")
         params = [param_group["params"][i] for i in trainable]
+        _refuse_dtensors(type(self).__name__, gi, params)
         dtype = params[0].dtype
         master = self._master_arg
         if master is not None and master not in (dtype, torch.float32):
@@ -422,3 +423,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.steps = int(steps[0]) if steps else 0
         for g, saved in zip(self.param_groups, groups):
             g.update({key: v for key, v in saved.items() if key != "params"})
+
+
+def _refuse_dtensors(name: str, gi: int, params: list[torch.Tensor]) -> None:
+    """FSDP2 (`fully_shard`) and tensor parallelism give DTensor parameters whose gradients torch has reduced
+    already; our optimizers average plain replicated tensors themselves, so they refuse them, saying what works."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # torch built without distributed
+        return
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            raise TypeError(f"{name}: parameter {i} of group {gi} is a DTensor (placements {p.placements}), as "
+                            f"FSDP2's fully_shard or tensor parallelism make them: their gradients are already "
+                            f"reduced, and {name} averages replicated tensors itself. Use torch.optim."
+                            f"{name.removeprefix('Distributed')} on the sharded model, with "
+                            "init_process_group('cocosync') for shared-memory collectives.")
