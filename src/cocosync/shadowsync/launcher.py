@@ -102,7 +102,6 @@ def _periodic_save(trainer: Trainer, state: SharedState, rank: int, send: Callab
         while not passed():
             time.sleep(0.002)
 
-
     return save
 
 
