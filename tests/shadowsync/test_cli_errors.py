@@ -97,3 +97,28 @@ def test_the_multi_node_entry_point_outside_torchrun_says_how_to_launch_it(monke
 def test_single_machine_checkpoint_and_eval_options_are_checked(tmp_path, args, needle):
     _one_error(_train(tmp_path, *args), needle)
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--bottom-mlp", "64,x"], "--bottom-mlp"),
+    (["--embedding-dim", "8", "--bottom-mlp", "32,16"], "its last width must equal embedding_dim=8"),
+    (["--table-size", "0"], "table_size"),
+    (["--num-dense", "5"], "synthetic data has 13 dense / 26 sparse features but num_dense=5"),
+])
+def test_model_and_data_sizes_on_the_command_line_are_checked(tmp_path, args, needle):
+    _one_error(_train(tmp_path, *args), needle)
+
+
+def test_model_and_data_sizes_on_the_command_line_shape_the_model(tmp_path):
+    import torch
+
+    res = _train(tmp_path, "--trainers", "1", "--examples", "4000", "--eval-examples", "500", "--batch-size", "64",
+                 "--embedding-dim", "4", "--bottom-mlp", "12,4", "--top-mlp", "6", "--table-size", "300",
+                 "--sync", "none")
+    assert res.exit_code == 0, res.output
+    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
+    assert ckpt["config"]["model"] == {"embedding_dim": 4, "bottom_mlp": [12, 4], "top_mlp": [6]}
+    assert ckpt["config"]["data_options"] == {"table_size": 300}
+    assert ckpt["embeddings"]["weight"].shape == (26 * 300, 4)  # 26 tables of 300 rows, 4 wide
+    shapes = {tuple(v.shape) for k, v in ckpt["dense"].items() if k.endswith("weight")}
+    assert {(12, 13), (4, 12)} <= shapes  # the bottom MLP: 13 dense features -> 12 -> 4

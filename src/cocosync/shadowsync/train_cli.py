@@ -33,7 +33,23 @@ _OPTS = {  # CLI option -> TrainConfig field
     "timeout": "timeout", "heartbeat_timeout": "heartbeat_timeout", "sync": "sync.algorithm",
     "sync_every": "sync.every", "sync_interval": "sync.interval", "sync_groups": "sync.groups",
     "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
+    "embedding_dim": "model.embedding_dim", "bottom_mlp": "model.bottom_mlp", "top_mlp": "model.top_mlp",
+    "table_size": "data_options.table_size", "num_dense": "data_options.num_dense",
+    "num_sparse": "data_options.num_sparse",
 }
+
+
+def _layer_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """'64,16' -> [64, 16] (click callback: a bad list is a usage error naming the option)."""
+    if value is None:
+        return None
+    try:
+        sizes = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise click.BadParameter(f"{value!r}: expected comma-separated layer widths >= 1, e.g. 64,16")
+    return sizes
 
 
 def _console():
@@ -56,6 +72,15 @@ _TRAIN_OPTIONS = [
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
     click.option("--examples", type=int, help="total training examples over all trainers (one pass)."),
+    click.option("--embedding-dim", type=int, help="model: width of every embedding row (default 16)."),
+    click.option("--bottom-mlp", callback=_layer_sizes,
+                 help="model: bottom MLP widths, e.g. 64,16 (the last must equal --embedding-dim)."),
+    click.option("--top-mlp", callback=_layer_sizes, help="model: top MLP hidden widths, e.g. 64,32."),
+    click.option("--table-size", type=int, help="data: rows per embedding table (categoricals are hashed into it)."),
+    click.option("--num-dense", type=int, help="data files: integer features per line (Criteo and the synthetic "
+                                               "data: 13)."),
+    click.option("--num-sparse", type=int, help="data files: categorical features per line (Criteo and the "
+                                                "synthetic data: 26)."),
     click.option("--eval-examples", type=int, help="held-out examples scored at the end."),
     click.option("--eval-data", type=click.Path(dir_okay=False),
                  help="a Criteo-format file to score on (default: a synthetic draw, or PATH's rows after the budget)."),

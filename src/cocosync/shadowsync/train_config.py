@@ -223,8 +223,11 @@ def config_from_dict(raw: dict, **overrides: Any) -> TrainConfig:
     if bad:
         raise ConfigError(f"unknown [sync] key(s) {bad}; allowed: {sorted(sync_known)}")
     for k, v in overrides.items():
-        if k.startswith("sync."):
-            sync_raw[k[5:]] = v
+        section, _, key = k.partition(".")
+        if section == "sync" and key:
+            sync_raw[key] = v
+        elif section in ("model", "data_options") and key:  # one field of a table (e.g. model.embedding_dim)
+            raw[section] = {**(raw.get(section) or {}), key: v}
         else:
             raw[k] = v
     try:
