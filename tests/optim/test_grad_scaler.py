@@ -60,3 +60,54 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank(unscale_first):
         assert r["diff"] < 1e-6, r["diff"]  # the steps taken are torch's on averaged, unscaled gradients
     # rank 1 saw the inf: its scale backed off (x0.5) where rank 0's grew (growth_interval=1), by torch's rules
     assert res[1]["scales"][1] == res[1]["scales"][0] * 0.5 and res[0]["scales"][1] == res[0]["scales"][0] * 2
+
+
+def _low_precision(dtype_name: str) -> dict:
+    """A model in fp16/bf16 with fp32 master weights under the scaler; an inf on rank 1 at step 1; the reference is
+    torch.optim.Adam on fp32 copies of the weights with the averaged unscaled gradients."""
+    from cocosync.optim import DistributedAdam
+
+    dtype = getattr(torch, dtype_name)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(6, 3).to(dtype)
+    master = [p.detach().float().clone().requires_grad_() for p in model.parameters()]  # the reference's weights
+    opt = DistributedAdam(model.parameters(), lr=1e-2, master_dtype=torch.float32)
+    ref_opt = torch.optim.Adam(master, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8)
+    skipped = []
+    for step in range(4):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+        model.zero_grad()
+        scaler.scale(model(x.to(dtype)).float().square().mean()).backward()
+        grads = [p.grad.detach().float() / scaler.get_scale() for p in model.parameters()]  # what was scaled
+        if step == 1 and rank == 1:
+            model.weight.grad[0, 0] = float("inf")
+            grads[0][0, 0] = float("inf")
+        before = model.weight.detach().clone()
+        scaler.step(opt)
+        scaler.update()
+        skipped.append(torch.equal(before, model.weight.detach()))
+        bad = torch.zeros(1)
+        for p, g in zip(master, grads):  # the reference: averaged unscaled gradients, fp32 master weights
+            dist.all_reduce(g)
+            p.grad = g / world
+            bad += (~torch.isfinite(p.grad)).any().float()
+        if bad.item() == 0:
+            ref_opt.step()
+    # the model holds the master weights rounded to its precision
+    diff = max((a.float() - b.to(dtype).float()).abs().max().item() for a, b in zip(model.parameters(), master))
+    ulp = torch.finfo(dtype).eps * max(p.detach().float().abs().max().item() for p in model.parameters())
+    return {"skipped": skipped, "diff": diff, "ulp": ulp, "dtype": str(model.weight.dtype)}
+
+
+@pytest.mark.parametrize("dtype_name", ["float16", "bfloat16"])
+def test_low_precision_models_with_fp32_master_weights_under_the_scaler(dtype_name):
+    with RankPool(2, timeout=90) as pool:
+        res = pool.run(_low_precision, dtype_name, timeout=60)
+    for r in res:
+        assert r["skipped"] == [False, True, False, False]  # the inf on one rank skipped the step on both
+        assert r["dtype"] == f"torch.{dtype_name}"
+        # the low-precision weights are the fp32 master weights, rounded (fp16 gradients unscaled in fp16 may
+        # round a weight to the neighbouring value: within one unit in the last place of the largest weight)
+        assert r["diff"] <= r["ulp"], r
