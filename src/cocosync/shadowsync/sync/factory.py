@@ -26,7 +26,7 @@ def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | Non
             raise ValueError("EASGD needs the shared central copy (center=...)")
         return EASGD(flat, cfg, center=center)
     if cfg.method in ("ma", "bmuf"):
-        plain = not isinstance(group, HierarchicalGroup) and dist.is_initialized()
+        plain = cfg.compiled and not isinstance(group, HierarchicalGroup) and dist.is_initialized()
         if plain and dist.get_world_size(group) > 1:
             try:  # the compiled program on shared memory (sync/compiled.py)
                 return CompiledSync(flat, cfg, group)
