@@ -159,6 +159,7 @@ def _per_parameter_state_on_rank():
     after = opt.state_dict()
     unchanged = opt.steps == 3 and all(torch.equal(full["state"][i]["exp_avg"], after["state"][i]["exp_avg"])
                                        for i in full["state"])
+    dist.barrier()  # every rank has read the state before any rank writes into its slice below
     e = opt.state[first]  # a view: writing into it changes the optimizer's state
     if e["exp_avg"].numel():
         e["exp_avg"].fill_(7.0)
