@@ -67,8 +67,7 @@ def check_sgd_args(lr: Any, momentum: float, dampening: float, weight_decay: flo
 
 def refuse_unsupported(name: str, **flags: Any) -> None:
     """A ValueError naming the first flag set that would change the update and that we do not implement."""
-    why = {"amsgrad": "keeps the running maximum of the second moment (not implemented in the fused update)",
-           "differentiable": "would make the step part of the autograd graph (the fused collective is not)"}
+    why = {"differentiable": "would make the step part of the autograd graph (the fused collective is not)"}
     for key, value in flags.items():
         if value:
             raise ValueError(f"{name}: {key}={value!r} is not supported: it {why[key]}; use torch.optim."

@@ -31,6 +31,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from cocosync.shadowsync.embeddings import OPTIMIZERS, rowwise_update
+from cocosync.shadowsync.served import Served
 
 __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
            "initial_rows"]
@@ -92,7 +93,7 @@ class Shard:
 
 
 # ---------------------------------------------------------------------------------------------- server side
-_SERVED: dict[int, Shard] = {}  # the shards this process serves, by server index (module state: RPC calls land here)
+_SERVED: Served[Shard] = Served("embedding server", "a lookup")  # the shards this process serves
 
 
 def _push_bytes(pushes: list) -> int:
@@ -101,28 +102,20 @@ def _push_bytes(pushes: list) -> int:
 
 def serve_shard(server: int, shard: Shard) -> None:
     """Make `shard` answer the RPCs addressed to `server` in this process."""
-    _SERVED[server] = shard
-
-
-def _served(server: int) -> Shard:
-    shard = _SERVED.get(server)
-    if shard is None:
-        raise LookupError(f"embedding server {server} is not served by this process (served here: {sorted(_SERVED)}; "
-                          "a lookup arrived before the server's set-up finished, or went to the wrong worker)")
-    return shard
+    _SERVED.serve(server, shard)
 
 
 def _rpc_push_lookup(server: int, pushes: list, ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
     """Apply the pushes [(ids, grads, fetched versions)] that rode along, then look `ids` up: one message per
     remote server and batch (its summed staleness, rows, versions)."""
-    shard = _served(server)
+    shard = _SERVED[server]
     stale = sum(shard.apply(*push) for push in pushes)
     rows, versions = shard.lookup(ids)
     return stale, rows, versions
 
 
 def _rpc_push(server: int, pushes: list) -> int:
-    shard = _served(server)
+    shard = _SERVED[server]
     return sum(shard.apply(*push) for push in pushes)
 
 

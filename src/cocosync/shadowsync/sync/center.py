@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.distributed.rpc as rpc
 
+from cocosync.shadowsync.served import Served
+
 __all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds"]
 
 
@@ -32,27 +34,19 @@ class CenterShard:
         return diff
 
 
-_SERVED: dict[int, CenterShard] = {}
+_SERVED: Served[CenterShard] = Served("sync server", "an exchange")  # the centre ranges this process serves
 
 
 def serve_center(server: int, shard: CenterShard) -> None:
-    _SERVED[server] = shard
-
-
-def _served(server: int) -> CenterShard:
-    shard = _SERVED.get(server)
-    if shard is None:
-        raise LookupError(f"sync server {server} is not served by this process (served here: {sorted(_SERVED)}; "
-                          "an exchange arrived before the server's set-up finished, or went to the wrong worker)")
-    return shard
+    _SERVED.serve(server, shard)
 
 
 def _rpc_exchange(server: int, x: torch.Tensor, alpha: float) -> torch.Tensor:
-    return _served(server).exchange(x, alpha)
+    return _SERVED[server].exchange(x, alpha)
 
 
 def _rpc_values(server: int) -> torch.Tensor:
-    return _served(server).values.clone()
+    return _SERVED[server].values.clone()
 
 
 class RemoteCenter:

@@ -70,8 +70,9 @@ class CompiledSync(SyncAlgorithm):
         self.rank, size = self.plan.comm.group_rank, self.plan.comm.group_size
         k = self.padded // size if sliced else self.padded
         self._lo = self.rank * k if sliced else 0
-        self.glob = alloc(k, flat.dtype).copy_(self.s[self._lo:self._lo + k])  # x_prev_global (its slice)
-        self.delta = alloc(k, flat.dtype).zero_()
+        if self.name == "bmuf":  # MA keeps no state
+            self.glob = alloc(k, flat.dtype).copy_(self.s[self._lo:self._lo + k])  # x_prev_global (its slice)
+            self.delta = alloc(k, flat.dtype).zero_()
         self._flag_slots = [(i - self._lo) for i in (n, n + 1) if self._lo <= i < self._lo + k]  # in my slice
         m = cfg.block_momentum
         self.momentum = (1.0 - 1.0 / world) if m is None else m
