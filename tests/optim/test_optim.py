@@ -184,6 +184,8 @@ def test_bad_inputs():
     sgd.param_groups[0]["momentum"] = 0.9
     with pytest.raises(ValueError, match="fixed"):
         sgd.step()
+    net(torch.randn(2, 5)).sum().backward()
+    opt.step()  # state exists after a parameter's first step, as in torch.optim
     sd = opt.state_dict()
     sd["state"][0]["exp_avg"] = torch.zeros(3, 3)
     with pytest.raises(ValueError, match="shape"):

@@ -52,13 +52,15 @@ class DistributedAdam(DistributedOptimizer):
                 "amsgrad": bool(group.get("amsgrad", False))}
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 params: list[torch.Tensor], decoupled: bool = True, amsgrad: bool = False) -> Program:
+                 params: list[torch.Tensor], masked: bool = False, decoupled: bool = True,
+                 amsgrad: bool = False) -> Program:
         if amsgrad != self.amsgrad:  # its state (max_exp_avg_sq) exists for every group or for none
             raise ValueError(f"{type(self).__name__}: a parameter group with amsgrad={amsgrad} in an optimizer "
                              f"constructed with amsgrad={self.amsgrad}; use one setting for all groups")
-        if master_dtype is None and not clip and not amsgrad:
+        if master_dtype is None and not clip and not amsgrad and not masked:
             return adam_program(n, dtype, decoupled=decoupled)  # the paper's program
-        return adam_mp_program(n, dtype, master_dtype, clip=clip, decoupled=decoupled, amsgrad=amsgrad)
+        return adam_mp_program(n, dtype, master_dtype, clip=clip, decoupled=decoupled, amsgrad=amsgrad,
+                               masked=masked)
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         return adam_scalars(step, lr=group["lr"], betas=group["betas"], eps=group["eps"],

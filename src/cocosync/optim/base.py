@@ -11,9 +11,11 @@ one rank: a plain local update, for debugging.
 
 Parameter groups (e.g. no weight decay on biases and norms) each get their own program, flat buffers and fused
 collective, called in group order by every rank. Frozen parameters (requires_grad=False at construction) are left
-out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. Restrictions (checked, with an
-error that says so): the parameters of a group share one dtype, dense, on CPU. `max_grad_norm` clips by the norm
-over all groups (inside the fused update with one group, before the updates with several: optim/clip.py).
+out, as torch.optim skips them; freezing or unfreezing later needs a new optimizer. A parameter no rank gave a
+gradient on a step is skipped on that step, as torch.optim skips a None gradient (optim/presence.py).
+Restrictions (checked, with an error that says so): the parameters of a group share one dtype, dense, on CPU.
+`max_grad_norm` clips by the norm over all groups (inside the fused update with one group, before the updates
+with several: optim/clip.py).
 Hyperparameters may change between steps through ``param_groups`` (LR schedulers work); the structure of each
 group's program (momentum on/off, weight decay on/off for SGD, clipping on/off, master dtype) is fixed at
 construction.
@@ -24,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -32,6 +35,9 @@ from cocosync.lower import lower
 from cocosync.optim.clip import GlobalNormClip
 from cocosync.optim.flat import FlatParams
 from cocosync.optim.param_state import SlicedState
+from cocosync.optim.presence import Agreement, GradientPresence, per_element
+from cocosync.optim.state_dict import TorchStateDict
+from cocosync.programs.mixed_precision import MASK_INPUTS
 from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule.standard import sharded_update_schedule
@@ -55,9 +61,12 @@ class _GroupUpdate:
     """Positions in the group's "params" of the parameters in `flat`: those that required grad at construction."""
     arena: Any = None
     """The node's arena when the state slices live in it (one node): any rank reads every slice, no collective."""
+    master: torch.dtype = torch.float32
+    masked: tuple[Any, Callable | None] | None = None
+    """(schedule, compiled plan) of the masked program, built when a parameter first has no gradient."""
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
     # torch.amp.GradScaler's protocol for optimizers that average gradients themselves (as torch's fused ones take
     # part in it): the scaler hands us `grad_scale` and its local `found_inf` instead of stepping around us
     _step_supports_amp_scaling = True
@@ -108,6 +117,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._distributed:  # fail at once, naming the difference, rather than hang or update differently
             verify_same(type(self).__name__, self._signature(), group)
         self._updates = [self._build(gi, g, group) for gi, g in enumerate(self.param_groups)]
+        #: which parameters got a gradient this step, and each one's step count (optim/presence.py)
+        self._presence = GradientPresence([u.flat.params for u in self._updates])
+        self._agreement = self._new_agreement()
+        #: step() calls that updated (not skipped by GradScaler); each parameter's own count is in _presence
         self.steps = 0
         self.state = SlicedState(self)  # torch.optim's per-parameter view (optim/param_state.py)
 
@@ -150,12 +163,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # (runtime/steps/fused_collective.py), still one reduction of the gradients
         program = self._program(n_pad, dtype, master if master != dtype else None,
                                 clip=self._clip_in_program, params=params, **structure)
-        states = tuple(s for s in self._program_states() if s in program.updates)
-        schedule = sharded_update_schedule(program, states)
-        compiled: Callable | None = None
+        schedule, compiled = self._compile(program, group)
         alloc = param_alloc = shm = None
-        if self._distributed:
-            compiled = compile_plan(lower(schedule), group, donate=("g",))
+        if compiled is not None:
             shm = compiled.comm.shm
             if shm is not None:
                 alloc = shm.arena.empty
@@ -177,7 +187,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         local_state = {s: new().zero_() for s in self.state_names}
         if master != dtype:
             local_state["master"] = new().copy_(flat.flat[sl])
-        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable, arena)
+        return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable, arena, master)
+
+    def _compile(self, program: Program, group: dist.ProcessGroup | None) -> tuple[Any, Callable | None]:
+        """The standard sharded-update schedule of `program` (its state and per-element inputs sliced) and its
+        compiled plan (None without torch.distributed)."""
+        names = {x.name for x in program.inputs if x.ndim}  # the per-element inputs of the masked programs
+        sliced = tuple(s for s in self._program_states() if s in program.updates)
+        schedule = sharded_update_schedule(program, sliced + tuple(x for x in MASK_INPUTS if x in names))
+        if not self._distributed:
+            return schedule, None
+        return schedule, compile_plan(lower(schedule), group, donate=("g",))
+
+    def _masked(self, gi: int, u: _GroupUpdate) -> tuple[Any, Callable | None]:
+        """The group's masked program, scheduled and compiled (collective: every rank needs it on the same step,
+        since the ranks agree on which parameters have gradients)."""
+        if u.masked is None:
+            params = [self.param_groups[gi]["params"][i] for i in u.trainable]
+            program = self._program(u.flat.padded, u.flat.dtype, u.master if u.master != u.flat.dtype else None,
+                                    clip=self._clip_in_program, params=params, masked=True, **u.structure)
+            u.masked = self._compile(program, self._process_group)
+        return u.masked
 
     # the first group's parts (the only ones with a single group, the common case)
     flat = property(lambda self: self._updates[0].flat)
@@ -189,8 +219,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- subclass hooks ----
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 params: list[torch.Tensor], **structure: bool) -> Program:
-        """The update program of one parameter group (`params`, flattened and padded to `n` elements)."""
+                 params: list[torch.Tensor], masked: bool = False, **structure: bool) -> Program:
+        """The update program of one parameter group (`params`, flattened and padded to `n` elements); `masked`:
+        its variant that skips the elements whose input "keep" is 0 (programs/mixed_precision.py)."""
         raise NotImplementedError
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
@@ -220,13 +251,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if self._distributed:
                 verify_same(f"{name}.add_param_group", self._group_signature(gi), self._process_group)
             self._updates.append(self._build(gi, self.param_groups[gi], self._process_group))
+            self._presence.add_group(self._updates[-1].flat.params)
+            self._agreement = self._new_agreement()
         except BaseException:
             self.param_groups.pop()
             raise
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients in place (one memset of the flat buffer). `set_to_none` is ignored: the gradients
-        stay views of the arena buffer so that backward accumulates into it."""
+        stay views of the arena buffer so that backward accumulates into it (a None .grad would make backward
+        allocate a fresh tensor and cost a copy into the buffer per step). What set_to_none is for in torch.optim,
+        telling which parameters got no gradient, is kept: such parameters are skipped (optim/presence.py); code
+        that tests `p.grad is None` can call `model.zero_grad()` instead, at that copy's cost."""
         for u in self._updates:
             u.flat.zero_grad()
 
@@ -249,7 +285,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if structure != u.structure:
                 raise ValueError(f"{type(self).__name__}: {structure} changed since construction ({u.structure}); "
                                  "these select the program and are fixed: construct a new optimizer")
-        skip, inv_scale = self._amp_scaling()
+        skip, inv_scale, used = self._agree()
         if skip:
             return loss
         self.steps += 1
@@ -261,16 +297,41 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 u.flat.grad.neg_()
         if self.max_grad_norm is not None and not self._clip_in_program:
             self.last_grad_norm = self._clipper.clip_(float(self.max_grad_norm))
-        for g, u in zip(self.param_groups, self._updates):
-            scalars = {k: float(v) if isinstance(v, torch.Tensor) else v  # a Tensor lr: its value this step
-                       for k, v in self._scalars(g, self.steps).items()}
-            inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state, **scalars}
+        for gi, (g, u, has) in enumerate(zip(self.param_groups, self._updates, used)):
+            steps = self._presence.steps[gi]
+            steps += has
+            if not has.any():  # no rank has a gradient for any parameter of the group: torch skips them all
+                continue
+            uniform = bool(has.all()) and steps.min() == steps.max()
+            inputs: dict[str, Any] = {"g": u.flat.grad, "w": u.flat.flat, **u.local_state,
+                                      **self._float_scalars(g, int(steps.max()))}
             if self._clip_in_program:
                 inputs["max_norm"] = float(self.max_grad_norm)
-            out = u.compiled(**inputs) if u.compiled is not None else self._run_local(u, inputs)
+            schedule, compiled = (u.schedule, u.compiled) if uniform else self._masked(gi, u)
+            if not uniform:
+                inputs.update(self._per_element_inputs(g, u, schedule.program, has, steps))
+            out = compiled(**inputs) if compiled is not None else self._run_local(u, schedule, inputs)
             if "grad_norm" in out:
                 self.last_grad_norm = out["grad_norm"]
         return loss
+
+    def _float_scalars(self, group: dict[str, Any], step: int) -> dict[str, Any]:
+        return {k: float(v) if isinstance(v, torch.Tensor) else v  # a Tensor lr: its value this step
+                for k, v in self._scalars(group, step).items()}
+
+    def _per_element_inputs(self, group: dict[str, Any], u: _GroupUpdate, program: Program, has: np.ndarray,
+                            steps: np.ndarray) -> dict[str, torch.Tensor]:
+        """The masked program's "keep" and step-dependent inputs, each parameter's value over its elements (this
+        rank's slice with a compiled plan, all of it under the interpreter)."""
+        part = u.slice if u.compiled is not None else None
+        out = {"keep": per_element(u.flat, has, 0.0, part, u.master)}
+        by_step = {t: self._float_scalars(group, t) for t in set(steps.tolist()) if t > 0}
+        names = {x.name for x in program.inputs if x.ndim}
+        for name in MASK_INPUTS[1:]:
+            if name in names:  # a parameter never stepped is masked out: any finite value will do
+                values = np.array([by_step[t][name] if t > 0 else 1.0 for t in steps.tolist()])
+                out[name] = per_element(u.flat, values, 1.0, part, u.master)
+        return out
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -289,140 +350,43 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.last_grad_norm = self._clipper.clip_(float(max_norm))
         return self.last_grad_norm
 
-    def _amp_scaling(self) -> tuple[bool, float | None]:
-        """Under torch.amp.GradScaler (`grad_scale` / `found_inf` set for this step): (skip the step, 1/scale to
-        unscale the gradients by, or None when they are unscaled already). A rank's found_inf is its own gradients'
-        (GradScaler checks before we average), so the ranks agree through one all-reduce (MAX) of one flag: every
-        rank skips or steps together, where skipping alone would leave its peers waiting in the fused collective.
-        Each rank's scaler then follows torch's rules on its own found_inf; ranks whose scales differ stay correct,
-        as each unscales its own gradients before they are averaged."""
+    def _agree(self) -> tuple[bool, float | None, list[np.ndarray]]:
+        """What the ranks agree on before a step, in one small all-reduce (MAX): (skip the step, 1/scale to unscale
+        the gradients by or None, per group which parameters have a gradient on some rank).
+
+        Under torch.amp.GradScaler (`grad_scale` / `found_inf` set for this step) a rank's found_inf is its own
+        gradients' (GradScaler checks before we average), so every rank skips or steps together, where skipping
+        alone would leave its peers waiting in the fused collective. Each rank's scaler then follows torch's rules
+        on its own found_inf; ranks whose scales differ stay correct, as each unscales its own gradients before
+        they are averaged. Gradient presence: optim/presence.py."""
         found, scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        if found is None and scale is None:
-            return False, None
-        flag = torch.zeros(1) if found is None else found.detach().float().reshape(1).cpu().clone()
-        group = self._process_group
-        if dist.is_initialized() and dist.get_world_size(group) > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-        if flag.item() > 0:
-            return True, None
-        return False, (None if scale is None else 1.0 / float(scale))
+        flag = 0.0 if found is None else float(found)
+        local = self._presence.local([u.flat for u in self._updates])
+        self._presence.reset()
+        flags = self._agreement([flag, *local])
+        if flags[0] > 0:
+            return True, None, []
+        return False, (None if scale is None else 1.0 / float(scale)), self._presence.split(flags[1:])
+
+    def _new_agreement(self) -> Agreement:
+        """[found_inf, a flag per parameter] agreed by the ranks each step (collective to construct)."""
+        compiled = self._updates[0].compiled
+        return Agreement(compiled.comm if compiled is not None else None, 1 + sum(len(m) for m in self._presence.marks))
+
+    def __del__(self) -> None:
+        presence = self.__dict__.get("_presence")
+        if presence is not None:
+            presence.remove()
 
     @staticmethod
-    def _run_local(u: _GroupUpdate, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
+    def _run_local(u: _GroupUpdate, schedule: Any, inputs: dict[str, Any]) -> dict[str, torch.Tensor]:
         from cocosync.interp import interpret
 
-        out = interpret(u.schedule.program, 1, inputs)[0]
+        out = interpret(schedule.program, 1, inputs)[0]
         u.flat.flat.copy_(out["w"])
         for name, t in u.local_state.items():
             t.copy_(out[name])
         return out
-
-    # ---- state: gathered in full, so it loads on any number of ranks ----
-
-    def _gather(self, u: _GroupUpdate, local: torch.Tensor) -> torch.Tensor:
-        if u.compiled is None or self.group_size == 1:
-            return local.clone()
-        if u.arena is not None:  # every slice is readable here: no collective
-            return torch.cat([u.arena.peer_view(local, peer) for peer in range(self.group_size)])
-        return u.compiled.comm.all_gather(local.contiguous(), 0)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch.optim's format, with the FULL state of each parameter, gathered from the slices: on one node read
-        from shared memory, so one rank may call it alone (nanoGPT's `if master_process: save`); across nodes a
-        collective, which every rank must call. Every caller gets the same dict. Parameters are numbered across the
-        groups in order, as torch.optim does; groups carry torch.optim's keys (`torch_group_keys`). The state-dict
-        hooks registered as with torch.optim run before and after."""
-        for pre in self._optimizer_state_dict_pre_hooks.values():
-            pre(self)
-        out = self._state_dict()
-        for post in self._optimizer_state_dict_post_hooks.values():
-            returned = post(self, out)
-            out = out if returned is None else returned
-        return out
-
-    def _state_dict(self) -> dict[str, Any]:
-        keys = {**self.state_names, "master": "master"}
-        state, groups, first = {}, [], 0
-        for g, u in zip(self.param_groups, self._updates):
-            full = {name: self._gather(u, t)[:u.flat.numel] for name, t in u.local_state.items()}
-            k = len(g["params"])
-            for i, pos in enumerate(u.trainable):  # frozen parameters have no state, as in torch.optim
-                entry: dict[str, Any] = {"step": torch.tensor(float(self.steps))}
-                for name, t in full.items():
-                    entry[keys[name]] = u.flat.view(t, i).clone()
-                state[first + pos] = entry
-            groups.append({**self.torch_group_keys, **{key: v for key, v in g.items() if key != "params"},
-                           "params": list(range(first, first + k))})
-            first += k
-        return {"state": state, "param_groups": groups}
-
-    @torch.no_grad()
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by `state_dict` (on any number of ranks), or by the matching torch.optim class:
-        hyperparameters, step and this rank's slices of the state. Missing state (saved before the first step) loads
-        as zeros. A saved setting this optimizer does not implement (amsgrad, maximize, ...) is refused, naming it.
-        The load-state-dict hooks registered as with torch.optim run before and after."""
-        for pre in self._optimizer_load_state_dict_pre_hooks.values():
-            returned = pre(self, state_dict)
-            state_dict = state_dict if returned is None else returned
-        self._load_state_dict(state_dict)
-        for post in self._optimizer_load_state_dict_post_hooks.values():
-            post(self)
-
-    def _check_torch_keys(self, gi: int, saved: dict[str, Any]) -> None:
-        name = type(self).__name__
-        group = self.param_groups[gi]
-        mine = {**self.torch_group_keys, **{k: group[k] for k in ("decoupled_weight_decay",) if k in group}}
-        for key, ours in mine.items():
-            if key in self._IMPLEMENTATION_KEYS or key not in saved or saved[key] == ours:
-                continue
-            if key == "decoupled_weight_decay" and not saved.get("weight_decay"):
-                continue  # without weight decay both forms are the same update
-            raise ValueError(f"{name}.load_state_dict: saved group {gi} has {key}={saved[key]!r}; {name} "
-                             f"implements {key}={ours!r} only, so loading it would silently change the update")
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        name = type(self).__name__
-        groups, state = state_dict.get("param_groups"), state_dict.get("state")
-        if not isinstance(groups, list) or len(groups) != len(self.param_groups) or not isinstance(state, dict):
-            raise ValueError(f"{name}.load_state_dict: expected {{'state': ..., 'param_groups': "
-                             f"[{len(self.param_groups)} group(s)]}}, got param_groups={groups!r:.80}")
-        # without weight decay both forms of it are the same update: keep this optimizer's (its compiled program)
-        groups = [{**saved, "decoupled_weight_decay": mine["decoupled_weight_decay"]}
-                  if "decoupled_weight_decay" in mine and "decoupled_weight_decay" in saved
-                  and not saved.get("weight_decay") else saved for saved, mine in zip(groups, self.param_groups)]
-        keys = {**self.state_names, "master": "master"}
-        entry = lambda i: state.get(i, state.get(str(i), {}))  # noqa: E731 - JSON-like dicts have str keys
-        for gi, (saved, u) in enumerate(zip(groups, self._updates)):
-            ids = saved.get("params", [])
-            if len(ids) != len(self.param_groups[gi]["params"]):
-                raise ValueError(f"{name}.load_state_dict: saved group {gi} has {len(ids)} parameters, this "
-                                 f"optimizer's {len(self.param_groups[gi]['params'])}")
-            for i, pid in enumerate(ids[pos] for pos in u.trainable):
-                for sname in u.local_state:
-                    t = entry(pid).get(keys[sname])
-                    if t is not None and tuple(t.shape) != tuple(u.flat.shapes[i]):
-                        raise ValueError(f"{name}.load_state_dict: state {keys[sname]!r} of parameter {pid} has "
-                                         f"shape {tuple(t.shape)}, the parameter {tuple(u.flat.shapes[i])}")
-            self._check_torch_keys(gi, saved)
-            structure = self._structure_of({**self.param_groups[gi], **saved})
-            if structure != u.structure:
-                raise ValueError(f"{name}.load_state_dict: saved hyperparameters {structure} of group {gi} select "
-                                 f"another program than this optimizer's {u.structure}")
-        for saved, u in zip(groups, self._updates):
-            for sname, local in u.local_state.items():
-                parts = []
-                for i, pid in enumerate(saved["params"][pos] for pos in u.trainable):
-                    t = entry(pid).get(keys[sname])
-                    if t is None:
-                        t = (u.flat.view(u.flat.flat, i) if sname == "master"
-                             else torch.zeros(u.flat.shapes[i], dtype=local.dtype))
-                    parts.append(t.reshape(-1).to(local.dtype))
-                local.copy_(u.flat.pad(torch.cat(parts))[u.slice])
-        steps = [float(e["step"]) for e in state.values() if isinstance(e, dict) and "step" in e]
-        self.steps = int(steps[0]) if steps else 0
-        for g, saved in zip(self.param_groups, groups):
-            g.update({key: v for key, v in saved.items() if key != "params"})
 
 
 def _refuse_dtensors(name: str, gi: int, params: list[torch.Tensor]) -> None:

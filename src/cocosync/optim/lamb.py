@@ -46,15 +46,15 @@ class DistributedLAMB(DistributedOptimizer):
                          max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
-                 params: list[torch.Tensor]) -> Program:
+                 params: list[torch.Tensor], masked: bool = False) -> Program:
         sizes = None
         if self.per_tensor:  # one segment per parameter, in FlatParams' order, then the zero padding
             sizes = [p.numel() for p in params]
             sizes += [n - sum(sizes)] if n > sum(sizes) else []
             sizes = tuple(sizes)
-        if master_dtype is None and not clip:
+        if master_dtype is None and not clip and not masked:
             return lamb_program(n, dtype, sizes)  # the paper's program
-        return lamb_mp_program(n, dtype, master_dtype, clip=clip, sizes=sizes)
+        return lamb_mp_program(n, dtype, master_dtype, clip=clip, sizes=sizes, masked=masked)
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         return adam_scalars(step, lr=group["lr"], betas=group["betas"], eps=group["eps"],

@@ -26,34 +26,36 @@ class SlicedState(Mapping):
         self._opt = opt
 
     def __getitem__(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
-        if not self._opt.steps:
-            raise KeyError(p)  # no state before the first step, as torch.optim
-        for u in self._opt._updates:
+        for gi, u in enumerate(self._opt._updates):
             for i, q in enumerate(u.flat.params):
-                if q is p:
-                    return self._entry(u, i)
+                if q is p and self._steps(gi)[i]:  # no state before its first step, as torch.optim
+                    return self._entry(u, i, int(self._steps(gi)[i]))
         raise KeyError(p)
 
-    def _entry(self, u: Any, i: int) -> dict[str, torch.Tensor]:
+    def _steps(self, gi: int) -> Any:
+        return self._opt._presence.steps[gi]
+
+    def _stepped(self) -> list[torch.Tensor]:
+        return [p for gi, u in enumerate(self._opt._updates) for p, t in zip(u.flat.params, self._steps(gi)) if t]
+
+    def _entry(self, u: Any, i: int, step: int) -> dict[str, torch.Tensor]:
         start, n = u.slice.start, u.slice.stop - u.slice.start
         lo, hi = u.flat.offsets[i], u.flat.offsets[i + 1]
         a, b = min(max(lo - start, 0), n), min(max(hi - start, 0), n)  # the parameter's range within this slice
         keys = {**self._opt.state_names, "master": "master"}
-        entry: dict[str, torch.Tensor] = {"step": torch.tensor(float(self._opt.steps))}
+        entry: dict[str, torch.Tensor] = {"step": torch.tensor(float(step))}
         for name, t in u.local_state.items():
             entry[keys[name]] = t[a:b]
         return entry
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        if not self._opt.steps:
-            return iter(())
-        return iter([p for u in self._opt._updates for p in u.flat.params])
+        return iter(self._stepped())
 
     def __len__(self) -> int:
-        return sum(len(u.flat.params) for u in self._opt._updates) if self._opt.steps else 0
+        return len(self._stepped())
 
     def __contains__(self, p: object) -> bool:
-        return bool(self._opt.steps) and any(q is p for u in self._opt._updates for q in u.flat.params)
+        return any(q is p for q in self._stepped())
 
     def __repr__(self) -> str:
         return f"SlicedState({len(self)} parameters, step {self._opt.steps}, this rank's slices)"

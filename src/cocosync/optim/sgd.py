@@ -46,11 +46,11 @@ class DistributedSGD(DistributedOptimizer):
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
                  params: list[torch.Tensor], momentum: bool, weight_decay: bool, dampening: bool = False,
-                 nesterov: bool = False) -> Program:
-        if master_dtype is None and not clip and not weight_decay and not dampening and not nesterov:
+                 nesterov: bool = False, masked: bool = False) -> Program:
+        if master_dtype is None and not (clip or weight_decay or dampening or nesterov or masked):
             return sgd_program(n, dtype, momentum=momentum)  # the paper's program
         return sgd_mp_program(n, dtype, master_dtype, momentum=momentum, weight_decay=weight_decay, clip=clip,
-                              dampening=dampening, nesterov=nesterov)
+                              dampening=dampening, nesterov=nesterov, masked=masked)
 
     def _scalars(self, group: dict[str, Any], step: int) -> dict[str, float]:
         out = {"lr": group["lr"]}

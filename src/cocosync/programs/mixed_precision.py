@@ -25,6 +25,8 @@ With `master_dtype == dtype` and `clip=False` each program is the paper's progra
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from cocosync.dsl import (
@@ -81,12 +83,33 @@ def _weights(n: int, dtype: torch.dtype, master_dtype: torch.dtype) -> tuple[lis
     return [w, master], master
 
 
-def _write(ws: list[Node], new: Node) -> list[Node]:
+def _write(ws: list[Node], new: Node, kept: Callable[[Node, Node], Node] = lambda new, old: new) -> list[Node]:
     """Update the master (if any) and the model weights (cast down)."""
+    new = kept(new, ws[-1])
     if len(ws) == 1:
         return [update(ws[0], new)]
     master1 = update(ws[1], new)
     return [update(ws[0], cast(master1, ws[0].dtype)), master1]
+
+
+def _keep(n: int, master_dtype: torch.dtype, masked: bool) -> tuple[list[Node], Callable[[Node, Node], Node]]:
+    """With `masked`: the input "keep" (1 where the element's parameter has a gradient this step, 0 where
+    torch.optim would skip the parameter) and a function (new value, old value) -> the new value only there."""
+    if not masked:
+        return [], lambda new, old: new
+    keep = Tensor("keep", n, master_dtype, Replicated)
+    cond = gt(keep, 0.5)
+    return [keep], lambda new, old: where(cond, new, old)
+
+
+def _per_step(names: str, n: int, master_dtype: torch.dtype, masked: bool) -> list[Node]:
+    """Inputs that depend on the step count: Scalars, or with `masked` one value per element (each parameter has
+    its own step count once some were skipped, as torch.optim's state[p]["step"])."""
+    return [Tensor(x, n, master_dtype, Replicated) if masked else Scalar(x) for x in names.split()]
+
+
+#: the per-element inputs of the masked programs (sliced like the optimizer state)
+MASK_INPUTS = ("keep", "c1", "c2", "damp")
 
 
 def _check(dtype: torch.dtype, master_dtype: torch.dtype | None) -> torch.dtype:
@@ -102,56 +125,65 @@ def _mp_name(base: str, dtype, master_dtype, clip: bool) -> str:
 
 
 def adam_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                    clip: bool = False, decoupled: bool = True, amsgrad: bool = False) -> Program:
+                    clip: bool = False, decoupled: bool = True, amsgrad: bool = False,
+                    masked: bool = False) -> Program:
     """Adam(W) (scalars of `adam_scalars`) on master weights; state names master, m, v (master_dtype). Weight
     decay decoupled (AdamW) or, with decoupled=False, L2 on the (clipped) gradient as torch.optim.Adam. amsgrad:
-    the denominator uses the running maximum vmax of v (state vmax), as torch.optim.Adam(amsgrad=True)."""
+    the denominator uses the running maximum vmax of v (state vmax), as torch.optim.Adam(amsgrad=True).
+    masked: elements whose "keep" is 0 keep their weights and state, and the bias corrections c1, c2 are per
+    element (parameters without a gradient on some steps, skipped as torch.optim skips them)."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
-    lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
+    lr, beta1, beta2, eps, wd = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd"))
+    c1, c2 = _per_step("c1 c2", n, master_dtype, masked)
+    keep, kept = _keep(n, master_dtype, masked)
     if not decoupled:
         g1 = g1 + wd * w
-    m1 = update(m, beta1 * m + (1 - beta1) * g1)
-    v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
+    m1 = update(m, kept(beta1 * m + (1 - beta1) * g1, m))
+    v1 = update(v, kept(beta2 * v + (1 - beta2) * g1 * g1, v))
     states, second = [m1, v1], v1
     vmax = Tensor("vmax", n, master_dtype, Replicated)
     if amsgrad:
         second = update(vmax, maximum(vmax, v1))
         states.append(second)
     step = lr * (m1 / c1) / (sqrt(second / c2) + eps)
-    outs = _write(ws, (w * (1 - lr * wd) if decoupled else w) - step)
-    inputs = [gin[0], *ws, m, v, *([vmax] if amsgrad else []), lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]]
-    name = ("adam" if decoupled else "adam_l2") + ("_amsgrad" if amsgrad else "")
+    outs = _write(ws, (w * (1 - lr * wd) if decoupled else w) - step, kept)
+    inputs = [gin[0], *ws, m, v, *([vmax] if amsgrad else []), lr, beta1, beta2, eps, wd, c1, c2, *keep, *gin[1:]]
+    name = ("adam" if decoupled else "adam_l2") + ("_amsgrad" if amsgrad else "") + ("_masked" if masked else "")
     return Program(_mp_name(name, dtype, master_dtype, clip), inputs, _outputs([*outs, *states], extra))
 
 
 def lamb_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
-                    clip: bool = False, sizes: tuple[int, ...] | None = None) -> Program:
+                    clip: bool = False, sizes: tuple[int, ...] | None = None, masked: bool = False) -> Program:
     """LAMB (as `lamb_program`: trust ratio ||w|| / ||r|| over the whole vector, or per segment of `sizes`) on
-    master weights."""
+    master weights. masked: as `adam_mp_program` (a skipped tensor still enters a ratio over the whole vector)."""
     master_dtype = _check(dtype, master_dtype)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     m, v = (Tensor(x, n, master_dtype, Replicated) for x in ("m", "v"))
-    lr, beta1, beta2, eps, wd, c1, c2 = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd", "c1", "c2"))
-    m1 = update(m, beta1 * m + (1 - beta1) * g1)
-    v1 = update(v, beta2 * v + (1 - beta2) * g1 * g1)
+    lr, beta1, beta2, eps, wd = (Scalar(x) for x in ("lr", "beta1", "beta2", "eps", "wd"))
+    c1, c2 = _per_step("c1 c2", n, master_dtype, masked)
+    keep, kept = _keep(n, master_dtype, masked)
+    m1 = update(m, kept(beta1 * m + (1 - beta1) * g1, m))
+    v1 = update(v, kept(beta2 * v + (1 - beta2) * g1 * g1, v))
     r = (m1 / c1) / (sqrt(v1 / c2) + eps) + wd * w
-    outs = _write(ws, w - lr * trust_ratio(w, r, sizes) * r)
+    outs = _write(ws, w - lr * trust_ratio(w, r, sizes) * r, kept)
     name = _mp_name("lamb" if sizes is None else "lamb_per_tensor", dtype, master_dtype, clip)
-    return Program(name, [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2, *gin[1:]],
+    return Program(name + ("_masked" if masked else ""),
+                   [gin[0], *ws, m, v, lr, beta1, beta2, eps, wd, c1, c2, *keep, *gin[1:]],
                    _outputs([*outs, m1, v1], extra))
 
 
 def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dtype | None = None, *,
                    momentum: bool = False, weight_decay: bool = False, clip: bool = False, dampening: bool = False,
-                   nesterov: bool = False) -> Program:
+                   nesterov: bool = False, masked: bool = False) -> Program:
     """SGD as torch.optim.SGD: g += wd * w; buf <- mu * buf + damp * g; w <- w - lr * d with d = buf, or
     g + mu * buf (Nesterov). damp is 1 - dampening, except 1 on the first step (torch starts buf at g).
-    Scalars lr (and mu, damp, wd); state buf (master_dtype)."""
+    Scalars lr (and mu, damp, wd); state buf (master_dtype). masked: as `adam_mp_program` (damp per element)."""
     master_dtype = _check(dtype, master_dtype)
+    keep, kept = _keep(n, master_dtype, masked)
     gin, g1, extra = _grad(n, dtype, master_dtype, clip)
     ws, w = _weights(n, dtype, master_dtype)
     lr = Scalar("lr")
@@ -166,19 +198,19 @@ def sgd_mp_program(n: int, dtype: torch.dtype = float32, master_dtype: torch.dty
         states.append(buf)
         scalars.append(mu)
         if dampening:
-            damp = Scalar("damp")
+            damp, = _per_step("damp", n, master_dtype, masked)
             scalars.append(damp)
-            buf1 = update(buf, mu * buf + damp * g1)
+            buf1 = update(buf, kept(mu * buf + damp * g1, buf))
         else:
-            buf1 = update(buf, mu * buf + g1)
+            buf1 = update(buf, kept(mu * buf + g1, buf))
         outs.append(buf1)
         g1 = g1 + mu * buf1 if nesterov else buf1
     if weight_decay:
         scalars.append(wd)
     base = "sgd_momentum" + ("_dampening" if dampening else "") + ("_nesterov" if nesterov else "")
-    name = _mp_name(base if momentum else "sgd", dtype, master_dtype, clip)
-    return Program(name, [gin[0], *ws, *states, *scalars, *gin[1:]], _outputs([*_write(ws, w - lr * g1), *outs],
-                                                                              extra))
+    name = _mp_name(base if momentum else "sgd", dtype, master_dtype, clip) + ("_masked" if masked else "")
+    return Program(name, [gin[0], *ws, *states, *scalars, *keep, *gin[1:]],
+                   _outputs([*_write(ws, w - lr * g1, kept), *outs], extra))
 
 
 def grad_norm_program(n: int, dtype: torch.dtype = float32) -> Program:
