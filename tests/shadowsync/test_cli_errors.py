@@ -90,7 +90,7 @@ def test_the_multi_node_entry_point_outside_torchrun_says_how_to_launch_it(monke
 
 
 @pytest.mark.parametrize("args, needle", [
-    (["--eval-every", "1000"], "--eval-every is for multi-node jobs"),
+    (["--eval-every", "0"], "eval_every=0 is invalid"),
     (["--checkpoint-every", "0"], "checkpoint_every=0 is invalid"),
     (["--stop-after", "-5"], "stop_after=-5 is invalid"),
 ])
@@ -117,7 +117,7 @@ def test_model_and_data_sizes_on_the_command_line_shape_the_model(tmp_path):
                  "--sync", "none")
     assert res.exit_code == 0, res.output
     ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
-    assert ckpt["config"]["model"] == {"embedding_dim": 4, "bottom_mlp": [12, 4], "top_mlp": [6]}
+    assert ckpt["config"]["model"] == {"embedding_dim": 4, "bottom_mlp": [12, 4], "top_mlp": [6], "init_ctr": 0.04}
     assert ckpt["config"]["data_options"] == {"table_size": 300}
     assert ckpt["embeddings"]["weight"].shape == (26 * 300, 4)  # 26 tables of 300 rows, 4 wide
     shapes = {tuple(v.shape) for k, v in ckpt["dense"].items() if k.endswith("weight")}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
 
 __all__ = ["CheckpointError", "read_checkpoint", "write_checkpoint", "check_resumable", "REQUIRED_KEYS"]
 
@@ -67,7 +67,7 @@ def check_resumable(ckpt: dict, cfg: TrainConfig, path: Path) -> None:
     checkpoint's model)."""
     old, new = ckpt["config"], config_to_dict(cfg)
     for key in RESUME_KEYS:
-        if old[key] != new[key]:
+        if resume_value(old, key) != resume_value(new, key):
             raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this run has "
                               f"{key}={new[key]!r} (the reader positions only mean something for the same data and "
                               "shards)")

@@ -46,11 +46,12 @@ from cocosync.shadowsync.cluster_checkpoint import (
     resolve,
     save_job,
 )
+from cocosync.shadowsync.eval_curve import describe, score
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.roles import ClusterConfig, Roles
-from cocosync.shadowsync.sources import build_configs, eval_batches, trainer_source
+from cocosync.shadowsync.sources import build_configs, eval_batches, trainer_source, with_init_ctr
 from cocosync.shadowsync.state import SharedState
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
@@ -106,6 +107,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method))
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
+    cfg = with_init_ctr(cfg)  # every process reads the same first rows: the same value
     resume = meta = None
     if cluster.resume is not None:  # checked on every rank before anything starts: all fail alike
         resume = resolve(cluster.resume)
@@ -197,7 +199,8 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         n, dim = rowhash.shard_rows(server), model_cfg.embedding_dim
         weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
         versions = arena.shared_empty(n, torch.int64)
-        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr)
+        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
+                      weight_decay=cfg.embedding_weight_decay)
         if (kind, index) == ("embedding", server):
             weight.copy_(initial_rows(data.table_sizes, dim, init_std=model_cfg.embedding_init_std,
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
@@ -284,11 +287,9 @@ class _eval_curve:  # noqa: N801 (a callable standing in for a closure that need
     def __call__(self, examples: int) -> None:
         trainer = self.trainer  # the job's examples, estimated from this trainer's reader positions (resumed included)
         seen = int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
-        ev = evaluate(_ServedModel(trainer.model, self.tables), self.batches)
-        self.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"],
-                        calibration=ev["calibration"])
-        self.console.print(f"eval at ~{seen:,} examples: NE {ev['ne']:.4f}, AUC {ev['auc']:.4f}, "
-                           f"calibration {ev['calibration']:.3f}")
+        rec = score(_ServedModel(trainer.model, self.tables), self.batches, seen)
+        self.logger.log(rec)
+        self.console.print(describe(rec))
 
 
 def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
@@ -333,7 +334,7 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
     trainer, t = run.trainer, parts.index
     T, W = roles.trainers, cfg.workers
     per_trainer = max(1, every // T)
-    last = W * (cfg.examples // (T * W)) - 1  # below every trainer's share: the end writes its own checkpoint
+    last = W * (cfg.total_examples // (T * W)) - 1  # below every trainer's share: the end writes its own checkpoint
 
     def save(mark: int) -> None:
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
@@ -388,7 +389,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
-        "resumed_from": resumed, "stopped": seen < cfg.examples,
+        "resumed_from": resumed, "stopped": seen < cfg.total_examples,
         "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
         "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
         "lookup_batches": job.cluster.lookup_batches,

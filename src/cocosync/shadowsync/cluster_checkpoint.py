@@ -27,7 +27,7 @@ import torch.distributed.checkpoint as dcp
 
 from cocosync.shadowsync.param_server import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
 
 __all__ = ["CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable"]
 
@@ -111,7 +111,7 @@ def check_resumable(meta: dict, cfg: TrainConfig, trainers: int, path: Path) -> 
     mean something for the same data, budget and model), or a trainer count that differs."""
     old, new = meta["config"], config_to_dict(cfg)
     for key in RESUME_KEYS:
-        if old[key] != new[key]:
+        if resume_value(old, key) != resume_value(new, key):
             raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this job has "
                               f"{key}={new[key]!r}")
     if meta["trainers"] != trainers:

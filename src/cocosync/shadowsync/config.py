@@ -173,7 +173,8 @@ class ModelConfig:
     embedding_init_std: float = 0.05
     """Embedding rows start N(0, std^2); dense layers start with PyTorch's default init."""
     init_ctr: float | None = 0.04
-    """Start the output bias at logit(init_ctr) so step 0 predicts a plausible click rate; None = 0."""
+    """Start the output bias at logit(init_ctr) so step 0 predicts a plausible click rate; None = 0. A training run
+    that does not set it estimates it from its data (sources.with_init_ctr)."""
     seed: int = 0
     """Initialization seed: every trainer built from the same config starts from the same weights."""
 

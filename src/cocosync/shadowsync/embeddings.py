@@ -8,7 +8,8 @@ left behind by a crash or a kill: the memory goes away with the last process hol
 
 Updates are Hogwild: `apply_rows(table, ids, grads)` sums duplicate ids, then applies SGD or row-wise Adagrad
 (one accumulator per row: acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps), as FBGEMM's rowwise Adagrad)
-with in-place index ops, without locks, from any worker of any trainer.
+with in-place index ops, without locks, from any worker of any trainer. `weight_decay` is row-wise L2 on the rows a
+batch touches (g += wd * w before the update: FBGEMM's TBE weight_decay_mode=L2).
 """
 
 from __future__ import annotations
@@ -24,10 +25,13 @@ OPTIMIZERS = ("adagrad", "sgd")
 
 @torch.no_grad()
 def rowwise_update(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
-                   optimizer: str, lr: float, eps: float) -> None:
+                   optimizer: str, lr: float, eps: float, weight_decay: float = 0.0) -> None:
     """Apply the gradient rows `g[i]` to the distinct rows `rows[i]` of `weight`, in place and lock-free (Hogwild):
     SGD, or row-wise Adagrad with one accumulator per row (acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps)).
-    `g` is consumed (scaled in place). The one definition for local tables and parameter-server shards."""
+    weight_decay: L2 on the touched rows, g += wd * w first. `g` is consumed (scaled in place). The one definition
+    for local tables and parameter-server shards."""
+    if weight_decay:
+        g.add_(weight.index_select(0, rows), alpha=weight_decay)
     if optimizer == "sgd":
         weight.index_add_(0, rows, g, alpha=-lr)
         return
@@ -40,7 +44,7 @@ class SharedEmbeddings:
     """`len(rows)` tables of `dim` columns, one shared buffer; `tables[t]` is a `[rows[t], dim]` view."""
 
     def __init__(self, rows: Sequence[int], dim: int, *, optimizer: str = "adagrad", lr: float = 0.05,
-                 eps: float = 1e-8, init_std: float = 0.05, seed: int = 0):
+                 eps: float = 1e-8, init_std: float = 0.05, seed: int = 0, weight_decay: float = 0.0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"embedding optimizer={optimizer!r} is invalid: expected one of {OPTIMIZERS}")
         if not rows or any(int(r) < 1 for r in rows) or dim < 1:
@@ -48,7 +52,9 @@ class SharedEmbeddings:
         if not lr > 0:
             raise ValueError(f"embedding lr={lr!r} is invalid: expected a number > 0")
         self.rows, self.dim = [int(r) for r in rows], int(dim)
-        self.optimizer, self.lr, self.eps = optimizer, float(lr), float(eps)
+        if not weight_decay >= 0:
+            raise ValueError(f"embedding weight_decay={weight_decay!r} is invalid: expected a number >= 0")
+        self.optimizer, self.lr, self.eps, self.weight_decay = optimizer, float(lr), float(eps), float(weight_decay)
         gen = torch.Generator().manual_seed(seed)
         self.weight = torch.randn(sum(self.rows), self.dim, generator=gen).mul_(init_std)
         self.accumulator = torch.zeros(sum(self.rows))
@@ -73,7 +79,8 @@ class SharedEmbeddings:
 
     def __getstate__(self) -> dict:
         # tensors pickle through torch's multiprocessing reductions (shared storage, not a copy)
-        return {k: getattr(self, k) for k in ("rows", "dim", "optimizer", "lr", "eps", "weight", "accumulator")}
+        return {k: getattr(self, k) for k in ("rows", "dim", "optimizer", "lr", "eps", "weight_decay", "weight",
+                                              "accumulator")}
 
     def __setstate__(self, state: dict) -> None:
         for k, v in state.items():
@@ -90,7 +97,8 @@ class SharedEmbeddings:
         uniq, inverse = torch.unique(ids.reshape(-1), return_inverse=True)
         g = torch.zeros(uniq.numel(), self.dim, dtype=self.weight.dtype).index_add_(
             0, inverse, grads.reshape(-1, self.dim).to(self.weight.dtype))
-        rowwise_update(self.weight, self.accumulator, uniq + self.offsets[table], g, self.optimizer, self.lr, self.eps)
+        rowwise_update(self.weight, self.accumulator, uniq + self.offsets[table], g, self.optimizer, self.lr, self.eps,
+                       self.weight_decay)
 
     def apply_grads(self, grads: list[torch.Tensor]) -> None:
         """Apply one autograd gradient per table (sparse COO or dense) in a single fused row update."""

@@ -13,6 +13,7 @@ import json
 import math
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import threading
 import time
@@ -32,9 +33,10 @@ from cocosync.runtime.comm.store import LoopbackStore
 from cocosync.shadowsync.checkpoint import check_resumable, read_checkpoint, write_checkpoint
 from cocosync.shadowsync.config import DataConfig
 from cocosync.shadowsync.embeddings import SharedEmbeddings
+from cocosync.shadowsync.eval_curve import BEST_NAME, BestModelCurve, describe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model import DLRM
-from cocosync.shadowsync.sources import InMemorySource, build_configs, eval_batches, make_source
+from cocosync.shadowsync.sources import FileSource, build_configs, eval_batches, make_source, with_init_ctr
 from cocosync.shadowsync.state import SharedState, build_model, build_shared_state
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.train_config import (
@@ -75,17 +77,19 @@ class TrainerPlan:
     stop_at: int | None = None  # a trainer stops once its reader positions sum to this
     mark_base: int = 0  # examples every trainer had seen at the start (the least of them): marks count from here
     limit: int = 0  # the last mark: below every trainer's share (the end writes its own checkpoint)
+    eval_every: int | None = None  # trainer 0 scores its replica every this many of its examples (eval_curve.py)
 
 
 def _plan(cfg: TrainConfig, positions: torch.Tensor, resume: list[dict] | None, checkpoint_every: int | None,
-          stop_after: int | None) -> TrainerPlan:
+          stop_after: int | None, eval_every: int | None) -> TrainerPlan:
     T, W = cfg.trainers, cfg.workers
     stop_at = stop_after // T if stop_after is not None else None
-    limit = W * (cfg.examples // (T * W)) - 1
+    limit = W * (cfg.total_examples // (T * W)) - 1
     if stop_at is not None:
         limit = min(limit, stop_at - 1)
     every = max(1, checkpoint_every // T) if checkpoint_every is not None and cfg.checkpoint else None
-    return TrainerPlan(resume, every, stop_at, int(positions.sum(dim=1).min()), limit)
+    return TrainerPlan(resume, every, stop_at, int(positions.sum(dim=1).min()), limit,
+                       max(1, eval_every // T) if eval_every is not None else None)
 
 
 def _periodic_save(trainer: Trainer, state: SharedState, rank: int, send: Callable[[dict], None]):
@@ -128,7 +132,13 @@ def _trainer_main(rank: int, cfg: TrainConfig, state: SharedState, source: Any, 
             with lock:
                 conn.send(msg)
 
-        trainer = Trainer(cfg, rank, state, source, group=group, emit=send, stop_at=plan.stop_at)
+        curve = None
+        if rank == 0 and plan.eval_every is not None:
+            curve = BestModelCurve(cfg, state, eval_batches(cfg, build_configs(cfg)[0]), send)
+        trainer = Trainer(cfg, rank, state, source, group=group, emit=send, stop_at=plan.stop_at, on_eval=curve,
+                          eval_every=plan.eval_every)
+        if curve is not None:
+            curve.trainer = trainer
         if plan.resume is not None:
             trainer.load_checkpoint_state(plan.resume[rank])
         trainer.mark_base = plan.mark_base
@@ -240,7 +250,8 @@ class Monitor:
         self.task: Any = None
         self.handlers: dict[str, Callable[[int, dict], None]] = {
             "train": self._on_train, "ready": self._on_ready, "result": self._on_result, "error": self._on_error,
-            "checkpoint": self._on_checkpoint}
+            "checkpoint": self._on_checkpoint, "eval": self._on_eval}
+        self.best_eval = math.inf  # the lowest eval NE of the curve (its model is best.pt)
 
     def run(self) -> None:
         t_launch = time.time()
@@ -248,7 +259,7 @@ class Monitor:
         try:
             with _progress(self.cfg, self.console) as self.bar:
                 if self.bar:
-                    self.task = self.bar.add_task(self.name, total=self.cfg.examples, ne="-", eps="-")
+                    self.task = self.bar.add_task(self.name, total=self.cfg.total_examples, ne="-", eps="-")
                 while len(self.results) < self.cfg.trainers and not self.failures:
                     if interrupts.count and not self.state.stop[0]:
                         self.state.stop[0] = 1
@@ -313,6 +324,13 @@ class Monitor:
         if self.ready == self.cfg.trainers:  # start together: EPS is measured over a common window
             self.state.go[0] = 1
             self.t_start = time.time()
+
+    def _on_eval(self, r: int, msg: dict) -> None:
+        rec = {k: v for k, v in msg.items() if k != "kind"}
+        self.logger.log(json_safe(rec))
+        if rec.get("best"):
+            self.best_eval = rec["eval_ne"]
+        self.console.print(describe(rec))
 
     def _on_result(self, r: int, msg: dict) -> None:
         self.results[r] = msg
@@ -407,7 +425,8 @@ class _Run:
 
 def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = None,
                  extra_summary: dict | None = None, resume: str | os.PathLike | None = None,
-                 checkpoint_every: int | None = None, stop_after: int | None = None) -> RunResult:
+                 checkpoint_every: int | None = None, stop_after: int | None = None,
+                 eval_every: int | None = None) -> RunResult:
     """Train T trainers x W workers as configured; returns the measurements (see module doc).
 
     `resume`: a checkpoint of a run with the same data, budget, T and W (one stopped by Ctrl-C or --stop-after, or
@@ -415,18 +434,21 @@ def run_training(cfg: TrainConfig, *, name: str | None = None, console: Any = No
     optimizer and sync state, the tables from their weights and accumulators, the readers at their positions.
     `checkpoint_every`: also write checkpoint.pt every this many examples of the run (every trainer pauses at its
     share of the mark; a killed run loses at most that much). `stop_after`: stop once the run (earlier sessions
-    included) has seen this many examples, with a checkpoint."""
-    for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after)):
+    included) has seen this many examples, with a checkpoint. `eval_every`: trainer 0 scores its replica every this
+    many examples of the run (an eval NE curve in metrics.jsonl) and keeps the best model as best.pt."""
+    for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after), ("eval_every", eval_every)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
             raise ConfigError(f"{key}={v!r} is invalid: expected a number of examples >= 1")
     console = console or Console(stderr=True)
     name = name or f"{cfg.sync.algorithm} T={cfg.trainers}"
     check_paths(cfg)  # before anything is spawned
+    cfg = with_init_ctr(cfg)
     data, model_cfg = build_configs(cfg)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with _OutputLock(out):
-        return _run(cfg, name, console, data, model_cfg, out, extra_summary, resume, checkpoint_every, stop_after)
+        return _run(cfg, name, console, data, model_cfg, out, extra_summary, resume, checkpoint_every, stop_after,
+                    eval_every)
 
 
 class _OutputLock:
@@ -456,10 +478,10 @@ class _OutputLock:
 
 def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg: Any, out: Path,
          extra_summary: dict | None, resume: str | os.PathLike | None, checkpoint_every: int | None,
-         stop_after: int | None) -> RunResult:
+         stop_after: int | None, eval_every: int | None) -> RunResult:
     torch.manual_seed(cfg.seed)
     source = make_source(cfg, data)
-    if isinstance(source, InMemorySource):
+    if not isinstance(source, FileSource):
         source.share_memory_()
     ckpt = None
     if resume is not None:
@@ -476,7 +498,7 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
     run = _Run(cfg, name, data, model, flat, state, logger, out, extra)
     saved = ckpt.get("trainers") if ckpt is not None else None  # absent in checkpoints of earlier versions
     resume_states = [{k: v.numpy() for k, v in t.items()} for t in saved] if saved is not None else None
-    plan = _plan(cfg, state.positions, resume_states, checkpoint_every, stop_after)
+    plan = _plan(cfg, state.positions, resume_states, checkpoint_every, stop_after, eval_every)
     trainers = spawn_trainers(cfg, state, source, store.port if store else None, plan)
 
     def save(states: dict[int, dict]) -> None:
@@ -496,9 +518,10 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
         logger.close()
         raise TrainerFailure(f"training failed: {failures[0]}" +
                              (f"\n(and {len(failures) - 1} consequential error(s))" if len(failures) > 1 else ""))
-    stopped = (stop_after is not None and stop_after < cfg.examples
+    stopped = (stop_after is not None and stop_after < cfg.total_examples
                and int(state.positions.sum()) >= plan.stop_at * cfg.trainers)
-    return _finish(run, monitor.results, interrupted=bool(state.stop[0]), stopped=stopped)
+    return _finish(run, monitor.results, interrupted=bool(state.stop[0]), stopped=stopped,
+                   best_eval=monitor.best_eval)
 
 
 def _write_checkpoint(run: _Run, states: dict[int, dict], summary: dict | None = None) -> Path:
@@ -518,7 +541,8 @@ def _write_checkpoint(run: _Run, states: dict[int, dict], summary: dict | None =
     return path
 
 
-def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: bool = False) -> RunResult:
+def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: bool = False,
+            best_eval: float = math.inf) -> RunResult:
     cfg, name, state, out, extra = run.cfg, run.name, run.state, run.out, run.extra
     T = cfg.trainers
     final = state.center if state.center is not None else torch.from_numpy(results[0]["dense"])
@@ -539,6 +563,7 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: boo
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results.values())),
         "seconds": seconds, "interrupted": interrupted, "stopped": stopped, **extra,
+        **({"best_eval_ne": min(best_eval, ev["ne"])} if math.isfinite(best_eval) else {}),
     }
     seen = examples + int(extra.get("resumed_from", 0))  # the x axis of the plots counts earlier sessions too
     run.logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
@@ -551,6 +576,9 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: boo
     result = RunResult(name=name, summary=summary, records=records, out_dir=str(out), interrupted=interrupted)
     if cfg.checkpoint:
         result.checkpoint = str(_write_checkpoint(run, {r: results[r]["state"] for r in range(T)}, summary))
+        if math.isfinite(best_eval) and ev["ne"] < best_eval:  # the end beats the curve: the last model is the best
+            shutil.copyfile(result.checkpoint, out / (BEST_NAME + ".tmp"))
+            os.replace(out / (BEST_NAME + ".tmp"), out / BEST_NAME)
     if cfg.plot:
         run = {"name": name, "records": result.records,
                "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}

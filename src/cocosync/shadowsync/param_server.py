@@ -71,11 +71,11 @@ class Shard:
     """One server's rows: weight [n, dim], row-wise Adagrad accumulator [n], versions [n] (update counts)."""
 
     def __init__(self, weight: torch.Tensor, accumulator: torch.Tensor, versions: torch.Tensor, *, optimizer: str,
-                 lr: float, eps: float = 1e-8):
+                 lr: float, eps: float = 1e-8, weight_decay: float = 0.0):
         if optimizer not in OPTIMIZERS:
             raise ValueError(f"embedding optimizer={optimizer!r} is invalid: expected one of {OPTIMIZERS}")
         self.weight, self.accumulator, self.versions = weight, accumulator, versions
-        self.optimizer, self.lr, self.eps = optimizer, float(lr), float(eps)
+        self.optimizer, self.lr, self.eps, self.weight_decay = optimizer, float(lr), float(eps), float(weight_decay)
 
     def lookup(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows [len(ids), dim], their versions): a copy, taken without locks."""
@@ -87,7 +87,7 @@ class Shard:
         rows received since `fetched` (their versions when the trainer read them)."""
         stale = int((self.versions.index_select(0, ids) - fetched).sum())
         rowwise_update(self.weight, self.accumulator, ids, grads.to(self.weight.dtype).clone(), self.optimizer,
-                       self.lr, self.eps)
+                       self.lr, self.eps, self.weight_decay)
         self.versions.index_add_(0, ids, torch.ones_like(ids))
         return stale
 

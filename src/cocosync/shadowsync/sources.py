@@ -3,14 +3,16 @@ from Criteo files, sharded among the trainers' workers) and the held-out set."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Iterator
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig
-from cocosync.shadowsync.data.criteo import Batch, CriteoReader
+from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
-__all__ = ["build_configs", "InMemorySource", "FileSource", "make_source", "trainer_source", "eval_batches"]
+__all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",
+           "trainer_source", "eval_batches"]
 
 
 def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
@@ -31,6 +33,31 @@ def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return data, model
+
+
+def estimate_ctr(data: DataConfig, rows: int = 100_000) -> float:
+    """The click rate of the first `rows` training rows (of the budget), or the synthetic teacher's."""
+    if data.train_path is None:
+        return data.synth.ctr
+    clicks = seen = 0
+    try:
+        for b in CriteoReader(data.train_path, data, batch_size=8192, max_rows=min(rows, data.train_rows or rows)):
+            clicks, seen = clicks + float(b.label.sum()), seen + len(b)
+    except CriteoFormatError as e:  # found before any process starts: one line, not a traceback
+        raise ConfigError(f"data={data.train_path!r} cannot be trained on: {e}") from None
+    if not seen:
+        raise ConfigError(f"{data.train_path!r} has no readable training rows")
+    return min(max(clicks / seen, 1e-4), 1 - 1e-4)
+
+
+def with_init_ctr(cfg: TrainConfig) -> TrainConfig:
+    """cfg with `model.init_ctr` (the output bias starts at its logit) estimated from the data when not given, as
+    dlrm and TorchRec users expect of a data set whose click rate is not Criteo's; given or estimated once here,
+    the run's saved config carries the value."""
+    if "init_ctr" in cfg.model:
+        return cfg
+    data, _ = build_configs(cfg)
+    return dataclasses.replace(cfg, model={**cfg.model, "init_ctr": round(estimate_ctr(data), 6)})
 
 
 class InMemorySource:
@@ -78,24 +105,49 @@ class FileSource:
                                 skip_rows=start, max_rows=max(0, n - start))
 
 
-def make_source(cfg: TrainConfig, data: DataConfig) -> InMemorySource | FileSource:
+class Epochs:
+    """`epochs` passes over a source (dlrm's and TorchRec's --epochs): each shard reads its rows that many times in
+    the same order; a reader position counts rows over all passes, so checkpoints resume inside any pass."""
+
+    def __init__(self, inner: InMemorySource | FileSource, epochs: int):
+        self.inner, self.epochs = inner, epochs
+
+    def share_memory_(self) -> "Epochs":
+        if isinstance(self.inner, InMemorySource):
+            self.inner.share_memory_()
+        return self
+
+    def shard_rows(self, shard: int, shards: int) -> int:
+        return self.epochs * self.inner.shard_rows(shard, shards)
+
+    def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
+        n = self.inner.shard_rows(shard, shards)
+        for epoch in range(start // n if n else self.epochs, self.epochs):
+            yield from self.inner.batches(shard, shards, batch_size, max(0, start - epoch * n))
+
+
+def _passes(source: InMemorySource | FileSource, cfg: TrainConfig) -> Any:
+    return source if cfg.epochs == 1 else Epochs(source, cfg.epochs)
+
+
+def make_source(cfg: TrainConfig, data: DataConfig) -> Any:
     if data.train_path is None:
-        return InMemorySource(make_synthetic_dataset(cfg.examples, data.seed, data, split=TRAIN))
-    return FileSource(data, cfg.examples)
+        return _passes(InMemorySource(make_synthetic_dataset(cfg.examples, data.seed, data, split=TRAIN)), cfg)
+    return _passes(FileSource(data, cfg.examples), cfg)
 
 
-def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int) -> InMemorySource | FileSource:
+def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int) -> Any:
     """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
     the same ones `make_source` would give it."""
     if data.train_path is not None:
-        return FileSource(data, cfg.examples)
+        return _passes(FileSource(data, cfg.examples), cfg)
     shards = cfg.trainers * cfg.workers
     lo = trainer * cfg.workers * cfg.examples // shards
     hi = (trainer + 1) * cfg.workers * cfg.examples // shards
     stream = SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=hi - lo, skip_rows=lo,
                              max_rows=hi - lo)
     b = next(iter(stream))
-    return InMemorySource(b, offset=lo, rows=cfg.examples)
+    return _passes(InMemorySource(b, offset=lo, rows=cfg.examples), cfg)
 
 
 def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:

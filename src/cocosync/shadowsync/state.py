@@ -57,7 +57,8 @@ class SharedState:
 def new_embeddings(cfg: TrainConfig, data: DataConfig, model: ModelConfig) -> SharedEmbeddings:
     """The embedding tables of a run (shared by every trainer), freshly initialized."""
     return SharedEmbeddings(data.table_sizes, model.embedding_dim, optimizer=cfg.embedding_optimizer,
-                            lr=cfg.embedding_lr, init_std=model.embedding_init_std, seed=model.seed)
+                            lr=cfg.embedding_lr, init_std=model.embedding_init_std, seed=model.seed,
+                            weight_decay=cfg.embedding_weight_decay)
 
 
 def build_model(data: DataConfig, model: ModelConfig, embeddings: SharedEmbeddings) -> DLRM:

@@ -27,7 +27,9 @@ __all__ = ["train", "eval_checkpoint", "train_options", "cluster_options", "conf
 
 _OPTS = {  # CLI option -> TrainConfig field
     "progress": "progress",
-    "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples",
+    "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples", "epochs": "epochs",
+    "dense_weight_decay": "dense_weight_decay", "embedding_weight_decay": "embedding_weight_decay",
+    "init_ctr": "model.init_ctr",
     "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
     "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
     "timeout": "timeout", "heartbeat_timeout": "heartbeat_timeout", "sync": "sync.algorithm",
@@ -74,7 +76,8 @@ _TRAIN_OPTIONS = [
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
-    click.option("--examples", type=int, help="total training examples over all trainers (one pass)."),
+    click.option("--examples", type=int, help="training examples over all trainers in one pass (the data set)."),
+    click.option("--epochs", type=int, help="passes over those examples (default 1)."),
     click.option("--embedding-dim", type=int, help="model: width of every embedding row (default 16)."),
     click.option("--bottom-mlp", callback=_layer_sizes,
                  help="model: bottom MLP widths, e.g. 64,16 (the last must equal --embedding-dim)."),
@@ -90,6 +93,11 @@ _TRAIN_OPTIONS = [
     click.option("--batch-size", type=int, help="examples per worker iteration."),
     click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
     click.option("--embedding-lr", type=float, help="embedding row learning rate."),
+    click.option("--dense-weight-decay", type=float, help="L2 of the dense parameters (default 0)."),
+    click.option("--embedding-weight-decay", type=float,
+                 help="row-wise L2 of the embedding rows a batch touches (FBGEMM's L2 mode; default 0)."),
+    click.option("--init-ctr", type=float,
+                 help="click rate the model starts predicting (default: estimated from the first 100k rows)."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
     click.option("--timeout", type=float, help="abort the run after this many seconds."),
@@ -106,7 +114,8 @@ _CLUSTER_OPTIONS = [
     click.option("--lookup-batches", type=int, default=1, show_default=True,
                  help="multi-node: batches whose embedding lookups share one message per server (with prefetch)."),
     click.option("--eval-every", type=int, default=None,
-                 help="multi-node: score the model on the held-out set every this many examples (an NE curve)."),
+                 help="score the model on the held-out set every this many examples (an NE curve; on one machine "
+                      "the best model is kept as --out/best.pt)."),
     click.option("--checkpoint-every", type=int, default=None,
                  help="also checkpoint every this many examples of the run (--out/checkpoint.pt; multi-node: DCP "
                       "under --out/checkpoints): a killed run resumes from the last one."),
@@ -183,16 +192,14 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         _exec_torchrun(nnodes, node_rank, nproc_per_node, rdzv_endpoint)
     if progress is not None:
         opts["progress"] = progress
-    if eval_every is not None:
-        raise click.UsageError("--eval-every is for multi-node jobs (with --nnodes); a single-machine run scores "
-                               "its model at the end (cocosync eval scores any checkpoint.pt)")
     cfg = config_from_options(config_path, resume, opts)
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
-                  f"workers, {cfg.examples:,} examples of {cfg.data!r} -> {cfg.out_dir}/")
+                  f"workers, {cfg.examples:,} examples"
+                  + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "") + f" of {cfg.data!r} -> {cfg.out_dir}/")
     try:
         result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
-                              stop_after=stop_after)
+                              stop_after=stop_after, eval_every=eval_every)
     except ConfigError as e:
         if debug_mode():
             raise

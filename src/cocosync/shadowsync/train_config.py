@@ -31,7 +31,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS", "COLLECTIVE_METHODS",
-           "config_from_dict", "config_to_dict", "check_paths"]
+           "config_from_dict", "config_to_dict", "check_paths", "resume_value"]
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
 SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "shadow-dssync", "fr-bmuf", "fr-ma", "fr-easgd",
@@ -122,7 +122,9 @@ class TrainConfig:
     data: str = "synthetic"
     """'synthetic' (generated in memory, with known Bayes NE) or a path to a Criteo-format TSV file."""
     examples: int = 600_000
-    """total training examples over all trainers (one pass: each example is seen once)."""
+    """training examples over all trainers in one pass (the data set's size: rows of PATH, or synthetic draws)."""
+    epochs: int = 1
+    """passes over those examples (each trainer reads its share this many times, in the same order)."""
     eval_examples: int = 20_000
     """held-out examples scored at the end (the last rows of PATH, or a separate synthetic draw)."""
     trainers: int = 2
@@ -139,6 +141,10 @@ class TrainConfig:
     """sparse row update of the shared embedding tables: 'adagrad' (row-wise) or 'sgd'."""
     embedding_lr: float = 0.05
     """learning rate of the embedding rows."""
+    dense_weight_decay: float = 0.0
+    """L2 regularization of the dense parameters (g += wd * w, as torch.optim.Adagrad's weight_decay)."""
+    embedding_weight_decay: float = 0.0
+    """row-wise L2 of the embedding rows a batch touches (FBGEMM's TBE weight_decay_mode=L2)."""
     seed: int = 0
     """seed of the model initialization and of the synthetic data."""
     threads: int = 1
@@ -167,6 +173,11 @@ class TrainConfig:
     data_options: dict = field(default_factory=dict)
     """overrides of DataConfig fields (e.g. {'rows_per_table': 10000}); checked against DataConfig."""
 
+    @property
+    def total_examples(self) -> int:
+        """examples the run trains on: examples x epochs."""
+        return self.examples * self.epochs
+
     def __post_init__(self) -> None:
         if isinstance(self.sync, dict):
             self.sync = SyncConfig(**self.sync)
@@ -175,7 +186,8 @@ class TrainConfig:
         _check(_is_int(self.seed), "seed", self.seed, "an integer")
         for name in ("checkpoint", "plot", "progress"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "true or false")
-        for name in ("examples", "eval_examples", "trainers", "workers", "batch_size", "threads", "window"):
+        for name in ("examples", "epochs", "eval_examples", "trainers", "workers", "batch_size", "threads",
+                     "window"):
             v = getattr(self, name)
             _check(_is_int(v) and v >= 1, name, v, "an integer >= 1")
         _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
@@ -191,6 +203,9 @@ class TrainConfig:
         for name in ("dense_lr", "embedding_lr", "log_every", "timeout", "heartbeat_timeout"):
             v = getattr(self, name)
             _check(_is_number(v) and v > 0, name, v, "a finite number > 0")
+        for name in ("dense_weight_decay", "embedding_weight_decay"):
+            v = getattr(self, name)
+            _check(_is_number(v) and v >= 0, name, v, "a finite number >= 0")
         _check(isinstance(self.model, dict), "model", self.model, "a table of ModelConfig overrides")
         _check(isinstance(self.data_options, dict), "data_options", self.data_options,
                "a table of DataConfig overrides")
@@ -207,6 +222,13 @@ def check_paths(cfg: TrainConfig) -> None:
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out_dir={cfg.out_dir!r} is a file; expected a directory (it is created if missing)")
+
+
+def resume_value(config: dict, key: str) -> Any:
+    """A setting of a saved config as resuming compares it: the initial click rate only sets the weights a run
+    starts from, which a resumed run loads instead (checkpoints before it was estimated from the data lack it)."""
+    value = config[key]
+    return {k: v for k, v in value.items() if k != "init_ctr"} if key == "model" else value
 
 
 def config_to_dict(cfg: TrainConfig) -> dict:

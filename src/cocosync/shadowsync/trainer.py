@@ -172,6 +172,8 @@ class Trainer:
             self.state.embeddings.apply_grads(list(grads[len(self.dense):]))
         with torch.no_grad():
             g = self.flat.flatten_grads(grads[:len(self.dense)])
+            if self.cfg.dense_weight_decay:  # L2, as torch.optim.Adagrad/SGD's weight_decay
+                g.add_(self.flat.flat, alpha=self.cfg.dense_weight_decay)
             if self.cfg.dense_optimizer == "adagrad":
                 self.accumulator.addcmul_(g, g)
                 self.flat.flat.addcdiv_(g, self.accumulator.sqrt().add_(1e-8), value=-self.cfg.dense_lr)

@@ -1,0 +1,110 @@
+"""What training real data needs without a config file: --epochs (passes, resumable inside any pass), the initial
+click rate estimated from the data, dense L2 and row-wise L2 of embedding rows, and the eval curve's best model
+(best.pt) on one machine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from cocosync.cli import main
+from cocosync.shadowsync.checkpoint import read_checkpoint
+from cocosync.shadowsync.config import DataConfig, SynthConfig
+from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
+from cocosync.shadowsync.embeddings import SharedEmbeddings, rowwise_update
+from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
+from cocosync.shadowsync.metrics import evaluate
+from cocosync.shadowsync.sources import Epochs, InMemorySource, build_configs, estimate_ctr, eval_batches, with_init_ctr
+from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
+
+SMALL = {"table_size": 2000}
+MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
+
+
+def _cfg(out, **kw) -> TrainConfig:
+    base = dict(examples=12_000, eval_examples=2_000, trainers=1, workers=1, batch_size=64, progress=False, plot=False,
+                out_dir=str(out), data_options=SMALL, model=MODEL, timeout=120, sync=SyncConfig(algorithm="none"))
+    return TrainConfig(**{**base, **kw})
+
+
+def test_epochs_repeat_each_shard_in_order_and_resume_inside_a_pass():
+    data = DataConfig(table_size=100)
+    source = Epochs(InMemorySource(make_synthetic_dataset(1000, 3, data)), 3)
+    assert source.shard_rows(1, 4) == 3 * 250
+    labels = lambda start: torch.cat([b.label for b in source.batches(1, 4, 64, start)])  # noqa: E731
+    one_pass = torch.cat([b.label for b in source.inner.batches(1, 4, 64)])
+    assert torch.equal(labels(0), one_pass.repeat(3))
+    assert torch.equal(labels(400), one_pass.repeat(3)[400:])  # resumed in the second pass
+    assert list(source.batches(1, 4, 64, 750)) == []  # all three passes done
+
+
+def test_rowwise_l2_adds_weight_decay_to_the_touched_rows_only():
+    """FBGEMM's row-wise Adagrad with weight_decay_mode=L2: g' = g + wd * w, acc += mean(g'^2),
+    w -= lr * g' / (sqrt(acc) + eps), on the rows of the batch; other rows keep their weights."""
+    torch.manual_seed(0)
+    w, acc = torch.randn(6, 4), torch.rand(6)
+    rows, g = torch.tensor([1, 4]), torch.randn(2, 4)
+    w0, acc0 = w.clone(), acc.clone()
+    rowwise_update(w, acc, rows, g.clone(), "adagrad", 0.1, 1e-8, weight_decay=0.5)
+    g2 = g + 0.5 * w0[rows]
+    want_acc = acc0[rows] + g2.pow(2).mean(1)
+    torch.testing.assert_close(acc[rows], want_acc)
+    torch.testing.assert_close(w[rows], w0[rows] - 0.1 * g2 / (want_acc.sqrt() + 1e-8).unsqueeze(1))
+    others = torch.tensor([0, 2, 3, 5])
+    assert torch.equal(w[others], w0[others]) and torch.equal(acc[others], acc0[others])
+    with pytest.raises(ValueError, match="weight_decay=-1"):
+        SharedEmbeddings([4], 2, weight_decay=-1)
+
+
+def test_init_ctr_is_estimated_from_the_data_unless_given(tmp_path):
+    path = tmp_path / "t.tsv"
+    write_synthetic(str(path), 3000, seed=1, synth=SynthConfig(ctr=0.2))
+    cfg = TrainConfig(data=str(path), examples=3000, data_options={"eval_path": str(path)})
+    data, _ = build_configs(cfg)
+    labels = torch.cat([b.label for b in eval_batches(cfg, data)])
+    assert estimate_ctr(data) == pytest.approx(float(labels.mean()), abs=1e-6)
+    assert 0.15 < estimate_ctr(data) < 0.25  # not Criteo's 4%
+    assert with_init_ctr(cfg).model["init_ctr"] == pytest.approx(float(labels.mean()), abs=1e-6)
+    given = TrainConfig(data=str(path), examples=3000, model={"init_ctr": 0.3})
+    assert with_init_ctr(given).model["init_ctr"] == 0.3
+    synthetic = with_init_ctr(TrainConfig(examples=3000))
+    assert synthetic.model["init_ctr"] == SynthConfig().ctr
+
+
+def test_epochs_stop_and_resume_in_the_second_pass_equals_an_uninterrupted_run(tmp_path):
+    """Two passes with dense and embedding L2: stopping inside the second pass and resuming ends bit for bit where
+    the uninterrupted run ends, having seen every example twice."""
+    kw = dict(epochs=2, dense_weight_decay=1e-4, embedding_weight_decay=1e-4)
+    whole = run_training(_cfg(tmp_path / "whole", **kw))
+    assert whole.summary["examples"] == 24_000
+    first = run_training(_cfg(tmp_path / "parts", **kw), stop_after=17_000)
+    second = run_training(_cfg(tmp_path / "parts", **kw), resume=first.checkpoint)
+    assert first.summary["examples"] + second.summary["examples"] == 24_000
+    a, b = read_checkpoint(whole.checkpoint), read_checkpoint(second.checkpoint)
+    for k in a["dense"]:
+        assert torch.equal(a["dense"][k], b["dense"][k]), k
+    assert torch.equal(a["embeddings"]["weight"], b["embeddings"]["weight"])
+    plain = read_checkpoint(run_training(_cfg(tmp_path / "plain", epochs=2)).checkpoint)
+    assert plain["embeddings"]["weight"].norm() > a["embeddings"]["weight"].norm()  # the L2 shrank the rows
+
+
+def test_eval_curve_keeps_the_best_model_on_one_machine(tmp_path):
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["train", "--no-progress", "--out", str(out), "--trainers", "2", "--examples",
+                                    "40000", "--epochs", "3", "--eval-every", "20000", "--eval-examples", "2000",
+                                    "--sync", "shadow-ma", "--table-size", "2000", "--json"])
+    assert res.exit_code == 0, res.output
+    evals = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+             if '"event": "eval"' in line and '"best"' in line]
+    assert evals, "no eval record was marked best"
+    summary = json.loads((out / "summary.json").read_text())
+    best = min(r["eval_ne"] for r in evals)
+    assert summary["best_eval_ne"] == pytest.approx(min(best, summary["eval_ne"]))
+    assert summary["examples"] == 120_000
+    model, cfg, data, ckpt = load_checkpoint_model(out / "best.pt")
+    if best < summary["eval_ne"]:  # best.pt is the copy that was scored
+        assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(best, rel=1e-6)
+        assert ckpt["eval"]["eval_ne"] == best
