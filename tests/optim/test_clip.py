@@ -79,3 +79,28 @@ def test_clip_grad_norm_refuses_other_norms():
     opt = DistributedAdamW(_model().parameters())
     with pytest.raises(ValueError, match="norm_type=1.0"):
         opt.clip_grad_norm_(1.0, norm_type=1.0)
+
+
+def _local_clip_warns() -> list[str]:
+    import warnings
+
+    from cocosync.optim import clip
+
+    clip._WARNED.clear()  # once per process: this pool's ranks may have warned in an earlier test
+    model = _model()
+    opt = DistributedAdamW(_groups(model), lr=1e-2)
+    for i, p in enumerate(model.parameters()):
+        p.grad = _grad(p, 0, 0, i)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # still clips (this rank's gradient)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)  # warned once per process
+    opt.step()
+    assert float(norm) > MAX_NORM
+    return [str(w.message) for w in caught]
+
+
+def test_torch_clip_grad_norm_on_our_parameters_warns_once_what_it_does(rank_pool):
+    for messages in rank_pool(2).run(_local_clip_warns):
+        assert len(messages) == 1 and "clips each rank's own gradient" in messages[0]
+        assert "opt.clip_grad_norm_(max_norm)" in messages[0]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
-from cocosync.optim.clip import GlobalNormClip
+from cocosync.optim.clip import GlobalNormClip, watch_local_clipping
 from cocosync.optim.flat import FlatParams
 from cocosync.optim.param_state import SlicedState
 from cocosync.optim.presence import Agreement, GradientPresence, per_element
@@ -123,6 +123,8 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
         #: step() calls that updated (not skipped by GradScaler); each parameter's own count is in _presence
         self.steps = 0
         self.state = SlicedState(self)  # torch.optim's per-parameter view (optim/param_state.py)
+        if self.world > 1:
+            watch_local_clipping([p for u in self._updates for p in u.flat.params], type(self).__name__)
 
     def _signature(self) -> dict[str, Any]:
         """What every rank must agree on: each group's trainable parameters (shapes, dtypes) and settings."""

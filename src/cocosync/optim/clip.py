@@ -6,10 +6,16 @@ several groups, or through `opt.clip_grad_norm_(max_norm)` before `step()`, the 
 first: a reduce-scatter per group computes the norm of its averaged gradient (`grad_norm_program`, the gradients
 kept), and every rank scales its local gradients by the same coefficient, which scales their average alike. That is
 one extra reduce-scatter of the gradients per step: the price of clipping outside the fused update.
+
+`torch.nn.utils.clip_grad_norm_` called on a distributed optimizer's parameters clips each rank's own gradient
+before the average (and returns a per-rank norm): `watch_local_clipping` wraps it to warn once, saying what to use.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -18,7 +24,35 @@ from cocosync.lower import lower
 from cocosync.programs.mixed_precision import CLIP_EPS, grad_norm_program
 from cocosync.runtime.executor import compile_plan
 
-__all__ = ["GlobalNormClip"]
+__all__ = ["GlobalNormClip", "watch_local_clipping"]
+
+#: id -> (weak reference to a parameter of a DistributedOptimizer over several ranks, the optimizer's class name)
+_WATCHED: dict[int, tuple[weakref.ref, str]] = {}
+_WARNED: list[bool] = []
+
+
+def watch_local_clipping(params: list[torch.Tensor], owner: str) -> None:
+    """Warn (once per process) when torch.nn.utils.clip_grad_norm_ is called on any of `params`."""
+    for p in params:
+        _WATCHED[id(p)] = (weakref.ref(p), owner)
+    original = torch.nn.utils.clip_grad_norm_
+    if getattr(original, "_cocosync_watch", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        owner = next((w[1] for w in map(_WATCHED.get, map(id, params)) if w is not None and w[0]() is not None), None)
+        if owner is not None and not _WARNED:
+            _WARNED.append(True)
+            warnings.warn(f"torch.nn.utils.clip_grad_norm_ on the parameters of a {owner} clips each rank's own "
+                          f"gradient before {owner}.step() averages them, and returns this rank's norm; for the "
+                          "norm of the averaged gradient (what DDP users get) call opt.clip_grad_norm_(max_norm) "
+                          "or construct it with max_grad_norm=", UserWarning, stacklevel=2)
+        return original(params, *args, **kwargs)
+
+    clip_grad_norm_._cocosync_watch = True  # type: ignore[attr-defined]
+    torch.nn.utils.clip_grad_norm_ = clip_grad_norm_
 
 
 class GlobalNormClip:
