@@ -17,9 +17,10 @@ from cocosync.runtime.executor import (
            compile_scheduled,
 )
 from cocosync.schedule import Schedule, ScheduleError
+from cocosync.tune.tuner import autotune
 
 _register_backend()  # dist.init_process_group("cocosync")
 
 __version__ = "0.1.0"
 __all__ = [*_dsl_all, "interpret", "compile", "Schedule", "ScheduleError", "lower", "compile_plan",
-           "compile_scheduled", "__version__"]
+           "compile_scheduled", "autotune", "__version__"]

@@ -16,6 +16,7 @@ from cocosync.bench.tp import tp_cmd
 from cocosync.shadowsync.data_cli import data
 from cocosync.shadowsync.train_cli import eval_checkpoint, train
 from cocosync.show_cli import show
+from cocosync.tune.cli import tune_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -41,7 +42,7 @@ def demo() -> None:
         raise SystemExit(1)
 
 
-for _cmd in (train, eval_checkpoint, data, show):
+for _cmd in (train, eval_checkpoint, data, show, tune_cmd):
     main.add_command(_cmd)
 for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, sync_cmd):
     bench.add_command(_cmd)

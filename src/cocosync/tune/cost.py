@@ -1,0 +1,110 @@
+"""A cost model of a plan from quantities measured once on the machine: memory copy bandwidth, the per-call latency
+and bandwidth of the shared-memory collectives, and matmul throughput. It predicts a candidate without running it
+(more ranks, other sizes); the tuner reports its error against the candidates it timed.
+
+Per plan step, with this rank's bytes (a sliced tensor counts 1/G):
+* kernel with a fast (generated) form: the bytes of its inputs and of the values it hands on (updates, values
+  later steps read) at copy bandwidth, one call's overhead; run stage by stage: every stage reads its operands at
+  copy bandwidth and writes a freshly allocated result at the (much lower) bandwidth of new memory; a matmul
+  2*m*n*k / matmul throughput;
+* collective: latency + bytes a rank moves / collective bandwidth, where all_reduce moves 2(G-1)/G of its vector,
+  reduce_scatter and all_gather (G-1)/G of the whole;
+* fused collective: one latency, its reduce-scatter and all-gather traffic, its computations' traffic;
+* overlap by c chunks: c latencies + the longer of communication and computation + the shorter / c.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+from cocosync.dsl.ir import Node
+from cocosync.lower.plan import Collective, FusedCollective, Kernel, Overlap, Plan
+
+__all__ = ["MachineModel", "predict"]
+
+COMM_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda g: (g - 1) / g,
+               "all_gather": lambda g: (g - 1) / g, "broadcast": lambda g: (g - 1) / g,
+               "reduce": lambda g: (g - 1) / g, "send": lambda g: 1.0}
+
+
+@dataclass(frozen=True)
+class MachineModel:
+    copy_bw: float  # bytes/s of a large memory copy
+    alloc_bw: float  # bytes/s of writing a freshly allocated large tensor (page faults included)
+    call_s: float  # the overhead of one kernel call
+    comm_latency_s: float  # a tiny all_reduce
+    comm_bw: float  # bytes/s a rank moves in a large all_reduce
+    matmul_flops: float  # flop/s of a float32 matmul
+    world: int
+
+    def as_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+
+def _bytes(n: Node, g: int) -> float:
+    numel = 1
+    for d in n.shape:
+        numel *= d
+    size = numel * torch.empty((), dtype=n.dtype).element_size()
+    return size / g if n.layout.is_sliced else size
+
+
+def _group(n: Node, world: int) -> int:
+    groups = n.attr("groups") or 1
+    return max(1, world // groups)
+
+
+def _compute(stages: tuple[Node, ...], m: MachineModel, fast: bool, handed_on: set[int]) -> float:
+    inside = {id(s) for s in stages}
+    seconds, read, written = 0.0, {}, 0.0
+    for s in stages:
+        if s.op == "matmul":
+            a = s.args[0]
+            k = a.shape[-1] if not a.layout.is_sliced or a.layout.dim != a.ndim - 1 else a.shape[-1] / m.world
+            numel = 1
+            for d in s.shape:
+                numel *= d
+            seconds += 2 * numel * k / (m.world if s.layout.is_sliced else 1) / m.matmul_flops
+            continue
+        if s.op in COMM_FACTOR or not s.ndim:
+            continue
+        if not fast:  # each stage: its operands read, its result in new memory
+            seconds += _bytes(s, m.world) / m.alloc_bw + sum(_bytes(a, m.world) for a in s.args if a.ndim) / m.copy_bw
+            continue
+        if s.op == "update" or id(s) in handed_on:
+            written += _bytes(s, m.world)
+        for a in s.args:
+            if id(a) not in inside and a.ndim:
+                read[id(a)] = _bytes(a, m.world)
+    return seconds + (sum(read.values()) + written) / m.copy_bw
+
+
+def _comm(s: Node, m: MachineModel) -> float:
+    g = _group(s, m.world)
+    whole = _bytes(s.args[0], m.world) * (g if s.op == "all_gather" else 1)
+    return whole * COMM_FACTOR.get(s.op, lambda g: 1.0)(g) / m.comm_bw
+
+
+def predict(plan: Plan, m: MachineModel, fast: list[bool] | None = None) -> float:
+    """Seconds one call of `plan` takes on a rank, by the model; `fast`: which steps run in a generated form
+    (CompiledPlan.runners; default: all)."""
+    fast = fast if fast is not None else [True] * len(plan.steps)
+    step_of = {id(s): i for i, step in enumerate(plan.steps) for s in step.stages}
+    handed_on = {id(a) for i, step in enumerate(plan.steps) for s in step.stages for a in s.args
+                 if step_of.get(id(a), i) != i} | {id(o) for o in plan.program.outputs}
+    total = 0.0
+    for step, quick in zip(plan.steps, fast):
+        if isinstance(step, Kernel):
+            total += m.call_s + _compute(step.stages, m, quick, handed_on)
+        elif isinstance(step, Collective):
+            total += m.comm_latency_s + (_comm(step.stage, m) if step.stage.op in COMM_FACTOR else 0.0)
+        elif isinstance(step, FusedCollective):
+            total += (m.comm_latency_s + _comm(step.rs, m) + _comm(step.ag, m)
+                      + _compute(step.compute, m, quick, handed_on))
+        elif isinstance(step, Overlap):
+            comm = sum(_comm(s, m) for s in step.stages if s.op in COMM_FACTOR)
+            work = _compute(tuple(s for s in step.stages if s.op not in COMM_FACTOR), m, quick, handed_on)
+            total += step.chunks * (m.comm_latency_s + m.call_s) + max(comm, work) + min(comm, work) / step.chunks
+    return total

@@ -1,0 +1,113 @@
+"""The schedules the tuner considers for a program: every legal combination of CoCoNeT's directives on its
+all_reduce, built by applying them (an illegal step raises ScheduleError and ends that branch) and deduplicated by
+the program they produce.
+
+For each all_reduce the chain is: as written; split (reduce-scatter + all-gather); + reorder (the computations that
+read the all-gather run on slices before it); + as_slice (the state those computations update stays sliced); then
+either fuse (one fused collective) or overlap of the chain from the reduce-scatter to the all-gather by c chunks.
+CoCoNeT's own autotuner enumerates the same chain; here each candidate is then checked against the reference
+interpreter and timed (tuner.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cocosync.dsl.ir import Program
+from cocosync.schedule.errors import ScheduleError
+from cocosync.schedule.schedule import Directive, Schedule
+
+__all__ = ["Candidate", "schedule_space", "CHUNKS"]
+
+#: overlap chunk counts tried (CoCoNeT's tuned Megatron/pipeline runs used 2-8)
+CHUNKS = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A schedule as its directives (replayable on the same program at any size: they name stages)."""
+
+    name: str
+    directives: tuple[Directive, ...]
+
+    @property
+    def listing(self) -> list[str]:
+        return [str(d) for d in self.directives]
+
+
+def _states(s: Schedule, internal: tuple[str, ...]) -> list[str]:
+    """Of the `internal` state tensors (updated inputs the caller never reads, e.g. an optimizer's moments, not its
+    weights), those as_slice can keep sliced after the reorder."""
+    out = []
+    for name in (n for n in s.program.updates if n in internal):
+        trial = Schedule(s.original, s.directives)
+        try:
+            trial.as_slice([name])
+        except ScheduleError:
+            continue
+        out.append(name)
+    return out
+
+
+def _chain(s: Schedule, rs: str) -> list[str] | None:
+    """rs, its only reader, ... up to the first all_gather (the stages an overlap pipelines), or None when it
+    branches. A matmul producing rs's input joins the chain (Megatron: the GEMM overlaps the communication)."""
+    users, chain = s.program.users(), [rs]
+    src = s.program.stage(rs).args[0]
+    if src.op == "matmul" and len(users.get(src.name, [])) == 1:
+        chain.insert(0, src.name)
+    while s.program.stage(chain[-1]).op != "all_gather":
+        nxt = users.get(chain[-1], [])
+        if len(nxt) != 1:
+            return None
+        chain.append(nxt[0].name)
+    return chain
+
+
+def schedule_space(program: Program, internal: tuple[str, ...] = (),
+                   chunks: tuple[int, ...] = CHUNKS) -> list[Candidate]:
+    """The legal schedules of `program` (the first is the program as written); `internal`: state tensors the
+    schedule may keep sliced (as_slice changes how the caller holds them)."""
+    out = [Candidate("as written", ())]
+    reductions = [st.name for st in program.stages if st.op == "all_reduce"]
+    if len(reductions) != 1:  # one all_reduce: the paper's workloads (several: only as written, for now)
+        return out
+    s = Schedule(program)
+    try:
+        rs, ag = s.split(reductions[0])
+    except ScheduleError:
+        return out
+    out.append(Candidate("split", tuple(s.directives)))
+    try:
+        s.reorder(s.movable(ag), ag)
+    except ScheduleError:
+        return out
+    out.append(Candidate("split+reorder", tuple(s.directives)))
+    bases = [("split+reorder", tuple(s.directives))]
+    states = _states(s, internal)
+    if states:
+        s.as_slice(states)
+        bases.append(("split+reorder+as_slice", tuple(s.directives)))
+        out.append(Candidate(*bases[-1]))
+    for base, directives in bases:
+        fused = Schedule(program, directives)
+        try:
+            fused.fuse(fused.stages())
+            out.append(Candidate(f"{base}+fuse", tuple(fused.directives)))
+        except ScheduleError:
+            pass
+        chain = _chain(Schedule(program, directives), rs)
+        for c in chunks if chain else ():
+            over = Schedule(program, directives)
+            try:
+                over.overlap(chain, chunks=c)
+            except ScheduleError:
+                break
+            out.append(Candidate(f"{base}+overlap({c})", tuple(over.directives)))
+    seen, unique = set(), []
+    for c in out:  # two directive lists that give the same program are one candidate
+        key = str(Schedule(program, c.directives).program)
+        if key not in seen:
+            seen.add(key)
+            unique.append(c)
+    return unique
