@@ -10,6 +10,7 @@ from typing import Sequence
 from cocosync.dsl.ir import Group, Node, Program
 from cocosync.dsl.registry import OPS, names
 from cocosync.schedule._rewrite import Ref, connected, graph, outside_path, resolve
+from cocosync.schedule.endpoints import between, fused_collective_closure
 from cocosync.schedule.errors import ScheduleError
 
 #: computations a fused kernel may hold (matmul stays its own kernel; scatter is a local slice, no communication)
@@ -56,6 +57,11 @@ def check_convex(program: Program, members: list[Node], directive: str) -> None:
 
 
 def fuse(program: Program, stages: Sequence[Ref]) -> Program:
+    """The named stages and those between them (schedule/endpoints.py) as one group."""
+    if isinstance(stages, (str, Node)):
+        stages = [stages]
+    named = [resolve(program, ref, "fuse").name for ref in stages]
+    stages = fused_collective_closure(program, between(program, named))
     members = group_members(program, stages, "fuse", min_size=2)
     check_convex(program, members, "fuse")
     comm = [m for m in members if OPS[m.op].communicates]

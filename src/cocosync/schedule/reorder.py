@@ -27,6 +27,7 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import OPS, names
 from cocosync.dsl.types import DslError
 from cocosync.schedule._rewrite import Namer, Ref, connected, finish, graph, named, names_of, resolve
+from cocosync.schedule.endpoints import between_readers
 from cocosync.schedule.errors import ScheduleError
 
 #: ops that reorder moves onto slices besides the elementwise ones
@@ -132,6 +133,10 @@ def _members(program: Program, computations: Sequence[Ref], ag: Node) -> list[No
         raise ScheduleError("reorder", ag.name, "no computations given")
     args, _ = graph(program)
     parts = connected([ag.name, *(c.name for c in comps)], args)
+    if len(parts) > 1:  # endpoints: take the computations between the all_gather and them (schedule/endpoints.py)
+        grown = [program.stage(n) for n in between_readers(program, ag.name, [c.name for c in comps])]
+        if connected([ag.name, *(c.name for c in grown)], args)[1:] == [] and all(OPS[c.op].movable for c in grown):
+            comps, parts = grown, [[ag.name]]
     if len(parts) > 1:
         stray = next(p for p in parts if ag.name not in p)
         raise ScheduleError("reorder", sorted(stray)[0], f"is not connected to all_gather {ag.name!r} through the "
