@@ -52,3 +52,18 @@ def test_endpoints_do_not_reach_through_an_all_reduce():
     p = cs.Program("cyc", [g, w], {"c": a + cs.all_reduce(g * a)})
     with pytest.raises(ScheduleError, match="would form a cycle"):
         fuse(p, ["mul1", "add1"])
+
+
+def test_fuse_of_an_all_reduce_with_computations_is_a_fused_all_reduce():
+    """CoCoNeT's fuse(AllReduce, update): split implicitly, the computations on slices, one fused collective."""
+    from cocosync.lower import lower
+    from cocosync.lower.plan import FusedCollective
+
+    program = sgd_program(96)
+    s = Schedule(program)
+    s.fuse(["all_reduce1", "w_new"])
+    assert str(s.program) == str(STANDARD["sgd"](program).program)
+    assert any(isinstance(step, FusedCollective) for step in lower(s).steps)
+    momentum = sgd_program(96, momentum=True)  # two states: each gathered, no single all_gather to end on
+    with pytest.raises(ScheduleError, match="exactly one reduce_scatter"):
+        Schedule(momentum).fuse(["all_reduce1", "w_new", "buf_new"])

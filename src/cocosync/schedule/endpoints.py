@@ -56,21 +56,24 @@ def _pure(program: Program) -> set[str]:
 
 
 def fused_collective_closure(program: Program, names: list[str]) -> list[str]:
-    """`names` grown into reduce_scatter -> computations -> all_gather when it holds one end only (else unchanged)."""
+    """A group holding a reduce_scatter or an all_gather grown into a fused collective: to the other end when it
+    holds one only, and with the input-only computations only it reads (a group of computations: unchanged)."""
     ops = {s.name: s.op for s in program.stages}
     args, users = graph(program)
     inside = set(names)
     has_rs = any(ops.get(n) == "reduce_scatter" for n in inside)
     has_ag = any(ops.get(n) == "all_gather" for n in inside)
-    if has_rs == has_ag:
+    if not has_rs and not has_ag:
         return names
-    if has_ag:
-        ends = [n for n in _reach(inside, args) if ops.get(n) == "reduce_scatter"]
-    else:
-        ends = [n for n in _reach(inside, users) if ops.get(n) == "all_gather"]
-    if len(ends) != 1:
-        return names
-    grown = set(between(program, [*inside, ends[0]]))
+    grown = set(inside)
+    if has_rs != has_ag:
+        if has_ag:
+            ends = [n for n in _reach(inside, args) if ops.get(n) == "reduce_scatter"]
+        else:
+            ends = [n for n in _reach(inside, users) if ops.get(n) == "all_gather"]
+        if len(ends) != 1:
+            return names
+        grown = set(between(program, [*inside, ends[0]]))
     pure = _pure(program)
     for s in reversed(program.stages):  # computations of inputs alone that only the group reads join it
         if s.name in pure and users[s.name] and all(u in grown for u in users[s.name]):

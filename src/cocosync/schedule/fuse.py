@@ -12,6 +12,8 @@ from cocosync.dsl.registry import OPS, names
 from cocosync.schedule._rewrite import Ref, connected, graph, outside_path, resolve
 from cocosync.schedule.endpoints import between, fused_collective_closure
 from cocosync.schedule.errors import ScheduleError
+from cocosync.schedule.reorder import reorder
+from cocosync.schedule.split import split
 
 #: computations a fused kernel may hold (matmul stays its own kernel; scatter is a local slice, no communication)
 #: ops besides the elementwise ones that a fuse group may hold
@@ -61,6 +63,9 @@ def fuse(program: Program, stages: Sequence[Ref]) -> Program:
     if isinstance(stages, (str, Node)):
         stages = [stages]
     named = [resolve(program, ref, "fuse").name for ref in stages]
+    reductions = [n for n in named if program.stage(n).op == "all_reduce"]
+    if len(reductions) == 1 and len(named) > 1:
+        program, named = _split_for_fuse(program, reductions[0], named)
     stages = fused_collective_closure(program, between(program, named))
     members = group_members(program, stages, "fuse", min_size=2)
     check_convex(program, members, "fuse")
@@ -91,3 +96,17 @@ def fuse(program: Program, stages: Sequence[Ref]) -> Program:
         kind = "collective"
     group = Group("fuse", tuple(m.name for m in members), (("kind", kind),))
     return dataclasses.replace(program, groups=(*program.groups, group))
+
+
+def _split_for_fuse(program: Program, reduction: str, named: list[str]) -> tuple[Program, list[str]]:
+    """fuse of an all_reduce with computations (CoCoNeT allows it): split it, move the named computations that read
+    it onto slices (reorder), and fuse reduce_scatter -> those -> all_gather, a fused all-reduce."""
+    program, rs, ag = split(program, reduction)
+    readers = [n for n in named if n != reduction]
+    try:
+        program = reorder(program, readers, ag)
+    except ScheduleError as e:
+        raise ScheduleError("fuse", reduction, f"is an all_reduce fused with computations, which splits it and moves "
+                            f"them onto slices; that move failed: {e}") from None
+    gathers = [st.name for st in program.stages if st.op == "all_gather" and st.name != ag]
+    return program, [rs, *readers, *gathers]
