@@ -15,6 +15,7 @@ from cocosync.shadowsync.checkpoint import read_checkpoint
 from cocosync.shadowsync.config import DataConfig, SynthConfig
 from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.embeddings import SharedEmbeddings, rowwise_update
+from cocosync.shadowsync.eval_curve import previous_best
 from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
 from cocosync.shadowsync.metrics import evaluate
 from cocosync.shadowsync.sources import Epochs, InMemorySource, build_configs, estimate_ctr, eval_batches, with_init_ctr
@@ -104,7 +105,16 @@ def test_eval_curve_keeps_the_best_model_on_one_machine(tmp_path):
     best = min(r["eval_ne"] for r in evals)
     assert summary["best_eval_ne"] == pytest.approx(min(best, summary["eval_ne"]))
     assert summary["examples"] == 120_000
+    assert previous_best(out) == pytest.approx(summary["best_eval_ne"])  # what a resumed run starts to beat
     model, cfg, data, ckpt = load_checkpoint_model(out / "best.pt")
     if best < summary["eval_ne"]:  # best.pt is the copy that was scored
         assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(best, rel=1e-6)
         assert ckpt["eval"]["eval_ne"] == best
+
+
+def test_a_fresh_run_drops_an_earlier_runs_best_model(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "best.pt").write_bytes(b"an earlier run's best model")
+    run_training(_cfg(out, examples=4_000))
+    assert not (out / "best.pt").exists()

@@ -353,8 +353,8 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
         return self.last_grad_norm
 
     def _agree(self) -> tuple[bool, float | None, list[np.ndarray]]:
-        """What the ranks agree on before a step, in one small all-reduce (MAX): (skip the step, 1/scale to unscale
-        the gradients by or None, per group which parameters have a gradient on some rank).
+        """What the ranks agree on before a step, in one exchange (optim/presence.py): (skip the step, 1/scale to
+        unscale the gradients by or None, per group which parameters have a gradient on some rank).
 
         Under torch.amp.GradScaler (`grad_scale` / `found_inf` set for this step) a rank's found_inf is its own
         gradients' (GradScaler checks before we average), so every rank skips or steps together, where skipping

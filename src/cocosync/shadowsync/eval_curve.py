@@ -22,7 +22,7 @@ from cocosync.shadowsync.sources import build_configs
 from cocosync.shadowsync.state import build_model
 from cocosync.shadowsync.train_config import TrainConfig, config_to_dict
 
-__all__ = ["score", "describe", "BestModelCurve", "BEST_NAME"]
+__all__ = ["score", "describe", "BestModelCurve", "BEST_NAME", "previous_best"]
 
 BEST_NAME = "best.pt"
 
@@ -32,6 +32,17 @@ def score(model: torch.nn.Module, batches: list, seen: int) -> dict:
     ev = evaluate(model, batches)
     return {"event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],
             "calibration": ev["calibration"]}
+
+
+def previous_best(out: Path) -> float:
+    """The eval NE of <out>/best.pt (a resumed run keeps an earlier session's best), inf when there is none."""
+    path = out / BEST_NAME
+    if not path.is_file():
+        return math.inf
+    try:
+        return float(torch.load(path, map_location="cpu", weights_only=True)["eval"]["eval_ne"])
+    except Exception:  # noqa: BLE001 - unreadable: the next eval replaces it
+        return math.inf
 
 
 def describe(rec: dict) -> str:
@@ -48,7 +59,7 @@ class BestModelCurve:
     def __init__(self, cfg: TrainConfig, state: Any, batches: list, send: Callable[[dict], None]):
         self.cfg, self.state, self.batches, self.send = cfg, state, batches, send
         self.path = Path(cfg.out_dir) / BEST_NAME if cfg.checkpoint else None
-        self.best = math.inf
+        self.best = previous_best(Path(cfg.out_dir))
         self.trainer: Any = None  # set once the Trainer exists (it takes this callable at construction)
         self.copy: Any = None  # the scored model: a DLRM over tables of its own
         self.tables: SharedEmbeddings | None = None

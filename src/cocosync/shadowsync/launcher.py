@@ -13,7 +13,6 @@ import json
 import math
 import multiprocessing as mp
 import os
-import shutil
 import signal
 import threading
 import time
@@ -33,7 +32,7 @@ from cocosync.runtime.comm.store import LoopbackStore
 from cocosync.shadowsync.checkpoint import check_resumable, read_checkpoint, write_checkpoint
 from cocosync.shadowsync.config import DataConfig
 from cocosync.shadowsync.embeddings import SharedEmbeddings
-from cocosync.shadowsync.eval_curve import BEST_NAME, BestModelCurve, describe
+from cocosync.shadowsync.eval_curve import BEST_NAME, BestModelCurve, describe, previous_best
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.sources import FileSource, build_configs, eval_batches, make_source, with_init_ctr
@@ -251,7 +250,7 @@ class Monitor:
         self.handlers: dict[str, Callable[[int, dict], None]] = {
             "train": self._on_train, "ready": self._on_ready, "result": self._on_result, "error": self._on_error,
             "checkpoint": self._on_checkpoint, "eval": self._on_eval}
-        self.best_eval = math.inf  # the lowest eval NE of the curve (its model is best.pt)
+        self.best_eval = previous_best(Path(cfg.out_dir))  # the lowest eval NE of the curve (its model: best.pt)
 
     def run(self) -> None:
         t_launch = time.time()
@@ -489,6 +488,8 @@ def _run(cfg: TrainConfig, name: str, console: Any, data: DataConfig, model_cfg:
         check_resumable(ckpt, cfg, Path(resume))
     model, flat, state = build_shared_state(cfg, data, model_cfg, ckpt)
     resumed_from = int(ckpt["positions"].sum()) if ckpt is not None else 0
+    if ckpt is None:  # a best.pt here belongs to an earlier run in this directory
+        (out / BEST_NAME).unlink(missing_ok=True)
     extra = {**(extra_summary or {}), **({"resumed_from": resumed_from} if ckpt is not None else {})}
     store = None  # the trainers' rendezvous for gloo (MA, BMUF): loopback only
     if cfg.sync.method in COLLECTIVE_METHODS and cfg.trainers > 1:
@@ -577,8 +578,10 @@ def _finish(run: _Run, results: dict[int, dict], interrupted: bool, stopped: boo
     if cfg.checkpoint:
         result.checkpoint = str(_write_checkpoint(run, {r: results[r]["state"] for r in range(T)}, summary))
         if math.isfinite(best_eval) and ev["ne"] < best_eval:  # the end beats the curve: the last model is the best
-            shutil.copyfile(result.checkpoint, out / (BEST_NAME + ".tmp"))
-            os.replace(out / (BEST_NAME + ".tmp"), out / BEST_NAME)
+            best = {**read_checkpoint(result.checkpoint), "name": "best eval", "eval": {
+                "event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],
+                "calibration": ev["calibration"]}}
+            write_checkpoint(out / BEST_NAME, best)
     if cfg.plot:
         run = {"name": name, "records": result.records,
                "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}
