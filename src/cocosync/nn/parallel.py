@@ -55,13 +55,15 @@ def tp_schedule(program: Program, chunks: int, rows: int, world: int):
     slices between them; larger ones are split (the epilogue then runs on 1/world of the rows).
     When `rows` is not divisible by `world` the all_reduce stays whole (a Schedule with no directives)."""
     from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
+    from cocosync.runtime.comm.tuned import tuned
     from cocosync.schedule import Schedule
 
     s = Schedule(program)
     if rows % world:
         return s
     ar = program.stage(next(st.name for st in program.stages if st.op == "all_reduce"))
-    if chunks == 1 and ar.dtype.itemsize * torch.Size(ar.shape).numel() * (world - 1) <= DEFAULT_ONE_SHOT_BYTES:
+    one_shot = tuned("one_shot_bytes", world, DEFAULT_ONE_SHOT_BYTES)  # the communicator's threshold
+    if chunks == 1 and ar.dtype.itemsize * torch.Size(ar.shape).numel() * (world - 1) <= one_shot:
         return s
     producer = ar.args[0].name
     rs, ag = s.split(ar.name)

@@ -36,6 +36,7 @@ from cocosync.runtime.comm.reduction import (
 )
 from cocosync.runtime.comm.shm import Arena, CollectiveTimeout, Segment
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
+from cocosync.runtime.comm.tuned import tuned
 
 __all__ = ["ShmCommunicator", "Call", "CollectiveTimeout", "SUPPORTED_DTYPES", "REDUCE_OPS", "split_bounds"]
 
@@ -73,7 +74,8 @@ class ShmCommunicator:
         60).
         chunk_bytes: bytes reduced at a time (cache blocking).
         one_shot_bytes: a single-node all_reduce whose (local ranks - 1) x bytes are at most this runs one-shot:
-            every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never).
+            every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never). Default:
+            measured on this machine by `cocosync tune one-shot` (runtime/comm/tuned.py), else 1 MB.
 
     All ranks must call the same collectives in the same order (as with torch.distributed), and one thread at a
     time per rank (e.g. only the CommThread while an overlap is in flight). Mismatched calls are detected through
@@ -82,7 +84,7 @@ class ShmCommunicator:
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
                  timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 one_shot_bytes: int = DEFAULT_ONE_SHOT_BYTES):
+                 one_shot_bytes: int | None = None):
         self.groups = groups or node_groups()
         self.arena = arena or Arena(self.groups, timeout=timeout)
         if timeout is not None:
@@ -95,6 +97,8 @@ class ShmCommunicator:
         if chunk_bytes < 4096:
             raise ValueError(f"chunk_bytes={chunk_bytes} must be >= 4096")
         self.chunk_bytes = int(chunk_bytes)
+        if one_shot_bytes is None:  # measured on this machine by `cocosync tune one-shot`, else the default
+            one_shot_bytes = tuned("one_shot_bytes", self.local_size, DEFAULT_ONE_SHOT_BYTES)
         if one_shot_bytes < 0:
             raise ValueError(f"one_shot_bytes={one_shot_bytes} must be >= 0 (0 disables one-shot all_reduce)")
         self.one_shot_bytes = int(one_shot_bytes)

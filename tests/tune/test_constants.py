@@ -1,0 +1,60 @@
+"""Hand-tuned constants decided by measurement: `cocosync tune one-shot` times the two all_reduce forms, saves the
+crossover, and the runtime's communicators take it (an environment variable still wins)."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from cocosync.cli import main
+from cocosync.runtime.comm.tuned import constants_path, tuned
+from cocosync.testing.launch import RankPool
+from cocosync.tune.constants import choose_one_shot, save_constant
+
+
+def _rows(faster_up_to: int) -> list[dict]:
+    sizes = [16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20]
+    return [{"peer_bytes": s, "one_shot_s": 1.0 if s <= faster_up_to else 3.0, "three_phase_s": 2.0} for s in sizes]
+
+
+def test_the_crossover_is_the_largest_size_up_to_which_one_shot_always_wins():
+    assert choose_one_shot(_rows(256 << 10)) == 256 << 10
+    assert choose_one_shot(_rows(0)) == 0
+    rows = _rows(4 << 20)
+    rows[1]["one_shot_s"] = 5.0  # slower at 64 KB: larger sizes do not count
+    assert choose_one_shot(rows) == 16 << 10
+
+
+def test_saved_constants_are_read_per_local_rank_count_and_the_environment_wins(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCOSYNC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("COCOSYNC_ONE_SHOT_BYTES", raising=False)
+    from cocosync.runtime.comm import tuned as module
+
+    module._saved.cache_clear()
+    assert tuned("one_shot_bytes", 2, 123) == 123  # no file: the default
+    save_constant("one_shot_bytes", 2, 4096)
+    module._saved.cache_clear()
+    assert json.loads(constants_path().read_text()) == {"one_shot_bytes@2": 4096}
+    assert tuned("one_shot_bytes", 2, 123) == 4096 and tuned("one_shot_bytes", 4, 123) == 123
+    monkeypatch.setenv("COCOSYNC_ONE_SHOT_BYTES", "77")
+    assert tuned("one_shot_bytes", 2, 123) == 77
+    module._saved.cache_clear()
+
+
+def _communicator_threshold() -> int:
+    from cocosync.runtime.comm.communicators import shared_communicator
+
+    return shared_communicator().one_shot_bytes
+
+
+def test_tune_one_shot_measures_saves_and_the_runtime_uses_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("COCOSYNC_CACHE_DIR", str(tmp_path))
+    out = tmp_path / "one_shot.json"
+    res = CliRunner().invoke(main, ["tune", "one-shot", "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert doc["chosen"] == choose_one_shot(doc["rows"]) and len(doc["rows"]) == 8
+    assert json.loads((tmp_path / "tune" / "constants.json").read_text()) == {"one_shot_bytes@2": doc["chosen"]}
+    with RankPool(2, timeout=120, env={"COCOSYNC_CACHE_DIR": str(tmp_path)}) as pool:
+        assert pool.run(_communicator_threshold) == [doc["chosen"]] * 2
