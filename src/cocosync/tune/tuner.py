@@ -2,9 +2,9 @@
 (oracle.py), lower and time each on real ranks round-robin (measure.py), predict each with the cost model
 (cost.py), choose the fastest median, and cache the choice on disk.
 
-The cache key is (program listing, world size, nodes, torch version, machine); an entry holds every candidate's
-directives and times, so a cached answer prints the same table. Cache: $COCOSYNC_CACHE_DIR or ~/.cache/cocosync,
-file tune/<key>.json.
+The cache key is (program listing, world size, nodes, torch version, machine, kernel backend); an entry holds
+every candidate's directives and times, so a cached answer prints the same table. Cache: $COCOSYNC_CACHE_DIR or
+~/.cache/cocosync, file tune/<key>.json.
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def cache_dir() -> Path:
 
 def _key(listing: str, world: int, nnodes: int) -> str:
     machine = f"{platform.machine()}-{platform.processor()}-{os.cpu_count()}"
-    raw = json.dumps([listing, world, nnodes, torch.__version__, machine])
+    kernels = os.environ.get("COCOSYNC_KERNELS", "inductor")  # generated or eager kernels time differently
+    raw = json.dumps([listing, world, nnodes, torch.__version__, machine, kernels])
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
