@@ -178,7 +178,7 @@ def test_chunks_default_follows_the_device():
 
     assert resolve_chunks(None, "cpu") == 1 and resolve_chunks(None, "cuda") == 2  # overlap where comm has its engine
     assert resolve_chunks(3, "cpu") == 3
-    with pytest.raises(ValueError, match=r"chunks=1\.5 must be an int >= 1, or None"):
+    with pytest.raises(ValueError, match=r"chunks=1\.5 must be an int >= 1, None .* or .auto."):
         check_chunks("RowParallelLinear", 1.5)
 
 
@@ -240,3 +240,34 @@ def test_scaled_keep_mask_is_the_dsl_dropout_mask(dtype):
     want = dropout_mask((33, 17), 0.3, 12).to(dtype) / 0.7
     assert got.dtype == dtype and torch.equal(got, want)
     assert 0 < (got == 0).sum() < got.numel()  # some dropped, some kept
+
+
+def _auto_chunks():
+    import torch.distributed as dist
+
+    rank, P = dist.get_rank(), dist.get_world_size()
+    fc1, fc2 = _dense()
+    x, dout = _inputs((64,), seed=11)  # 64 rows: 1, 2 and 4 chunks are three different plans
+    out = []
+    for chunks in ("auto", 1):
+        mlp = MegatronMLP.from_dense(fc1, fc2, rank, P, p=0.25, seed=5, chunks=chunks)
+        xr = x.clone().requires_grad_()
+        y = mlp(xr)
+        y.backward(dout)
+        out.append((y.detach(), xr.grad, _grads(mlp), dict(mlp._plans.chosen), dict(mlp._backward_plans.chosen)))
+    return out
+
+
+def test_auto_chunks_measures_the_candidates_and_agrees_with_fixed_chunks(rank_pool):
+    results = rank_pool(2).run(_auto_chunks)
+    chosen = [(list(r[0][3].values()), list(r[0][4].values())) for r in results]
+    assert chosen[0] == chosen[1]  # every rank runs the same plan: the slowest rank's medians decide
+    forward, backward = chosen[0]
+    assert len(forward) == 1 and len(backward) == 1
+    for c, medians in (forward[0], backward[0]):
+        assert sorted(medians) == [1, 2, 4] and c == min(medians, key=medians.get)
+    for (auto, fixed) in results:
+        for a, b in zip(auto[:2], fixed[:2]):
+            torch.testing.assert_close(a, b, **TOL)
+        for name in auto[2]:
+            torch.testing.assert_close(auto[2][name], fixed[2][name], **TOL, msg=name)

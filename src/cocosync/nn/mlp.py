@@ -120,7 +120,8 @@ class MegatronMLP(nn.Module):
     Input/output: (..., hidden), the same on every rank. Parameters: w1 (hidden, ffn / world), b1 (ffn / world,),
     w2 (ffn / world, hidden), b2 (hidden,) (replicated). Dropout draws a new mask per training call (seed + call
     index, identical on every rank); in eval mode, or with p=0, it is skipped. chunks: overlap chunks (1: none;
-    None, the default: 1 for CPU inputs, 2 on GPUs, see nn.parallel.resolve_chunks)."""
+    None, the default: 1 for CPU inputs, 2 on GPUs, see nn.parallel.resolve_chunks;
+    'auto': measured per input shape, nn/auto_chunks.py)."""
 
     def __init__(self, hidden: int, ffn: int, *, p: float = 0.1, seed: int = 0, bias: bool = True,
                  chunks: int | None = None,

@@ -98,9 +98,10 @@ def scaled_keep_mask(shape: tuple[int, ...], p: float, seed: int, dtype: torch.d
     return (u if dtype == torch.float32 else u.to(dtype)).div_(1.0 - p)
 
 
-def check_chunks(what: str, chunks: int | None) -> None:
-    if chunks is not None and (not isinstance(chunks, int) or chunks < 1):
-        raise ValueError(f"{what}: chunks={chunks!r} must be an int >= 1, or None (1 on CPU, 2 on GPU)")
+def check_chunks(what: str, chunks: int | str | None) -> None:
+    if chunks is not None and chunks != "auto" and (not isinstance(chunks, int) or chunks < 1):
+        raise ValueError(f"{what}: chunks={chunks!r} must be an int >= 1, None (1 on CPU, 2 on GPU) or 'auto' "
+                         "(measured per input shape, nn/auto_chunks.py)")
 
 
 def resolve_chunks(chunks: int | None, device_type: str) -> int:
@@ -122,6 +123,7 @@ class PlanCache:
         self.chunks = chunks
         self.rank, self.world = rank, world  # what the layer's shards were cut for (checked against the group)
         self.plans: dict[Any, Any] = {}
+        self.chosen: dict[Any, tuple[int, dict[int, float]]] = {}  # chunks="auto": key -> (chunks, medians)
 
     def get(self, key: tuple, device: torch.device | str = "cpu"):
         from cocosync import compile_plan, lower
@@ -130,8 +132,16 @@ class PlanCache:
         key = (*key, dev)
         plan = self.plans.pop(key, None)
         if plan is None:
-            schedule = self.build(key[:-1], resolve_chunks(self.chunks, dev))
-            plan = compile_plan(lower(schedule), self.group, backend=self.backend, kernels=self.kernels)
+            def compile_for(c: int):
+                return compile_plan(lower(self.build(key[:-1], c)), self.group, backend=self.backend,
+                                    kernels=self.kernels)
+            if self.chunks == "auto":
+                from cocosync.nn.auto_chunks import choose_chunks
+
+                c, plan, medians = choose_chunks(compile_for, self.group)
+                self.chosen[key] = (c, medians)
+            else:
+                plan = compile_for(resolve_chunks(self.chunks, dev))
             if self.world is not None and (plan.comm.group_size, plan.comm.group_rank) != (self.world, self.rank):
                 raise ValueError(f"the layer's shards were cut for rank {self.rank} of {self.world}, but this process "
                                  f"is rank {plan.comm.group_rank} of {plan.comm.group_size} in its group; "
@@ -296,7 +306,8 @@ class RowParallelLinear(nn.Module):
     Input: (..., in_features / world), this rank's slice of the features (e.g. a ColumnParallelLinear's output).
     Output: (..., out_features), the same on every rank. Parameters: weight (in_features / world, out_features),
     bias (out_features,) (replicated). chunks: overlap chunks of the Megatron schedule (1: no overlap step; None,
-    the default: 1 for CPU inputs, 2 on GPUs, see resolve_chunks)."""
+    the default: 1 for CPU inputs, 2 on GPUs, see resolve_chunks; 'auto':
+    measured per input shape, nn/auto_chunks.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, chunks: int | None = None,
                  group: dist.ProcessGroup | None = None, dtype: torch.dtype = torch.float32,
