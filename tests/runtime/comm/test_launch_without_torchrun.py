@@ -59,3 +59,43 @@ def test_optimizer_runs_under_mp_spawn_without_torchrun_variables():
         r, w, lr, lw, node, diff = res[rank]
         assert (r, w, lr, lw, node) == (rank, world, rank, world, 0)
         assert diff < 1e-6, diff
+
+
+def _backend_worker(rank: int, world: int, port: int, out: dict) -> None:
+    import cocosync  # noqa: F401 - registers the backend
+
+    for k in TORCHRUN_VARS:
+        os.environ.pop(k, None)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    if rank == 0:
+        os.environ["WORLD_SIZE"] = str(world)  # as torch's own test harness leaves it: WORLD_SIZE, no RANK
+    torch.set_num_threads(1)
+    dist.init_process_group("cocosync", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        t = torch.full((5,), float(rank + 1))
+        dist.all_reduce(t)
+        pg = dist.distributed_c10d._get_default_group()
+        out[rank] = (t.tolist(), pg._comm() is not None)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_backend_ranks_decide_alike_without_torchrun_variables():
+    """Every rank must choose the same path (shared memory or gloo) for a collective; deciding from RANK/WORLD_SIZE
+    made rank 0 (whose defaults matched) wait in shared memory while rank 1 sent over gloo: a 60 s hang in torch's
+    own distributed test suite. The ranks now decide from what each publishes in the group's store."""
+    import time
+
+    world, port = 2, free_port()
+    with mp.Manager() as manager:
+        out = manager.dict()
+        ctx = mp.start_processes(_backend_worker, args=(world, port, out), nprocs=world, start_method="spawn",
+                                 join=False)
+        deadline = time.monotonic() + 60  # a hang fails the test instead of stalling the suite
+        while not ctx.join(timeout=1):
+            if time.monotonic() > deadline:
+                for p in ctx.processes:
+                    p.kill()
+                raise AssertionError("the ranks did not finish one all_reduce within 60 s (they chose different paths)")
+        res = dict(out)
+    assert res == {r: ([3.0] * 5, True) for r in range(world)}

@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.comm.reduction import SUPPORTED_DTYPES
-from cocosync.runtime.comm.topology import NodeGroups, Topology, topology_from_env
+from cocosync.runtime.comm.topology import NodeGroups, Topology, machine_id, topology_from_env
 
 __all__ = ["CocosyncProcessGroup", "register", "BACKEND"]
 
@@ -211,24 +211,25 @@ class CocosyncProcessGroup(dist.ProcessGroup):
 
 def _members(store: dist.Store, rank: int, size: int) -> tuple[list[int] | None, bool]:
     """(the group's members as global ranks in group order, whether they span nodes), with members None when the
-    group cannot use shared memory: it spans nodes without being the whole job (a hierarchical collective needs
-    every node's full set of local ranks), or the torchrun environment describes another job. The default group is
-    the job itself; a group made by new_group learns its members' global ranks through its own store."""
+    group cannot use shared memory: it spans machines without being the whole job as torchrun described it (a
+    hierarchical collective needs every node's full set of local ranks). Decided from what every rank publishes in
+    the group's store (global rank, machine_id(), whether torchrun's environment describes it), so every rank
+    decides alike, also where the environment says nothing or describes another job (mp.spawn, torch's own test
+    harness: RANK unset in every process). A group made by new_group learns its members' global ranks this way."""
     env = topology_from_env()
     world = dist.get_world_size() if dist.is_initialized() else size
-    if env.world_size != world:
-        return None, False  # the environment describes another job: the node of each rank is unknown
-    if dist.is_initialized():  # new_group: the default group exists and this rank knows its global rank
-        store.set(f"member{rank}", str(dist.get_rank()))
-        members = [int(store.get(f"member{i}")) for i in range(size)]
-    elif env.rank == rank:
-        members = list(range(size))
-    else:
-        return None, False
-    nodes = {m // env.local_world_size for m in members}
-    if nodes == {env.node}:
-        return members, False
-    return (members, True) if members == list(range(env.world_size)) else (None, False)
+    me = dist.get_rank() if dist.is_initialized() else rank  # building the default group: its rank is global
+    described = int(env.world_size == world and env.rank == me)
+    store.set(f"member{rank}", f"{me} {described} {machine_id()}")
+    info = [store.get(f"member{i}").decode().split(" ", 2) for i in range(size)]
+    members = [int(g) for g, _, _ in info]
+    if all(d == "1" for _, d, _ in info):  # torchrun's nodes (several may share a host when simulated)
+        if {m // env.local_world_size for m in members} == {env.node}:
+            return members, False
+        return (members, True) if members == list(range(env.world_size)) else (None, False)
+    if len({m for _, _, m in info}) == 1:
+        return members, False  # one machine: shared memory among all of them
+    return None, False
 
 
 def _gloo_group(store: dist.Store, name: str, rank: int, size: int,
