@@ -5,7 +5,7 @@ PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 STAMP   = $(VENV)/.installed
 
-.PHONY: install lint test test-soak demo bench clean
+.PHONY: install lint test test-soak test-torch-suite demo bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ test: $(STAMP) lint
 # minutes: 30 torchrun launches of the example script, each must exit cleanly
 test-soak: $(STAMP)
 	COCOSYNC_SOAK=1 $(PY) -m pytest -q tests/soak
+
+# PyTorch's generic backend suite on gloo and on cocosync (tests/torch_suite/compare.py; WORLDS="2 3" by default,
+# SUITE_PATTERNS= for the whole suite): not in `make test`, it takes ~10 min per world size for the default selection
+test-torch-suite: $(STAMP)
+	$(PY) tests/torch_suite/compare.py $(WORLDS)
 
 demo: $(STAMP)
 	$(VENV)/bin/cocosync demo
