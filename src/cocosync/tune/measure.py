@@ -4,13 +4,12 @@ timed round-robin (the same shuffled order on every rank, since they are collect
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import copy_bandwidth, time_interleaved
+from cocosync.bench.common import copy_bandwidth, time_calls, time_interleaved
 from cocosync.lower import lower
 from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.communicators import shared_communicator
@@ -23,12 +22,7 @@ __all__ = ["measure_machine", "time_candidates"]
 
 
 def _median(fn, n: int) -> float:
-    ts = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return statistics.median(time_calls(fn, n, warmup=0))
 
 
 def measure_machine() -> MachineModel:
