@@ -57,6 +57,14 @@ def case_overlap():
                  "overlap([matmul2, all_reduce1, add1, dropout1, add2], chunks=2)")
 
 
+def case_overlap_fused():
+    from cocosync.schedule import megatron_schedule
+
+    p = megatron_mlp_program(8, 8, 16)
+    s = megatron_schedule(p, chunks=2, fuse=True)
+    return f"{p}\n--- {s}\n{s.program}\n--- lower\n{lower(s.program)}"
+
+
 def case_dce():
     x = cs.Tensor("x", 8, layout=Local)
     y = cs.scatter(cs.all_gather(cs.reduce_scatter(x)))

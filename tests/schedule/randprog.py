@@ -196,9 +196,11 @@ def standard_case(name: str):
     elif name == "sgd":
         prog = sgd_program(n, momentum=True)
         vals = {"g": g, "w": _rand(n, 1), "buf": _rand(n, 2), "lr": 0.1, "mu": 0.9}
-    elif name == "megatron":
+    elif name.startswith("megatron"):
         prog = megatron_mlp_program(8, 8, 16)
         vals = {"x": _rand((8, 8), 1), "w1": _rand((8, 16), 2), "w2": _rand((16, 8), 3), "b": _rand(8, 4)}
+        if name == "megatron_fused":  # ol_MM_fuse_RS_C_AG
+            return prog, STANDARD["megatron"](prog, fuse=True), vals
     else:
         prog = pipeline_program(8, 8)
         vals = {"y": [_rand((8, 8), r) for r in range(P_MAX)], "b": _rand(8, 4)}

@@ -133,6 +133,35 @@ def test_overlap_not_a_chain():
     _raises(lambda: overlap(p, ["matmul2", "add1"]), "overlap: stage 'add1'", "does not read 'matmul2'")
 
 
+def _megatron_fused_rs_ag():
+    s = Schedule(megatron_mlp_program(8, 8, 16))
+    rs, ag = s.split("all_reduce1")
+    s.reorder(s.movable(ag), ag)
+    return s, rs, s.stages(ops=["all_gather"])[0]
+
+
+def test_overlap_takes_a_fuse_group_whole():
+    s, rs, ag = _megatron_fused_rs_ag()
+    s.fuse([rs, ag])
+    s.overlap(["matmul2", rs], chunks=2)  # naming one stage of the fuse group takes all of it
+    over = next(g for g in s.program.groups if g.kind == "overlap")
+    assert over.stages == ("matmul2", rs, "add1", "dropout1", "x_s", "add2", ag)
+
+
+def test_fuse_partly_inside_an_overlap():
+    s, rs, ag = _megatron_fused_rs_ag()
+    s.overlap(["matmul2", rs, "add1", "dropout1", "add2", ag], chunks=2)
+    # the fused collective takes scatter(x), which the overlapped chain does not hold
+    _raises(lambda: s.fuse([rs, ag]), "fuse: stage 'all_reduce1_rs'", "already in group overlap",
+            "fuse first, then overlap")
+
+
+def test_overlap_crossing_a_fuse_kernel():
+    p = fuse(megatron_mlp_program(8, 8, 16), ["add1", "dropout1"])
+    # a fuse group whose stages the chain takes whole is one unit; the chain must still read unit after unit
+    _raises(lambda: overlap(p, ["matmul2", "dropout1"]), "overlap: stage 'add1'", "does not read 'matmul2'")
+
+
 def test_overlap_without_communication():
     _raises(lambda: overlap(sgd_program(8), ["mul1", "sub1"]), "has no communication")
 

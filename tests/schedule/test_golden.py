@@ -244,6 +244,39 @@ program pipeline(y: f32[8, 8] L, b: f32[8] R)
 plan pipeline (1 steps)
    0: overlap(all_reduce1_rs, add1, dropout1, send1, send1_ag, chunks=4)
 ''',
+    'overlap_fused': '''\
+program megatron_mlp(x: f32[8, 8] R, w1: f32[8, 16] S[1], w2: f32[16, 8] S[0], b: f32[8] R)
+  matmul1     = matmul(x, w1)                 : f32[8, 16] S[1]
+  maximum1    = maximum(matmul1, 0)           : f32[8, 16] S[1]
+  matmul2     = matmul(maximum1, w2)          : f32[8, 8] L
+  all_reduce1 = all_reduce(matmul2, sum)      : f32[8, 8] R
+  add1        = all_reduce1 + b               : f32[8, 8] R
+  dropout1    = dropout(add1, p=0.1, seed=0)  : f32[8, 8] R
+  add2        = dropout1 + x                  : f32[8, 8] R
+  return out=add2
+--- schedule of megatron_mlp (4 directives)
+  split(all_reduce1)
+  reorder([add1, dropout1, add2], all_reduce1_ag)
+  fuse([all_reduce1_rs, add2_ag])
+  overlap([matmul2, all_reduce1_rs, add1, dropout1, add2, add2_ag], chunks=2)
+program megatron_mlp(x: f32[8, 8] R, w1: f32[8, 16] S[1], w2: f32[16, 8] S[0], b: f32[8] R)
+  matmul1        = matmul(x, w1)                 : f32[8, 16] S[1]
+  maximum1       = maximum(matmul1, 0)           : f32[8, 16] S[1]
+  matmul2        = matmul(maximum1, w2)          : f32[8, 8] L
+  all_reduce1_rs = reduce_scatter(matmul2, sum)  : f32[8, 8] S[0]
+  add1           = all_reduce1_rs + b            : f32[8, 8] S[0]
+  dropout1       = dropout(add1, p=0.1, seed=0)  : f32[8, 8] S[0]
+  x_s            = scatter(x)                    : f32[8, 8] S[0]
+  add2           = dropout1 + x_s                : f32[8, 8] S[0]
+  add2_ag        = all_gather(add2)              : f32[8, 8] R
+  fuse(all_reduce1_rs, add1, dropout1, x_s, add2, add2_ag) kind=collective
+  overlap(matmul2, all_reduce1_rs, add1, dropout1, x_s, add2, add2_ag) chunks=2
+  return out=add2_ag
+--- lower
+plan megatron_mlp (2 steps)
+   0: kernel(matmul1, maximum1)
+   1: overlap(matmul2, fused_collective(all_reduce1_rs -> [add1, dropout1, x_s, add2] -> add2_ag), chunks=2)
+''',
 }
 
 

@@ -45,14 +45,15 @@ def test_random_schedules_match_unscheduled(seed):
         _check_interp(prog, s, vals, P)
 
 
-@pytest.mark.parametrize("name", ["sgd", "adam", "lamb", "megatron", "pipeline"])
+@pytest.mark.parametrize("name", ["sgd", "adam", "lamb", "megatron", "megatron_fused", "pipeline"])
 def test_standard_schedules_match_unscheduled(name):
     prog, s, vals = case(("std", name))
     for P in (2, 4):
         _check_interp(prog, s, vals, P)
 
 
-RANK_KEYS = [("std", n) for n in ("sgd", "adam", "lamb", "megatron", "pipeline")] + [("rand", k) for k in range(8)]
+STD = ("sgd", "adam", "lamb", "megatron", "megatron_fused", "pipeline")
+RANK_KEYS = [("std", n) for n in STD] + [("rand", k) for k in range(8)]
 
 
 @pytest.mark.parametrize("P", [2, 4])

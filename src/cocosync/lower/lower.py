@@ -54,12 +54,31 @@ def lower(program: Program | Any, dump: bool = False) -> Plan:
 
 
 def form_units(program: Program) -> list[Unit]:
+    """One unit per group (a fuse group inside an overlapped chain is part of the overlap unit: `attrs['inner']`,
+    its stages made contiguous in the chain), one per other stage."""
     by_name = {s.name: s for s in program.stages}
     units, grouped = [], set()
+    overlaps = [g for g in program.groups if g.kind == "overlap"]
+    nested = {g.stages: o.stages for g in program.groups if g.kind == "fuse"
+              for o in overlaps if set(g.stages) <= set(o.stages)}
     for g in program.groups:
         attrs = dict(g.attrs)
-        kind = f"fuse:{attrs.get('kind', 'kernel')}" if g.kind == "fuse" else g.kind
-        units.append(Unit(kind, [by_name[n] for n in g.stages], attrs))
+        if g.kind == "fuse" and g.stages in nested:
+            continue
+        if g.kind == "overlap":
+            inner = [Unit(f"fuse:{dict(f.attrs).get('kind', 'kernel')}", [by_name[n] for n in f.stages])
+                     for f in program.groups if nested.get(f.stages) == g.stages]
+            order: list[Node] = []
+            for n in g.stages:  # chain order; each inner group whole where its first stage is
+                u = next((u for u in inner if any(s.name == n for s in u.stages)), None)
+                for s in (u.stages if u else [by_name[n]]):
+                    if all(s is not o for o in order):
+                        order.append(s)
+            attrs["inner"] = [to_steps(u) for u in inner]
+            units.append(Unit("overlap", order, attrs))
+        else:
+            kind = f"fuse:{attrs.get('kind', 'kernel')}" if g.kind == "fuse" else g.kind
+            units.append(Unit(kind, [by_name[n] for n in g.stages], attrs))
         grouped.update(g.stages)
     for s in program.stages:
         if s.name not in grouped:
@@ -71,7 +90,8 @@ def order_units(program: Program, units: list[Unit]) -> list[Unit]:
     pos = {id(s): i for i, s in enumerate(program.stages)}
     owner = {id(s): k for k, u in enumerate(units) for s in u.stages}
     for u in units:
-        u.stages.sort(key=lambda s: pos[id(s)])
+        if u.kind != "overlap":  # an overlap unit keeps its chain order (a valid order, checked by overlap())
+            u.stages.sort(key=lambda s: pos[id(s)])
     deps = {k: {owner[id(a)] for s in u.stages for a in s.args if id(a) in owner} - {k} for k, u in enumerate(units)}
     done: list[int] = []
     left = set(range(len(units)))
@@ -102,7 +122,7 @@ def to_steps(u: Unit) -> Step:
     if u.kind == "comm":
         return Collective(u.stages[0])
     if u.kind == "overlap":
-        return Overlap(tuple(u.stages), int(u.attrs.get("chunks", 4)))
+        return Overlap(tuple(u.stages), int(u.attrs.get("chunks", 4)), tuple(u.attrs.get("inner", ())))
     if u.kind == "fuse:collective":
         rs = next(s for s in u.stages if s.op == "reduce_scatter")
         ag = next(s for s in u.stages if s.op == "all_gather")

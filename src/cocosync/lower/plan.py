@@ -61,12 +61,22 @@ class FusedCollective(Step):
 
 @dataclass(frozen=True, eq=False)
 class Overlap(Step):
-    """A producer/consumer chain run pipelined by `chunks`."""
+    """A producer/consumer chain run pipelined by `chunks`. `inner`: the fuse groups inside the chain (a fused
+    collective runs as one communication unit per chunk: CoCoNeT's ol_MM_fuse_RS_C_AG)."""
     stages: tuple[Node, ...]
     chunks: int
+    inner: tuple[Step, ...] = ()
 
     def __str__(self):
-        return f"overlap({_names(self.stages)}, chunks={self.chunks})"
+        parts, shown = [], set()
+        for s in self.stages:
+            step = next((i for i in self.inner if any(s is x for x in i.stages)), None)
+            if step is None:
+                parts.append(s.name)
+            elif id(step) not in shown:
+                shown.add(id(step))
+                parts.append(str(step))
+        return f"overlap({', '.join(parts)}, chunks={self.chunks})"
 
 
 @dataclass(frozen=True, eq=False)

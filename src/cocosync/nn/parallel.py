@@ -71,13 +71,8 @@ def tp_schedule(program: Program, chunks: int, rows: int, world: int):
     if movable:
         s.reorder(movable, ag)
     if chunks > 1:
-        users, chain = s.program.users(), [s.program.stage(rs).name]
-        while s.program.stage(chain[-1]).op != "all_gather":
-            nxt = users[chain[-1]]
-            if len(nxt) != 1:
-                break
-            chain.append(nxt[0].name)
-        if s.program.stage(chain[-1]).op == "all_gather":
+        chain = s.chain(rs)
+        if chain is not None:
             s.overlap([producer, *chain], chunks=chunks)
     return s
 

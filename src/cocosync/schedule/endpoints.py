@@ -46,10 +46,11 @@ def between(program: Program, names: Iterable[str]) -> list[str]:
 
 
 def _pure(program: Program) -> set[str]:
-    """Stages computed from inputs alone, without communication (scatters of state, 1 - beta1, beta1 * m)."""
+    """Stages a fused kernel may hold computed from inputs alone (scatters of state, 1 - beta1, beta1 * m); not a
+    matmul of inputs (Megatron's first GEMM), which stays its own step."""
     pure: set[str] = set()
     for s in program.stages:
-        if not OPS[s.op].communicates and all((a.is_leaf and not a.layout.is_local) or a.name in pure
+        if OPS[s.op].fusable and all((a.is_leaf and not a.layout.is_local) or a.name in pure
                                               for a in s.args):
             pure.add(s.name)
     return pure

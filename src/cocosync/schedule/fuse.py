@@ -34,14 +34,26 @@ def group_members(program: Program, stages: Sequence[Ref], directive: str, *, mi
     if len(members) < min_size:
         raise ScheduleError(directive, members[0].name if members else None,
                             f"a group needs at least {min_size} stages, got {[m.name for m in members]}")
+    mine = {m.name for m in members}
     for g in program.groups:
-        for m in members:
-            if m.name in g.stages:
-                raise ScheduleError(directive, m.name, f"is already in group {g.kind}({', '.join(g.stages)}); a "
-                                    "stage belongs to at most one group")
+        if not mine & set(g.stages) or _nests(directive, g, mine):
+            continue
+        m = next(m for m in members if m.name in g.stages)
+        raise ScheduleError(directive, m.name, f"is already in group {g.kind}({', '.join(g.stages)}); a stage "
+                            "belongs to at most one group, except a whole fuse group inside an overlapped chain "
+                            "(fuse first, then overlap, as CoCoNeT's ol_MM_fuse_RS_C_AG)")
     order = {id(s): i for i, s in enumerate(program.stages)}
     members.sort(key=lambda s: order[id(s)])
     return members
+
+
+def _nests(directive: str, g: Group, mine: set[str]) -> bool:
+    """A fuse group nests inside an overlap chain (CoCoNeT's ol_MM_fuse_RS_C_AG): one unit of the pipeline."""
+    if directive == "overlap" and g.kind == "fuse":
+        return set(g.stages) <= mine
+    if directive == "fuse" and g.kind == "overlap":
+        return mine <= set(g.stages)
+    return False
 
 
 def check_convex(program: Program, members: list[Node], directive: str) -> None:

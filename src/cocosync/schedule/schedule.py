@@ -199,6 +199,23 @@ class Schedule:
                 extra.add(id(s))
         return [s.name for s in p.stages if (id(s) in down or id(s) in extra) and s is not ag]
 
+    def chain(self, reduce_scatter: Ref, *, producer: bool = False) -> list[str] | None:
+        """The stages an overlap pipelines: `reduce_scatter`, its only reader, that one's only reader, ... up to the
+        first all_gather; None where the path branches or ends before one. `producer=True`: a matmul whose only
+        reader is the reduce_scatter leads the chain (Megatron: the GEMM overlaps the communication)."""
+        p = self.program
+        rs = resolve(p, reduce_scatter, "overlap")
+        users, chain = p.users(), [rs.name]
+        src = rs.args[0]
+        if producer and src.op == "matmul" and len(users.get(src.name, [])) == 1:
+            chain.insert(0, src.name)
+        while p.stage(chain[-1]).op != "all_gather":
+            nxt = users.get(chain[-1], [])
+            if len(nxt) != 1:
+                return None
+            chain.append(nxt[0].name)
+        return chain
+
     def __str__(self) -> str:
         head = f"schedule of {self.original.name} ({len(self.directives)} directives)"
         return "\n".join([head, *(f"  {d}" for d in self.directives)])

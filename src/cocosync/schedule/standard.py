@@ -14,15 +14,10 @@ def _only(program: Program, op: str) -> str:
     return hits[0]
 
 
-def _chain(s: Schedule, start: str) -> list[str]:
-    """start, its only reader, that one's only reader, ... up to the first all_gather."""
-    users, chain = s.program.users(), [start]
-    while s.program.stage(chain[-1]).op != "all_gather":
-        nxt = users[chain[-1]]
-        if len(nxt) != 1:
-            raise ScheduleError("standard schedule", chain[-1], f"has readers {[u.name for u in nxt]}; expected a "
-                                "single chain up to an all_gather")
-        chain.append(nxt[0].name)
+def _chain(s: Schedule, start: str, producer: bool = False) -> list[str]:
+    chain = s.chain(start, producer=producer)
+    if chain is None:
+        raise ScheduleError("standard schedule", start, "is not the start of a single chain up to an all_gather")
     return chain
 
 
@@ -53,13 +48,18 @@ def lamb_schedule(program: Program) -> Schedule:
     return sharded_update_schedule(program, ("m", "v"))
 
 
-def megatron_schedule(program: Program, chunks: int = 4) -> Schedule:
+def megatron_schedule(program: Program, chunks: int = 4, *, fuse: bool = False) -> Schedule:
     """Megatron layer: matmul -> all_reduce -> bias + dropout + residual becomes matmul -> reduce_scatter ->
-    epilogue on slices -> all_gather, one pipelined (overlapped) chain."""
+    epilogue on slices -> all_gather, one pipelined (overlapped) chain. `fuse=True`: CoCoNeT's ol_MM_fuse_RS_C_AG,
+    the reduce_scatter -> epilogue -> all_gather fused into one collective that each chunk runs as one unit, so
+    the epilogue of chunk i also overlaps the GEMM of chunk i + 1."""
     s = Schedule(program)
     rs, ag = s.split(_only(program, "all_reduce"))
     s.reorder(s.movable(ag), ag)
-    s.overlap([s.program.stage(rs).args[0].name, *_chain(s, rs)], chunks=chunks)
+    chain = _chain(s, rs, producer=True)
+    if fuse:
+        s.fuse([rs, chain[-1]])
+    s.overlap(chain, chunks=chunks)
     return s
 
 

@@ -10,7 +10,8 @@ Per plan step, with this rank's bytes (a sliced tensor counts 1/G):
 * collective: latency + bytes a rank moves / collective bandwidth, where all_reduce moves 2(G-1)/G of its vector,
   reduce_scatter and all_gather (G-1)/G of the whole;
 * fused collective: one latency, its reduce-scatter and all-gather traffic, its computations' traffic;
-* overlap by c chunks: c latencies + the longer of communication and computation + the shorter / c.
+* overlap by c chunks: c latencies + the longer of communication and computation + the shorter / c (a fused
+  collective inside the chain computes on the communication side).
 """
 
 from __future__ import annotations
@@ -103,8 +104,11 @@ def predict(plan: Plan, m: MachineModel, fast: list[bool] | None = None) -> floa
         elif isinstance(step, FusedCollective):
             total += (m.comm_latency_s + _comm(step.rs, m) + _comm(step.ag, m)
                       + _compute(step.compute, m, quick, handed_on))
-        elif isinstance(step, Overlap):
-            comm = sum(_comm(s, m) for s in step.stages if s.op in COMM_FACTOR)
-            work = _compute(tuple(s for s in step.stages if s.op not in COMM_FACTOR), m, quick, handed_on)
+        elif isinstance(step, Overlap):  # a fused collective inside computes on the communication side
+            fused = {id(s) for i in step.inner if isinstance(i, FusedCollective) for s in i.compute}
+            comm = sum(_comm(s, m) for s in step.stages if s.op in COMM_FACTOR) + _compute(
+                tuple(s for s in step.stages if id(s) in fused), m, quick, handed_on)
+            work = _compute(tuple(s for s in step.stages if s.op not in COMM_FACTOR and id(s) not in fused), m,
+                            quick, handed_on)
             total += step.chunks * (m.comm_latency_s + m.call_s) + max(comm, work) + min(comm, work) / step.chunks
     return total

@@ -4,7 +4,8 @@ the program they produce.
 
 For each all_reduce the chain is: as written; split (reduce-scatter + all-gather); + reorder (the computations that
 read the all-gather run on slices before it); + as_slice (the state those computations update stays sliced); then
-either fuse (one fused collective) or overlap of the chain from the reduce-scatter to the all-gather by c chunks.
+either fuse (one fused collective) or overlap of the chain from the reduce-scatter to the all-gather by c chunks,
+its stages one by one or with the reduce-scatter -> computations -> all-gather fused (ol_MM_fuse_RS_C_AG).
 CoCoNeT's own autotuner enumerates the same chain; here each candidate is then checked against the reference
 interpreter and timed (tuner.py).
 """
@@ -49,21 +50,6 @@ def _states(s: Schedule, internal: tuple[str, ...]) -> list[str]:
     return out
 
 
-def _chain(s: Schedule, rs: str) -> list[str] | None:
-    """rs, its only reader, ... up to the first all_gather (the stages an overlap pipelines), or None when it
-    branches. A matmul producing rs's input joins the chain (Megatron: the GEMM overlaps the communication)."""
-    users, chain = s.program.users(), [rs]
-    src = s.program.stage(rs).args[0]
-    if src.op == "matmul" and len(users.get(src.name, [])) == 1:
-        chain.insert(0, src.name)
-    while s.program.stage(chain[-1]).op != "all_gather":
-        nxt = users.get(chain[-1], [])
-        if len(nxt) != 1:
-            return None
-        chain.append(nxt[0].name)
-    return chain
-
-
 def schedule_space(program: Program, internal: tuple[str, ...] = (),
                    chunks: tuple[int, ...] = CHUNKS) -> list[Candidate]:
     """The legal schedules of `program` (the first is the program as written); `internal`: state tensors the
@@ -96,14 +82,17 @@ def schedule_space(program: Program, internal: tuple[str, ...] = (),
             out.append(Candidate(f"{base}+fuse", tuple(fused.directives)))
         except ScheduleError:
             pass
-        chain = _chain(Schedule(program, directives), rs)
-        for c in chunks if chain else ():
-            over = Schedule(program, directives)
-            try:
-                over.overlap(chain, chunks=c)
-            except ScheduleError:
-                break
-            out.append(Candidate(f"{base}+overlap({c})", tuple(over.directives)))
+        chain = Schedule(program, directives).chain(rs, producer=True)
+        for nested in (False, True) if chain else ():  # the chain as stages, or with RS -> C -> AG fused
+            for c in chunks:
+                over = Schedule(program, directives)
+                try:
+                    if nested:
+                        over.fuse([rs, chain[-1]])
+                    over.overlap(chain, chunks=c)
+                except ScheduleError:
+                    break
+                out.append(Candidate(f"{base}+{'fuse+' if nested else ''}overlap({c})", tuple(over.directives)))
     seen, unique = set(), []
     for c in out:  # two directive lists that give the same program are one candidate
         key = str(Schedule(program, c.directives).program)

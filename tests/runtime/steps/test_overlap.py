@@ -26,6 +26,11 @@ def _flat_program(n=48):
     return Program("flat", [g, b], {"out": dropout(all_reduce(g) + b, 0.2, 3)})
 
 
+def _fused_megatron(program, chunks):
+    """CoCoNeT's ol_MM_fuse_RS_C_AG: the RS -> epilogue -> AG fused collective as one unit of the overlap."""
+    return megatron_schedule(program, chunks, fuse=True)
+
+
 def _cases():
     """name -> (program, schedule function, chunks, global inputs builder(P))."""
     def mlp_inputs(P, dtype=torch.float32):
@@ -34,6 +39,7 @@ def _cases():
     return {
         "megatron": (lambda: megatron_mlp_program(B, H, F, p=0.25, seed=5), megatron_schedule, 4, mlp_inputs),
         "megatron_uneven": (lambda: megatron_mlp_program(B, H, F, p=0.25, seed=6), megatron_schedule, 5, mlp_inputs),
+        "megatron_fused": (lambda: megatron_mlp_program(B, H, F, p=0.25, seed=11), _fused_megatron, 3, mlp_inputs),
         "megatron_bf16": (lambda: megatron_mlp_program(B, H, F, p=0.25, seed=7, dtype=torch.bfloat16),
                           megatron_schedule, 3, lambda P: mlp_inputs(P, torch.bfloat16)),
         "pipeline": (lambda: pipeline_program(B, H, p=0.25, seed=8), pipeline_schedule, 4,
@@ -56,6 +62,22 @@ def _record_threads(comm):
     return seen
 
 
+def _record_compute_threads():
+    """Which thread runs each stage the overlap runner evaluates: stage name -> set of thread names."""
+    import threading
+
+    from cocosync.runtime.steps import overlap as mod
+
+    seen: dict = {}
+    orig = mod._Pipelined._eval
+
+    def wrapped(self, s, i, env, local):
+        seen.setdefault(s.name, set()).add(threading.current_thread().name.split("_")[0])
+        return orig(self, s, i, env, local)
+    mod._Pipelined._eval = wrapped
+    return seen
+
+
 def _on_rank(names):
     import torch.distributed as dist
 
@@ -69,10 +91,12 @@ def _on_rank(names):
         fn = compile_plan(lower(sched(program, chunks=chunks)))
         given = rank_inputs(program, P, inputs(P), rank)
         threads = _record_threads(fn.comm)
+        compute_threads = _record_compute_threads() if name == "megatron_fused" else None
         first = fn(**given)
         again = fn(**given)  # second call: cached masks, same comm thread
+        where = compute_threads and {k: set(v) for k, v in compute_threads.items()}
         out[name] = {"out": first, "again": again, "fast": fn.fast_steps, "backend": fn.comm.backend,
-                     "threads": threads}
+                     "threads": threads, "compute_threads": where}
     return out
 
 
@@ -90,13 +114,18 @@ def _check(got, names, P):
             else:
                 assert len(overlap) == 1, (name, res[name]["fast"])
                 assert res[name]["threads"] == {"cocosync-comm"}  # collectives only on the comm thread
+            if name == "megatron_fused":  # the epilogue runs inside the fused unit, on the comm thread
+                where = res[name]["compute_threads"]
+                assert where["matmul2"] == {"MainThread"}, where
+                assert where["add1"] == where["dropout1"] == where["add2"] == {"cocosync-comm"}, where
+                assert "fused_collective(" in res[name]["fast"][-1], res[name]["fast"]
             for key in ("out", "again"):
                 for o in want[r]:
                     torch.testing.assert_close(res[name][key][o], want[r][o], **tol, msg=lambda m: f"{name} r{r}: {m}")
 
 
-@pytest.mark.parametrize("P, names", [(2, ["megatron", "megatron_uneven", "megatron_bf16", "flat"]),
-                                      (4, ["megatron", "megatron_uneven", "pipeline", "flat"])])
+@pytest.mark.parametrize("P, names", [(2, ["megatron", "megatron_uneven", "megatron_fused", "megatron_bf16", "flat"]),
+                                      (4, ["megatron", "megatron_uneven", "megatron_fused", "pipeline", "flat"])])
 def test_overlap_steps_match_oracle(rank_pool, P, names):
     got = rank_pool(P).run(_on_rank, names)
     _check(got, names, P)

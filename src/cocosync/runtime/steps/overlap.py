@@ -29,7 +29,7 @@ import torch
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import names
 from cocosync.interp import ELEMENTWISE
-from cocosync.lower.plan import Overlap
+from cocosync.lower.plan import FusedCollective, Overlap
 from cocosync.runtime.reference.stage import COMM_RULES, StageComm, eval_stage, local_shape, rank_dropout_mask
 from cocosync.runtime.steps.common import Runner, outside_readers
 
@@ -198,16 +198,18 @@ def overlap_runner(step: Overlap, program: Program, comm: StageComm) -> Runner |
     assert chosen is not None
     d, cuts = chosen
     needed = [s for s in stages if id(s) in outside_readers(program, inside) and id(s) not in comm.pruning.dead]
-    return _Pipelined(stages, d, cuts, step.chunks, needed, comm)
+    return _Pipelined(stages, d, cuts, step.chunks, needed, comm, step.inner)
 
 
-def segments(stages: tuple[Node, ...]) -> tuple[list[list[Node]], list[list[Node]]]:
+def segments(stages: tuple[Node, ...], inner: tuple = ()) -> tuple[list[list[Node]], list[list[Node]]]:
     """(compute, comms): C0, M0, C1, M1, ... where compute[j] runs before comms[j]; C0 may be empty, and
-    len(comms) is len(compute) or len(compute) - 1."""
+    len(comms) is len(compute) or len(compute) - 1. The stages of a fused collective in `inner` (its computations
+    included) form one communication unit: they run together on the comm thread, chunk by chunk."""
+    fused = {id(x) for step in inner if isinstance(step, FusedCollective) for x in step.stages}
     compute: list[list[Node]] = [[]]
     comms: list[list[Node]] = []
     for s in stages:
-        if s.op in COMM_OPS:
+        if s.op in COMM_OPS or id(s) in fused:
             if len(comms) < len(compute):
                 comms.append([])
             comms[-1].append(s)
@@ -223,7 +225,7 @@ class _Pipelined:
     thread, in submission order (the same on every rank). At tick t, compute segment j works on chunk t - j, so
     C0 of chunk t overlaps the communications of chunks t - 1, t - 2, ... submitted at earlier ticks."""
 
-    def __init__(self, stages, d: int, cuts, chunks: int, needed: list[Node], comm):
+    def __init__(self, stages, d: int, cuts, chunks: int, needed: list[Node], comm, inner=()):
         self.d, self.comm, self.needed = d, comm, needed
         self.inside = {id(s) for s in stages}
         self.cut_of = {id(s): c for s, c in zip(stages, cuts)}
@@ -231,7 +233,8 @@ class _Pipelined:
         size = stages[-1].shape[d]
         n = min(chunks, size)
         self.bounds = [(i * size // n, (i + 1) * size // n) for i in range(n)]
-        self.compute, self.comms = segments(stages)
+        self.compute, self.comms = segments(stages, inner)
+        self.dropouts = [s for s in stages if s.op == "dropout"]
         self.masks: dict[int, torch.Tensor] = {}  # dropout stage -> this rank's keep mask, as s.dtype
 
     def _args(self, s: Node, i: int, env: dict, local: dict) -> list[torch.Tensor]:
@@ -267,30 +270,35 @@ class _Pipelined:
         shape[self.d] = self.bounds[i][1] - self.bounds[i][0]
         return tuple(shape)
 
-    def _run_compute(self, j: int, i: int, env: dict, local: dict) -> None:
-        lo, hi = self.bounds[i]
-        for s in self.compute[j]:
-            if self._pruned(s, i, local):
-                continue
-            args = self._args(s, i, env, local)
-            if s.op == "dropout":  # the reference's formula on the chunk of the reference's mask
-                local[id(s)] = args[0] * self._mask(s).narrow(self.d, lo, hi - lo) / (1.0 - s.attr("p"))
-            else:
-                local[id(s)] = eval_stage(s, args, self.comm)
-
-    def _run_comm(self, j: int, i: int, env: dict, local: dict) -> None:
-        for s in self.comms[j]:
-            if self._pruned(s, i, local):
-                continue
-            x = self._args(s, i, env, local)[0]
-            if x is None:  # the last group's send: only receives
+    def _eval(self, s: Node, i: int, env: dict, local: dict) -> None:
+        if self._pruned(s, i, local):
+            return
+        args = self._args(s, i, env, local)
+        if s.op in COMM_OPS:
+            if args[0] is None:  # the last group's send: only receives
                 local[id(s)] = self.comm.send(None, self._chunk_shape(s, i), s.dtype)
             else:
-                local[id(s)] = COMM_RULES[s.op](s, x, self.comm)
+                local[id(s)] = COMM_RULES[s.op](s, args[0], self.comm)
+        elif s.op == "dropout":  # the reference's formula on the chunk of the reference's mask
+            lo, hi = self.bounds[i]
+            local[id(s)] = args[0] * self._mask(s).narrow(self.d, lo, hi - lo) / (1.0 - s.attr("p"))
+        else:
+            local[id(s)] = eval_stage(s, args, self.comm)
+
+    def _run_compute(self, j: int, i: int, env: dict, local: dict) -> None:
+        for s in self.compute[j]:
+            self._eval(s, i, env, local)
+
+    def _run_comm(self, j: int, i: int, env: dict, local: dict) -> None:
+        for s in self.comms[j]:  # collectives, and a fused collective's computations
+            self._eval(s, i, env, local)
 
     def __call__(self, env: dict) -> None:
         for a in self.consts:
             env.setdefault(id(a), torch.tensor(a.attr("value"), dtype=a.dtype))
+        for s in self.dropouts:  # made here, once: dropouts may run on either thread
+            if not self.comm.pruning.touches((s,)):
+                self._mask(s)
         n, ncomp = len(self.bounds), len(self.compute)
         chunks: list[dict] = [{} for _ in range(n)]
         th = comm_thread()
