@@ -21,7 +21,7 @@ import torch
 from cocosync.dsl.check import check_world
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import OpKind, names
-from cocosync.dsl.types import DslError, Layout, ReduceOp
+from cocosync.dsl.types import DslError, Layout, ReduceOp, part_of
 
 __all__ = ["interpret", "rank_inputs", "dropout_mask", "dropout_uniform", "reduce_tensors", "ELEMENTWISE"]
 
@@ -87,7 +87,7 @@ class _World:
         whole = v.parts[self.group(r)]
         if v.layout.is_replicated:
             return whole
-        return whole.chunk(self.G, dim=v.layout.dim)[r % self.G]
+        return part_of(whole, v.layout, self.G, r % self.G)
 
     def for_rank(self, v: _Val, r: int) -> torch.Tensor:
         """v as an operand of a Local computation on rank r (Replicated/Sliced values never meet Local ones
@@ -230,7 +230,7 @@ def rank_inputs(program: Program, world_size: int, inputs: Mapping[str, Any], ra
         if n.layout.is_local and isinstance(v, (list, tuple)):
             out[n.name] = v[rank]
         elif n.layout.is_sliced:
-            out[n.name] = v.chunk(w.G, dim=n.layout.dim)[rank % w.G].contiguous()
+            out[n.name] = part_of(v, n.layout, w.G, rank % w.G).contiguous()
         else:
             out[n.name] = v
     return out

@@ -28,6 +28,14 @@ def case_split():
     return _pair(p, q, f"split(all_reduce1) -> {rs}, {ag}")
 
 
+def case_split_flat():
+    g, w = cs.Tensor("g", (6, 10), layout=Local), cs.Tensor("w", (6, 10))
+    p = cs.Program("flat", [g, w], [cs.update(w, w - 0.1 * cs.all_reduce(g, "mean"))])
+    q, rs, ag = split(p, "all_reduce1", dim=cs.FLAT)
+    q = reorder(q, ["mul1", "sub1", "w_new"], ag)
+    return _pair(p, q, f"split(all_reduce1, dim=FLAT) -> {rs}, {ag}; reorder([mul1, sub1, w_new], {ag})")
+
+
 def case_reorder():
     p, _, ag = split(momentum_program(), "all_reduce1")
     q = reorder(p, ["mul1", "add1", "buf_new", "mul2", "sub1", "w_new"], ag)

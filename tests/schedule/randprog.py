@@ -10,6 +10,7 @@ import torch
 import cocosync as cs
 from cocosync import Local, Replicated
 from cocosync.dsl.check import program_groups
+from cocosync.dsl.types import part_of
 from cocosync.schedule import Schedule, ScheduleError
 
 P_MAX = 4
@@ -23,7 +24,7 @@ def random_program(seed: int):
     """(program, global inputs): all_reduce of a Local gradient, then elementwise/norm computations mixing it with
     Replicated tensors, scalars and states, updates of some states, and a few plain outputs."""
     rng = random.Random(seed)
-    shape = rng.choice([(8,), (16,), (8, 3)])
+    shape = rng.choice([(8,), (16,), (8, 3), (6, 2)])  # (6, 2) on 4 ranks: no dim divides, 12 elements do
     g = cs.Tensor("g", shape, layout=Local)
     nstate = rng.randint(1, 3)
     states = [cs.Tensor(f"s{i}", shape, layout=Replicated) for i in range(nstate)]
@@ -93,7 +94,9 @@ def random_schedule(program, seed: int) -> Schedule:
     ar = next(x.name for x in program.stages if x.op == "all_reduce")
     if rng.random() < 0.1:
         return s
-    rs, ag = s.split(ar)
+    shape = program.stage(ar).shape
+    flat = len(shape) > 1 and (shape[0] % P_MAX or rng.random() < 0.5)  # CoCoNeT's flat slicing
+    rs, ag = s.split(ar, dim=cs.FLAT if flat else 0)
     p = s.program
     movable = s.movable(ag)
     chosen: set[str] = set()
@@ -157,7 +160,7 @@ def expected_for(scheduled, expected: list[dict], P: int) -> list[dict]:
             lay = out_layout[k]
             d[k] = v
             if lay.is_sliced and v.shape == _global_shape(scheduled, k):
-                d[k] = v.chunk(G, lay.dim)[r % G]
+                d[k] = part_of(v, lay, G, r % G)
         res.append(d)
     return res
 

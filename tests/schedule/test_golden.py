@@ -277,6 +277,23 @@ plan megatron_mlp (2 steps)
    0: kernel(matmul1, maximum1)
    1: overlap(matmul2, fused_collective(all_reduce1_rs -> [add1, dropout1, x_s, add2] -> add2_ag), chunks=2)
 ''',
+    'split_flat': '''\
+program flat(g: f32[6, 10] L, w: f32[6, 10] R)
+  all_reduce1 = all_reduce(g, mean)  : f32[6, 10] R
+  mul1        = 0.1 * all_reduce1    : f32[6, 10] R
+  sub1        = w - mul1             : f32[6, 10] R
+  w_new       = update(w, sub1)      : f32[6, 10] R
+  return w=w_new
+--- split(all_reduce1, dim=FLAT) -> all_reduce1_rs, all_reduce1_ag; reorder([mul1, sub1, w_new], all_reduce1_ag)
+program flat(g: f32[6, 10] L, w: f32[6, 10] R)
+  w_s            = scatter(w)               : f32[6, 10] S[flat]
+  all_reduce1_rs = reduce_scatter(g, mean)  : f32[6, 10] S[flat]
+  mul1           = 0.1 * all_reduce1_rs     : f32[6, 10] S[flat]
+  sub1           = w_s - mul1               : f32[6, 10] S[flat]
+  sub1_ag        = all_gather(sub1)         : f32[6, 10] R
+  w_new          = update(w, sub1_ag)       : f32[6, 10] R
+  return w=w_new
+''',
 }
 
 

@@ -4,6 +4,7 @@ from cocosync.dsl.ir import Group, Node, Program
 from cocosync.dsl.ops import *  # noqa: F403 - the op constructors are the language
 from cocosync.dsl.ops import PUBLIC as _OPS
 from cocosync.dsl.types import (
+                                FLAT,
                                 DslError,
                                 Layout,
                                 LayoutKind,
@@ -16,5 +17,5 @@ from cocosync.dsl.types import (
                                 float32,
 )
 
-__all__ = ["Node", "Program", "Group", "DslError", "Layout", "LayoutKind", "Local", "Replicated", "Sliced",
+__all__ = ["Node", "Program", "Group", "DslError", "Layout", "LayoutKind", "Local", "Replicated", "Sliced", "FLAT",
            "ReduceOp", "float32", "float16", "bfloat16", *_OPS]

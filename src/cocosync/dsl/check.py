@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from cocosync.dsl.types import DslError
+from cocosync.dsl.types import FLAT, DslError, Sliced, slice_count
 
 if TYPE_CHECKING:
     from cocosync.dsl.ir import Program
@@ -52,9 +52,16 @@ def check_world(program: "Program", world_size: int) -> int:
                        f"which does not divide world_size={world_size}")
     gsize = world_size // groups
     for n in (*program.inputs, *program.stages):
-        if n.layout.is_sliced and n.shape[n.layout.dim] % gsize:
+        if n.layout.is_flat and slice_count(n.shape, n.layout) % gsize:
+            raise DslError(f"{n.name!r} ({n.shape}, {n.layout}) cannot be sliced into {gsize} equal runs of "
+                           f"elements: {slice_count(n.shape, n.layout)} elements; make the element count a multiple "
+                           f"of {gsize}")
+        if n.layout.is_sliced and not n.layout.is_flat and n.shape[n.layout.dim] % gsize:
+            fits = [d for d, k in enumerate(n.shape) if k % gsize == 0]
+            hint = f"slice along dim {fits[0]}" if fits else (
+                "slice flat (split(..., dim=FLAT))" if slice_count(n.shape, Sliced(FLAT)) % gsize == 0 else "pad it")
             raise DslError(f"{n.name!r} ({n.shape}, {n.layout}) cannot be sliced into {gsize} equal parts along "
-                           f"dim {n.layout.dim}; make that dim a multiple of {gsize}")
+                           f"dim {n.layout.dim}; make that dim a multiple of {gsize}, or {hint}")
         root = n.attr("root")
         if root is not None and root >= gsize:
             raise DslError(f"{n.name!r}: root={root} is not a rank of a group of {gsize} ranks "

@@ -13,6 +13,7 @@ import torch
 from cocosync.dsl.ir import Node
 from cocosync.dsl.registry import OPS
 from cocosync.dsl.types import (
+    FLAT,
     FLOAT_DTYPES,
     DslError,
     Layout,
@@ -55,8 +56,8 @@ def Tensor(name: str, shape: tuple[int, ...] | list[int] | int, dtype: torch.dty
         raise DslError(f"Tensor {name!r}: shape must be positive ints, got {shape}")
     if dtype not in FLOAT_DTYPES:
         raise DslError(f"Tensor {name!r}: dtype {dtype} is not supported; expected one of {list(FLOAT_DTYPES)}")
-    layout = as_layout(layout)
-    if layout.is_sliced and layout.dim >= len(shape):
+    layout = _flat_1d(as_layout(layout), len(shape))
+    if layout.is_sliced and not layout.is_flat and layout.dim >= len(shape):
         raise DslError(f"Tensor {name!r}: {layout} needs a tensor with more than {layout.dim} dims, shape is {shape}")
     return _node("input", (), shape, dtype, layout, name, kind="tensor")
 
@@ -95,13 +96,23 @@ def _lift(op: str, operands: tuple[Any, ...]) -> tuple[Node, ...]:
     return tuple(out)
 
 
+def _flat_1d(layout: Layout, ndim: int) -> Layout:
+    """Flat slices of a 1-D tensor are its slices along dim 0: one spelling for one layout."""
+    return Sliced(0) if layout.is_flat and ndim == 1 else layout
+
+
 def _broadcast_layout(op: str, args: tuple[Node, ...], shape: tuple[int, ...]) -> Layout:
-    """CoCoNeT's rule: Replicated operands take the other operands' layout; Local and Sliced never mix."""
+    """CoCoNeT's rule: Replicated operands take the other operands' layout; Local and Sliced never mix. A flat slice
+    holds a run of elements, not whole rows: its other tensor operands must have the result's full shape."""
     layouts = []
     for a in args:
         if a.layout.is_replicated:
             continue
-        if a.layout.is_sliced:
+        if a.layout.is_flat:
+            if a.shape != shape:
+                raise DslError(f"{op}: {_desc(a)} is sliced flat and would be broadcast to {list(shape)}")
+            layouts.append(a.layout)
+        elif a.layout.is_sliced:
             d = a.layout.dim + len(shape) - a.ndim  # the operand's sliced dim, in the result's dims
             if a.shape[a.layout.dim] != shape[d]:
                 raise DslError(f"{op}: sliced dim {a.layout.dim} of {_desc(a)} would be broadcast; "
@@ -116,6 +127,11 @@ def _broadcast_layout(op: str, args: tuple[Node, ...], shape: tuple[int, ...]) -
                        f"{sorted(map(str, set(layouts)))}; "
                        "a Local tensor cannot meet a Sliced one (reduce_scatter or all_gather first), "
                        "and Sliced operands must be sliced along the same dim")
+    if layouts[0].is_flat:
+        for a in args:
+            if a.ndim and a.shape != shape:
+                raise DslError(f"{op}: {_desc(a)} would be broadcast against a tensor sliced flat; a flat slice "
+                               f"holds a run of elements, so every tensor operand needs the full shape {list(shape)}")
     return layouts[0]
 
 
@@ -218,6 +234,9 @@ def matmul(a: Node, b: Node) -> Node:
         raise DslError(f"matmul: dtypes differ ({_desc(a)}, {_desc(b)}); cast one of them")
     shape = (*a.shape[:-1], b.shape[1])
     la, lb, kdim = a.layout, b.layout, a.ndim - 1
+    if la.is_flat or lb.is_flat:
+        raise DslError(f"matmul: {_desc(a if la.is_flat else b)} is sliced flat; a matmul needs whole rows or "
+                       "columns (slice along a dim, or all_gather first)")
     if la.is_sliced and lb.is_sliced:
         layout = Local if (la.dim == kdim and lb.dim == 0) else None
     elif la.is_sliced and lb.is_replicated:
@@ -307,12 +326,18 @@ def all_reduce(x: Node, op: ReduceOp | str = ReduceOp.SUM, *, groups: int = 1) -
                  groups=_check_groups("all_reduce", groups))
 
 
-def reduce_scatter(x: Node, op: ReduceOp | str = ReduceOp.SUM, *, dim: int = 0, groups: int = 1) -> Node:
-    """Reduce a Local tensor over the ranks; rank i keeps the i-th slice along dim (Sliced(dim))."""
+def _slice_dim(op: str, x: Node, dim: int | str) -> Layout:
+    if dim != FLAT and not (isinstance(dim, int) and 0 <= dim < x.ndim):
+        raise DslError(f"{op}: dim {dim!r} out of range for {_desc(x)} (expected 0..{x.ndim - 1} or {FLAT!r})")
+    return _flat_1d(Sliced(dim), x.ndim)
+
+
+def reduce_scatter(x: Node, op: ReduceOp | str = ReduceOp.SUM, *, dim: int | str = 0, groups: int = 1) -> Node:
+    """Reduce a Local tensor over the ranks; rank i keeps the i-th slice along dim (Sliced(dim); FLAT: the i-th
+    run of its elements)."""
     _need("reduce_scatter", x, "Local", isinstance(x, Node) and x.layout.is_local)
-    if not 0 <= dim < x.ndim:
-        raise DslError(f"reduce_scatter: dim {dim} out of range for {_desc(x)}")
-    return _node("reduce_scatter", (x,), x.shape, x.dtype, Sliced(dim), op=parse_reduce_op(op),
+    return _node("reduce_scatter", (x,), x.shape, x.dtype, _slice_dim("reduce_scatter", x, dim),
+                 op=parse_reduce_op(op),
                  groups=_check_groups("reduce_scatter", groups))
 
 
@@ -339,12 +364,11 @@ def reduce(x: Node, op: ReduceOp | str = ReduceOp.SUM, root: int = 0, *, groups:
                  groups=_check_groups("reduce", groups))
 
 
-def scatter(x: Node, *, dim: int = 0, groups: int = 1) -> Node:
+def scatter(x: Node, *, dim: int | str = 0, groups: int = 1) -> Node:
     """Keep this rank's slice of a Replicated tensor (no communication): Replicated -> Sliced(dim)."""
     _need("scatter", x, "Replicated", isinstance(x, Node) and x.layout.is_replicated)
-    if not 0 <= dim < x.ndim:
-        raise DslError(f"scatter: dim {dim} out of range for {_desc(x)}")
-    return _node("scatter", (x,), x.shape, x.dtype, Sliced(dim), groups=_check_groups("scatter", groups))
+    return _node("scatter", (x,), x.shape, x.dtype, _slice_dim("scatter", x, dim),
+                 groups=_check_groups("scatter", groups))
 
 
 def send(x: Node, *, groups: int) -> Node:

@@ -58,7 +58,8 @@ def _as_slice_one(program: Program, ref: Ref) -> Program:
             raise ScheduleError("as_slice", upd.name, f"writes {m.name!r} with the Replicated value {value.name!r}; "
                                 "reorder the update onto slices first (it then writes all_gather(slice))")
     if len(dims) > 1:
-        raise ScheduleError("as_slice", m.name, f"is sliced along different dims {sorted(dims)} by its readers")
+        raise ScheduleError("as_slice", m.name, f"is sliced along different dims {sorted(map(str, dims))} by its "
+                            "readers")
     if not dims:
         raise ScheduleError("as_slice", m.name, "is never read or written as slices; nothing to keep sliced")
     dim = dims.pop()

@@ -5,7 +5,8 @@ Representation (documented once here, relied on by as_slice and fuse):
 * the all_gather `ag = all_gather(x)` (x Sliced, typically a reduce_scatter) is read by the moved computations as
   `x` itself: a moved computation computes its value on this rank's slice (layout S[d]);
 * a Replicated operand of a moved computation that lines up with the sliced dim becomes `scatter(a)` (named
-  `a_s`, shared by all readers); scalars and operands broadcast along the sliced dim stay Replicated;
+  `a_s`, shared by all readers); scalars and operands broadcast along the sliced dim stay Replicated; slices that
+  are flat (runs of elements) line up only with operands of the full shape (a broadcast operand is an error);
 * a moved value still read as Replicated afterwards (by a stage that was not moved, or as a program output) gets
   its own `all_gather` (named `<value>_ag`);
 * `update(w, value)` of a Replicated state w moves as `update(w, all_gather(value_slice))` (w stays Replicated; its
@@ -25,7 +26,7 @@ from typing import Sequence
 from cocosync.dsl import ops
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import OPS, names
-from cocosync.dsl.types import DslError
+from cocosync.dsl.types import FLAT, DslError
 from cocosync.schedule._rewrite import Namer, Ref, connected, finish, graph, named, names_of, resolve
 from cocosync.schedule.endpoints import between_readers
 from cocosync.schedule.errors import ScheduleError
@@ -98,7 +99,10 @@ def reorder(program: Program, computations: Sequence[Ref], all_gather: Ref) -> P
                 args[0] = scatter(args[0], d0)
             out = dataclasses.replace(c, args=tuple(args), layout=args[0].layout)
         else:
-            ds = d0 + c.ndim - ag.ndim
+            if d0 == FLAT:  # a flat slice lines up only with operands of the full shape
+                args = [scatter(a, FLAT) if a.layout.is_replicated and a.ndim and a.shape == c.shape else a
+                        for a in args]
+            ds = -1 if d0 == FLAT else d0 + c.ndim - ag.ndim
             if 0 <= ds < c.ndim and c.shape[ds] == ag.shape[d0]:
                 for i, a in enumerate(args):
                     k = ds - (c.ndim - a.ndim)

@@ -44,14 +44,14 @@ class Directive:
 class Split(Directive):
     """all_reduce -> reduce_scatter + all_gather along `dim`."""
     stage: str
-    dim: int = 0
+    dim: int | str = 0
 
     def apply(self, program):
         p, rs, ag = split(program, self.stage, dim=self.dim)
         return p, (rs, ag)
 
     def __str__(self):
-        return f"split({self.stage}{'' if self.dim == 0 else f', dim={self.dim}'})"
+        return f"split({self.stage}{'' if self.dim == 0 else f', dim={self.dim!r}'})"
 
 
 @dataclass(frozen=True)
@@ -146,8 +146,8 @@ class Schedule:
             refs = [refs]
         return tuple(self._name(r, directive) for r in refs)
 
-    def split(self, stage: Ref, *, dim: int = 0) -> tuple[str, str]:
-        """Returns the names of the new (reduce_scatter, all_gather)."""
+    def split(self, stage: Ref, *, dim: int | str = 0) -> tuple[str, str]:
+        """Returns the names of the new (reduce_scatter, all_gather); dim=FLAT slices flat."""
         return self._apply(Split(self._name(stage, "split"), dim))
 
     def reorder(self, computations: Sequence[Ref], all_gather: Ref) -> "Schedule":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from cocosync.dsl.types import part_of
 from cocosync.interp import interpret
 from cocosync.schedule.schedule import replay
 from cocosync.tune.space import Candidate
@@ -25,7 +26,7 @@ def agrees(work: Workload, candidate: Candidate, world: int, seed: int = 0) -> s
         for name, ref in w.items():
             out = layouts[name]
             if out.layout.is_sliced and tuple(g[name].shape) != tuple(ref.shape):
-                ref = ref.chunk(world, dim=out.layout.dim)[rank]
+                ref = part_of(ref, out.layout, world, rank)
             if not torch.allclose(g[name].float(), ref.float(), rtol=1e-4, atol=1e-5):
                 diff = float((g[name].float() - ref.float()).abs().max())
                 return f"output {name!r} on rank {rank} differs from the program as written by {diff:.3g}"

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cocosync.dsl.ir import Program
+from cocosync.dsl.types import FLAT, Sliced, slice_count
 from cocosync.schedule.errors import ScheduleError
 from cocosync.schedule.schedule import Directive, Schedule
 
@@ -50,17 +51,26 @@ def _states(s: Schedule, internal: tuple[str, ...]) -> list[str]:
     return out
 
 
+def split_dim(shape: tuple[int, ...], world: int | None) -> int | str:
+    """Where to slice an all_reduce of `shape` on `world` ranks: dim 0 when it divides (the collectives' order),
+    else flat when the element count does (CoCoNeT slices flat), else dim 0 (and the oracle prunes it)."""
+    if world is None or not shape or shape[0] % world == 0 or len(shape) == 1:
+        return 0
+    return FLAT if slice_count(shape, Sliced(FLAT)) % world == 0 else 0
+
+
 def schedule_space(program: Program, internal: tuple[str, ...] = (),
-                   chunks: tuple[int, ...] = CHUNKS) -> list[Candidate]:
+                   chunks: tuple[int, ...] = CHUNKS, world: int | None = None) -> list[Candidate]:
     """The legal schedules of `program` (the first is the program as written); `internal`: state tensors the
-    schedule may keep sliced (as_slice changes how the caller holds them)."""
+    schedule may keep sliced (as_slice changes how the caller holds them); `world`: the ranks it is for (the
+    split slices flat where no dimension would divide)."""
     out = [Candidate("as written", ())]
     reductions = [st.name for st in program.stages if st.op == "all_reduce"]
     if len(reductions) != 1:  # one all_reduce: the paper's workloads (several: only as written, for now)
         return out
     s = Schedule(program)
     try:
-        rs, ag = s.split(reductions[0])
+        rs, ag = s.split(reductions[0], dim=split_dim(program.stage(reductions[0]).shape, world))
     except ScheduleError:
         return out
     out.append(Candidate("split", tuple(s.directives)))

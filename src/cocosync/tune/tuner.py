@@ -73,7 +73,7 @@ def autotune(target: str, *, world: int = 2, repeats: int = 7, use_cache: bool =
                                                    "model_error")}, cached=True, key=key)
     rows: list[dict[str, Any]] = []
     legal = []
-    for c in schedule_space(program, work.internal):
+    for c in schedule_space(program, work.internal, world=world):
         row: dict[str, Any] = {"name": c.name, "schedule": c.listing}
         try:
             why = agrees(work, c, world)

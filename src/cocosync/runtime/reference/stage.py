@@ -19,7 +19,7 @@ import torch.distributed as dist
 from cocosync.dsl.check import check_world, program_groups
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import names
-from cocosync.dsl.types import ReduceOp
+from cocosync.dsl.types import FLAT, ReduceOp, Sliced, local_shape_of, part_of
 from cocosync.interp import ELEMENTWISE, dropout_mask, segment_norms
 from cocosync.runtime.comm.communicators import group_communicator, shared_communicator
 from cocosync.runtime.reference.prune import prune
@@ -33,11 +33,8 @@ BACKENDS = ("auto", "shm", "torch")
 
 
 def local_shape(node: Node, gsize: int) -> tuple[int, ...]:
-    """The shape of this rank's part of `node` in a group of `gsize` ranks."""
-    shape = list(node.shape)
-    if node.layout.is_sliced:
-        shape[node.layout.dim] //= gsize
-    return tuple(shape)
+    """The shape of this rank's part of `node` in a group of `gsize` ranks (a flat slice is 1-D)."""
+    return local_shape_of(node.shape, node.layout, gsize)
 
 
 class StageComm:
@@ -149,8 +146,9 @@ class StageComm:
             r.wait()
         return out
 
-    def part(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x.chunk(self.group_size, dim=dim)[self.group_rank]
+    def part(self, x: torch.Tensor, dim: int | str) -> torch.Tensor:
+        """This rank's part of a whole tensor sliced along `dim` (FLAT: of its elements)."""
+        return part_of(x, Sliced(dim), self.group_size, self.group_rank)
 
 
 def rank_dropout_mask(s: Node, comm: StageComm, shape: tuple[int, ...] | None = None) -> torch.Tensor:
@@ -182,6 +180,8 @@ def _align(arg: Node, value: torch.Tensor, out: Node, comm: StageComm) -> torch.
     """A Replicated operand of a Sliced result: keep the part that lines up with this rank's slice."""
     if not (out.layout.is_sliced and arg.layout.is_replicated and comm.group_size > 1):
         return value
+    if out.layout.is_flat:  # the DSL's types: a tensor operand of a flat result has the full shape
+        return comm.part(value, FLAT) if arg.ndim else value
     d = out.layout.dim - (out.ndim - arg.ndim)
     if d < 0 or arg.shape[d] != out.shape[out.layout.dim]:
         return value  # broadcast along the sliced dim
@@ -215,8 +215,10 @@ Rule = Callable[[Node, list[torch.Tensor], StageComm], torch.Tensor]
 #: communication (and scatter): one operand; the overlap step runs these on its communication thread
 COMM_RULES: dict[str, Callable[[Node, torch.Tensor, StageComm], torch.Tensor]] = {
     "all_reduce": lambda s, x, c: c.all_reduce(x, s.attr("op")),
-    "reduce_scatter": lambda s, x, c: c.reduce_scatter(x, s.attr("op"), s.layout.dim),
-    "all_gather": lambda s, x, c: c.all_gather(x, s.args[0].layout.dim),
+    "reduce_scatter": lambda s, x, c: (c.reduce_scatter(x.reshape(-1), s.attr("op"), 0) if s.layout.is_flat
+                                       else c.reduce_scatter(x, s.attr("op"), s.layout.dim)),
+    "all_gather": lambda s, x, c: (c.all_gather(x, 0).view(s.shape) if s.args[0].layout.is_flat
+                                   else c.all_gather(x, s.args[0].layout.dim)),
     "broadcast": lambda s, x, c: c.broadcast(x, s.attr("root")),
     "reduce": lambda s, x, c: c.reduce(x, s.attr("op"), s.attr("root")),
     "scatter": lambda s, x, c: c.part(x, s.layout.dim).contiguous(),

@@ -19,6 +19,7 @@ import torch
 
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import OPS
+from cocosync.dsl.types import FLAT
 from cocosync.lower.plan import FusedCollective
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.steps.codegen import can_fuse
@@ -115,8 +116,8 @@ def _kind(a: Node, rs: Node, inside: set[int], src_of: dict[int, Node]) -> Opera
 def analyze(step: FusedCollective, program: Program) -> FusedGroup | NotFused:
     """The step's FusedGroup, or the first rule it breaks."""
     rs, ag = step.rs, step.ag
-    # the fused kernels work on flat chunks of dim 0 (the collectives' order)
-    if rs.layout.dim != 0 or ag.args[0].layout.dim != 0:
+    # the fused kernels work on flat chunks of dim 0 (the collectives' order), which flat slices are too
+    if rs.layout.dim not in (0, FLAT) or ag.args[0].layout.dim not in (0, FLAT):
         return NotFused(f"{rs.name}/{ag.name} scatter or gather along dim {rs.layout.dim}/{ag.args[0].layout.dim}; "
                         "the fused form needs dim 0")
     inside = {id(s) for s in step.order}
@@ -136,7 +137,7 @@ def analyze(step: FusedCollective, program: Program) -> FusedGroup | NotFused:
             return NotFused(f"scalar stage {s.name} ({s.op}) is not elementwise")
     # a scatter is read in place as the slice of its source: it must slice dim 0 of a same-shaped tensor
     for s in scatters:
-        if s.layout.dim != 0 or s.args[0].shape != rs.shape:
+        if s.layout.dim not in (0, FLAT) or s.args[0].shape != rs.shape:
             return NotFused(f"scatter {s.name} slices dim {s.layout.dim} of shape {list(s.args[0].shape)}")
     src_of = {id(s): s.args[0] for s in scatters}
     # the gathered value must be computed by the kernels (it is written where the all-gather reads it)

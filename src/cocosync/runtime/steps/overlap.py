@@ -104,7 +104,8 @@ def comm_thread() -> CommThread:
 
 
 def _sliced_at(n: Node, dim: int) -> bool:
-    return n.layout.is_sliced and n.layout.dim == dim
+    """Whether n's slices cut `dim` (a flat slice cuts every dim)."""
+    return n.layout.is_sliced and (n.layout.is_flat or n.layout.dim == dim)
 
 
 def _arg_cuts(s: Node, d: int) -> tuple[int | None, ...] | None:
