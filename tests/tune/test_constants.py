@@ -58,3 +58,37 @@ def test_tune_one_shot_measures_saves_and_the_runtime_uses_it(tmp_path, monkeypa
     assert json.loads((tmp_path / "tune" / "constants.json").read_text()) == {"one_shot_bytes@2": doc["chosen"]}
     with RankPool(2, timeout=120, env={"COCOSYNC_CACHE_DIR": str(tmp_path)}) as pool:
         assert pool.run(_communicator_threshold) == [doc["chosen"]] * 2
+
+
+def test_kernel_bytes_keeps_the_default_unless_another_is_clearly_faster():
+    from cocosync.tune.constants import choose_kernel_bytes
+
+    rows = lambda times: [{"kernel_bytes": k << 20, "median_s": t} for k, t in zip((1, 2, 4), times)]  # noqa: E731
+    assert choose_kernel_bytes(rows([1.0, 0.98, 0.97]), 2 << 20) == 2 << 20  # 1% better: noise
+    assert choose_kernel_bytes(rows([1.0, 1.0, 0.90]), 2 << 20) == 4 << 20
+    assert choose_kernel_bytes(rows([0.5, 1.0, 0.9]), 2 << 20) == 1 << 20
+
+
+def test_tune_kernel_bytes_measures_saves_and_the_fused_collective_reads_it(tmp_path, monkeypatch):
+    from cocosync.runtime.comm import tuned as module
+    from cocosync.runtime.steps.common import DEFAULT_KERNEL_BYTES, StepOptions, kernel_bytes
+    from cocosync.tune.constants import KERNEL_BYTES_CHOICES, choose_kernel_bytes
+
+    monkeypatch.setenv("COCOSYNC_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("COCOSYNC_KERNELS", "eager")  # no compile in CI; the sizes are what is measured
+    monkeypatch.delenv("COCOSYNC_KERNEL_BYTES", raising=False)
+    out = tmp_path / "kb.json"
+    res = CliRunner().invoke(main, ["tune", "kernel-bytes", "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [r["kernel_bytes"] for r in doc["rows"]] == list(KERNEL_BYTES_CHOICES)
+    assert doc["chosen"] == choose_kernel_bytes(doc["rows"], DEFAULT_KERNEL_BYTES)
+    assert json.loads((tmp_path / "tune" / "constants.json").read_text()) == {"kernel_bytes@2": doc["chosen"]}
+    module._saved.cache_clear()
+    try:
+        assert kernel_bytes(StepOptions.make(), 2) == doc["chosen"]  # what the fused collective's runner calls
+        assert kernel_bytes(StepOptions.make(kernel_bytes=4096), 2) == 4096  # compile_plan(kernel_bytes=) wins
+        monkeypatch.setenv("COCOSYNC_KERNEL_BYTES", "8192")
+        assert kernel_bytes(StepOptions.make(), 2) == 8192
+    finally:
+        module._saved.cache_clear()

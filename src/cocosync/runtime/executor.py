@@ -106,17 +106,20 @@ class CompiledPlan(CompiledProgram):
     `fast=False` runs every step by its reference implementation. donate: names of inputs the program may
     consume (their contents are undefined afterwards), e.g. arena gradients reduced in place. fuse_reduction:
     within a node a fused collective's kernel sums the ranks' gradient chunks itself (default True, or
-    $COCOSYNC_FUSE_REDUCTION=0; False reduces first, for A/B measurements)."""
+    $COCOSYNC_FUSE_REDUCTION=0; False reduces first, for A/B measurements). kernel_bytes: gradient bytes per call
+    of a fused collective's kernel (default: $COCOSYNC_KERNEL_BYTES, else `cocosync tune kernel-bytes`'s value,
+    else 2 MB)."""
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
                  kernels: str | None = None, fast: bool = True, donate: tuple[str, ...] = (),
-                 fuse_reduction: bool | None = None):
+                 fuse_reduction: bool | None = None, kernel_bytes: int | None = None):
         super().__init__(plan.program, group, backend)
         self.plan = plan
         unknown = set(donate) - {n.name for n in plan.program.inputs}
         if unknown:
             raise ValueError(f"donate={sorted(unknown)}: not inputs of {plan.program.name!r}")
-        options = StepOptions.make(kernels=kernels, donate=frozenset(donate), fuse_reduction=fuse_reduction)
+        options = StepOptions.make(kernels=kernels, donate=frozenset(donate), fuse_reduction=fuse_reduction,
+                                   kernel_bytes=kernel_bytes)
         self.runners = [prepare(step, plan.program, self.comm, options) if fast else None for step in plan.steps]
         self._profile: StepProfile | None = None
 
@@ -154,7 +157,8 @@ class CompiledPlan(CompiledProgram):
 
 
 def compile_plan(plan: Plan, group: dist.ProcessGroup | None = None, **options: Any) -> CompiledPlan:
-    """Compile a plan for this rank; options: backend, kernels, fast, donate, fuse_reduction (see CompiledPlan)."""
+    """Compile a plan for this rank; options: backend, kernels, fast, donate, fuse_reduction, kernel_bytes (see
+    CompiledPlan)."""
     return CompiledPlan(plan, group, **options)
 
 

@@ -1,4 +1,5 @@
-"""`cocosync tune FILE.py|adam|lamb|sgd|megatron|bmuf [--ranks P] [--json PATH]`: the tuner's table and choice."""
+"""`cocosync tune FILE.py|adam|lamb|sgd|megatron|bmuf [--ranks P] [--json PATH]`: the tuner's table and choice;
+`cocosync tune one-shot|kernel-bytes`: a runtime constant measured and saved."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import click
 @click.option("--no-cache", is_flag=True, help="measure again even if this choice is cached.")
 def tune_cmd(target: str, ranks: int, repeats: int, json_path: str | None, no_cache: bool) -> None:
     """Choose the schedule of TARGET (FILE.py, or adam, lamb, sgd, megatron, bmuf) by timing every legal one;
-    `one-shot` measures the shared-memory all_reduce's one-shot threshold instead and saves it for the runtime.
+    `one-shot` measures the shared-memory all_reduce's one-shot threshold instead, `kernel-bytes` the fused
+    collective's bytes per kernel call, and saves it for the runtime.
 
     The candidates are CoCoNeT's directive chains (split, reorder, as_slice, fuse, overlap by 2/4/8 chunks), each
     checked against the reference interpreter on small inputs, then timed round-robin on the ranks; the cost model's
@@ -23,6 +25,8 @@ def tune_cmd(target: str, ranks: int, repeats: int, json_path: str | None, no_ca
 
     if target == "one-shot":
         return _one_shot(ranks, repeats, json_path)
+    if target == "kernel-bytes":
+        return _kernel_bytes(ranks, repeats, json_path)
     try:
         result = autotune(target, world=ranks, repeats=repeats, use_cache=not no_cache)
     except ValueError as e:
@@ -60,3 +64,25 @@ def _one_shot(ranks: int, repeats: int, json_path: str | None) -> None:
                         f"{fmt_bytes(DEFAULT_ONE_SHOT_BYTES)}) saved to {path}")
     if json_path:
         write_json(json_path, {"constant": "one_shot_bytes", "chosen": chosen, **out})
+
+
+def _kernel_bytes(ranks: int, repeats: int, json_path: str | None) -> None:
+    from cocosync.bench.common import fmt_bytes, print_table, write_json
+    from cocosync.runtime.steps.common import DEFAULT_KERNEL_BYTES
+    from cocosync.testing.launch import RankPool
+    from cocosync.tune.constants import choose_kernel_bytes, measure_kernel_bytes, save_constant
+
+    with RankPool(ranks, threads=1, timeout=1800) as pool:
+        out = pool.run(measure_kernel_bytes, max(repeats, 9))[0]
+    chosen = choose_kernel_bytes(out["rows"], DEFAULT_KERNEL_BYTES)
+    best = next(r for r in out["rows"] if r["kernel_bytes"] == chosen)
+    default = next(r for r in out["rows"] if r["kernel_bytes"] == DEFAULT_KERNEL_BYTES)
+    path = save_constant("kernel_bytes", out["local_ranks"], chosen)
+    rows = [[("* " if r is best else "  ") + fmt_bytes(r["kernel_bytes"]), f"{r['median_s'] * 1e3:.2f} ms",
+             f"{default['median_s'] / r['median_s']:.2f}x"] for r in out["rows"]]
+    print_table(f"fused Adam step ({fmt_bytes(out['numel'] * 4)} fp32) by bytes per kernel call, "
+                f"{out['local_ranks']} local ranks", ["kernel bytes", "median (slowest rank)", "vs default"], rows,
+                caption=f"kernel_bytes = {chosen} ({fmt_bytes(chosen)}; hand-tuned default "
+                        f"{fmt_bytes(DEFAULT_KERNEL_BYTES)}, kept unless another is > 5% faster) saved to {path}")
+    if json_path:
+        write_json(json_path, {"constant": "kernel_bytes", "chosen": chosen, **out})

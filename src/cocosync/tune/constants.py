@@ -1,7 +1,11 @@
-"""Hand-tuned runtime constants decided by measurement: `cocosync tune one-shot` times the shared-memory all_reduce
-in its one-shot form (every rank reads every peer's whole vector behind one barrier) and in its three-phase form
-(reduce-scatter, all-gather) over sizes, round-robin, and writes the largest size up to which one-shot stays faster
-as `one_shot_bytes` for this number of local ranks (runtime/comm/tuned.py reads it)."""
+"""Hand-tuned runtime constants decided by measurement, saved for this number of local ranks (runtime/comm/tuned.py
+reads them):
+
+* `cocosync tune one-shot` times the shared-memory all_reduce in its one-shot form (every rank reads every peer's
+  whole vector behind one barrier) and in its three-phase form (reduce-scatter, all-gather) over sizes,
+  round-robin, and writes the largest size up to which one-shot stays faster as `one_shot_bytes`;
+* `cocosync tune kernel-bytes` times the standard fused Adam collective (16 MB of fp32 gradient) with each of
+  KERNEL_BYTES_CHOICES bytes per kernel call, round-robin, and writes the fastest median as `kernel_bytes`."""
 
 from __future__ import annotations
 
@@ -17,7 +21,8 @@ from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.comm.tuned import constants_path
 
-__all__ = ["PEER_BYTES", "measure_one_shot", "choose_one_shot", "save_constant"]
+__all__ = ["PEER_BYTES", "KERNEL_BYTES_CHOICES", "measure_one_shot", "choose_one_shot", "measure_kernel_bytes",
+           "choose_kernel_bytes", "save_constant"]
 
 #: (local ranks - 1) x vector bytes at which the two forms are compared (the constant's unit)
 PEER_BYTES = tuple(k << 10 for k in (16, 64, 256, 512, 1024, 2048, 4096, 8192))
@@ -46,6 +51,49 @@ def choose_one_shot(rows: list[dict[str, Any]]) -> int:
             break
         best = r["peer_bytes"]
     return best
+
+
+#: bytes of gradient per fused-kernel call compared by `cocosync tune kernel-bytes` (the hand rule's sweep)
+KERNEL_BYTES_CHOICES = tuple(k << 10 for k in (256, 512, 1024, 2048, 4096, 8192))
+
+
+def measure_kernel_bytes(repeats: int, numel: int = 4 << 20) -> dict[str, Any]:
+    """On every rank of one node: the standard fused Adam step on `numel` fp32 elements compiled once per choice of
+    kernel bytes, timed round-robin; the slowest rank's median per choice (every rank returns the same rows)."""
+    import torch.distributed as dist
+
+    from cocosync.interp import rank_inputs
+    from cocosync.lower import lower
+    from cocosync.programs.optimizers import adam_program
+    from cocosync.runtime.comm.communicators import shared_communicator
+    from cocosync.runtime.executor import compile_plan
+    from cocosync.schedule.standard import adam_schedule
+    from cocosync.tune.workloads import BUILTIN, global_inputs
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    program = adam_program(numel)
+    scheduled = adam_schedule(program).program
+    inputs = global_inputs(program, world, BUILTIN["adam"][3])
+    cases = {}
+    for size in KERNEL_BYTES_CHOICES:
+        fn = compile_plan(lower(scheduled), kernel_bytes=size)
+        args = rank_inputs(scheduled, world, inputs, rank)
+        cases[size] = lambda f=fn, a=args: f(**a)
+    comm = shared_communicator()
+    samples = time_interleaved(cases, repeats, warmup=2, before=comm.barrier)
+    medians = torch.tensor([statistics.median(samples[size]) for size in KERNEL_BYTES_CHOICES], dtype=torch.float64)
+    dist.all_reduce(medians, op=dist.ReduceOp.MAX)  # a collective is as slow as its slowest rank
+    rows = [{"kernel_bytes": size, "median_s": float(t)} for size, t in zip(KERNEL_BYTES_CHOICES, medians)]
+    return {"local_ranks": comm.local_size, "numel": numel, "rows": rows}
+
+
+def choose_kernel_bytes(rows: list[dict[str, Any]], default: int, margin: float = 0.05) -> int:
+    """The fastest choice, unless it beats the default by less than `margin` (machine noise): then the default."""
+    best = min(rows, key=lambda r: r["median_s"])
+    base = next((r for r in rows if r["kernel_bytes"] == default), None)
+    if base is not None and best["median_s"] > base["median_s"] * (1 - margin):
+        return default
+    return best["kernel_bytes"]
 
 
 def save_constant(name: str, local_ranks: int, value: int) -> str:

@@ -13,13 +13,22 @@ import torch
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import ReduceOp
 from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.tuned import tuned
 from cocosync.runtime.steps.codegen import default_backend
 
 Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
 # bytes (of gradient) per call of a fused collective's kernel: each call of a compiled kernel costs ~30 us of
-# guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once
-KERNEL_BYTES = int(os.environ.get("COCOSYNC_KERNEL_BYTES", 2 << 20))  # 2 MB: best of 0.25-8 MB (bench dp)
+# guards and wrappers, ~half the work of a 256 KB chunk, so the kernel runs on several reduced chunks at once.
+# The default (2 MB: best of 0.25-8 MB in bench dp) gives way to $COCOSYNC_KERNEL_BYTES, then to what
+# `cocosync tune kernel-bytes` measured on this machine (runtime/comm/tuned.py)
+DEFAULT_KERNEL_BYTES = 2 << 20
+
+
+def kernel_bytes(options: "StepOptions", local_ranks: int) -> int:
+    if options.kernel_bytes is not None:
+        return options.kernel_bytes
+    return tuned("kernel_bytes", local_ranks, DEFAULT_KERNEL_BYTES)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -33,14 +42,19 @@ class StepOptions:
     fuse_reduction: bool = True
     """Within a node a fused collective's kernel sums the ranks' chunks itself (False: the collective reduces
     first and the kernel reads the reduced chunk; kept for A/B measurements)."""
+    kernel_bytes: int | None = None
+    """Bytes of gradient per call of a fused collective's kernel (None: the tuned value, `kernel_bytes()`)."""
 
     @classmethod
     def make(cls, *, kernels: str | None = None, donate: frozenset[str] = frozenset(),
-             fuse_reduction: bool | None = None) -> "StepOptions":
+             fuse_reduction: bool | None = None, kernel_bytes: int | None = None) -> "StepOptions":
         """Defaults from the environment: $COCOSYNC_KERNELS, $COCOSYNC_FUSE_REDUCTION (0 turns it off)."""
         if fuse_reduction is None:
             fuse_reduction = os.environ.get("COCOSYNC_FUSE_REDUCTION", "1") != "0"
-        return cls(kernels=kernels or default_backend(), donate=donate, fuse_reduction=fuse_reduction)
+        if kernel_bytes is not None and (not isinstance(kernel_bytes, int) or kernel_bytes < 1):
+            raise ValueError(f"kernel_bytes={kernel_bytes!r}: expected a positive number of bytes")
+        return cls(kernels=kernels or default_backend(), donate=donate, fuse_reduction=fuse_reduction,
+                   kernel_bytes=kernel_bytes)
 
 
 def outside_readers(program: Program, inside: set[int]) -> set[int]:

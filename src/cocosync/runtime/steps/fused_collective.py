@@ -34,10 +34,10 @@ from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.reference.stage import StageComm, run_stage, run_stages
 from cocosync.runtime.steps.codegen import Kernel, build_kernel
 from cocosync.runtime.steps.common import (
-    KERNEL_BYTES,
     Runner,
     StepOptions,
     first_call_timeout,
+    kernel_bytes,
     kernel_reduce_of,
     put_consts,
     reduce_buffer,
@@ -105,6 +105,7 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in g.norms if nm.op == "segment_norm"}
     scratch: dict = {}
     scalar_inputs = [n for n in program.inputs if n.ndim == 0]
+    call_bytes = kernel_bytes(options, shm.local_size)
 
     def run(env: dict) -> None:
         def scalars_at(k: int) -> None:
@@ -122,7 +123,7 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
             return run_stages(step.stages, env, comm)  # memory the kernels cannot write in place: reference
         flat_out = out.view(-1)
         start, stop = owned_slice(shm, buf.numel())
-        step_elems = max(1, max(shm.chunk_bytes, KERNEL_BYTES) // buf.element_size())
+        step_elems = max(1, max(shm.chunk_bytes, call_bytes) // buf.element_size())
         values = {id(s.args[1]): state[id(s)] for s in writes}  # new values of states, read from the states
         values[id(gathered)] = flat_out[start:stop]
 
@@ -204,7 +205,7 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
             apply = (lambda offset, parts, _out: chunk(offset, parts[0].numel(), parts)) if sources else \
                 (lambda offset, red, _out: chunk(offset, red.numel()))
             reduce_and_apply(shm, buf, apply, out=flat_out if one_phase else None, op=op, gather=one_phase,
-                             fn_bytes=KERNEL_BYTES, fn_sources=sources, tag=tag)
+                             fn_bytes=call_bytes, fn_sources=sources, tag=tag)
             if not one_phase:
                 finish_norms(acc, g.phases[0], 1)
                 for k in range(1, len(g.phases)):
