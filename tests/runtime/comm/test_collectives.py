@@ -136,7 +136,7 @@ def _all_cases() -> list[str]:
     return bad
 
 
-@pytest.mark.parametrize("world,nnodes", [(2, 1), (4, 1), (4, 2)], ids=["P2", "P4", "2x2"])
+@pytest.mark.parametrize("world,nnodes", [(2, 1), (4, 1), (4, 2), (2, 2)], ids=["P2", "P4", "2x2", "1x2"])
 def test_collectives_match_reference(rank_pool, world, nnodes):
     results = rank_pool(world, nnodes=nnodes).run(_all_cases, timeout=240)
     assert results == [[]] * world, results

@@ -47,6 +47,12 @@ def element_size(dtype: torch.dtype) -> int:
 
 def reduce_chunk(dst: torch.Tensor, srcs: list[torch.Tensor], op: ReduceOp, acc_buf, scale: float | None) -> None:
     """dst = reduce(srcs) in rank order; float32 accumulation for 16-bit sums. dst may alias any src."""
+    if len(srcs) == 1:  # one rank on this node (a hierarchical collective's local step): its own values
+        if srcs[0].data_ptr() != dst.data_ptr():
+            dst.copy_(srcs[0])
+        if scale is not None:
+            dst.mul_(scale)
+        return
     if op in (ReduceOp.MAX, ReduceOp.MIN):
         f = torch.maximum if op is ReduceOp.MAX else torch.minimum
         # exact and order-free: start with an aliased source (if any) so nothing is overwritten before it is read
