@@ -64,6 +64,23 @@ def test_cost_model_ranks_the_fused_collective_first_and_scales_with_bandwidth()
     assert predict(plans["split+reorder+as_slice+fuse"], faster) < 0.6 * fused
 
 
+def test_cost_model_across_nodes_is_hierarchical():
+    import cocosync as cs
+
+    x = cs.Tensor("x", 1 << 20, layout=cs.Local)  # 4 MB
+    plan = lower(cs.Program("ar", [x], {"y": cs.all_reduce(x)}))
+    net = MachineModel(**{**MODEL.as_dict(), "inter_latency_s": 200e-6, "inter_bw": 1e9, "inter_rs_bw": 0.5e9,
+                          "inter_ag_bw": 0.8e9})
+    one = predict(plan, net.at(4, 1))
+    assert one == pytest.approx(30e-6 + 4 * 2**20 * 2 * 3 / 4 / 4e9)
+    # 2 nodes x 2 ranks: shared memory over 2 local ranks, then each rank's half among 2 nodes over the network
+    two = predict(plan, net.at(4, 2))
+    assert two == pytest.approx(30e-6 + 4 * 2**20 * 2 * 1 / 2 / 4e9 + 200e-6 + 2 * 2**20 * 2 * 1 / 2 / 1e9)
+    assert predict(plan, net.at(4, 2, net_bw=10e9)) < two  # a faster network
+    with pytest.raises(ValueError, match="nodes=3 must divide world=4"):
+        net.at(4, 3)
+
+
 PROGRAM_FILE = """
 from cocosync.programs.optimizers import adam_program
 program = adam_program(1 << 16)
@@ -91,6 +108,19 @@ def test_cocosync_tune_times_the_candidates_chooses_and_caches(tmp_path, monkeyp
     again = CliRunner().invoke(main, ["tune", str(path)])
     assert again.exit_code == 0 and "(cached)" in again.output and doc["chosen"] in again.output
     assert len(list((tmp_path / "cache" / "tune").glob("*.json"))) == 1
+    assert [p["nodes"] for p in doc["projection"]] == [1, 2, 4, 8, 16, 32]
+    assert set(doc["projection"][1]["predicted_s"]) == {r["name"] for r in timed}
+    # two simulated nodes (one rank each: gloo between them), predicted also from the one-node model
+    out2 = tmp_path / "tune2.json"
+    res = CliRunner().invoke(main, ["tune", str(path), "--ranks", "2", "--nodes", "2", "--repeats", "1",
+                                    "--model-from", str(out), "--json", str(out2)])
+    assert res.exit_code == 0, res.output
+    two = json.loads(out2.read_text())
+    assert two["nodes"] == 2 and two["model"]["nodes"] == 2 and two["model_from"] == doc["model"]
+    assert all(r["predicted_from_s"] > 0 for r in two["candidates"] if "measured_s" in r)
+    assert two["cross_error"] is not None and "2 nodes" in res.output and "median error" in res.output
+    bad = CliRunner().invoke(main, ["tune", str(path), "--ranks", "3", "--nodes", "2"])
+    assert bad.exit_code != 0 and "does not divide --ranks 3" in bad.output
 
 
 def test_tune_refuses_an_unknown_target():

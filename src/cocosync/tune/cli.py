@@ -9,10 +9,16 @@ import click
 @click.command("tune")
 @click.argument("target")
 @click.option("--ranks", type=click.IntRange(2, 64), default=2, show_default=True, help="local ranks to time on.")
+@click.option("--nodes", type=click.IntRange(1, 64), default=1, show_default=True,
+              help="simulate this many nodes on this host (torchrun's layout, gloo between them); must divide --ranks.")
 @click.option("--repeats", type=click.IntRange(1), default=7, show_default=True, help="round-robin timed repeats.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="write candidates and the choice here.")
 @click.option("--no-cache", is_flag=True, help="measure again even if this choice is cached.")
-def tune_cmd(target: str, ranks: int, repeats: int, json_path: str | None, no_cache: bool) -> None:
+@click.option("--model-from", type=click.Path(exists=True, dir_okay=False),
+              help="a --json of another configuration (e.g. one node): also predict this run from its machine model "
+                   "and report that error.")
+def tune_cmd(target: str, ranks: int, nodes: int, repeats: int, json_path: str | None, no_cache: bool,
+             model_from: str | None) -> None:
     """Choose the schedule of TARGET (FILE.py, or adam, lamb, sgd, megatron, bmuf) by timing every legal one;
     `one-shot` measures the shared-memory all_reduce's one-shot threshold instead, `kernel-bytes` the fused
     collective's bytes per kernel call, and saves it for the runtime.
@@ -28,22 +34,58 @@ def tune_cmd(target: str, ranks: int, repeats: int, json_path: str | None, no_ca
     if target == "kernel-bytes":
         return _kernel_bytes(ranks, repeats, json_path)
     try:
-        result = autotune(target, world=ranks, repeats=repeats, use_cache=not no_cache)
+        if ranks % nodes:
+            raise click.BadParameter(f"{nodes} does not divide --ranks {ranks}", param_hint="--nodes")
+        other = None
+        if model_from:
+            import json
+            from pathlib import Path
+
+            try:
+                other = json.loads(Path(model_from).read_text())["model"]
+            except (ValueError, KeyError, TypeError):
+                raise click.BadParameter(f"{model_from} is not a `cocosync tune --json` file (no 'model')",
+                                         param_hint="--model-from") from None
+        result = autotune(target, world=ranks, nodes=nodes, repeats=repeats, use_cache=not no_cache,
+                          model_from=other)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="TARGET") from None
     rows = []
+    cross = "cross_error" in result.extra
     for c in result.candidates:
         ms = lambda k: f"{c[k] * 1e3:.3f} ms" if k in c else "-"  # noqa: E731
-        err = (f"{(c['predicted_s'] - c['measured_s']) / c['measured_s']:+.0%}" if "measured_s" in c else
-               c.get("pruned", "-"))
+        err = lambda k: (f"{(c[k] - c['measured_s']) / c['measured_s']:+.0%}" if "measured_s" in c else  # noqa: E731
+                         c.get("pruned", "-"))
         rows.append([("* " if c["name"] == result.chosen else "  ") + c["name"], ms("measured_s"), ms("predicted_s"),
-                     err])
+                     err("predicted_s"), *([ms("predicted_from_s"), err("predicted_from_s")] if cross else [])])
     error = f"{result.model_error:.0%}" if result.model_error is not None else "-"
-    print_table(f"tune {result.workload} on {result.world} ranks" + (" (cached)" if result.cached else ""),
-                ["schedule", "measured (median)", "predicted", "prediction error"], rows,
-                caption=f"chosen: {result.chosen} -- {result.reason}; cost model median error {error}")
+    nodes = result.extra.get("nodes", 1)
+    caption = f"chosen: {result.chosen} -- {result.reason}; cost model median error {error}"
+    if cross and result.extra["cross_error"] is not None:
+        m = result.extra["model_from"]
+        caption += (f"; predicted from the model measured on {m['world']} ranks / {m['nodes']} node(s): median "
+                    f"error {result.extra['cross_error']:.0%}")
+    print_table(f"tune {result.workload} on {result.world} ranks" + (f", {nodes} nodes" if nodes > 1 else "")
+                + (" (cached)" if result.cached else ""),
+                ["schedule", "measured (median)", "predicted", "prediction error",
+                 *(["predicted from --model-from", "its error"] if cross else [])], rows, caption=caption)
+    _print_projection(result)
     if json_path:
         write_json(json_path, result.as_json())
+
+
+def _print_projection(result) -> None:
+    from cocosync.bench.common import print_table
+
+    rows = []
+    for p in result.extra.get("projection", []):
+        pred = p["predicted_s"]
+        rows.append([str(p["nodes"]), str(p["world"]), p["best"], f"{pred[p['best']] * 1e3:.3f} ms",
+                     f"{pred.get(result.chosen, float('nan')) * 1e3:.3f} ms",
+                     f"{pred.get('as written', float('nan')) * 1e3:.3f} ms"])
+    if rows:
+        print_table("cost model projection (same ranks per node; the network as measured here)",
+                    ["nodes", "ranks", "predicted best", "its time", f"chosen ({result.chosen})", "as written"], rows)
 
 
 def _one_shot(ranks: int, repeats: int, json_path: str | None) -> None:

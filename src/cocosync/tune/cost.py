@@ -8,7 +8,10 @@ Per plan step, with this rank's bytes (a sliced tensor counts 1/G):
   copy bandwidth and writes a freshly allocated result at the (much lower) bandwidth of new memory; a matmul
   2*m*n*k / matmul throughput;
 * collective: latency + bytes a rank moves / collective bandwidth, where all_reduce moves 2(G-1)/G of its vector,
-  reduce_scatter and all_gather (G-1)/G of the whole;
+  reduce_scatter and all_gather (G-1)/G of the whole; across N nodes (L ranks each) the runtime's collectives are
+  hierarchical: the shared-memory part over the L local ranks, then each rank's 1/L over the network among the N
+  ranks with its local rank (gloo: its own latency and bandwidth, `inter_*`), e.g. an all_reduce adds
+  inter_latency + (V/L) 2(N-1)/N / inter_bw;
 * fused collective: one latency, its reduce-scatter and all-gather traffic, its computations' traffic;
 * overlap by c chunks: c latencies + the longer of communication and computation + the shorter / c (a fused
   collective inside the chain computes on the communication side).
@@ -16,7 +19,7 @@ Per plan step, with this rank's bytes (a sliced tensor counts 1/G):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -39,9 +42,23 @@ class MachineModel:
     comm_bw: float  # bytes/s a rank moves in a large all_reduce
     matmul_flops: float  # flop/s of a float32 matmul
     world: int
+    inter_latency_s: float = 0.0  # a tiny gloo all_reduce between nodes (loopback TCP when measured on one node)
+    inter_bw: float = float("inf")  # bytes/s a rank moves in a large gloo all_reduce between nodes
+    nodes: int = 1
+    inter_rs_bw: float = float("inf")  # the same for gloo's reduce_scatter (slower than its (n-1)/n share suggests)
+    inter_ag_bw: float = float("inf")  # and all_gather
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+    def at(self, world: int, nodes: int = 1, *, net_bw: float | None = None) -> "MachineModel":
+        """The same machine model for `world` ranks on `nodes` nodes (a configuration not timed); `net_bw`
+        (bytes/s) replaces the measured network bandwidth (e.g. a 25 Gb/s link instead of loopback)."""
+        if nodes < 1 or world % nodes:
+            raise ValueError(f"nodes={nodes} must divide world={world}")
+        if net_bw is None:
+            return replace(self, world=world, nodes=nodes)
+        return replace(self, world=world, nodes=nodes, inter_bw=net_bw, inter_rs_bw=net_bw, inter_ag_bw=net_bw)
 
 
 def _bytes(n: Node, g: int) -> float:
@@ -83,9 +100,17 @@ def _compute(stages: tuple[Node, ...], m: MachineModel, fast: bool, handed_on: s
 
 
 def _comm(s: Node, m: MachineModel) -> float:
+    """Seconds of communication (no latency) of one collective stage; across nodes the network part adds its own
+    latency."""
     g = _group(s, m.world)
     whole = _bytes(s.args[0], m.world) * (g if s.op == "all_gather" else 1)
-    return whole * COMM_FACTOR.get(s.op, lambda g: 1.0)(g) / m.comm_bw
+    factor = COMM_FACTOR.get(s.op, lambda g: 1.0)
+    local = m.world // m.nodes
+    if m.nodes == 1 or g <= local or s.op == "send":  # within a node (send: one hop either way)
+        return whole * factor(g) / m.comm_bw
+    nodes = g // local  # a group spanning nodes: shared memory over the local ranks, then 1/local across nodes
+    net = {"reduce_scatter": m.inter_rs_bw, "all_gather": m.inter_ag_bw}.get(s.op, m.inter_bw)
+    return whole * factor(local) / m.comm_bw + m.inter_latency_s + whole / local * factor(nodes) / net
 
 
 def predict(plan: Plan, m: MachineModel, fast: list[bool] | None = None) -> float:

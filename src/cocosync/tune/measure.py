@@ -44,10 +44,46 @@ def measure_machine() -> MachineModel:
     comm_bw = big.numel() * 4 * 2 * (world - 1) / world / max(t_big - latency, 1e-9)
     x = torch.rand(512, 512)
     flops = 2 * 512**3 / _median(lambda: x @ x, 10)
-    values = torch.tensor([bw, alloc_bw, call, latency, comm_bw, flops], dtype=torch.float64)
+    net = _network(comm)
+    values = torch.tensor([bw, alloc_bw, call, latency, comm_bw, flops, *net], dtype=torch.float64)
     dist.all_reduce(values)  # one model for all ranks: their mean
     values /= world
-    return MachineModel(*[float(v) for v in values], world=world)
+    *local, inter_latency, inter_bw, rs_bw, ag_bw = [float(v) for v in values]
+    return MachineModel(*local, world=world, inter_latency_s=inter_latency, inter_bw=inter_bw, nodes=comm.nnodes,
+                        inter_rs_bw=rs_bw, inter_ag_bw=ag_bw)
+
+
+def _network(comm) -> tuple[float, float, float, float]:
+    """Latency, and bandwidth (bytes a rank moves per second, by the ideal (n-1)/n share) of gloo's all_reduce,
+    reduce_scatter and all_gather among the ranks that talk across nodes (the runtime's inter-node group and calls;
+    on one node the world group over loopback, the stand-in for a network this host cannot show)."""
+    from cocosync.runtime.comm.collectives import _ag_single, _rs_single
+
+    group = comm.groups.inter if comm.nnodes > 1 else None
+    n = dist.get_world_size(group)
+    tiny, big = torch.ones(1), torch.ones(4 << 20)  # 16 MB, the size the built-in workloads move
+    part = torch.empty(big.numel() // n)
+
+    def rs():
+        try:
+            _rs_single(part, big, group=group)
+        except (RuntimeError, NotImplementedError):  # as the runtime falls back
+            dist.all_reduce(big.clone(), group=group)
+
+    def ag():
+        try:
+            _ag_single(big, part, group=group)
+        except (RuntimeError, NotImplementedError):
+            dist.all_gather(list(big.view(n, -1).unbind(0)), part, group=group)
+
+    dist.barrier()
+    latency = _median(lambda: dist.all_reduce(tiny, group=group), 50)
+    out = [latency]
+    for fn, factor in ((lambda: dist.all_reduce(big, group=group), 2), (rs, 1), (ag, 1)):
+        dist.barrier()
+        t = _median(fn, 3)
+        out.append(big.numel() * 4 * factor * (n - 1) / n / max(t - latency, 1e-9))
+    return tuple(out)
 
 
 def time_candidates(source: str, directives: list[tuple], repeats: int) -> dict[str, Any]:

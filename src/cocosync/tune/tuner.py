@@ -27,7 +27,10 @@ from cocosync.tune.oracle import agrees
 from cocosync.tune.space import schedule_space
 from cocosync.tune.workloads import workload
 
-__all__ = ["autotune", "TuneResult", "cache_dir"]
+__all__ = ["autotune", "TuneResult", "cache_dir", "project"]
+
+#: node counts every candidate is predicted at (same ranks per node as timed): configurations not timed
+PROJECT_NODES = (1, 2, 4, 8, 16, 32)
 
 
 @dataclass
@@ -46,7 +49,23 @@ class TuneResult:
     def as_json(self) -> dict[str, Any]:
         return {"workload": self.workload, "world": self.world, "candidates": self.candidates,
                 "chosen": self.chosen, "reason": self.reason, "model": self.model,
-                "model_error": self.model_error, "key": self.key}
+                "model_error": self.model_error, "key": self.key, **self.extra}
+
+
+def project(program, candidates: list, fasts: list, model: MachineModel,
+            node_counts: tuple[int, ...] = PROJECT_NODES) -> list[dict[str, Any]]:
+    """Every candidate (with the steps that ran fast when timed) predicted on more nodes with the measured ranks per
+    node (the network: as measured; a real network's bandwidth can be given to MachineModel.at): rows of nodes,
+    world, per-candidate predicted_s and the predicted best."""
+    local = model.world // model.nodes
+    plans = [(c.name, lower(replay(program, c.directives)), fast) for c, fast in zip(candidates, fasts)]
+    rows = []
+    for n in node_counts:
+        m = model.at(local * n, n)
+        predicted = {name: predict(plan, m, fast) for name, plan, fast in plans}
+        rows.append({"nodes": n, "world": local * n, "predicted_s": predicted,
+                     "best": min(predicted, key=predicted.__getitem__)})
+    return rows
 
 
 def cache_dir() -> Path:
@@ -60,17 +79,24 @@ def _key(listing: str, world: int, nnodes: int) -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def autotune(target: str, *, world: int = 2, repeats: int = 7, use_cache: bool = True,
-             progress: Any = None) -> TuneResult:
-    """Tune the schedule of `target` (a built-in workload name or FILE.py) on `world` local ranks."""
+def autotune(target: str, *, world: int = 2, nodes: int = 1, repeats: int = 7, use_cache: bool = True,
+             model_from: dict[str, Any] | None = None, progress: Any = None) -> TuneResult:
+    """Tune the schedule of `target` (a built-in workload name or FILE.py) on `world` ranks: one node, or `nodes`
+    nodes simulated on this host (torchrun's layout; gloo between them over loopback). `model_from`: a machine
+    model measured in another configuration (a TuneResult's `model`): each candidate is also predicted from it
+    (`predicted_from_s`) and its median error reported (`cross_error`), the check of predictions for
+    configurations not timed."""
+    if nodes < 1 or world % nodes:
+        raise ValueError(f"nodes={nodes} must divide ranks={world}")
     work = workload(target)
     program = work.build()
-    key = _key(str(program), world, 1)
+    key = _key(str(program), world, nodes)
     path = cache_dir() / f"{key}.json"
-    if use_cache and path.is_file():
+    if use_cache and path.is_file() and model_from is None:
         saved = json.loads(path.read_text())
         return TuneResult(**{k: saved[k] for k in ("workload", "world", "candidates", "chosen", "reason", "model",
-                                                   "model_error")}, cached=True, key=key)
+                                                   "model_error")}, cached=True, key=key,
+                          extra={k: saved[k] for k in ("nodes", "projection") if k in saved})
     rows: list[dict[str, Any]] = []
     legal = []
     for c in schedule_space(program, work.internal, world=world):
@@ -87,7 +113,7 @@ def autotune(target: str, *, world: int = 2, repeats: int = 7, use_cache: bool =
     from cocosync.testing.launch import RankPool
     from cocosync.tune.measure import time_candidates
 
-    with RankPool(world, threads=1, timeout=1800) as pool:
+    with RankPool(world, nnodes=nodes, threads=1, timeout=1800) as pool:
         out = pool.run(time_candidates, work.source, [c.directives for c, _ in legal], repeats)[0]
     model: MachineModel = out["model"]
     errors = []
@@ -95,14 +121,24 @@ def autotune(target: str, *, world: int = 2, repeats: int = 7, use_cache: bool =
         row["measured_s"] = measured
         row["predicted_s"] = predict(lower(replay(program, c.directives)), model, fast)
         errors.append(abs(row["predicted_s"] - measured) / measured)
+    extra: dict[str, Any] = {"nodes": nodes}
+    if model_from is not None:
+        other = MachineModel(**model_from).at(world, nodes)
+        cross = []
+        for (c, row), fast in zip(legal, out["fast"]):
+            row["predicted_from_s"] = predict(lower(replay(program, c.directives)), other, fast)
+            cross.append(abs(row["predicted_from_s"] - row["measured_s"]) / row["measured_s"])
+        extra |= {"model_from": dict(model_from), "cross_error": statistics.median(cross) if cross else None}
     best = min((row for _, row in legal), key=lambda r: r["measured_s"])
     written = rows[0]
-    reason = (f"fastest median of {len(legal)} legal schedules ({repeats} round-robin repeats on {world} ranks): "
+    where = f"{world} ranks" + (f" on {nodes} nodes" if nodes > 1 else "")
+    reason = (f"fastest median of {len(legal)} legal schedules ({repeats} round-robin repeats on {where}): "
               f"{best['measured_s'] * 1e3:.3f} ms"
               + (f", {written['measured_s'] / best['measured_s']:.2f}x the program as written"
                  if "measured_s" in written and best is not written else ""))
     result = TuneResult(work.name, world, rows, best["name"], reason, model.as_dict(),
-                        statistics.median(errors) if errors else None, key=key)
+                        statistics.median(errors) if errors else None, key=key,
+                        extra={**extra, "projection": project(program, [c for c, _ in legal], out["fast"], model)})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(result.as_json(), indent=2))
