@@ -214,3 +214,47 @@ def test_cli_synth_and_inspect(tmp_path):
     assert "500" in res.output and "bayes_ne" in res.output
     res = CliRunner().invoke(main, ["data", "synth", str(out), "--rows", "10", "--ctr", "0.9"])
     assert res.exit_code != 0 and "ctr=0.9" in res.output
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 64])
+def test_byte_ranges_partition_the_lines_and_read_only_their_share(tmp_path, shards):
+    p = tmp_path / "b.tsv"
+    write_synthetic(str(p), 1000, seed=5)
+    dense, sparse, label = _read_all(CriteoReader(str(p), CFG, batch_size=64))
+    size = p.stat().st_size
+    got, read = [], []
+    for i in range(shards):
+        r = CriteoReader(str(p), CFG, shard=(i, shards), batch_size=50, chunk_bytes=4096, split="bytes")
+        parts = list(r)
+        got.append(torch.cat([b.dense for b in parts]) if parts else torch.empty(0, dense.shape[1]))
+        assert all(b.prob is not None for b in parts)  # the sidecar lines up: line numbers counted before the range
+        read.append(r.bytes_read)
+    # contiguous blocks of lines, in order, together every line exactly once
+    assert torch.equal(torch.cat(got), dense)
+    assert sum(read) == size and max(read) <= size // shards + 2 * (size // 1000)  # ~1/S each (+ a line)
+    probs = torch.cat([b.prob for i in range(shards)
+                       for b in CriteoReader(str(p), CFG, shard=(i, shards), batch_size=999, split="bytes")])
+    assert torch.equal(probs, torch.cat([b.prob for b in CriteoReader(str(p), CFG, batch_size=999)]))
+
+
+def test_byte_ranges_lines_at_the_edges_crlf_no_final_newline_and_errors(tmp_path):
+    p = tmp_path / "e.tsv"
+    lines = [_line("0"), "bad line", _line("1"), _line("1")]
+    p.write_bytes("\r\n".join(lines).encode())  # CRLF, no final newline
+    cfg = DataConfig(table_size=1000, max_bad_fraction=1.0)
+    want = _read_all(CriteoReader(str(p), cfg, batch_size=8))
+    size = p.stat().st_size
+    for shards in (2, 3, 5, size):  # cuts inside lines, at newlines, and ranges with no line start
+        readers = [CriteoReader(str(p), cfg, shard=(i, shards), batch_size=8, split="bytes") for i in range(shards)]
+        parts = [_read_all(r) for r in readers if list(r)]
+        for k in range(3):
+            assert torch.equal(torch.cat([x[k] for x in parts]), want[k])
+        bad = [e for r in readers for e in r.bad_examples]
+        assert [n for n, _ in bad] == [2]  # the malformed line keeps its file line number
+    gz = tmp_path / "e.tsv.gz"
+    with gzip.open(gz, "wb") as f:
+        f.write(p.read_bytes())
+    with pytest.raises(ValueError, match="e.tsv.gz' is gzip"):
+        CriteoReader(str(gz), cfg, shard=(0, 2), split="bytes")
+    with pytest.raises(ValueError, match="split='rows': expected 'lines' or 'bytes'"):
+        CriteoReader(str(p), cfg, split="rows")

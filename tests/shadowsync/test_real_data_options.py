@@ -118,3 +118,27 @@ def test_a_fresh_run_drops_an_earlier_runs_best_model(tmp_path):
     (out / "best.pt").write_bytes(b"an earlier run's best model")
     run_training(_cfg(out, examples=4_000))
     assert not (out / "best.pt").exists()
+
+
+def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):
+    """2 trainers x 2 workers on a plain file with held-out data given: 'auto' splits by byte ranges (said up front),
+    every example is trained once and the run learns; a .gz or a missing held-out file keeps 'lines' or is refused."""
+    whole, train, held = tmp_path / "all.tsv", tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    write_synthetic(str(whole), 18_000, seed=4)  # one teacher: the last 2000 lines are held out
+    lines = whole.read_bytes().splitlines(keepends=True)
+    train.write_bytes(b"".join(lines[:16_000]))
+    held.write_bytes(b"".join(lines[16_000:]))
+    out = tmp_path / "run"
+    args = ["train", "--no-progress", "--out", str(out), "--data", str(train), "--eval-data", str(held),
+            "--trainers", "2", "--workers", "2", "--examples", "12000", "--eval-examples", "2000", "--batch-size",
+            "64", "--sync", "none", "--table-size", "2000", "--json"]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    assert "(workers read their byte ranges)" in res.output
+    summary = json.loads(res.output.strip().splitlines()[-1])
+    assert summary["examples"] == 12_000 and summary["eval_ne"] < 0.95, summary  # 3000 of each ~4000-line range
+    data, _ = build_configs(TrainConfig(data=str(train), data_options={"eval_path": str(held)}))
+    assert data.reader_split == "bytes"
+    assert build_configs(TrainConfig(data=str(train)))[0].reader_split == "lines"  # held out: rows after the budget
+    res = CliRunner().invoke(main, [*args[:6], "--data-split", "bytes", "--trainers", "1", "--examples", "1000"])
+    assert res.exit_code != 0 and "rows after the training budget are not held out" in res.output

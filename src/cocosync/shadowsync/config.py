@@ -115,6 +115,12 @@ class DataConfig:
     """Held-out examples to evaluate on (a cap for files; the size of the synthetic held-out set)."""
     seed: int = 0
     """Sampling seed of the synthetic stream (the held-out set uses a different, derived stream)."""
+    split: str = "auto"
+    """How the trainers' workers share training files: 'bytes' (each reads only its line-aligned byte range of each
+    file; plain files, with `eval_path` given, since the rows after the budget are no longer held out), 'lines'
+    (interleaved lines; every reader scans every byte; .gz works), 'auto' (bytes where it applies, else lines).
+    With bytes, shard s trains on the first train_rows / S lines of its range: a range holding fewer (a budget of
+    the whole file: ranges hold unequal line counts) ends that shard a little early."""
     synth: SynthConfig = field(default_factory=SynthConfig)
     """The synthetic teacher, used where a path is None."""
 
@@ -136,6 +142,17 @@ class DataConfig:
             paths = value if isinstance(value, tuple) else (value,)
             if value is not None and (not paths or not all(isinstance(p, str) and p for p in paths)):
                 raise ValueError(f"{o}.{name}={value!r}: expected None, a path, or a non-empty tuple of paths")
+        if self.split not in ("auto", "lines", "bytes"):
+            raise ValueError(f"{o}.split={self.split!r}: expected 'auto', 'lines' or 'bytes'")
+        if self.split == "bytes" and self.train_path is not None:
+            paths = self.train_path if isinstance(self.train_path, tuple) else (self.train_path,)
+            if gz := [p for p in paths if p.endswith(".gz")]:
+                raise ValueError(f"{o}.split='bytes': {gz[0]!r} is gzip and cannot be split by bytes (decompress it, "
+                                 "or use split='lines')")
+            if self.eval_path is None:
+                raise ValueError(f"{o}.split='bytes' spreads each trainer's rows over the whole file, so its rows "
+                                 "after the training budget are not held out; give the held-out data (--eval-data "
+                                 "PATH, data_options.eval_path) or use split='lines'")
         if not isinstance(self.synth, SynthConfig):
             raise ValueError(f"{o}.synth={self.synth!r}: expected a SynthConfig")
         if (self.train_path is None or self.eval_path is None) and (
@@ -145,6 +162,15 @@ class DataConfig:
                 f"{o}: synthetic data has {self.synth.num_dense} dense / {self.synth.num_sparse} sparse features "
                 f"but num_dense={self.num_dense}, num_sparse={self.num_sparse}; make them agree"
             )
+
+    @property
+    def reader_split(self) -> str:
+        """The split the training readers use ('auto' resolved)."""
+        if self.split != "auto":
+            return self.split
+        paths = self.train_path if isinstance(self.train_path, tuple) else (self.train_path,)
+        plain = self.train_path is not None and not any(p.endswith(".gz") for p in paths)
+        return "bytes" if plain and self.eval_path is not None else "lines"
 
     @property
     def table_sizes(self) -> tuple[int, ...]:

@@ -91,7 +91,8 @@ class InMemorySource:
 
 
 class FileSource:
-    """Criteo-format file(s) read by `CriteoReader`, shard s of S interleaved, `examples // S` rows each."""
+    """Criteo-format file(s) read by `CriteoReader`, `examples // S` rows for shard s of S: its line-aligned byte
+    range of each file, or every S-th line (DataConfig.split)."""
 
     def __init__(self, data: DataConfig, examples: int):
         self.data, self.rows = data, examples
@@ -102,7 +103,7 @@ class FileSource:
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
         n = self.shard_rows(shard, shards)
         yield from CriteoReader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
-                                skip_rows=start, max_rows=max(0, n - start))
+                                skip_rows=start, max_rows=max(0, n - start), split=self.data.reader_split)
 
 
 class Epochs:

@@ -38,7 +38,7 @@ _OPTS = {  # CLI option -> TrainConfig field
     "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
     "embedding_dim": "model.embedding_dim", "bottom_mlp": "model.bottom_mlp", "top_mlp": "model.top_mlp",
     "table_size": "data_options.table_size", "num_dense": "data_options.num_dense",
-    "num_sparse": "data_options.num_sparse",
+    "num_sparse": "data_options.num_sparse", "data_split": "data_options.split",
 }
 
 
@@ -90,6 +90,10 @@ _TRAIN_OPTIONS = [
     click.option("--eval-examples", type=int, help="held-out examples scored at the end."),
     click.option("--eval-data", type=click.Path(dir_okay=False),
                  help="a Criteo-format file to score on (default: a synthetic draw, or PATH's rows after the budget)."),
+    click.option("--data-split", type=click.Choice(["auto", "bytes", "lines"]),
+                 help="how workers share data files: bytes (each reads only its line-aligned byte range; plain files "
+                      "with --eval-data), lines (interleaved; every reader scans the file), auto (bytes where it "
+                      "applies; default)."),
     click.option("--batch-size", type=int, help="examples per worker iteration."),
     click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
     click.option("--embedding-lr", type=float, help="embedding row learning rate."),
@@ -139,6 +143,19 @@ def cluster_options(f):
     for option in reversed(_CLUSTER_OPTIONS):
         f = option(f)
     return f
+
+
+def _split_note(cfg: TrainConfig) -> str:
+    """How the workers share a data file (said up front: 'lines' means every reader scans all of it)."""
+    if cfg.data == "synthetic":
+        return ""
+    from cocosync.shadowsync.sources import build_configs
+
+    try:
+        split = build_configs(cfg)[0].reader_split
+    except ConfigError as e:
+        raise click.UsageError(str(e)) from None
+    return " (workers read their byte ranges)" if split == "bytes" else " (workers read interleaved lines)"
 
 
 def config_from_options(config_path: str | None, resume: str | None, opts: dict) -> TrainConfig:
@@ -196,7 +213,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples"
-                  + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "") + f" of {cfg.data!r} -> {cfg.out_dir}/")
+                  + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "") + f" of {cfg.data!r}{_split_note(cfg)} -> "
+                  f"{cfg.out_dir}/")
     try:
         result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
                               stop_after=stop_after, eval_every=eval_every)

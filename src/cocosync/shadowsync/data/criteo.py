@@ -9,8 +9,10 @@ categorical features (Criteo: 13 and 26; categoricals are hex strings). Empty fi
 * Malformed lines (wrong field count, label not 0/1, non-integer integer field) are skipped, counted in
   `.bad_lines`, the first few kept in `.bad_examples` as (line_no, reason) with 1-based line numbers, and
   summarized in a logged warning; past `DataConfig.max_bad_fraction` the reader raises `CriteoFormatError`.
-* Sharding is interleaved: shard (i, T) owns the file lines whose 0-based index l (over all paths, bad lines
-  included) has l % T == i, so the T shards partition the lines exactly.
+* Sharding, `split="lines"`: interleaved: shard (i, T) owns the file lines whose 0-based index l (over all paths,
+  bad lines included) has l % T == i, so the T shards partition the lines exactly (every reader scans every byte;
+  works for .gz). `split="bytes"`: shard (i, T) reads only byte range i of T of each file, aligned to line starts
+  (data/ranges.py): the shards partition the lines and each reads ~1/T of the bytes (plain files only).
 * Synthetic files carry each line's true click probability in a sidecar `<path minus .gz>.prob.npy`
   (float32, one entry per line); when present it fills `Batch.prob`.
 
@@ -24,12 +26,13 @@ import logging
 import os
 import re
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
 
 from cocosync.shadowsync.config import DataConfig
+from cocosync.shadowsync.data.ranges import byte_range, lines_before, range_chunks
 
 __all__ = ["Batch", "CriteoReader", "CriteoFormatError", "hash_tokens", "prob_sidecar_path", "log_transform"]
 
@@ -169,6 +172,7 @@ class CriteoReader:
         drop_last: bool = False,
         with_prob: bool | None = None,
         chunk_bytes: int = 1 << 22,
+        split: str = "lines",
     ) -> None:
         paths = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
         if not paths:
@@ -180,6 +184,13 @@ class CriteoReader:
         index, count = shard
         if not (isinstance(count, int) and count >= 1 and isinstance(index, int) and 0 <= index < count):
             raise ValueError(f"CriteoReader: shard={shard!r}: expected (index, count) with 0 <= index < count")
+        if split not in ("lines", "bytes"):
+            raise ValueError(f"CriteoReader: split={split!r}: expected 'lines' or 'bytes'")
+        compressed = [p for p in self.paths if p.endswith(".gz")]
+        if split == "bytes" and compressed:
+            raise ValueError(f"CriteoReader: split='bytes' needs files it can seek in; {compressed[0]!r} is gzip "
+                             "(decompress it, or use split='lines')")
+        self.split = split
         self.config, self.shard = config, (index, count)
         self.batch_size = config.batch_size if batch_size is None else batch_size
         if self.batch_size < 1:
@@ -199,6 +210,7 @@ class CriteoReader:
         self._reset()
 
     def _reset(self) -> None:
+        self.bytes_read = 0  # of the files, by this shard
         self.position = 0  # valid examples of this shard consumed (skipped included)
         self.lines = 0  # lines of this shard seen (bad included)
         self.bad_lines = 0
@@ -213,7 +225,7 @@ class CriteoReader:
         global_line = 0
         for path in self.paths:
             prob = np.load(prob_sidecar_path(path), mmap_mode="r") if self.with_prob else None
-            for chunk, first_line in self._chunks(path):
+            for chunk, first_line in (self._range_chunks(path) if self.split == "bytes" else self._chunks(path)):
                 parsed = self._parse_chunk(chunk, path, first_line, global_line, prob)
                 global_line += parsed[-1]
                 cols = parsed[:-1]
@@ -254,8 +266,28 @@ class CriteoReader:
         rest = n_pending - k
         return batch, ([tuple(tail)] if rest else []), rest
 
-    def _chunks(self, path: str) -> Iterator[tuple[bytes, int]]:
-        """Yield (bytes of whole lines ending in b'\\n', 1-based number of the chunk's first line)."""
+    def _range_chunks(self, path: str) -> Iterator[tuple[bytes, Callable[[], int]]]:
+        """The shard's byte range of `path` as chunks of whole lines, each with the 1-based number of its first
+        line as a function: counting the lines before the range reads the file up to it, done only where a
+        probability sidecar or a malformed line needs a line number."""
+        lo, hi = byte_range(path, *self.shard)
+        start: list[int] = []  # the line number of the range's first line, once counted
+        first: int | None = None  # the range's first line's offset
+        lines = 0
+        for chunk, offset in range_chunks(path, lo, hi, self.chunk_bytes):
+            first = offset if first is None else first
+
+            def number(k: int = lines, at: int = first) -> int:
+                if not start:
+                    start.append(lines_before(path, at) + 1)
+                return start[0] + k
+            self.bytes_read += len(chunk)
+            yield chunk, number
+            lines += chunk.count(b"\n")
+
+    def _chunks(self, path: str) -> Iterator[tuple[bytes, Callable[[], int]]]:
+        """Yield (bytes of whole lines ending in b'\\n', the 1-based number of the chunk's first line, as a
+        function)."""
         opener = gzip.open if path.endswith(".gz") else open
         line_no, rest = 1, b""
         with opener(path, "rb") as f:
@@ -269,10 +301,11 @@ class CriteoReader:
                     rest = block
                     continue
                 chunk, rest = block[:cut], block[cut:]
-                yield chunk, line_no
+                self.bytes_read += len(chunk)
+                yield chunk, (lambda n=line_no: n)
                 line_no += chunk.count(b"\n")
         if rest:
-            yield rest + b"\n", line_no
+            yield rest + b"\n", (lambda n=line_no: n)
 
     # ---------------------------------------------------------------- parsing
     def _parse_chunk(self, chunk: bytes, path: str, first_line: int, global_line: int, prob):
@@ -292,7 +325,10 @@ class CriteoReader:
         line_of_sep = np.cumsum(seps_nl) - seps_nl
         fields_per_line = np.bincount(line_of_sep, minlength=n_lines)
         index, count = self.shard
-        mine = (np.arange(global_line, global_line + n_lines) % count) == index
+        if self.split == "bytes":  # the chunk holds this shard's range only
+            mine = np.ones(n_lines, dtype=bool)
+        else:
+            mine = (np.arange(global_line, global_line + n_lines) % count) == index
         good = mine & (fields_per_line == self._fields)
 
         rows = np.flatnonzero(good)
@@ -320,7 +356,7 @@ class CriteoReader:
         self._check_bad_fraction(path)
         rows, ints, sparse, label_byte = rows[ok], ints[ok], sparse[ok], label_byte[ok]
         if prob is not None:
-            idx = (first_line - 1) + rows  # 0-based line index within this file
+            idx = (first_line() - 1) + rows  # 0-based line index within this file
             if len(idx) and idx[-1] >= len(prob):
                 raise CriteoFormatError(
                     f"{path}: probability sidecar {prob_sidecar_path(path)!r} has {len(prob)} entries "
@@ -336,7 +372,7 @@ class CriteoReader:
         self.bad_lines += len(bad_idx)
         for i in bad_idx[: max(0, _MAX_BAD_EXAMPLES - len(self.bad_examples))]:
             text = chunk[line_start[i] : line_end[i]].decode("utf-8", errors="replace")
-            self.bad_examples.append((first_line + int(i), f"{os.path.basename(path)}: {self._explain(text)}"))
+            self.bad_examples.append((first_line() + int(i), f"{os.path.basename(path)}: {self._explain(text)}"))
 
     def _explain(self, text: str) -> str:
         fields = text.split("\t")
