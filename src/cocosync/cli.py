@@ -8,6 +8,7 @@ import click
 
 from cocosync.bench.backend import backend_cmd
 from cocosync.bench.collectives import collectives_cmd
+from cocosync.bench.data_split import data_split_cmd
 from cocosync.bench.dp import dp_cmd
 from cocosync.bench.pp import pp_cmd
 from cocosync.bench.shadowsync import shadowsync as shadowsync_cmd
@@ -44,7 +45,7 @@ def demo() -> None:
 
 for _cmd in (train, eval_checkpoint, data, show, tune_cmd):
     main.add_command(_cmd)
-for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, sync_cmd):
+for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, sync_cmd, data_split_cmd):
     bench.add_command(_cmd)
 
 if __name__ == "__main__":
