@@ -1,7 +1,8 @@
 """``cocosync bench collectives``: shared-memory collectives vs gloo on the local ranks of one node.
 
 Two ranks (RankPool, one intra-op thread each) run, size by size: all_reduce, reduce_scatter and all_gather with
-ours on plain tensors (copied in and out of the arena), ours on arena tensors (zero-copy), the same collectives
+ours on plain tensors (copied in and out of the arena; small all_reduces through the native one-shot loop, and
+again through its Python reference path), ours on arena tensors (zero-copy), the same collectives
 through torch.distributed on a `cocosync` backend group (what DDP and other clients call), and gloo. The memory
 bandwidth is measured in the same run (both ranks copying at once), and every row is also reported as the fraction
 of its memory-traffic bound reached. Then the fused reduce-scatter + Adam + all-gather over N fp32 parameters is
@@ -34,8 +35,8 @@ from cocosync.runtime.comm.backend import register
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M"
-COLUMNS = ["op", "size", "ours", "ours (arena)", "backend", "gloo", "gloo/ours", "gloo/arena", "gloo/backend",
-           "bound", "bound/ours", "bound/arena"]
+COLUMNS = ["op", "size", "ours", "ours (arena)", "ours (Python path)", "backend", "gloo", "gloo/ours", "gloo/arena",
+           "gloo/backend", "bound", "bound/ours", "bound/arena"]
 
 
 def traffic_bytes(op: str, nbytes: int, P: int) -> float:
@@ -59,6 +60,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
     from cocosync.runtime.comm.collectives import ShmCommunicator
 
     comm = ShmCommunicator(chunk_bytes=chunk_bytes)
+    python = ShmCommunicator(chunk_bytes=chunk_bytes, native=False)  # the reference path of the native one-shot
     register()
     backend = dist.new_group(backend="cocosync")  # the same collectives through torch.distributed (ordinary tensors)
     P = comm.world
@@ -80,6 +82,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
         ag_out = torch.empty(n)
         cases = {
             ("all_reduce", "ours"): lambda: comm.all_reduce(x),
+            ("all_reduce", "python"): lambda: python.all_reduce(x),
             ("all_reduce", "arena"): lambda: comm.all_reduce(a),
             ("all_reduce", "gloo"): lambda: dist.all_reduce(x),
             ("all_reduce", "backend"): lambda: dist.all_reduce(x, group=backend),
@@ -166,12 +169,14 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
     for (op, nbytes, impl) in per_rank[0]["rows"]:
         if impl != "ours":
             continue
-        t = {i: stats(merge((op, nbytes, i), "rows")).median for i in ("ours", "arena", "backend", "gloo")}
+        impls = ("ours", "arena", "backend", "gloo", *(("python",) if op == "all_reduce" else ()))
+        t = {i: stats(merge((op, nbytes, i), "rows")).median for i in impls}
         bound = bound_seconds(traffic_bytes(op, nbytes, P), bw)
         rows.append({"op": op, "bytes": nbytes, "ours_s": t["ours"], "arena_s": t["arena"], "gloo_s": t["gloo"],
                      "backend_s": t["backend"], "gloo_over_backend": t["gloo"] / t["backend"],
                      "gloo_over_ours": t["gloo"] / t["ours"], "gloo_over_arena": t["gloo"] / t["arena"],
-                     "bound_s": bound, "bound_over_ours": bound / t["ours"], "bound_over_arena": bound / t["arena"]})
+                     "bound_s": bound, "bound_over_ours": bound / t["ours"], "bound_over_arena": bound / t["arena"],
+                     "python_s": t.get("python")})
     fused = None
     if fused_numel:
         fb = bound_seconds((P + 6) * fused_numel * 4, bw)
@@ -187,7 +192,8 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     return [[r["op"], fmt_bytes(r["bytes"]), fmt_seconds(r["ours_s"]), fmt_seconds(r["arena_s"]),
-             fmt_seconds(r["backend_s"]), fmt_seconds(r["gloo_s"]), fmt_ratio(r["gloo_over_ours"]),
+             fmt_seconds(r.get("python_s")), fmt_seconds(r["backend_s"]), fmt_seconds(r["gloo_s"]),
+             fmt_ratio(r["gloo_over_ours"]),
              fmt_ratio(r["gloo_over_arena"]), fmt_ratio(r["gloo_over_backend"]), fmt_seconds(r["bound_s"]),
              f"{r['bound_over_ours']:.0%}", f"{r['bound_over_arena']:.0%}"]
             for r in sorted(result["rows"], key=lambda r: (r["op"], r["bytes"]))]

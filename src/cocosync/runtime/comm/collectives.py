@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.headers import Header, header, validate
+from cocosync.runtime.comm.native import enabled as native_enabled
+from cocosync.runtime.comm.native import one_shot as native_one_shot
 from cocosync.runtime.comm.reduction import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
@@ -34,7 +36,7 @@ from cocosync.runtime.comm.reduction import (
     reduce_chunk,
     split_bounds,
 )
-from cocosync.runtime.comm.shm import Arena, CollectiveTimeout, Segment
+from cocosync.runtime.comm.shm import _F_HDR, _F_SEQ, _SLOT, HEADER_WORDS, Arena, CollectiveTimeout, Segment
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 from cocosync.runtime.comm.tuned import tuned
 
@@ -84,7 +86,9 @@ class ShmCommunicator:
 
     def __init__(self, groups: NodeGroups | None = None, *, arena: Arena | None = None,
                  timeout: float | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 one_shot_bytes: int | None = None):
+                 one_shot_bytes: int | None = None, native: bool | None = None):
+        # built (once per machine) or loaded before any barrier, so no peer waits on a compiling rank
+        self._native = native_one_shot() if native is not False and (native or native_enabled()) else None
         self.groups = groups or node_groups()
         self.arena = arena or Arena(self.groups, timeout=timeout)
         if timeout is not None:
@@ -105,6 +109,8 @@ class ShmCommunicator:
         self._workspaces: list[Segment | None] = [None, None]
         self._calls = 0
         self._acc: torch.Tensor | None = None
+        self._words_addr = self.flags.words.ctypes.data
+        self._headers: dict[tuple, list[int]] = {}  # the native path's header words, per (dtype, numel, op)
 
     # ------------------------------------------------------------------ public collectives
 
@@ -456,13 +462,45 @@ class ShmCommunicator:
         same bits on every rank). Each rank reads L times the data: for small vectors, where the barriers of the
         three-phase algorithm cost more than the reads. Arena tensors are copied too: then nobody reads x, so the
         result can go straight into it and no closing barrier is needed (the workspaces alternate by call)."""
-        call = self.begin_call(name, x, op=op, fill=lambda region: region.copy_(x), zero_copy=False)
         target = t if out is None else out
+        if self._native is not None and self._native_one_shot(name, x, target, op):
+            return target
+        call = self.begin_call(name, x, op=op, fill=lambda region: region.copy_(x), zero_copy=False)
         dst = target.view(-1) if target.is_contiguous() else x if out is None else torch.empty_like(x)
         self.reduce_ranges(call, [(0, x.numel())], op, x, dst, scale=self.scale(op))
         if dst.data_ptr() != target.data_ptr():
             target.copy_(dst.view(target.shape))
         return target
+
+    def _native_one_shot(self, name: str, x: torch.Tensor, target: torch.Tensor, op: ReduceOp) -> bool:
+        """The one-shot all_reduce through the C++ loop (runtime/comm/native): the same protocol and bits as
+        begin_call + reduce_ranges, which it falls back to (False) where it does not apply: other ops or dtypes, a
+        workspace too small (growing it is collective: every rank sees the same and takes the Python path)."""
+        if op not in (ReduceOp.SUM, ReduceOp.MEAN) or x.dtype not in NATIVE_DTYPES or not target.is_contiguous():
+            return False
+        workspace = self._workspaces[self._calls % 2]
+        if workspace is None or workspace.region_bytes < x.numel() * x.element_size():
+            return False
+        self.flags._check_usable(name)
+        key = (x.dtype, x.numel(), op)
+        hdr = self._headers.get(key)
+        if hdr is None:
+            hdr = header(name, x.dtype, x.numel(), op, -1, -1, -1, (self.chunk_bytes, self.one_shot_bytes))
+            hdr = self._headers[key] = hdr + [0] * (HEADER_WORDS - len(hdr))
+        seq = self.flags.seq + 1
+        field = _F_HDR + (seq % 2) * HEADER_WORDS
+        status = self._native.publish(self._words_addr, _SLOT, self.local_rank, self.local_size, seq, _F_SEQ, field,
+                                      hdr, workspace.base, workspace.region_bytes, x, NATIVE_SPINS)
+        self.flags.seq = seq
+        self._calls += 1
+        if status == 1:  # a peer is late: wait as the Python path does (it names a dead or stalled peer)
+            self.flags.wait(_F_SEQ, seq, name)
+        scale = self.scale(op)
+        if self._native.finish(self._words_addr, _SLOT, self.local_rank, self.local_size, field, workspace.base,
+                               workspace.region_bytes, target, x.numel(), scale or 1.0, scale is not None) == 2:
+            hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
+            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
+        return True
 
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""
@@ -483,6 +521,10 @@ class ShmCommunicator:
             parts = list(out.view(self.nnodes, -1).unbind(0))
             dist.all_gather(parts, t, group=self.groups.inter)
 
+
+#: dtypes and spin budget of the native one-shot all_reduce (past the budget it waits as the Python path does)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NATIVE_SPINS = 4096
 
 _rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -1,0 +1,40 @@
+"""The optional native (C++) hot loop of the shared-memory one-shot all_reduce, JIT-built once with the system
+compiler through torch.utils.cpp_extension (cached in torch's extensions directory, $TORCH_EXTENSIONS_DIR or
+~/.cache/torch_extensions; the first build says so on stderr). `$COCOSYNC_NATIVE=0` turns it off; a build that
+fails is reported once as a warning and the Python path, the reference the native one is tested against, runs."""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+__all__ = ["one_shot", "enabled"]
+
+
+def enabled() -> bool:
+    return os.environ.get("COCOSYNC_NATIVE", "1") != "0"
+
+
+@functools.lru_cache(maxsize=None)
+def one_shot() -> Any:
+    """The built module (publish, finish), or None (disabled, or the build failed)."""
+    if not enabled():
+        return None
+    try:
+        from torch.utils import cpp_extension
+
+        src = Path(__file__).with_name("one_shot.cpp")
+        build = Path(cpp_extension._get_build_directory("cocosync_one_shot", verbose=False))
+        built = sorted(build.glob("*.so"))
+        if not built or built[0].stat().st_mtime < src.stat().st_mtime:
+            print("cocosync: building the native shared-memory all_reduce once with the system compiler "
+                  f"(~1 min; cached in {build})", file=sys.stderr, flush=True)
+        return cpp_extension.load("cocosync_one_shot", [str(src)], extra_cflags=["-O3"], verbose=False)
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the Python path runs
+        warnings.warn(f"cocosync: the native shared-memory all_reduce did not build ({type(e).__name__}: "
+                      f"{str(e)[:300]}); the Python path runs", RuntimeWarning, stacklevel=2)
+        return None

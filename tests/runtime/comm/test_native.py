@@ -1,0 +1,95 @@
+"""The native (C++) one-shot all_reduce against the Python path, its reference: the same bits for fp32, bf16 and
+fp16 sums and means at every size up to the one-shot threshold, in place and into out=, on 2 and 3 ranks; a rank
+on the native path and a rank on the Python path interoperate in the same call; mismatched calls and a dead peer
+raise the Python path's errors. It must build wherever a compiler and ninja exist (CI included)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cocosync.runtime.comm import native
+from cocosync.runtime.comm.collectives import ShmCommunicator
+
+SIZES = (1, 7, 1000, 4096, 50_000)
+
+
+def test_it_builds_where_a_compiler_and_ninja_exist():
+    if not (shutil.which("c++") or shutil.which("g++")) or not shutil.which("ninja"):
+        pytest.skip("no C++ compiler or ninja: the Python path runs")
+    assert native.one_shot() is not None
+
+
+class _Counting:
+    """Counts the calls that reached the native module."""
+
+    def __init__(self, inner):
+        self.inner, self.calls = inner, 0
+
+    def publish(self, *a):
+        self.calls += 1
+        return self.inner.publish(*a)
+
+    def finish(self, *a):
+        return self.inner.finish(*a)
+
+
+def _compare(mixed: bool) -> dict:
+    r, W = dist.get_rank(), dist.get_world_size()
+    fast = ShmCommunicator(timeout=60, native=not mixed or r == 0)  # mixed: only rank 0 takes the native path
+    ref = ShmCommunicator(timeout=60, native=False)
+    if fast._native is not None:
+        fast._native = _Counting(fast._native)
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for op in ("sum", "mean"):
+            for n in SIZES:
+                g = torch.Generator().manual_seed(n * 7 + r)
+                x = torch.randn(n, generator=g).to(dtype)
+                a, b = x.clone(), x.clone()
+                fast.all_reduce(a, op)
+                ref.all_reduce(b, op)
+                out = torch.full_like(x, float("nan"))
+                fast.all_reduce(x, op, out=out)
+                if not (torch.equal(a, b) and torch.equal(out, b)):
+                    bad.append(f"{dtype} {op} n={n}")
+    return {"bad": bad, "native_calls": fast._native.calls if fast._native is not None else 0}
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_native_one_shot_equals_the_python_path_bit_for_bit(rank_pool, P):
+    if native.one_shot() is None:
+        pytest.skip("the native path did not build here")
+    got = rank_pool(P).run(_compare, False)
+    assert all(g["bad"] == [] for g in got), got
+    calls = 3 * 2 * len(SIZES) * 2
+    assert all(g["native_calls"] >= calls - 2 * 2 for g in got), got  # all but the first call per workspace
+
+
+def test_a_native_and_a_python_rank_share_a_call(rank_pool):
+    if native.one_shot() is None:
+        pytest.skip("the native path did not build here")
+    got = rank_pool(2).run(_compare, True)
+    assert got[0]["bad"] == got[1]["bad"] == [] and got[0]["native_calls"] > 0 and got[1]["native_calls"] == 0
+
+
+def _mismatch() -> str:
+    comm = ShmCommunicator(timeout=20, native=True)
+    r = dist.get_rank()
+    comm.all_reduce(torch.ones(8))  # the workspaces exist: the next calls go native
+    comm.all_reduce(torch.ones(8))
+    try:
+        comm.all_reduce(torch.ones(10 + r))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_mismatched_calls_raise_the_python_paths_error(rank_pool):
+    if native.one_shot() is None:
+        pytest.skip("the native path did not build here")
+    got = rank_pool(2).run(_mismatch)
+    assert all("number of elements differs across ranks" in g for g in got), got
