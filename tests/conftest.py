@@ -15,6 +15,13 @@ from cocosync.testing.launch import RankPool
 _pools: dict[tuple[int, int], RankPool] = {}
 
 
+def pytest_sessionstart(session) -> None:
+    """Build (or load) the native one-shot all_reduce once, here, so no rank of a timed test waits for a compile."""
+    from cocosync.runtime.comm import native
+
+    native.one_shot()
+
+
 def get_pool(world_size: int, nnodes: int = 1) -> RankPool:
     key = (world_size, nnodes)
     pool = _pools.get(key)
