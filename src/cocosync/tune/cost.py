@@ -36,7 +36,10 @@ COMM_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda
 @dataclass(frozen=True)
 class MachineModel:
     copy_bw: float  # bytes/s of a large memory copy
-    alloc_bw: float  # bytes/s of writing a freshly allocated large tensor (page faults included)
+    # bytes/s of writing a freshly allocated large tensor, page faults included. Whether fresh results fault their
+    # pages in depends on glibc's dynamic mmap threshold (16 MB results: ~4 GB/s cold, ~55 GB/s once one was freed),
+    # so unfused candidates' times move by +-30% between runs; the model takes the faulting case
+    alloc_bw: float
     call_s: float  # the overhead of one kernel call
     comm_latency_s: float  # a tiny all_reduce
     comm_bw: float  # bytes/s a rank moves in a large all_reduce

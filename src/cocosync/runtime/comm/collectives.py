@@ -109,8 +109,7 @@ class ShmCommunicator:
         self._workspaces: list[Segment | None] = [None, None]
         self._calls = 0
         self._acc: torch.Tensor | None = None
-        self._words_addr = self.flags.words.ctypes.data
-        self._headers: dict[tuple, list[int]] = {}  # the native path's header words, per (dtype, numel, op)
+        self._one_shot = None  # the native loop bound to this communicator's control words (made on first use)
 
     # ------------------------------------------------------------------ public collectives
 
@@ -476,28 +475,28 @@ class ShmCommunicator:
         """The one-shot all_reduce through the C++ loop (runtime/comm/native): the same protocol and bits as
         begin_call + reduce_ranges, which it falls back to (False) where it does not apply: other ops or dtypes, a
         workspace too small (growing it is collective: every rank sees the same and takes the Python path)."""
-        if op not in (ReduceOp.SUM, ReduceOp.MEAN) or x.dtype not in NATIVE_DTYPES or not target.is_contiguous():
+        if op not in NATIVE_OPS or x.dtype not in NATIVE_DTYPES or not target.is_contiguous():
             return False
         workspace = self._workspaces[self._calls % 2]
         if workspace is None or workspace.region_bytes < x.numel() * x.element_size():
             return False
-        self.flags._check_usable(name)
-        key = (x.dtype, x.numel(), op)
-        hdr = self._headers.get(key)
-        if hdr is None:
-            hdr = header(name, x.dtype, x.numel(), op, -1, -1, -1, (self.chunk_bytes, self.one_shot_bytes))
-            hdr = self._headers[key] = hdr + [0] * (HEADER_WORDS - len(hdr))
+        if self.flags.broken is not None:
+            self.flags._check_usable(name)
+        if self._one_shot is None:
+            template = header(name, x.dtype, 0, op, -1, -1, -1, (self.chunk_bytes, self.one_shot_bytes))
+            self._one_shot = self._native.OneShot(self.flags.words.ctypes.data, _SLOT, self.local_rank,
+                                                  self.local_size, _F_SEQ, _F_HDR, HEADER_WORDS, template)
         seq = self.flags.seq + 1
-        field = _F_HDR + (seq % 2) * HEADER_WORDS
-        status = self._native.publish(self._words_addr, _SLOT, self.local_rank, self.local_size, seq, _F_SEQ, field,
-                                      hdr, workspace.base, workspace.region_bytes, x, NATIVE_SPINS)
+        scale = NATIVE_OPS[op] and 1.0 / self.world
+        status = self._one_shot.run(seq, NATIVE_DTYPES[x.dtype], NATIVE_OPS_CODE[op], workspace.base,
+                                    workspace.region_bytes, x, target, scale or 1.0, NATIVE_OPS[op], NATIVE_SPINS)
         self.flags.seq = seq
         self._calls += 1
         if status == 1:  # a peer is late: wait as the Python path does (it names a dead or stalled peer)
             self.flags.wait(_F_SEQ, seq, name)
-        scale = self.scale(op)
-        if self._native.finish(self._words_addr, _SLOT, self.local_rank, self.local_size, field, workspace.base,
-                               workspace.region_bytes, target, x.numel(), scale or 1.0, scale is not None) == 2:
+            status = self._one_shot.finish(seq, workspace.base, workspace.region_bytes, target, x.numel(),
+                                           scale or 1.0, NATIVE_OPS[op])
+        if status == 2:
             hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
             validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
         return True
@@ -522,8 +521,12 @@ class ShmCommunicator:
             dist.all_gather(parts, t, group=self.groups.inter)
 
 
-#: dtypes and spin budget of the native one-shot all_reduce (past the budget it waits as the Python path does)
-NATIVE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+#: what the native one-shot all_reduce takes: dtypes (-> header code), ops (-> whether the sum is scaled by 1/world)
+#: and its spin budget (past it, it waits as the Python path does)
+NATIVE_DTYPES = {dt: header("all_reduce", dt, 0, ReduceOp.SUM, 0, 0, 0, (0, 0))[1]
+                 for dt in (torch.float32, torch.bfloat16, torch.float16)}
+NATIVE_OPS = {ReduceOp.SUM: False, ReduceOp.MEAN: True}
+NATIVE_OPS_CODE = {op: header("all_reduce", torch.float32, 0, op, 0, 0, 0, (0, 0))[3] for op in NATIVE_OPS}
 NATIVE_SPINS = 4096
 
 _rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

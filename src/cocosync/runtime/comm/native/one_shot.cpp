@@ -40,59 +40,89 @@ void reduce_sum(const T* const* src, int64_t nsrc, T* __restrict dst, int64_t n,
 
 }  // namespace
 
-// Returns 0 when done, 1 when a peer had not arrived after the spin budget (the caller waits in Python, which names
-// a late or dead peer, then calls `finish`), 2 when the headers disagree (the caller raises the Python error).
-int64_t publish(int64_t words_addr, int64_t slot, int64_t local_rank, int64_t local_size, int64_t seq,
-                int64_t seq_field, int64_t hdr_field, std::vector<int64_t> hdr, int64_t ws_addr, int64_t region_bytes,
-                const torch::Tensor& x, int64_t spin_budget) {
-  auto* words = reinterpret_cast<int64_t*>(words_addr);
-  const int64_t nbytes = x.numel() * x.element_size();
-  const void* data = x.data_ptr();
-  pybind11::gil_scoped_release no_gil;  // other threads of this process (a comm or shadow thread) run meanwhile
-  std::memcpy(reinterpret_cast<char*>(ws_addr) + local_rank * region_bytes, data, nbytes);
-  int64_t* mine = words + local_rank * slot + hdr_field;
-  for (size_t k = 0; k < hdr.size(); ++k) mine[k] = hdr[k];
-  store_release(words + local_rank * slot + seq_field, seq);
-  for (int64_t spins = 0;; ++spins) {
-    bool all = true;
-    for (int64_t r = 0; r < local_size && all; ++r) all = load_acquire(words + r * slot + seq_field) >= seq;
-    if (all) return 0;
-    if (spins >= spin_budget) return 1;
-    if (spins >= 64) sched_yield();  // 2 cores shared by several ranks: let the peer run
+// One rank's view of the control words (slots of `slot` int64 words per local rank: the arrival counter at
+// `seq_field`, the two alternating headers from `hdr_field`) and the constant header words of its all_reduce.
+class OneShot {
+ public:
+  OneShot(int64_t words_addr, int64_t slot, int64_t local_rank, int64_t local_size, int64_t seq_field,
+          int64_t hdr_field, int64_t hdr_words, std::vector<int64_t> header_template)
+      : words_(reinterpret_cast<int64_t*>(words_addr)), slot_(slot), rank_(local_rank), size_(local_size),
+        seq_field_(seq_field), hdr_field_(hdr_field), hdr_words_(hdr_words), template_(std::move(header_template)) {
+    TORCH_CHECK(static_cast<int64_t>(template_.size()) <= hdr_words_, "OneShot: header template too long");
   }
-}
 
-int64_t finish(int64_t words_addr, int64_t slot, int64_t local_rank, int64_t local_size, int64_t hdr_field,
-               int64_t ws_addr, int64_t region_bytes, const torch::Tensor& out, int64_t numel, double scale,
-               bool scaled) {
-  auto* words = reinterpret_cast<int64_t*>(words_addr);
-  const int64_t* mine = words + local_rank * slot + hdr_field;
-  for (int64_t r = 0; r < local_size; ++r) {
-    const int64_t* h = words + r * slot + hdr_field;
-    for (int k = 0; k < kFields; ++k)
-      if (k != 5 && k != 6 && h[k] != mine[k]) return 2;  // segment/offset may differ
+  // Publish this rank's data and header for call `seq`, arrive, spin until every local rank arrived, then check the
+  // headers and reduce into out. Returns 0 when done, 1 when a peer had not arrived after `spins` (the caller
+  // waits in Python, which names a late or dead peer, then calls `finish`), 2 when the headers disagree (the
+  // caller raises the Python path's error). Header words 1-3 (dtype, numel, op) come from the call.
+  int64_t run(int64_t seq, int64_t dtype_code, int64_t op_code, int64_t ws_addr, int64_t region_bytes,
+              const torch::Tensor& x, const torch::Tensor& out, double scale, bool scaled, int64_t spins) {
+    const int64_t nbytes = x.numel() * x.element_size(), numel = x.numel();
+    const void* data = x.data_ptr();
+    int64_t* hdr = header(seq, rank_);
+    for (size_t k = 0; k < template_.size(); ++k) hdr[k] = template_[k];
+    for (int64_t k = template_.size(); k < hdr_words_; ++k) hdr[k] = 0;
+    hdr[1] = dtype_code;
+    hdr[2] = numel;
+    hdr[3] = op_code;
+    {
+      pybind11::gil_scoped_release no_gil;  // other threads of this process (a comm or shadow thread) run meanwhile
+      std::memcpy(reinterpret_cast<char*>(ws_addr) + rank_ * region_bytes, data, nbytes);
+      store_release(words_ + rank_ * slot_ + seq_field_, seq);
+      for (int64_t n = 0; !arrived(seq); ++n) {
+        if (n >= spins) return 1;
+        if (n >= 64) sched_yield();  // 2 cores shared by several ranks: let the peer run
+      }
+    }
+    return finish(seq, ws_addr, region_bytes, out, numel, scale, scaled);
   }
-  std::vector<const void*> src(local_size);
-  for (int64_t r = 0; r < local_size; ++r) src[r] = reinterpret_cast<const char*>(ws_addr) + r * region_bytes;
-  const float s = static_cast<float>(scale);
-  const auto dtype = out.scalar_type();
-  void* dst = out.data_ptr();
-  TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
-              "one_shot.finish: unsupported dtype ", dtype);
-  pybind11::gil_scoped_release no_gil;
-  if (dtype == torch::kFloat)
-    reduce_sum(reinterpret_cast<const float* const*>(src.data()), local_size, static_cast<float*>(dst), numel, s,
-               scaled);
-  else if (dtype == torch::kBFloat16)
-    reduce_sum(reinterpret_cast<const c10::BFloat16* const*>(src.data()), local_size,
-               static_cast<c10::BFloat16*>(dst), numel, s, scaled);
-  else
-    reduce_sum(reinterpret_cast<const c10::Half* const*>(src.data()), local_size, static_cast<c10::Half*>(dst),
-               numel, s, scaled);
-  return 0;
-}
+
+  // After every rank arrived at `seq`: 2 if the headers disagree, else reduce every rank's copy into out (0).
+  int64_t finish(int64_t seq, int64_t ws_addr, int64_t region_bytes, const torch::Tensor& out, int64_t numel,
+                 double scale, bool scaled) {
+    const int64_t* mine = header(seq, rank_);
+    for (int64_t r = 0; r < size_; ++r) {
+      const int64_t* h = header(seq, r);
+      for (int k = 0; k < kFields; ++k)
+        if (k != 5 && k != 6 && h[k] != mine[k]) return 2;  // segment/offset may differ
+    }
+    std::vector<const void*> src(size_);
+    for (int64_t r = 0; r < size_; ++r) src[r] = reinterpret_cast<const char*>(ws_addr) + r * region_bytes;
+    const float s = static_cast<float>(scale);
+    const auto dtype = out.scalar_type();
+    void* dst = out.data_ptr();
+    TORCH_CHECK(dtype == torch::kFloat || dtype == torch::kBFloat16 || dtype == torch::kHalf,
+                "OneShot.finish: unsupported dtype ", dtype);
+    pybind11::gil_scoped_release no_gil;
+    if (dtype == torch::kFloat)
+      reduce_sum(reinterpret_cast<const float* const*>(src.data()), size_, static_cast<float*>(dst), numel, s,
+                 scaled);
+    else if (dtype == torch::kBFloat16)
+      reduce_sum(reinterpret_cast<const c10::BFloat16* const*>(src.data()), size_, static_cast<c10::BFloat16*>(dst),
+                 numel, s, scaled);
+    else
+      reduce_sum(reinterpret_cast<const c10::Half* const*>(src.data()), size_, static_cast<c10::Half*>(dst), numel,
+                 s, scaled);
+    return 0;
+  }
+
+ private:
+  int64_t* header(int64_t seq, int64_t r) const { return words_ + r * slot_ + hdr_field_ + (seq % 2) * hdr_words_; }
+
+  bool arrived(int64_t seq) const {
+    for (int64_t r = 0; r < size_; ++r)
+      if (load_acquire(words_ + r * slot_ + seq_field_) < seq) return false;
+    return true;
+  }
+
+  int64_t* words_;
+  int64_t slot_, rank_, size_, seq_field_, hdr_field_, hdr_words_;
+  std::vector<int64_t> template_;
+};
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("publish", &publish, "copy in, header, arrive, spin until every local rank arrived (or the budget ends)");
-  m.def("finish", &finish, "check the headers agree, reduce every rank's copy in rank order into out");
+  pybind11::class_<OneShot>(m, "OneShot")
+      .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>())
+      .def("run", &OneShot::run)
+      .def("finish", &OneShot::finish);
 }
