@@ -1,7 +1,7 @@
-"""The native (C++) one-shot all_reduce against the Python path, its reference: the same bits for fp32, bf16 and
-fp16 sums and means at every size up to the one-shot threshold, in place and into out=, on 2 and 3 ranks; a rank
-on the native path and a rank on the Python path interoperate in the same call; mismatched calls and a dead peer
-raise the Python path's errors. It must build wherever a compiler and ninja exist (CI included)."""
+"""The native (C++) all_reduce loops, one-shot and three-phase, against the Python path, their reference: the same
+bits for fp32, bf16 and fp16 sums and means at sizes 1 to 50k, in place and into out=, on 2 and 3 ranks; a rank on
+the native path and a rank on the Python path interoperate in the same call; mismatched calls raise the Python
+path's errors. It must build wherever a compiler and ninja exist (CI included)."""
 
 from __future__ import annotations
 
@@ -39,13 +39,18 @@ class _Counting:
 
             def finish(self, *b):
                 return inner.finish(*b)
+
+            def three_phase(self, phase, *b):
+                outer.calls += phase == 0
+                return inner.three_phase(phase, *b)
         return Counted()
 
 
-def _compare(mixed: bool) -> dict:
+def _compare(mixed: bool, three_phase: bool = False) -> dict:
     r = dist.get_rank()
-    fast = ShmCommunicator(timeout=60, native=not mixed or r == 0)  # mixed: only rank 0 takes the native path
-    ref = ShmCommunicator(timeout=60, native=False)
+    one_shot = 0 if three_phase else None  # 0: every size in three phases (reduce-scatter, all-gather)
+    fast = ShmCommunicator(timeout=60, native=not mixed or r == 0, one_shot_bytes=one_shot)  # mixed: rank 0 only
+    ref = ShmCommunicator(timeout=60, native=False, one_shot_bytes=one_shot)
     if fast._native is not None:
         fast._native = _Counting(fast._native)
     bad = []
@@ -64,20 +69,21 @@ def _compare(mixed: bool) -> dict:
     return {"bad": bad, "native_calls": fast._native.calls if fast._native is not None else 0}
 
 
-@pytest.mark.parametrize("P", [2, 3])
-def test_native_one_shot_equals_the_python_path_bit_for_bit(rank_pool, P):
+@pytest.mark.parametrize("P, three_phase", [(2, False), (3, False), (2, True), (3, True)])
+def test_native_all_reduce_equals_the_python_path_bit_for_bit(rank_pool, P, three_phase):
     if native.one_shot() is None:
         pytest.skip("the native path did not build here")
-    got = rank_pool(P).run(_compare, False)
+    got = rank_pool(P).run(_compare, False, three_phase)
     assert all(g["bad"] == [] for g in got), got
     calls = 3 * 2 * len(SIZES) * 2
     assert all(g["native_calls"] >= calls - 2 * 2 for g in got), got  # all but the first call per workspace
 
 
-def test_a_native_and_a_python_rank_share_a_call(rank_pool):
+@pytest.mark.parametrize("three_phase", [False, True])
+def test_a_native_and_a_python_rank_share_a_call(rank_pool, three_phase):
     if native.one_shot() is None:
         pytest.skip("the native path did not build here")
-    got = rank_pool(2).run(_compare, True)
+    got = rank_pool(2).run(_compare, True, three_phase)
     assert got[0]["bad"] == got[1]["bad"] == [] and got[0]["native_calls"] > 0 and got[1]["native_calls"] == 0
 
 

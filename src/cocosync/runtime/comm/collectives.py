@@ -118,6 +118,11 @@ class ShmCommunicator:
         """Reduce `t` over all ranks, in place (returns t), or into `out` (returns out; t is not modified).
         op: sum, mean, max, min."""
         name = "all_reduce"
+        if (out is None and self._native is not None and op in NATIVE_OPS and t.dtype in NATIVE_DTYPES
+                and self.nnodes == 1 and self.world > 1 and t.is_contiguous()
+                and t.numel() * t.element_size() * (self.local_size - 1) <= self.one_shot_bytes
+                and self._native_one_shot(name, t, t, op)):
+            return t  # the common small in-place call, with the fewest Python steps
         check_dtype(name, t)
         op = check_op(name, op)
         if out is not None:
@@ -130,8 +135,9 @@ class ShmCommunicator:
         if out is not None:
             t = out.copy_(t)
             x, writeback = self._flat(t)
-        ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
-        self._all_reduce_three_phase(name, x, ranges, op)
+        if not (self._native is not None and self.nnodes == 1 and self._native_three_phase(name, x, op)):
+            ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
+            self._all_reduce_three_phase(name, x, ranges, op)
         if writeback:
             t.copy_(x.view(t.shape))
         return t
@@ -480,26 +486,59 @@ class ShmCommunicator:
         workspace = self._workspaces[self._calls % 2]
         if workspace is None or workspace.region_bytes < x.numel() * x.element_size():
             return False
+        one_shot = self._bind_native(name, x, op)
+        seq = self.flags.seq + 1
+        scale = NATIVE_OPS[op] and 1.0 / self.world
+        status = one_shot.run(seq, NATIVE_DTYPES[x.dtype], NATIVE_OPS_CODE[op], workspace.base,
+                                    workspace.region_bytes, x, target, scale or 1.0, NATIVE_OPS[op], NATIVE_SPINS)
+        self.flags.seq = seq
+        self._calls += 1
+        if status == 1:  # a peer is late: wait as the Python path does (it names a dead or stalled peer)
+            self.flags.wait(_F_SEQ, seq, name)
+            status = one_shot.finish(seq, workspace.base, workspace.region_bytes, target, x.numel(), scale or 1.0,
+                                     NATIVE_OPS[op])
+        if status == 2:
+            hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
+            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
+        return True
+
+    def _native_three_phase(self, name: str, x: torch.Tensor, op: ReduceOp) -> bool:
+        """The three-phase all_reduce of flat x in place through the C++ loop: the protocol and bits of
+        _all_reduce_three_phase on one node, which it falls back to (False) for an arena x (its peers read it in
+        place), a workspace too small, or other ops and dtypes."""
+        if op not in NATIVE_OPS or x.dtype not in NATIVE_DTYPES:
+            return False
+        workspace = self._workspaces[self._calls % 2]
+        if workspace is None or workspace.region_bytes < x.numel() * x.element_size() or self.arena.locate(x):
+            return False
+        one_shot = self._bind_native(name, x, op)
+        seq = self.flags.seq + 1
+        scale = 1.0 / self.world if NATIVE_OPS[op] else 1.0
+        args = (seq, NATIVE_DTYPES[x.dtype], NATIVE_OPS_CODE[op], workspace.base, workspace.region_bytes, x, scale,
+                NATIVE_OPS[op], NATIVE_SPINS)
+        self.flags.seq = seq
+        self._calls += 1
+        status = one_shot.three_phase(0, *args)
+        if status == 1:  # late peers: wait as the Python path does (naming a dead or stalled one), then go on
+            self.flags.wait(_F_SEQ, seq, name)
+            status = one_shot.three_phase(1, *args)
+        if status == 2:
+            hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
+            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
+        self.flags.seq = seq + 1
+        if status == 3:
+            self.flags.wait(_F_SEQ, seq + 1, name + " (reduced slices published)")
+            one_shot.three_phase(2, *args)
+        return True
+
+    def _bind_native(self, name: str, x: torch.Tensor, op: ReduceOp):
         if self.flags.broken is not None:
             self.flags._check_usable(name)
         if self._one_shot is None:
             template = header(name, x.dtype, 0, op, -1, -1, -1, (self.chunk_bytes, self.one_shot_bytes))
             self._one_shot = self._native.OneShot(self.flags.words.ctypes.data, _SLOT, self.local_rank,
                                                   self.local_size, _F_SEQ, _F_HDR, HEADER_WORDS, template)
-        seq = self.flags.seq + 1
-        scale = NATIVE_OPS[op] and 1.0 / self.world
-        status = self._one_shot.run(seq, NATIVE_DTYPES[x.dtype], NATIVE_OPS_CODE[op], workspace.base,
-                                    workspace.region_bytes, x, target, scale or 1.0, NATIVE_OPS[op], NATIVE_SPINS)
-        self.flags.seq = seq
-        self._calls += 1
-        if status == 1:  # a peer is late: wait as the Python path does (it names a dead or stalled peer)
-            self.flags.wait(_F_SEQ, seq, name)
-            status = self._one_shot.finish(seq, workspace.base, workspace.region_bytes, target, x.numel(),
-                                           scale or 1.0, NATIVE_OPS[op])
-        if status == 2:
-            hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
-            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
-        return True
+        return self._one_shot
 
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""

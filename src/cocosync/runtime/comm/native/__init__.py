@@ -6,7 +6,9 @@ fails is reported once as a warning and the Python path, the reference the nativ
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
+import platform
 import sys
 import warnings
 from pathlib import Path
@@ -19,6 +21,17 @@ def enabled() -> bool:
     return os.environ.get("COCOSYNC_NATIVE", "1") != "0"
 
 
+def _cpu_key() -> str:
+    """A short hash of this CPU's model and instruction-set flags: a home directory shared by machines of different
+    CPUs keeps one build per kind, so no machine loads code for instructions it lacks."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in text.splitlines() if ln.startswith(("model name", "flags", "Features"))][:2]
+    except OSError:
+        lines = []
+    return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:10]
+
+
 @functools.lru_cache(maxsize=None)
 def one_shot() -> Any:
     """The built module (publish, finish), or None (disabled, or the build failed)."""
@@ -28,12 +41,13 @@ def one_shot() -> Any:
         from torch.utils import cpp_extension
 
         src = Path(__file__).with_name("one_shot.cpp")
-        build = Path(cpp_extension._get_build_directory("cocosync_one_shot", verbose=False))
+        name = f"cocosync_one_shot_{_cpu_key()}"  # built for this CPU (-march=native): one build per CPU kind
+        build = Path(cpp_extension._get_build_directory(name, verbose=False))
         built = sorted(build.glob("*.so"))
         if not built or built[0].stat().st_mtime < src.stat().st_mtime:
             print("cocosync: building the native shared-memory all_reduce once with the system compiler "
                   f"(~1 min; cached in {build})", file=sys.stderr, flush=True)
-        return cpp_extension.load("cocosync_one_shot", [str(src)], extra_cflags=["-O3"], verbose=False)
+        return cpp_extension.load(name, [str(src)], extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the Python path runs
         warnings.warn(f"cocosync: the native shared-memory all_reduce did not build ({type(e).__name__}: "
                       f"{str(e)[:300]}); the Python path runs", RuntimeWarning, stacklevel=2)

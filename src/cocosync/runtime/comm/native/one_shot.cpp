@@ -20,7 +20,7 @@ constexpr int kFields = 10;  // header words compared: collective, dtype, numel,
 // dst = (src[0] + src[1] + ... ) * scale per element, in float32, in rank order (as the Python path: the same bits),
 // in blocks so that each pass is a plain vectorizable loop
 template <typename T>
-void reduce_sum(const T* const* src, int64_t nsrc, T* __restrict dst, int64_t n, float scale, bool scaled) {
+void reduce_sum(const T* const* src, int64_t nsrc, T* dst, int64_t n, float scale, bool scaled) {  // dst may be a src
   constexpr int64_t kBlock = 1024;
   float acc[kBlock];
   for (int64_t lo = 0; lo < n; lo += kBlock) {
@@ -33,7 +33,7 @@ void reduce_sum(const T* const* src, int64_t nsrc, T* __restrict dst, int64_t n,
     }
     if (scaled)
       for (int64_t j = 0; j < m; ++j) acc[j] *= scale;
-    T* __restrict d = dst + lo;
+    T* d = dst + lo;
     for (int64_t j = 0; j < m; ++j) d[j] = static_cast<T>(acc[j]);
   }
 }
@@ -106,7 +106,81 @@ class OneShot {
     return 0;
   }
 
+  // The three-phase all_reduce of a vector x in place (runtime/comm/collectives.py, _all_reduce_three_phase, on
+  // one node with x outside the arena): phase 0 copies the ranges the peers reduce into this rank's workspace
+  // region, publishes the header and arrives at `seq`; phase 1 checks the headers, reduces this rank's range (split
+  // as reduction.split_bounds) from x and the peers' regions into x and its region, and arrives at seq + 1; phase 2
+  // copies the peers' reduced ranges from their regions into x. Returns 0 when done, 1 (late at seq: call again
+  // with phase 1 once every rank arrived), 3 (late at seq + 1: call again with phase 2), or 2 (headers disagree).
+  int64_t three_phase(int64_t phase, int64_t seq, int64_t dtype_code, int64_t op_code, int64_t ws_addr,
+                      int64_t region_bytes, const torch::Tensor& x, double scale, bool scaled, int64_t spins) {
+    const int64_t numel = x.numel(), es = x.element_size();
+    char* data = static_cast<char*>(x.data_ptr());
+    char* ws = reinterpret_cast<char*>(ws_addr);
+    const int64_t q = numel / size_, rem = numel % size_;
+    auto lo = [&](int64_t r) { return r * q + std::min(r, rem); };
+    if (phase == 0) {
+      int64_t* hdr = header(seq, rank_);
+      for (size_t k = 0; k < template_.size(); ++k) hdr[k] = template_[k];
+      for (int64_t k = template_.size(); k < hdr_words_; ++k) hdr[k] = 0;
+      hdr[1] = dtype_code;
+      hdr[2] = numel;
+      hdr[3] = op_code;
+      pybind11::gil_scoped_release no_gil;
+      char* mine = ws + rank_ * region_bytes;
+      for (int64_t r = 0; r < size_; ++r)
+        if (r != rank_) std::memcpy(mine + lo(r) * es, data + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+      store_release(words_ + rank_ * slot_ + seq_field_, seq);
+      if (!spin(seq, spins)) return 1;
+      phase = 1;
+    }
+    if (phase == 1) {
+      const int64_t* mine = header(seq, rank_);
+      for (int64_t r = 0; r < size_; ++r) {
+        const int64_t* h = header(seq, r);
+        for (int k = 0; k < kFields; ++k)
+          if (k != 5 && k != 6 && h[k] != mine[k]) return 2;
+      }
+      const int64_t s = lo(rank_), n = lo(rank_ + 1) - s;
+      std::vector<const void*> src(size_);
+      for (int64_t r = 0; r < size_; ++r)
+        src[r] = (r == rank_ ? data : ws + r * region_bytes) + s * es;
+      const auto dtype = x.scalar_type();
+      pybind11::gil_scoped_release no_gil;
+      reduce(dtype, src, data + s * es, n, static_cast<float>(scale), scaled);
+      std::memcpy(ws + rank_ * region_bytes + s * es, data + s * es, n * es);  // published for the peers
+      store_release(words_ + rank_ * slot_ + seq_field_, seq + 1);
+      if (!spin(seq + 1, spins)) return 3;
+      phase = 2;
+    }
+    pybind11::gil_scoped_release no_gil;
+    for (int64_t r = 0; r < size_; ++r)
+      if (r != rank_) std::memcpy(data + lo(r) * es, ws + r * region_bytes + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+    return 0;
+  }
+
  private:
+  bool spin(int64_t seq, int64_t spins) const {
+    for (int64_t n = 0; !arrived(seq); ++n) {
+      if (n >= spins) return false;
+      if (n >= 64) sched_yield();
+    }
+    return true;
+  }
+
+  static void reduce(c10::ScalarType dtype, const std::vector<const void*>& src, void* dst, int64_t n, float s,
+                     bool scaled) {
+    const int64_t k = src.size();
+    if (dtype == torch::kFloat)
+      reduce_sum(reinterpret_cast<const float* const*>(src.data()), k, static_cast<float*>(dst), n, s, scaled);
+    else if (dtype == torch::kBFloat16)
+      reduce_sum(reinterpret_cast<const c10::BFloat16* const*>(src.data()), k, static_cast<c10::BFloat16*>(dst), n,
+                 s, scaled);
+    else
+      reduce_sum(reinterpret_cast<const c10::Half* const*>(src.data()), k, static_cast<c10::Half*>(dst), n, s,
+                 scaled);
+  }
+
   int64_t* header(int64_t seq, int64_t r) const { return words_ + r * slot_ + hdr_field_ + (seq % 2) * hdr_words_; }
 
   bool arrived(int64_t seq) const {
@@ -124,5 +198,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<OneShot>(m, "OneShot")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>())
       .def("run", &OneShot::run)
-      .def("finish", &OneShot::finish);
+      .def("finish", &OneShot::finish)
+      .def("three_phase", &OneShot::three_phase);
 }
