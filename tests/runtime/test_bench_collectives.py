@@ -47,3 +47,14 @@ def test_bench_collectives_cli_tiny(tmp_path):
     assert all(r["backend_s"] > 0 and r["gloo_over_backend"] > 0 for r in data["rows"]) and "backend" in res.output
     assert any(r["variant"].startswith("DSL: scheduled adam_program") for r in data["fused"]["rows"])
     assert leftover_segments() == []
+
+
+def test_peer_baselines_say_why_they_are_missing(monkeypatch):
+    import sys
+
+    from cocosync.bench.peers import deepspeed_all_reduce, mpi_all_reduce
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # not installed
+    monkeypatch.setitem(sys.modules, "mpi4py", None)
+    assert deepspeed_all_reduce() == (None, "deepspeed not importable (ImportError)")
+    assert mpi_all_reduce() == (None, "mpi4py not importable (ImportError)")

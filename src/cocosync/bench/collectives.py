@@ -1,12 +1,13 @@
 """``cocosync bench collectives``: shared-memory collectives vs gloo on the local ranks of one node.
 
 Two ranks (RankPool, one intra-op thread each) run, size by size: all_reduce, reduce_scatter and all_gather with
-ours on plain tensors (copied in and out of the arena; small all_reduces through the native one-shot loop, and
-again through its Python reference path), ours on arena tensors (zero-copy), the same collectives
-through torch.distributed on a `cocosync` backend group (what DDP and other clients call), and gloo. The memory
-bandwidth is measured in the same run (both ranks copying at once), and every row is also reported as the fraction
-of its memory-traffic bound reached. Then the fused reduce-scatter + Adam + all-gather over N fp32 parameters is
-timed against its (P + 6) * N * 4 bytes bound, and against the unfused baseline (gloo all_reduce + torch Adam).
+ours on plain tensors (copied in and out of the arena; all_reduce through the native loops, and again through their
+Python reference path), ours on arena tensors (zero-copy), DeepSpeed's shared-memory all_reduce where it installs
+(bench/peers.py), the same collectives through torch.distributed on a `cocosync` backend group (what DDP and other
+clients call), and gloo. The memory bandwidth is measured in the same run (both ranks copying at once), and every
+row is also reported as the fraction of its memory-traffic bound reached. Then the fused reduce-scatter + Adam +
+all-gather over N fp32 parameters is timed against its (P + 6) * N * 4 bytes bound, and against the unfused
+baseline (gloo all_reduce + torch Adam).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from cocosync.bench.common import (
     time_interleaved,
     write_json,
 )
+from cocosync.bench.peers import deepspeed_all_reduce
 from cocosync.runtime.comm.backend import register
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
 QUICK_SIZES = "4K,64K,1M,16M"
-COLUMNS = ["op", "size", "ours", "ours (arena)", "ours (Python path)", "backend", "gloo", "gloo/ours", "gloo/arena",
-           "gloo/backend", "bound", "bound/ours", "bound/arena"]
+COLUMNS = ["op", "size", "ours", "ours (arena)", "ours (Python path)", "DeepSpeed", "DeepSpeed/ours", "backend", "gloo",
+           "gloo/ours", "gloo/arena", "gloo/backend", "bound", "bound/ours", "bound/arena"]
 
 
 def traffic_bytes(op: str, nbytes: int, P: int) -> float:
@@ -60,12 +62,13 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
     from cocosync.runtime.comm.collectives import ShmCommunicator
 
     comm = ShmCommunicator(chunk_bytes=chunk_bytes)
-    python = ShmCommunicator(chunk_bytes=chunk_bytes, native=False)  # the reference path of the native one-shot
+    python = ShmCommunicator(chunk_bytes=chunk_bytes, native=False)  # the reference path of the native loops
+    ds, ds_why = deepspeed_all_reduce()
     register()
     backend = dist.new_group(backend="cocosync")  # the same collectives through torch.distributed (ordinary tensors)
     P = comm.world
     sync = lambda: comm.flags.barrier("bench")  # noqa: E731
-    out: dict[str, Any] = {"P": P, "rows": {}}
+    out: dict[str, Any] = {"P": P, "rows": {}, "deepspeed": ds_why or "deepspeed.comm.inference_all_reduce"}
     bws = [copy_bandwidth(256 << 20, repeats=5, before=sync)]  # measured again after every size (load varies)
     _rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     _ag = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -73,6 +76,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
         n = max(P, nbytes // 4 // P * P)
         reps = _repeats_for(nbytes, repeats)
         x = torch.randn(n)
+        xd = x.clone()
         a = comm.arena.empty(n)
         a.copy_(x)
         sl = torch.randn(n // P)
@@ -83,6 +87,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
         cases = {
             ("all_reduce", "ours"): lambda: comm.all_reduce(x),
             ("all_reduce", "python"): lambda: python.all_reduce(x),
+            **({("all_reduce", "deepspeed"): lambda: ds(xd)} if ds is not None else {}),
             ("all_reduce", "arena"): lambda: comm.all_reduce(a),
             ("all_reduce", "gloo"): lambda: dist.all_reduce(x),
             ("all_reduce", "backend"): lambda: dist.all_reduce(x, group=backend),
@@ -97,6 +102,7 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
         }
         for op in ("all_reduce", "reduce_scatter", "all_gather"):
             x.normal_()  # keep values bounded (all_reduce in place doubles them)
+            xd.normal_()
             # ours, arena and gloo round-robin: a change of load during the run hits all three alike
             samples = time_interleaved({k: f for k, f in cases.items() if k[0] == op}, reps, warmup=2, before=sync)
             for (_, impl), ts in samples.items():
@@ -169,14 +175,16 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
     for (op, nbytes, impl) in per_rank[0]["rows"]:
         if impl != "ours":
             continue
-        impls = ("ours", "arena", "backend", "gloo", *(("python",) if op == "all_reduce" else ()))
+        impls = ("ours", "arena", "backend", "gloo", *(("python",) if op == "all_reduce" else ()),
+                 *(("deepspeed",) if op == "all_reduce" and (op, nbytes, "deepspeed") in per_rank[0]["rows"] else ()))
         t = {i: stats(merge((op, nbytes, i), "rows")).median for i in impls}
         bound = bound_seconds(traffic_bytes(op, nbytes, P), bw)
         rows.append({"op": op, "bytes": nbytes, "ours_s": t["ours"], "arena_s": t["arena"], "gloo_s": t["gloo"],
                      "backend_s": t["backend"], "gloo_over_backend": t["gloo"] / t["backend"],
                      "gloo_over_ours": t["gloo"] / t["ours"], "gloo_over_arena": t["gloo"] / t["arena"],
                      "bound_s": bound, "bound_over_ours": bound / t["ours"], "bound_over_arena": bound / t["arena"],
-                     "python_s": t.get("python")})
+                     "python_s": t.get("python"), "deepspeed_s": t.get("deepspeed"),
+                     "deepspeed_over_ours": t["deepspeed"] / t["ours"] if "deepspeed" in t else None})
     fused = None
     if fused_numel:
         fb = bound_seconds((P + 6) * fused_numel * 4, bw)
@@ -184,7 +192,7 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
         for name in per_rank[0]["fused"]:
             med = stats(merge(name, "fused")).median
             fused["rows"].append({"variant": name, "median_s": med, "bound_over_time": fb / med})
-    return {"P": P, "threads_per_rank": 1, "bandwidth_Bps": bw,
+    return {"P": P, "threads_per_rank": 1, "bandwidth_Bps": bw, "deepspeed": per_rank[0]["deepspeed"],
             "bandwidth_samples_Bps": [sum(s) for s in zip(*(pr["bandwidth_samples"] for pr in per_rank))],
             "chunk_bytes": chunk_bytes, "rows": rows,
             "fused": fused}
@@ -192,7 +200,8 @@ def run(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: int, P: i
 
 def table_rows(result: dict[str, Any]) -> list[list[str]]:
     return [[r["op"], fmt_bytes(r["bytes"]), fmt_seconds(r["ours_s"]), fmt_seconds(r["arena_s"]),
-             fmt_seconds(r.get("python_s")), fmt_seconds(r["backend_s"]), fmt_seconds(r["gloo_s"]),
+             fmt_seconds(r.get("python_s")), fmt_seconds(r.get("deepspeed_s")), fmt_ratio(r.get("deepspeed_over_ours")),
+             fmt_seconds(r["backend_s"]), fmt_seconds(r["gloo_s"]),
              fmt_ratio(r["gloo_over_ours"]),
              fmt_ratio(r["gloo_over_arena"]), fmt_ratio(r["gloo_over_backend"]), fmt_seconds(r["bound_s"]),
              f"{r['bound_over_ours']:.0%}", f"{r['bound_over_arena']:.0%}"]
@@ -227,7 +236,8 @@ def collectives_cmd(json_path, sizes, quick, repeats, fused_params, chunk, markd
         fused_numel = 4 << 20
     result = run(size_list, repeats, fused_numel, parse_size(chunk))
     caption = (f"P=2, 1 thread/rank; memory bandwidth (both ranks copying) {result['bandwidth_Bps'] / 1e9:.1f} GB/s; "
-               "ratios > 1: ours faster; bound = zero-copy memory traffic / bandwidth")
+               "ratios > 1: ours faster; bound = zero-copy memory traffic / bandwidth; "
+               f"DeepSpeed: {result['deepspeed']}")
     print_table("collectives: median time per call", COLUMNS, table_rows(result), caption=caption)
     if result["fused"]:
         print_table(f"fused reduce-scatter + Adam + all-gather, {result['fused']['params']:,} fp32 params",
