@@ -57,7 +57,7 @@ def _network(comm) -> tuple[float, float, float, float]:
     """Latency, and bandwidth (bytes a rank moves per second, by the ideal (n-1)/n share) of gloo's all_reduce,
     reduce_scatter and all_gather among the ranks that talk across nodes (the runtime's inter-node group and calls;
     on one node the world group over loopback, the stand-in for a network this host cannot show)."""
-    from cocosync.runtime.comm.collectives import _ag_single, _rs_single
+    from cocosync.runtime.comm.collectives import all_gather_single, reduce_scatter_single
 
     group = comm.groups.inter if comm.nnodes > 1 else None
     n = dist.get_world_size(group)
@@ -66,13 +66,13 @@ def _network(comm) -> tuple[float, float, float, float]:
 
     def rs():
         try:
-            _rs_single(part, big, group=group)
+            reduce_scatter_single(part, big, group=group)
         except (RuntimeError, NotImplementedError):  # as the runtime falls back
             dist.all_reduce(big.clone(), group=group)
 
     def ag():
         try:
-            _ag_single(big, part, group=group)
+            all_gather_single(big, part, group=group)
         except (RuntimeError, NotImplementedError):
             dist.all_gather(list(big.view(n, -1).unbind(0)), part, group=group)
 

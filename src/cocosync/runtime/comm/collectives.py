@@ -36,7 +36,15 @@ from cocosync.runtime.comm.reduction import (
     reduce_chunk,
     split_bounds,
 )
-from cocosync.runtime.comm.shm import _F_HDR, _F_SEQ, _SLOT, HEADER_WORDS, Arena, CollectiveTimeout, Segment
+from cocosync.runtime.comm.shm import (
+    HEADER_FIELD,
+    HEADER_WORDS,
+    SEQ_FIELD,
+    SLOT_WORDS,
+    Arena,
+    CollectiveTimeout,
+    Segment,
+)
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 from cocosync.runtime.comm.tuned import tuned
 
@@ -494,7 +502,7 @@ class ShmCommunicator:
         self.flags.seq = seq
         self._calls += 1
         if status == 1:  # a peer is late: wait as the Python path does (it names a dead or stalled peer)
-            self.flags.wait(_F_SEQ, seq, name)
+            self.flags.wait(SEQ_FIELD, seq, name)
             status = one_shot.finish(seq, workspace.base, workspace.region_bytes, target, x.numel(), scale or 1.0,
                                      NATIVE_OPS[op])
         if status == 2:
@@ -520,14 +528,14 @@ class ShmCommunicator:
         self._calls += 1
         status = one_shot.three_phase(0, *args)
         if status == 1:  # late peers: wait as the Python path does (naming a dead or stalled one), then go on
-            self.flags.wait(_F_SEQ, seq, name)
+            self.flags.wait(SEQ_FIELD, seq, name)
             status = one_shot.three_phase(1, *args)
         if status == 2:
             hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
             validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
         self.flags.seq = seq + 1
         if status == 3:
-            self.flags.wait(_F_SEQ, seq + 1, name + " (reduced slices published)")
+            self.flags.wait(SEQ_FIELD, seq + 1, name + " (reduced slices published)")
             one_shot.three_phase(2, *args)
         return True
 
@@ -536,15 +544,15 @@ class ShmCommunicator:
             self.flags._check_usable(name)
         if self._one_shot is None:
             template = header(name, x.dtype, 0, op, -1, -1, -1, (self.chunk_bytes, self.one_shot_bytes))
-            self._one_shot = self._native.OneShot(self.flags.words.ctypes.data, _SLOT, self.local_rank,
-                                                  self.local_size, _F_SEQ, _F_HDR, HEADER_WORDS, template)
+            self._one_shot = self._native.OneShot(self.flags.words.ctypes.data, SLOT_WORDS, self.local_rank,
+                                                  self.local_size, SEQ_FIELD, HEADER_FIELD, HEADER_WORDS, template)
         return self._one_shot
 
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""
         dop = op.dist_op
         try:
-            _rs_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
+            reduce_scatter_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
         except (RuntimeError, NotImplementedError):  # backends without reduce_scatter: all_reduce then keep our block
             full = blocks.contiguous().clone()
             dist.all_reduce(full, op=dop, group=self.groups.inter)
@@ -554,7 +562,7 @@ class ShmCommunicator:
 
     def _inter_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         try:
-            _ag_single(out, t, group=self.groups.inter)
+            all_gather_single(out, t, group=self.groups.inter)
         except (RuntimeError, NotImplementedError):
             parts = list(out.view(self.nnodes, -1).unbind(0))
             dist.all_gather(parts, t, group=self.groups.inter)
@@ -568,5 +576,6 @@ NATIVE_OPS = {ReduceOp.SUM: False, ReduceOp.MEAN: True}
 NATIVE_OPS_CODE = {op: header("all_reduce", torch.float32, 0, op, 0, 0, 0, (0, 0))[3] for op in NATIVE_OPS}
 NATIVE_SPINS = 4096
 
-_rs_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_ag_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+#: torch.distributed's single-tensor reduce-scatter / all-gather (the names changed across torch versions)
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

@@ -45,6 +45,8 @@ TIMEOUT_ENV = "COCOSYNC_COLLECTIVE_TIMEOUT"
 _SLOT = 40  # int64 words per local rank in the control segment (320 bytes: no false sharing of polled words)
 _F_SEQ, _F_ATTACH, _F_PID, _F_HDR = 0, 1, 2, 4  # slot fields; then two headers (collective metadata)
 HEADER_WORDS = 14  # per header; header k%2 goes with barrier k (a peer may already write the next call's header)
+#: the control words' layout, public for the native loops (runtime/comm/native) that read and write them directly
+SLOT_WORDS, SEQ_FIELD, HEADER_FIELD = _SLOT, _F_SEQ, _F_HDR
 _ALIGN = 4096
 
 _pending: set[str] = set()  # segment paths created or attached by this process and not yet unlinked
