@@ -59,20 +59,12 @@ class OneShot {
               const torch::Tensor& x, const torch::Tensor& out, double scale, bool scaled, int64_t spins) {
     const int64_t nbytes = x.numel() * x.element_size(), numel = x.numel();
     const void* data = x.data_ptr();
-    int64_t* hdr = header(seq, rank_);
-    for (size_t k = 0; k < template_.size(); ++k) hdr[k] = template_[k];
-    for (int64_t k = template_.size(); k < hdr_words_; ++k) hdr[k] = 0;
-    hdr[1] = dtype_code;
-    hdr[2] = numel;
-    hdr[3] = op_code;
+    write_header(seq, dtype_code, numel, op_code);
     {
       pybind11::gil_scoped_release no_gil;  // other threads of this process (a comm or shadow thread) run meanwhile
       std::memcpy(reinterpret_cast<char*>(ws_addr) + rank_ * region_bytes, data, nbytes);
       store_release(words_ + rank_ * slot_ + seq_field_, seq);
-      for (int64_t n = 0; !arrived(seq); ++n) {
-        if (n >= spins) return 1;
-        if (n >= 64) sched_yield();  // 2 cores shared by several ranks: let the peer run
-      }
+      if (!spin(seq, spins)) return 1;
     }
     return finish(seq, ws_addr, region_bytes, out, numel, scale, scaled);
   }
@@ -120,12 +112,7 @@ class OneShot {
     const int64_t q = numel / size_, rem = numel % size_;
     auto lo = [&](int64_t r) { return r * q + std::min(r, rem); };
     if (phase == 0) {
-      int64_t* hdr = header(seq, rank_);
-      for (size_t k = 0; k < template_.size(); ++k) hdr[k] = template_[k];
-      for (int64_t k = template_.size(); k < hdr_words_; ++k) hdr[k] = 0;
-      hdr[1] = dtype_code;
-      hdr[2] = numel;
-      hdr[3] = op_code;
+      write_header(seq, dtype_code, numel, op_code);
       pybind11::gil_scoped_release no_gil;
       char* mine = ws + rank_ * region_bytes;
       for (int64_t r = 0; r < size_; ++r)
@@ -160,10 +147,20 @@ class OneShot {
   }
 
  private:
+  // This rank's header for call `seq`: the template with the call's dtype, element count and op (words 1-3).
+  void write_header(int64_t seq, int64_t dtype_code, int64_t numel, int64_t op_code) {
+    int64_t* hdr = header(seq, rank_);
+    for (size_t k = 0; k < template_.size(); ++k) hdr[k] = template_[k];
+    for (int64_t k = template_.size(); k < hdr_words_; ++k) hdr[k] = 0;
+    hdr[1] = dtype_code;
+    hdr[2] = numel;
+    hdr[3] = op_code;
+  }
+
   bool spin(int64_t seq, int64_t spins) const {
     for (int64_t n = 0; !arrived(seq); ++n) {
       if (n >= spins) return false;
-      if (n >= 64) sched_yield();
+      if (n >= 64) sched_yield();  // 2 cores shared by several ranks: let the peer run
     }
     return true;
   }
