@@ -82,10 +82,12 @@ class SyncConfig:
     """DS-Sync: the trainers are split into this many groups each round, each averaging within itself only."""
     shuffle_seed: int = 0
     """DS-Sync: seed of the per-round shuffle of the groups (the same on every trainer)."""
-    compiled: bool = False
+    compiled: bool = True
     """MA/BMUF on one machine as compiled DSL programs on shared memory (sync/compiled.py) instead of the classes on
-    gloo. Off by default: with it, about 1 run in 5 of fr-ma T=2 (120k examples) learned slowly (eval NE 0.76-0.86
-    against 0.72-0.74), which the classes never did in 17 runs; the rounds themselves match the classes."""
+    gloo (False; the classes also run across machines and are the tests' reference). The default since 42 fr-ma runs
+    (T=2, 120k examples) on it and 30 on the classes, interleaved, learned alike (eval NE medians 0.732 and 0.729,
+    the same tail to 0.76) at 1.36x the examples/s (BENCHMARKS.md, sync); the slow runs an earlier session saw (NE
+    0.86) did not come back in 103 runs since."""
 
     def __post_init__(self) -> None:
         _check(self.algorithm in SYNC_ALGORITHMS, "sync.algorithm", self.algorithm, f"one of {SYNC_ALGORITHMS}")
