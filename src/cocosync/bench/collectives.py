@@ -32,7 +32,7 @@ from cocosync.bench.common import (
     time_interleaved,
     write_json,
 )
-from cocosync.bench.peers import deepspeed_all_reduce
+from cocosync.bench.peers import deepspeed_all_reduce, deepspeed_cleanup
 from cocosync.runtime.comm.backend import register
 
 DEFAULT_SIZES = "4K,16K,64K,256K,1M,4M,16M,64M,256M"
@@ -109,6 +109,9 @@ def _bench_rank(sizes: list[int], repeats: int, fused_numel: int, chunk_bytes: i
                 out["rows"][(op, n * 4, impl)] = ts
         cases = a = asl = None  # drop the arena buffers before the next size
         bws.append(copy_bandwidth(256 << 20, repeats=1, before=sync))
+    if ds is not None:
+        dist.barrier()
+        deepspeed_cleanup()  # its shm op leaves its buffers in /dev/shm
     out["bandwidth_per_rank"] = statistics.median(bws)
     out["bandwidth_samples"] = bws
     if fused_numel:

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["deepspeed_all_reduce", "mpi_all_reduce"]
+__all__ = ["deepspeed_all_reduce", "deepspeed_cleanup", "mpi_all_reduce"]
 
 
 def deepspeed_all_reduce() -> tuple[Callable[[torch.Tensor], object] | None, str]:
@@ -25,6 +25,22 @@ def deepspeed_all_reduce() -> tuple[Callable[[torch.Tensor], object] | None, str
     if dsc.cdb is None or getattr(dsc.cdb, "shm_comm_op", None) is None:
         return None, "deepspeed's shm op did not build"
     return (lambda x: dsc.inference_all_reduce(x)), ""
+
+
+def deepspeed_cleanup() -> list[str]:
+    """Remove the /dev/shm buffers DeepSpeed's shm op leaves behind for this job (named after MASTER_ADDR and
+    MASTER_PORT; ~70 MB each, 1.1 GB after a few runs here). Call on every rank after the last use."""
+    tag = f"_{os.environ.get('MASTER_ADDR', '')}_{os.environ.get('MASTER_PORT', '')}_"
+    removed = []
+    shm = "/dev/shm"
+    for name in os.listdir(shm) if os.path.isdir(shm) else ():
+        if name.startswith("deepspeed_allreduce_buffer_") and tag in name:
+            try:
+                os.unlink(os.path.join(shm, name))
+                removed.append(name)
+            except FileNotFoundError:  # another rank removed it first
+                pass
+    return removed
 
 
 def mpi_all_reduce() -> tuple[Callable[[torch.Tensor], object] | None, str]:
