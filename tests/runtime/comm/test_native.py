@@ -104,3 +104,28 @@ def test_mismatched_calls_raise_the_python_paths_error(rank_pool):
         pytest.skip("the native path did not build here")
     got = rank_pool(2).run(_mismatch)
     assert all("number of elements differs across ranks" in g for g in got), got
+
+
+def _arena_and_plain() -> list[bool]:
+    """Rank 0 reduces an arena tensor (its peers read it in place), the others plain ones (native loop): the
+    native rank sees the arena peer after the header exchange and finishes the call as the Python path does."""
+    r, W = dist.get_rank(), dist.get_world_size()
+    comm = ShmCommunicator(timeout=30, native=True, one_shot_bytes=0)  # three phases at every size
+    ok = []
+    for n in (8, 5000, 100_000):
+        for _ in range(3):  # the first calls grow the workspaces (Python path); later ones go native on plain ranks
+            x = torch.arange(n, dtype=torch.float32) * (r + 1)
+            a = comm.arena.empty(n)  # collective: every rank allocates, rank 0 alone uses it
+            t = a if r == 0 else x.clone()
+            t.copy_(x)
+            comm.all_reduce(t)
+            ok.append(torch.equal(t, torch.arange(n, dtype=torch.float32) * sum(range(1, W + 1))))
+    return ok
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_native_rank_finishes_a_call_with_an_arena_peer_in_python(rank_pool, P):
+    if native.one_shot() is None:
+        pytest.skip("the native path did not build here")
+    got = rank_pool(P).run(_arena_and_plain)
+    assert all(all(g) for g in got), got

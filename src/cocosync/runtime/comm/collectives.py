@@ -126,7 +126,8 @@ class ShmCommunicator:
         """Reduce `t` over all ranks, in place (returns t), or into `out` (returns out; t is not modified).
         op: sum, mean, max, min."""
         name = "all_reduce"
-        if (out is None and self._native is not None and op in NATIVE_OPS and t.dtype in NATIVE_DTYPES
+        if (out is None and self._native is not None and isinstance(t, torch.Tensor) and op in NATIVE_OPS
+                and t.dtype in NATIVE_DTYPES
                 and self.nnodes == 1 and self.world > 1 and t.is_contiguous()
                 and t.numel() * t.element_size() * (self.local_size - 1) <= self.one_shot_bytes
                 and self._native_one_shot(name, t, t, op)):
@@ -381,6 +382,12 @@ class ShmCommunicator:
             self.flags.barrier(name + " (workspace grown)")
         if not need_ws and not fits:
             workspace = None
+        return self._call(name, seq, hdrs, x, data, workspace)
+
+    def _call(self, name: str, seq: int, hdrs: list[Header], x: torch.Tensor, data: torch.Tensor,
+              workspace: Segment | None) -> Call:
+        """The Call after the header exchange: each peer's data where it is (its arena tensor, or its workspace
+        region), this rank's own `data`."""
         sources: list[torch.Tensor | None] = []
         for peer in range(self.local_size):
             if peer == self.local_rank:
@@ -435,11 +442,13 @@ class ShmCommunicator:
                 y[s:e].copy_(src[s:e])
 
     def _all_reduce_three_phase(self, name: str, x: torch.Tensor, ranges: list[list[tuple[int, int]]],
-                                op: ReduceOp) -> None:
-        """Intra reduce-scatter (+ inter all-reduce of the slice) + intra all-gather, in place on flat x."""
+                                op: ReduceOp, call: Call | None = None) -> None:
+        """Intra reduce-scatter (+ inter all-reduce of the slice) + intra all-gather, in place on flat x (`call`:
+        the header exchange already done, by the native loop)."""
         s, e = ranges[self.local_rank][0]
-        call = self.begin_call(name, x, op=op, fill=lambda region: self.copy_ranges(region, x, self.others(ranges)),
-                               data=x)
+        if call is None:
+            call = self.begin_call(name, x, op=op, data=x,
+                                   fill=lambda region: self.copy_ranges(region, x, self.others(ranges)))
         # an arena x: peers read the result in place; else it is published in this rank's workspace region
         publish = None
         if self.arena.locate(x) is None and call.workspace is not None:
@@ -530,9 +539,13 @@ class ShmCommunicator:
         if status == 1:  # late peers: wait as the Python path does (naming a dead or stalled one), then go on
             self.flags.wait(SEQ_FIELD, seq, name)
             status = one_shot.three_phase(1, *args)
-        if status == 2:
+        if status in (2, 4):
             hdrs = [Header(*h[:len(Header._fields)]) for h in self.flags.headers(seq)]
-            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # raises, naming the ranks
+            validate(name, seq, hdrs, self.local_rank, self.groups.local_ranks_global)  # 2: raises, naming the ranks
+        if status == 4:  # a peer's vector is an arena tensor its peers read in place: go on as the Python path
+            ranges = [[b] for b in split_bounds(x.numel(), self.local_size)]
+            self._all_reduce_three_phase(name, x, ranges, op, self._call(name, seq, hdrs, x, x, workspace))
+            return True
         self.flags.seq = seq + 1
         if status == 3:
             self.flags.wait(SEQ_FIELD, seq + 1, name + " (reduced slices published)")

@@ -103,7 +103,8 @@ class OneShot {
   // region, publishes the header and arrives at `seq`; phase 1 checks the headers, reduces this rank's range (split
   // as reduction.split_bounds) from x and the peers' regions into x and its region, and arrives at seq + 1; phase 2
   // copies the peers' reduced ranges from their regions into x. Returns 0 when done, 1 (late at seq: call again
-  // with phase 1 once every rank arrived), 3 (late at seq + 1: call again with phase 2), or 2 (headers disagree).
+  // with phase 1 once every rank arrived), 3 (late at seq + 1: call again with phase 2), 2 (headers disagree), or
+  // 4 (a peer's vector is an arena tensor, read in place: the caller finishes the call on the Python path).
   int64_t three_phase(int64_t phase, int64_t seq, int64_t dtype_code, int64_t op_code, int64_t ws_addr,
                       int64_t region_bytes, const torch::Tensor& x, double scale, bool scaled, int64_t spins) {
     const int64_t numel = x.numel(), es = x.element_size();
@@ -128,6 +129,8 @@ class OneShot {
         for (int k = 0; k < kFields; ++k)
           if (k != 5 && k != 6 && h[k] != mine[k]) return 2;
       }
+      for (int64_t r = 0; r < size_; ++r)
+        if (header(seq, r)[5] >= 0) return 4;  // word 5: the peer's arena segment (-1: copied into its region)
       const int64_t s = lo(rank_), n = lo(rank_ + 1) - s;
       std::vector<const void*> src(size_);
       for (int64_t r = 0; r < size_; ++r)
