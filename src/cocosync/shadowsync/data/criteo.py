@@ -308,8 +308,9 @@ class CriteoReader:
             yield rest + b"\n", (lambda n=line_no: n)
 
     # ---------------------------------------------------------------- parsing
-    def _parse_chunk(self, chunk: bytes, path: str, first_line: int, global_line: int, prob):
-        """Parse the shard's lines of one chunk. Returns (dense, sparse, label, prob, lines_in_chunk)."""
+    def _parse_chunk(self, chunk: bytes, path: str, first_line: Callable[[], int], global_line: int, prob):
+        """Parse the shard's lines of one chunk (`first_line()`: the 1-based number of its first line, asked only
+        where a sidecar or a malformed line needs it). Returns (dense, sparse, label, prob, lines_in_chunk)."""
         buf = np.frombuffer(chunk, dtype=np.uint8)
         is_nl = buf == 10
         nl = np.flatnonzero(is_nl)
