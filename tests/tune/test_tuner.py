@@ -5,6 +5,9 @@ candidates on real ranks, chooses the fastest median, writes the JSON and caches
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass
 
@@ -126,3 +129,25 @@ def test_cocosync_tune_times_the_candidates_chooses_and_caches(tmp_path, monkeyp
 def test_tune_refuses_an_unknown_target():
     res = CliRunner().invoke(main, ["tune", "adamw2"])
     assert res.exit_code != 0 and "neither a .py file nor a built-in workload" in res.output
+
+
+_HEAP_CHILD = """
+import sys, torch
+from cocosync.tune.measure import steady_allocator
+if sys.argv[1] == "pin":
+    assert steady_allocator()
+t = torch.empty(4 << 20)  # 16 MB
+for line in open("/proc/self/maps"):
+    lo, hi = (int(x, 16) for x in line.split()[0].split("-"))
+    if lo <= t.data_ptr() < hi:
+        print("heap" if line.rstrip().endswith("[heap]") else "mmap")
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+def test_steady_allocator_serves_16mb_results_from_the_heap():
+    # glibc's default mmaps a fresh 16 MB block (its pages fault in on first write); the tuner's ranks pin the
+    # allocator so such results reuse heap memory, as a training loop's steady state does
+    where = {mode: subprocess.run([sys.executable, "-c", _HEAP_CHILD, mode], capture_output=True, text=True,
+                                  timeout=120).stdout.strip() for mode in ("default", "pin")}
+    assert where == {"default": "mmap", "pin": "heap"}

@@ -26,7 +26,7 @@ class DistributedAdam(DistributedOptimizer):
     and `capturable` choose torch's implementation and are accepted (ours has one); `amsgrad` keeps the running
     maximum of the second moment (sliced like it); `differentiable` is refused by name. Parameter groups may set
     their own lr, betas, eps, weight_decay and maximize. See DistributedOptimizer for max_grad_norm, master_dtype,
-    group.
+    group, schedule.
     """
 
     state_names = {"m": "exp_avg", "v": "exp_avg_sq"}
@@ -37,7 +37,8 @@ class DistributedAdam(DistributedOptimizer):
                  maximize: bool = False, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, decoupled_weight_decay: bool = False,
                  max_grad_norm: float | None = None, master_dtype: torch.dtype | None = None,
-                 group: dist.ProcessGroup | None = None):
+                 group: dist.ProcessGroup | None = None,
+                 schedule: str = "standard"):
         betas = check_adam_args(lr, betas, eps, weight_decay, foreach, capturable)
         refuse_unsupported(type(self).__name__, differentiable=differentiable)
         self.amsgrad = bool(amsgrad)
@@ -45,7 +46,8 @@ class DistributedAdam(DistributedOptimizer):
             self.state_names = {**self.state_names, "vmax": "max_exp_avg_sq"}
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=self.amsgrad,
                                       maximize=bool(maximize), decoupled_weight_decay=bool(decoupled_weight_decay)),
-                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
+                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group,
+                         schedule=schedule)
 
     def _structure_of(self, group: dict[str, Any]) -> dict[str, bool]:
         return {"decoupled": bool(group.get("decoupled_weight_decay", True)),
@@ -74,8 +76,9 @@ class DistributedAdamW(DistributedAdam):
                  eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
                  foreach: bool | None = None, capturable: bool = False, differentiable: bool = False,
                  fused: bool | None = None, max_grad_norm: float | None = None,
-                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 schedule: str = "standard"):
         super().__init__(params, lr, betas, eps, weight_decay, amsgrad, foreach=foreach, maximize=maximize,
                          capturable=capturable, differentiable=differentiable, fused=fused,
                          decoupled_weight_decay=True, max_grad_norm=max_grad_norm, master_dtype=master_dtype,
-                         group=group)
+                         group=group, schedule=schedule)

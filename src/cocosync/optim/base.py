@@ -23,6 +23,7 @@ construction.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -40,9 +41,13 @@ from cocosync.optim.state_dict import TorchStateDict
 from cocosync.programs.mixed_precision import MASK_INPUTS
 from cocosync.runtime.comm.verify import verify_same
 from cocosync.runtime.executor import compile_plan
+from cocosync.schedule.schedule import Schedule
 from cocosync.schedule.standard import sharded_update_schedule
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "SCHEDULES"]
+
+#: the `schedule=` values the optimizers accept
+SCHEDULES = ("standard", "auto")
 
 
 @dataclass
@@ -81,6 +86,11 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
         master_dtype: dtype of the master weights and of the optimizer state (float32 for bfloat16/float16
             parameters); None: the parameters' dtype.
         group: torch.distributed process group (default: the whole world).
+        schedule: "standard" (RS -> sliced update -> AG as one fused collective) or "auto": at construction each
+            group's update is timed under every schedule that keeps the state sliced and the fastest runs
+            (tune/in_job.py; the choice is cached on disk per program, world and machine, so later jobs read it).
+            "auto" chose the standard schedule for every optimizer measured (BENCHMARKS.md), so it is not the
+            default. The masked update (some parameters without gradients) always runs the standard schedule.
     """
 
     state_names: dict[str, str] = {}
@@ -96,7 +106,13 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
     node_shared_params = True
 
     def __init__(self, params: Iterable, defaults: dict[str, Any], *, max_grad_norm: float | None = None,
-                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 schedule: str = "standard"):
+        if schedule not in SCHEDULES:
+            raise ValueError(f"{type(self).__name__}: schedule={schedule!r}; expected one of {', '.join(SCHEDULES)}")
+        self._schedule_mode = schedule
+        #: with schedule="auto": per parameter group, the tuner's Choice (candidate, medians, cached, reason)
+        self.schedule_choices: list[Any] = []
         self._constructing = True
         super().__init__(params, defaults)
         self._constructing = False
@@ -129,7 +145,7 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
     def _signature(self) -> dict[str, Any]:
         """What every rank must agree on: each group's trainable parameters (shapes, dtypes) and settings."""
         sig: dict[str, Any] = {"parameter groups": len(self.param_groups), "max_grad_norm": self.max_grad_norm,
-                               "master_dtype": str(self._master_arg)}
+                               "master_dtype": str(self._master_arg), "schedule": self._schedule_mode}
         for gi in range(len(self.param_groups)):
             sig.update(self._group_signature(gi))
         return sig
@@ -165,7 +181,8 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
         # (runtime/steps/fused_collective.py), still one reduction of the gradients
         program = self._program(n_pad, dtype, master if master != dtype else None,
                                 clip=self._clip_in_program, params=params, **structure)
-        schedule, compiled = self._compile(program, group)
+        schedule, compiled = self._compile(program, group, tune=self._schedule_mode == "auto",
+                                           param_group=param_group)
         alloc = param_alloc = shm = None
         if compiled is not None:
             shm = compiled.comm.shm
@@ -191,14 +208,26 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
             local_state["master"] = new().copy_(flat.flat[sl])
         return _GroupUpdate(structure, program, schedule, compiled, flat, local_state, sl, trainable, arena, master)
 
-    def _compile(self, program: Program, group: dist.ProcessGroup | None) -> tuple[Any, Callable | None]:
+    def _compile(self, program: Program, group: dist.ProcessGroup | None, *, tune: bool = False,
+                 param_group: dict[str, Any] | None = None) -> tuple[Any, Callable | None]:
         """The standard sharded-update schedule of `program` (its state and per-element inputs sliced) and its
-        compiled plan (None without torch.distributed)."""
+        compiled plan (None without torch.distributed); `tune`: the fastest schedule keeping the state sliced,
+        measured now or read from the tuner's cache (collective)."""
         names = {x.name for x in program.inputs if x.ndim}  # the per-element inputs of the masked programs
         sliced = tuple(s for s in self._program_states() if s in program.updates)
         schedule = sharded_update_schedule(program, sliced + tuple(x for x in MASK_INPUTS if x in names))
         if not self._distributed:
             return schedule, None
+        if tune and param_group is not None:
+            from cocosync.tune.in_job import choose_update_schedule
+
+            choice = choose_update_schedule(program, sliced, group, self._float_scalars(param_group, 1),
+                                            donate=("g",))
+            self.schedule_choices.append(choice)
+            if dist.get_rank(group) == 0:
+                print(f"cocosync: {type(self).__name__}(schedule='auto') runs {choice.candidate.name}: "
+                      f"{choice.reason}", file=sys.stderr)
+            return Schedule(program, choice.candidate.directives), choice.compiled
         return schedule, compile_plan(lower(schedule), group, donate=("g",))
 
     def _masked(self, gi: int, u: _GroupUpdate) -> tuple[Any, Callable | None]:

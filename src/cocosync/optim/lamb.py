@@ -36,6 +36,7 @@ class DistributedLAMB(DistributedOptimizer):
     def __init__(self, params: Iterable, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-6, weight_decay: float = 0.0, *, max_grad_norm: float | None = None,
                  master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 schedule: str = "standard",
                  per_tensor: bool = True):
         if not lr >= 0 or not eps >= 0 or not weight_decay >= 0:
             raise ValueError(f"DistributedLAMB: lr={lr}, eps={eps}, weight_decay={weight_decay} must be >= 0")
@@ -43,7 +44,8 @@ class DistributedLAMB(DistributedOptimizer):
             raise ValueError(f"DistributedLAMB: betas={betas} must be two numbers in [0, 1)")
         self.per_tensor = bool(per_tensor)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
-                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
+                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group,
+                         schedule=schedule)
 
     def _program(self, n: int, dtype: torch.dtype, master_dtype: torch.dtype | None, *, clip: bool,
                  params: list[torch.Tensor], masked: bool = False) -> Program:

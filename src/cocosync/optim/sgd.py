@@ -31,13 +31,15 @@ class DistributedSGD(DistributedOptimizer):
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False, *,
                  maximize: bool = False, foreach: bool | None = None, differentiable: bool = False,
                  fused: bool | None = None, max_grad_norm: float | None = None,
-                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None):
+                 master_dtype: torch.dtype | None = None, group: dist.ProcessGroup | None = None,
+                 schedule: str = "standard"):
         check_sgd_args(lr, momentum, dampening, weight_decay, nesterov, foreach)
         refuse_unsupported("DistributedSGD", differentiable=differentiable)
         self.state_names = {"buf": "momentum_buffer"} if momentum else {}
         super().__init__(params, dict(lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay,
                                       nesterov=bool(nesterov), maximize=bool(maximize)),
-                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group)
+                         max_grad_norm=max_grad_norm, master_dtype=master_dtype, group=group,
+                         schedule=schedule)
 
     def _structure_of(self, group: dict[str, Any]) -> dict[str, bool]:
         return {"momentum": bool(group["momentum"]), "weight_decay": bool(group["weight_decay"]),

@@ -1,6 +1,7 @@
-"""A cost model of a plan from quantities measured once on the machine: memory copy bandwidth, the per-call latency
-and bandwidth of the shared-memory collectives, and matmul throughput. It predicts a candidate without running it
-(more ranks, other sizes); the tuner reports its error against the candidates it timed.
+"""A cost model of a plan from quantities measured on the machine: memory copy bandwidth, the per-call latency
+and bandwidth of the shared-memory collectives, and matmul throughput (the bandwidths and the matmul rate, at the
+program's own matmul shapes, are timed in the candidates' round-robin: measure.py). It predicts a candidate without
+running it (more ranks, other sizes); the tuner reports its error against the candidates it timed.
 
 Per plan step, with this rank's bytes (a sliced tensor counts 1/G):
 * kernel with a fast (generated) form: the bytes of its inputs and of the values it hands on (updates, values
@@ -36,9 +37,10 @@ COMM_FACTOR = {"all_reduce": lambda g: 2 * (g - 1) / g, "reduce_scatter": lambda
 @dataclass(frozen=True)
 class MachineModel:
     copy_bw: float  # bytes/s of a large memory copy
-    # bytes/s of writing a freshly allocated large tensor, page faults included. Whether fresh results fault their
-    # pages in depends on glibc's dynamic mmap threshold (16 MB results: ~4 GB/s cold, ~55 GB/s once one was freed),
-    # so unfused candidates' times move by +-30% between runs; the model takes the faulting case
+    # bytes/s of writing a freshly allocated large tensor. Whether fresh results fault their pages in depends on
+    # glibc's dynamic mmap threshold (16 MB results: ~4 GB/s cold, ~55 GB/s warm), which moved unfused candidates'
+    # times +-30% between runs; the tuner's ranks pin the allocator in a training loop's steady state (warm pages,
+    # measure.steady_allocator) and measure this there
     alloc_bw: float
     call_s: float  # the overhead of one kernel call
     comm_latency_s: float  # a tiny all_reduce

@@ -27,7 +27,7 @@ from cocosync.tune.oracle import agrees
 from cocosync.tune.space import schedule_space
 from cocosync.tune.workloads import workload
 
-__all__ = ["autotune", "TuneResult", "cache_dir", "project"]
+__all__ = ["autotune", "TuneResult", "cache_dir", "cache_key", "project"]
 
 #: node counts every candidate is predicted at (same ranks per node as timed): configurations not timed
 PROJECT_NODES = (1, 2, 4, 8, 16, 32)
@@ -72,7 +72,7 @@ def cache_dir() -> Path:
     return Path(os.environ.get("COCOSYNC_CACHE_DIR", Path.home() / ".cache" / "cocosync")) / "tune"
 
 
-def _key(listing: str, world: int, nnodes: int) -> str:
+def cache_key(listing: str, world: int, nnodes: int) -> str:
     machine = f"{platform.machine()}-{platform.processor()}-{os.cpu_count()}"
     kernels = os.environ.get("COCOSYNC_KERNELS", "inductor")  # generated or eager kernels time differently
     raw = json.dumps([listing, world, nnodes, torch.__version__, machine, kernels])
@@ -90,7 +90,7 @@ def autotune(target: str, *, world: int = 2, nodes: int = 1, repeats: int = 7, u
         raise ValueError(f"nodes={nodes} must divide ranks={world}")
     work = workload(target)
     program = work.build()
-    key = _key(str(program), world, nodes)
+    key = cache_key(str(program), world, nodes)
     path = cache_dir() / f"{key}.json"
     if use_cache and path.is_file() and model_from is None:
         saved = json.loads(path.read_text())
