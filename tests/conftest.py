@@ -4,11 +4,17 @@ started once per world size per session (spawning ranks costs seconds; the pool 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
 # Fused kernels run eagerly in tests (same code, no Inductor compile per rank); test_kernels covers Inductor.
 os.environ.setdefault("COCOSYNC_KERNELS", "eager")
+# Choices and constants measured by tests go to a scratch cache: tests never read the user's tuned constants nor
+# leave choices in ~/.cache/cocosync (ranks inherit it: the pools start after this line)
+_CACHE = tempfile.mkdtemp(prefix="cocosync-test-cache-")
+os.environ["COCOSYNC_CACHE_DIR"] = _CACHE
 
 from cocosync.testing.launch import RankPool
 
@@ -20,6 +26,10 @@ def pytest_sessionstart(session) -> None:
     from cocosync.runtime.comm import native
 
     native.one_shot()
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 def get_pool(world_size: int, nnodes: int = 1) -> RankPool:

@@ -249,7 +249,7 @@ def _auto_chunks():
     fc1, fc2 = _dense()
     x, dout = _inputs((64,), seed=11)  # 64 rows: 1, 2 and 4 chunks are three different plans
     out = []
-    for chunks in ("auto", 1):
+    for chunks in ("auto", 1, "auto"):  # the second "auto" layer reads the first one's choice from the cache
         mlp = MegatronMLP.from_dense(fc1, fc2, rank, P, p=0.25, seed=5, chunks=chunks)
         xr = x.clone().requires_grad_()
         y = mlp(xr)
@@ -260,13 +260,16 @@ def _auto_chunks():
 
 def test_auto_chunks_measures_the_candidates_and_agrees_with_fixed_chunks(rank_pool):
     results = rank_pool(2).run(_auto_chunks)
+    for r in results:  # the cached choice: the same chunks, nothing timed
+        again = [(c, {}) for c, _ in r[0][3].values()], [(c, {}) for c, _ in r[0][4].values()]
+        assert (list(r[2][3].values()), list(r[2][4].values())) == again
     chosen = [(list(r[0][3].values()), list(r[0][4].values())) for r in results]
     assert chosen[0] == chosen[1]  # every rank runs the same plan: the slowest rank's medians decide
     forward, backward = chosen[0]
     assert len(forward) == 1 and len(backward) == 1
     for c, medians in (forward[0], backward[0]):
         assert sorted(medians) == [1, 2, 4] and c == min(medians, key=medians.get)
-    for (auto, fixed) in results:
+    for (auto, fixed, _) in results:
         for a, b in zip(auto[:2], fixed[:2]):
             torch.testing.assert_close(a, b, **TOL)
         for name in auto[2]:

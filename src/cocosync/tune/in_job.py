@@ -14,8 +14,6 @@ interpreter by the schedule tests; the tuner's oracle prunes at small sizes), so
 
 from __future__ import annotations
 
-import json
-import os
 import statistics
 from dataclasses import dataclass
 from typing import Any
@@ -29,8 +27,8 @@ from cocosync.lower import lower
 from cocosync.runtime.executor import compile_plan
 from cocosync.runtime.reference.stage import local_shape
 from cocosync.schedule.schedule import Schedule
+from cocosync.tune.choice_cache import entry_path, read_agreed, save_entry
 from cocosync.tune.space import Candidate, schedule_space
-from cocosync.tune.tuner import cache_dir, cache_key
 
 __all__ = ["Choice", "choose_update_schedule"]
 
@@ -64,14 +62,6 @@ def _scratch(compiled: Any, scalars: dict[str, float]) -> dict[str, Any]:
     return out
 
 
-def _cached(path, candidates: list[Candidate]) -> Candidate | None:
-    try:
-        saved = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return next((c for c in candidates if c.name == saved.get("chosen")), None)
-
-
 def choose_update_schedule(program: Program, state: tuple[str, ...], group: dist.ProcessGroup | None,
                            scalars: dict[str, float], *, donate: tuple[str, ...] = (), repeats: int = 5,
                            use_cache: bool = True) -> Choice:
@@ -87,14 +77,11 @@ def choose_update_schedule(program: Program, state: tuple[str, ...], group: dist
         return compiled[c.name]
 
     shm = plan(candidates[-1]).comm.shm  # None where the group's collectives are torch's (then: one node)
-    nnodes = shm.nnodes if shm is not None else 1
-    path = cache_dir() / f"{cache_key(str(program), world, nnodes)}.json"
-    hit = _cached(path, candidates) if use_cache else None
-    index = -1.0 if hit is None else float(candidates.index(hit))
-    agreed = torch.tensor([index, -index])
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=group)  # every rank holds the same entry: min = max
-    if hit is not None and float(agreed[0]) == -float(agreed[1]) == index:
-        return Choice(hit, plan(hit), {}, True, f"cached in {path}")
+    path = entry_path(str(program), world, shm.nnodes if shm is not None else 1)
+    names = [c.name for c in candidates]
+    hit = read_agreed(path, group, lambda e: names.index(e["chosen"]) if e["chosen"] in names else None, use_cache)
+    if hit is not None:
+        return Choice(candidates[hit], plan(candidates[hit]), {}, True, f"cached in {path}")
     args = _scratch(plan(candidates[-1]), scalars)
     cases = {c.name: (lambda p=plan(c): p(**args)) for c in candidates}
     samples = time_interleaved(cases, repeats, warmup=2, before=lambda: dist.barrier(group))
@@ -104,12 +91,7 @@ def choose_update_schedule(program: Program, state: tuple[str, ...], group: dist
     times = {c.name: float(m) for c, m in zip(candidates, medians)}
     reason = (f"fastest slowest-rank median of {len(candidates)} schedules keeping {', '.join(state) or 'no state'} "
               f"sliced ({repeats} round-robin repeats on {world} ranks): {times[best.name] * 1e3:.3f} ms")
-    if dist.get_rank(group) == 0:
-        rows = [{"name": c.name, "schedule": c.listing, "measured_s": times[c.name]} for c in candidates]
-        entry = {"workload": program.name, "world": world, "nodes": nnodes, "candidates": rows,
-                 "chosen": best.name, "reason": reason, "model": {}, "model_error": None}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(entry, indent=2))
-        os.replace(tmp, path)
+    rows = [{"name": c.name, "schedule": c.listing, "measured_s": times[c.name]} for c in candidates]
+    save_entry(path, {"workload": program.name, "world": world, "candidates": rows, "chosen": best.name,
+                      "reason": reason, "model": {}, "model_error": None}, group)
     return Choice(best, plan(best), times, False, reason)
