@@ -16,7 +16,7 @@ os.environ.setdefault("COCOSYNC_KERNELS", "eager")
 _CACHE = tempfile.mkdtemp(prefix="cocosync-test-cache-")
 os.environ["COCOSYNC_CACHE_DIR"] = _CACHE
 
-from cocosync.testing.launch import RankPool
+from cocosync.testing.launch import RankPool  # noqa: E402 - after the environment it reads
 
 _pools: dict[tuple[int, int], RankPool] = {}
 

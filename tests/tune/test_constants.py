@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import torch
 from click.testing import CliRunner
 
 from cocosync.cli import main
@@ -92,3 +93,45 @@ def test_tune_kernel_bytes_measures_saves_and_the_fused_collective_reads_it(tmp_
         assert kernel_bytes(StepOptions.make(), 2) == 8192
     finally:
         module._saved.cache_clear()
+
+
+def test_eager_work_is_where_the_compiled_kernel_starts_to_win_for_good():
+    from cocosync.tune.constants import choose_eager_work
+
+    def rows(wins):
+        return [{"numel": n << 10, "compiled_s": 1.0 if w else 2.0, "eager_s": 1.5}
+                for n, w in zip((16, 64, 256), wins)]
+
+    assert choose_eager_work(rows([False, True, True]), 3) == 3 * (64 << 10)
+    assert choose_eager_work(rows([True, False, True]), 3) == 3 * (256 << 10)  # a loss resets: it must win for good
+    assert choose_eager_work(rows([False, False, False]), 2) == 2 * 2 * (256 << 10)  # never: past the largest
+
+
+def test_tune_eager_work_measures_saves_and_generated_kernels_read_it(tmp_path, monkeypatch):
+    from cocosync.dsl import Program, Replicated, Tensor, maximum
+    from cocosync.runtime.comm import tuned as module
+    from cocosync.runtime.steps.codegen import build_kernel
+    from cocosync.runtime.steps.common import StepOptions, eager_work
+    from cocosync.tune.constants import EAGER_SIZES, choose_eager_work
+
+    monkeypatch.setenv("COCOSYNC_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("COCOSYNC_EAGER_WORK", raising=False)
+    out = tmp_path / "ew.json"
+    res = CliRunner().invoke(main, ["tune", "eager-work", "--repeats", "1", "--json", str(out)])
+    assert res.exit_code == 0, res.output
+    doc = json.loads(out.read_text())
+    assert [r["numel"] for r in doc["rows"]] == list(EAGER_SIZES) and doc["stages"] == 3
+    assert doc["chosen"] == choose_eager_work(doc["rows"], 3)
+    assert json.loads((tmp_path / "tune" / "constants.json").read_text()) == {"eager_work@2": doc["chosen"]}
+    module._saved.cache_clear()
+    try:
+        assert eager_work(StepOptions.make(), 2) == doc["chosen"]  # what the kernel runners pass to build_kernel
+        assert eager_work(StepOptions.make(eager_work=600), 2) == 600  # compile_plan(eager_work=) wins
+        monkeypatch.setenv("COCOSYNC_EAGER_WORK", "900")
+        assert eager_work(StepOptions.make(), 2) == 900
+    finally:
+        module._saved.cache_clear()
+    x = Tensor("x", (4, 8), torch.float32, Replicated)
+    y = maximum(x + 1.0, 0.0) + x
+    stages = list(Program("p", [x], {"y": y}).stages)
+    assert build_kernel(stages, stages[-1:], "eager", eager_work=600).eager_below == 600 // len(stages)

@@ -108,18 +108,20 @@ class CompiledPlan(CompiledProgram):
     within a node a fused collective's kernel sums the ranks' gradient chunks itself (default True, or
     $COCOSYNC_FUSE_REDUCTION=0; False reduces first, for A/B measurements). kernel_bytes: gradient bytes per call
     of a fused collective's kernel (default: $COCOSYNC_KERNEL_BYTES, else `cocosync tune kernel-bytes`'s value,
-    else 2 MB)."""
+    else 2 MB). eager_work: elements x stages below which a compiled kernel runs its eager source (default:
+    $COCOSYNC_EAGER_WORK, else `cocosync tune eager-work`'s value, else 256K)."""
 
     def __init__(self, plan: Plan, group: dist.ProcessGroup | None = None, *, backend: str | None = None,
                  kernels: str | None = None, fast: bool = True, donate: tuple[str, ...] = (),
-                 fuse_reduction: bool | None = None, kernel_bytes: int | None = None):
+                 fuse_reduction: bool | None = None, kernel_bytes: int | None = None,
+                 eager_work: int | None = None):
         super().__init__(plan.program, group, backend)
         self.plan = plan
         unknown = set(donate) - {n.name for n in plan.program.inputs}
         if unknown:
             raise ValueError(f"donate={sorted(unknown)}: not inputs of {plan.program.name!r}")
         options = StepOptions.make(kernels=kernels, donate=frozenset(donate), fuse_reduction=fuse_reduction,
-                                   kernel_bytes=kernel_bytes)
+                                   kernel_bytes=kernel_bytes, eager_work=eager_work)
         self.runners = [prepare(step, plan.program, self.comm, options) if fast else None for step in plan.steps]
         self._profile: StepProfile | None = None
 
@@ -157,8 +159,8 @@ class CompiledPlan(CompiledProgram):
 
 
 def compile_plan(plan: Plan, group: dist.ProcessGroup | None = None, **options: Any) -> CompiledPlan:
-    """Compile a plan for this rank; options: backend, kernels, fast, donate, fuse_reduction, kernel_bytes (see
-    CompiledPlan)."""
+    """Compile a plan for this rank; options: backend, kernels, fast, donate, fuse_reduction, kernel_bytes,
+    eager_work (see CompiledPlan)."""
     return CompiledPlan(plan, group, **options)
 
 

@@ -1,5 +1,5 @@
 """`cocosync tune FILE.py|adam|lamb|sgd|megatron|bmuf [--ranks P] [--json PATH]`: the tuner's table and choice;
-`cocosync tune one-shot|kernel-bytes`: a runtime constant measured and saved."""
+`cocosync tune one-shot|kernel-bytes|eager-work`: a runtime constant measured and saved."""
 
 from __future__ import annotations
 
@@ -21,7 +21,8 @@ def tune_cmd(target: str, ranks: int, nodes: int, repeats: int, json_path: str |
              model_from: str | None) -> None:
     """Choose the schedule of TARGET (FILE.py, or adam, lamb, sgd, megatron, bmuf) by timing every legal one;
     `one-shot` measures the shared-memory all_reduce's one-shot threshold instead, `kernel-bytes` the fused
-    collective's bytes per kernel call, and saves it for the runtime.
+    collective's bytes per kernel call, `eager-work` the size below which generated kernels run eagerly, and saves
+    it for the runtime.
 
     The candidates are CoCoNeT's directive chains (split, reorder, as_slice, fuse, overlap by 2/4/8 chunks), each
     checked against the reference interpreter on small inputs, then timed round-robin on the ranks; the cost model's
@@ -33,6 +34,8 @@ def tune_cmd(target: str, ranks: int, nodes: int, repeats: int, json_path: str |
         return _one_shot(ranks, repeats, json_path)
     if target == "kernel-bytes":
         return _kernel_bytes(ranks, repeats, json_path)
+    if target == "eager-work":
+        return _eager_work(ranks, repeats, json_path)
     try:
         if ranks % nodes:
             raise click.BadParameter(f"{nodes} does not divide --ranks {ranks}", param_hint="--nodes")
@@ -128,3 +131,24 @@ def _kernel_bytes(ranks: int, repeats: int, json_path: str | None) -> None:
                         f"{fmt_bytes(DEFAULT_KERNEL_BYTES)}, kept unless another is > 5% faster) saved to {path}")
     if json_path:
         write_json(json_path, {"constant": "kernel_bytes", "chosen": chosen, **out})
+
+
+def _eager_work(ranks: int, repeats: int, json_path: str | None) -> None:
+    from cocosync.bench.common import print_table, write_json
+    from cocosync.runtime.steps.codegen import EAGER_WORK
+    from cocosync.testing.launch import RankPool
+    from cocosync.tune.constants import choose_eager_work, measure_eager_work, save_constant
+
+    with RankPool(ranks, threads=1, timeout=1800) as pool:
+        out = pool.run(measure_eager_work, max(repeats, 9))[0]
+    chosen = choose_eager_work(out["rows"], out["stages"])
+    path = save_constant("eager_work", out["local_ranks"], chosen)
+    rows = [[("* " if r["numel"] * out["stages"] == chosen else "  ") + f"{r['numel'] // 1024}K",
+             f"{r['compiled_s'] * 1e6:.1f} us", f"{r['eager_s'] * 1e6:.1f} us",
+             f"{r['eager_s'] / r['compiled_s']:.2f}x"] for r in out["rows"]]
+    print_table(f"epilogue kernel ({out['stages']} stages) compiled vs eager, {out['local_ranks']} local ranks",
+                ["elements", "compiled (slowest rank)", "eager", "eager / compiled"], rows,
+                caption=f"eager_work = {chosen} elements x stages (kernels below it run eagerly; hand-tuned default "
+                        f"{EAGER_WORK}) saved to {path}")
+    if json_path:
+        write_json(json_path, {"constant": "eager_work", "chosen": chosen, **out})

@@ -28,7 +28,8 @@ BACKENDS = ("inductor", "eager")
 _COMPILED: dict[tuple, object] = {}
 # elements x stages below which an Inductor kernel runs its eager source instead: a compiled call costs 25-80 us of
 # guards and wrappers (0.3 ms right after a large GEMM, with cold caches), more than a few eager ops on small
-# tensors; measured crossover of a 3-op epilogue: ~128K elements (BENCHMARKS.md, tp session 4)
+# tensors; measured crossover of a 3-op epilogue: ~128K elements (BENCHMARKS.md, tp session 4). The hand-tuned
+# default: $COCOSYNC_EAGER_WORK, then `cocosync tune eager-work`'s measurement (steps/common.eager_work) win
 EAGER_WORK = int(os.environ.get("COCOSYNC_EAGER_WORK", 1 << 18))
 
 
@@ -104,7 +105,7 @@ class Kernel:
     def __init__(self, stages: Sequence[Node], outputs: Sequence[Node], backend: str, name: str = "kernel",
                  into: bool = False, reads_out: dict[int, int] | None = None, sumsq: Sequence[Node] = (),
                  squares: Sequence[Node] = (), reduce_of: tuple[Node, int, float | None] | None = None,
-                 reduced_out: tuple[int, int] | None = None):
+                 reduced_out: tuple[int, int] | None = None, eager_work: int | None = None):
         bad = [s.name for s in stages if not can_fuse(s)]
         if bad:
             raise ValueError(f"kernel {name!r}: stages {bad} are not fusable elementwise ops")
@@ -157,7 +158,8 @@ class Kernel:
         exec(compile(self.source, f"<cocosync kernel {name}>", "exec"), namespace)  # noqa: S102 - our own source
         self.eager_fn = namespace[name]
         self._fn = self.eager_fn
-        self._eager_below = -(-EAGER_WORK // max(1, len(stages)))  # elements
+        work = EAGER_WORK if eager_work is None else eager_work
+        self._eager_below = -(-work // max(1, len(stages)))  # elements
         self.compile_seconds = 0.0
         self._first = False
         if backend == "inductor":  # one compiled function per distinct computation, shared by kernels
@@ -171,6 +173,11 @@ class Kernel:
                 _COMPILED[key] = torch.compile(self.eager_fn, dynamic=not into, fullgraph=True)
                 self._first = True
             self._fn = _COMPILED[key]
+
+    @property
+    def eager_below(self) -> int:
+        """Inputs with fewer elements than this run the eager source (a compiled call costs more than it saves)."""
+        return self._eager_below
 
     def __call__(self, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self._fn is not self.eager_fn and max((a.numel() for a in args), default=0) < self._eager_below:
@@ -204,10 +211,11 @@ def build_kernel(stages: Sequence[Node], outputs: Sequence[Node], backend: str |
                  name: str = "kernel", into: bool = False, reads_out: dict[int, int] | None = None,
                  sumsq: Sequence[Node] = (), squares: Sequence[Node] = (),
                  reduce_of: tuple[Node, int, float | None] | None = None,
-                 reduced_out: tuple[int, int] | None = None) -> Kernel:
+                 reduced_out: tuple[int, int] | None = None, eager_work: int | None = None) -> Kernel:
     """A kernel computing `outputs` from the group `stages` (topologically ordered elementwise stages).
-    backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor). See Kernel for the rest."""
+    backend: 'inductor' or 'eager' (default: COCOSYNC_KERNELS, else inductor). eager_work: elements x stages
+    below which an Inductor kernel runs its eager source (default EAGER_WORK). See Kernel for the rest."""
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend {backend!r}: expected one of {BACKENDS}")
-    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares, reduce_of, reduced_out)
+    return Kernel(stages, outputs, backend, name, into, reads_out, sumsq, squares, reduce_of, reduced_out, eager_work)

@@ -14,7 +14,7 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.types import ReduceOp
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.comm.tuned import tuned
-from cocosync.runtime.steps.codegen import default_backend
+from cocosync.runtime.steps.codegen import EAGER_WORK, default_backend
 
 Runner = Callable[[dict], None]
 FIRST_CALL_TIMEOUT = 900.0  # seconds: a cold Inductor compile on a busy 2-core machine can take minutes
@@ -31,6 +31,19 @@ def kernel_bytes(options: "StepOptions", local_ranks: int) -> int:
     return tuned("kernel_bytes", local_ranks, DEFAULT_KERNEL_BYTES)
 
 
+def local_ranks_of(comm) -> int:
+    """Ranks on this node in the step's group (1 where its collectives are torch's)."""
+    return comm.shm.local_size if comm.shm is not None else 1
+
+
+def eager_work(options: "StepOptions", local_ranks: int) -> int:
+    """Elements x stages below which a compiled kernel runs its eager source: the option, else $COCOSYNC_EAGER_WORK,
+    else what `cocosync tune eager-work` measured on this machine, else the hand-tuned EAGER_WORK."""
+    if options.eager_work is not None:
+        return options.eager_work
+    return tuned("eager_work", local_ranks, EAGER_WORK)
+
+
 @dataclass(frozen=True, slots=True, kw_only=True)
 class StepOptions:
     """How a compiled plan runs its fast steps."""
@@ -44,17 +57,22 @@ class StepOptions:
     first and the kernel reads the reduced chunk; kept for A/B measurements)."""
     kernel_bytes: int | None = None
     """Bytes of gradient per call of a fused collective's kernel (None: the tuned value, `kernel_bytes()`)."""
+    eager_work: int | None = None
+    """Elements x stages below which a compiled kernel runs eagerly (None: the tuned value, `eager_work()`)."""
 
     @classmethod
     def make(cls, *, kernels: str | None = None, donate: frozenset[str] = frozenset(),
-             fuse_reduction: bool | None = None, kernel_bytes: int | None = None) -> "StepOptions":
+             fuse_reduction: bool | None = None, kernel_bytes: int | None = None,
+             eager_work: int | None = None) -> "StepOptions":
         """Defaults from the environment: $COCOSYNC_KERNELS, $COCOSYNC_FUSE_REDUCTION (0 turns it off)."""
         if fuse_reduction is None:
             fuse_reduction = os.environ.get("COCOSYNC_FUSE_REDUCTION", "1") != "0"
         if kernel_bytes is not None and (not isinstance(kernel_bytes, int) or kernel_bytes < 1):
             raise ValueError(f"kernel_bytes={kernel_bytes!r}: expected a positive number of bytes")
+        if eager_work is not None and (not isinstance(eager_work, int) or eager_work < 0):
+            raise ValueError(f"eager_work={eager_work!r}: expected a number of elements x stages >= 0")
         return cls(kernels=kernels or default_backend(), donate=donate, fuse_reduction=fuse_reduction,
-                   kernel_bytes=kernel_bytes)
+                   kernel_bytes=kernel_bytes, eager_work=eager_work)
 
 
 def outside_readers(program: Program, inside: set[int]) -> set[int]:

@@ -36,6 +36,7 @@ from cocosync.runtime.steps.codegen import Kernel, build_kernel
 from cocosync.runtime.steps.common import (
     Runner,
     StepOptions,
+    eager_work,
     first_call_timeout,
     kernel_bytes,
     kernel_reduce_of,
@@ -91,7 +92,8 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
     g, rs, ag, w_update, gathered = group, group.rs, group.ag, group.w_update, group.gathered
     one_phase = len(g.phases) == 1
     base = f"fused_{rs.name}" if one_phase else f"fused_{rs.name}_0"
-    kerns = [_phase_kernel(g, k, options.kernels, base if k == 0 else f"fused_{rs.name}_{k}")
+    work = eager_work(options, shm.local_size)
+    kerns = [_phase_kernel(g, k, options.kernels, base if k == 0 else f"fused_{rs.name}_{k}", eager_work=work)
              if p.has_kernel else None for k, p in enumerate(g.phases)]
     op: ReduceOp = rs.attr("op")
     # within a node phase 0's kernel also reduces: it reads every rank's chunk in place and sums them in its loop;
@@ -100,7 +102,8 @@ def fused_collective_runner(group: FusedGroup, step: FusedCollective, program: P
     kern0_src = None
     if reduce_of is not None and kerns[0] is not None and any(a is rs for a in kerns[0].inputs):
         reduced_out = None if one_phase else (shm.local_rank, len(g.phases[0].roots))
-        kern0_src = _phase_kernel(g, 0, options.kernels, f"{base}_src", reduce_of=reduce_of, reduced_out=reduced_out)
+        kern0_src = _phase_kernel(g, 0, options.kernels, f"{base}_src", reduce_of=reduce_of, reduced_out=reduced_out,
+                                  eager_work=work)
     compiling = [True] if any(k is not None and k.backend == "inductor" for k in kerns) else []
     ends = {id(nm): list(itertools.accumulate(nm.attr("sizes"))) for nm in g.norms if nm.op == "segment_norm"}
     scratch: dict = {}

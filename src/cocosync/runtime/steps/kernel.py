@@ -7,7 +7,7 @@ from cocosync.dsl.ir import Program
 from cocosync.lower.plan import Kernel
 from cocosync.runtime.reference.stage import StageComm
 from cocosync.runtime.steps.codegen import build_kernel, can_fuse
-from cocosync.runtime.steps.common import Runner, StepOptions, outside_readers, put_consts
+from cocosync.runtime.steps.common import Runner, StepOptions, eager_work, local_ranks_of, outside_readers, put_consts
 from cocosync.runtime.steps.matmul import matmul_runner
 
 __all__ = ["kernel_runner", "kernel_reason"]
@@ -43,7 +43,8 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
         return matmul_runner(step, program, comm, options, outside_readers(program, {id(s) for s in stages}))
     inside = {id(s) for s in stages}
     outs = [s for s in stages if id(s) in outside_readers(program, inside)]
-    k = build_kernel(stages, outs, options.kernels, name=f"k_{stages[0].name}")
+    k = build_kernel(stages, outs, options.kernels, name=f"k_{stages[0].name}",
+                     eager_work=eager_work(options, local_ranks_of(comm)))
 
     def run(env: dict) -> None:
         put_consts(k.inputs, env)

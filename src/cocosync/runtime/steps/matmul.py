@@ -19,7 +19,7 @@ from cocosync.dsl.ir import Node, Program
 from cocosync.lower.plan import Kernel
 from cocosync.runtime.reference.stage import StageComm, run_stage
 from cocosync.runtime.steps.codegen import build_kernel, can_fuse
-from cocosync.runtime.steps.common import Runner, StepOptions, put_consts
+from cocosync.runtime.steps.common import Runner, StepOptions, eager_work, local_ranks_of, put_consts
 
 __all__ = ["matmul_runner"]
 _INF = float("inf")
@@ -75,7 +75,8 @@ def matmul_runner(step: Kernel, program: Program, comm: StageComm, options: Step
     if head is mm and relu is None and not fusable:
         return None  # nothing folds and nothing fuses: the reference runs the stages as they are
     outs = [s for s in tail if id(s) in outside]
-    kernel = build_kernel(tail, outs, options.kernels, name=f"k_{mm.name}_epilogue") if fusable else None
+    kernel = build_kernel(tail, outs, options.kernels, name=f"k_{mm.name}_epilogue",
+                          eager_work=eager_work(options, local_ranks_of(comm))) if fusable else None
     a_id, b_id = id(mm.args[0]), id(mm.args[1])
 
     def run(env: dict) -> None:
