@@ -85,12 +85,31 @@ def test_resume_reshards_the_tables_onto_another_number_of_servers(tmp_path):
         assert f"trainer.{t}.bmuf.delta" in b
 
 
-def test_resume_refuses_another_trainer_count_or_budget_naming_it(tmp_path):
+def test_resume_on_another_trainer_and_worker_count_reads_every_example_once(tmp_path):
+    """2 trainers x 2 workers stopped at 8,000 of 20,000 examples; resumed on 3 trainers x 1 worker: the unread rows
+    of the 4 old reader shards are planned onto the 3 new ones (data_plan.py), so the two runs read the budget once;
+    the new trainers start from the mean of the old replicas."""
+    out = tmp_path / "run"
+    _run(out, "--sync", "shadow-bmuf", "--workers", "2", "--stop-after", "8000", nproc=3)
+    first = _summary(out)
+    assert first["T"] == 2 and first["stopped"] and 8000 <= first["examples"] < 20000
+    runs = _run(out, "--sync", "shadow-bmuf", "--workers", "1", "--resume", str(out), nproc=4)
+    second = _summary(out)
+    assert second["T"] == 3 and second["W"] == 1 and not second["stopped"]
+    assert second["resumed_from"] == first["examples"] and first["examples"] + second["examples"] == 20000
+    assert "resuming 2 x 2 reader shards on 3 x 1" in runs[0].output
+    plan = json.loads((Path(second["checkpoint"]) / "meta.json").read_text())["data_plan"]
+    assert plan["base_shards"] == 4 and len(plan["shards"]) == 3 and plan["examples_before"] == first["examples"]
+    assert sum(r for s in plan["shards"] for *_, r in s) == second["examples"]
+    assert second["eval_ne"] < 0.99  # it goes on learning from the averaged replicas (the click rate alone: 1)
+
+
+def test_resume_refuses_another_budget_or_seed_naming_it(tmp_path):
     out = tmp_path / "run"
     _run(out, "--sync", "none", "--stop-after", "4000")
-    runs = _run(tmp_path / "other", "--sync", "none", "--resume", str(out), nproc=3, ok=False)
+    runs = _run(tmp_path / "other", "--sync", "none", "--resume", str(out), "--examples", "30000", ok=False)
     assert all(r.returncode != 0 for r in runs)
-    assert "with 2 trainers: it has 1" in runs[0].output
+    assert "it was trained with examples=20000, this job has examples=30000" in runs[0].output
     runs = _run(tmp_path / "other2", "--sync", "none", "--resume", str(out), "--seed", "5", ok=False)
     assert "it was trained with seed=0, this job has seed=5" in runs[0].output
     runs = _run(tmp_path / "other3", "--sync", "none", "--resume", str(tmp_path / "nothing"), ok=False)

@@ -43,15 +43,18 @@ from cocosync.shadowsync.cluster_checkpoint import (
     check_resumable,
     load_job,
     read_meta,
+    read_positions,
+    resharded_trainers,
     resolve,
     save_job,
 )
+from cocosync.shadowsync.data_plan import DataPlan, replan
 from cocosync.shadowsync.eval_curve import describe, score
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.roles import ClusterConfig, Roles
-from cocosync.shadowsync.sources import build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.sources import base_shard_rows, build_configs, eval_batches, trainer_source, with_init_ctr
 from cocosync.shadowsync.state import SharedState
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
@@ -98,6 +101,19 @@ class _Job:
     dense_params: int = 0
     init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from
     hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
+    plan: DataPlan | None = None  # the reader shards' rows when resumed on another trainer count (data_plan.py)
+
+    @property
+    def examples_before(self) -> int:
+        """Examples read before the data plan's shards started (0 without a plan)."""
+        return self.plan.examples_before if self.plan is not None else 0
+
+    def trainer_rows(self, t: int) -> int:
+        """Rows trainer t's W reader shards hold (its share of the budget)."""
+        W = self.cfg.workers
+        if self.plan is not None:
+            return sum(r for s in self.plan.shards[t * W:(t + 1) * W] for _, _, r in s)
+        return W * (self.cfg.total_examples // (self.roles.trainers * W))
 
 
 def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
@@ -112,7 +128,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     if cluster.resume is not None:  # checked on every rank before anything starts: all fail alike
         resume = resolve(cluster.resume)
         meta = read_meta(resume)
-        check_resumable(meta, cfg, roles.trainers, resume)
+        check_resumable(meta, cfg, resume)
     _loopback_interfaces()
     timeout = datetime.timedelta(seconds=cfg.timeout)
     torch.set_num_threads(cfg.threads)
@@ -128,6 +144,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                              init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
                              _transports=["uv"], _channels=["basic"]))
         job = _setup(cfg, cluster, roles)
+        if meta is not None:
+            job.plan = _data_plan(job, resume, meta)
         kind, index = roles.role()
         parts = CheckpointParts(kind, index, shard=job.shards.get(index) if kind == "embedding" else None,
                                 center=job.center.values if job.center is not None else None)
@@ -135,7 +153,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         parts.trainer = run.trainer if run is not None else None
         if resume is not None:
             load_job(parts, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
-                     sync_servers=roles.sync_per_node * topo.nnodes)
+                     sync_servers=roles.sync_per_node * topo.nnodes, trainers=roles.trainers)
             dist.barrier()  # every part is back before a trainer reads a row
         cpu0 = time.process_time()
         if run is not None:
@@ -232,6 +250,23 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
     return job
 
 
+def _data_plan(job: _Job, path: Path, meta: dict) -> DataPlan | None:
+    """The resumed job's data plan: the checkpoint's, or (another trainer or worker count) a new one over the rows
+    its reader shards had not read. Collective (every rank reads the positions)."""
+    old = DataPlan.from_json(meta["data_plan"]) if meta.get("data_plan") else None
+    T, W = job.roles.trainers, job.cfg.workers
+    if not resharded_trainers(meta, T, W):
+        return old
+    positions = read_positions(path, meta)
+    plan = replan(old, meta["trainers"] * meta["workers"], positions, T * W,
+                  lambda s, n: base_shard_rows(job.cfg, job.data, s, n), int(meta["examples_seen"]))
+    if job.roles.topo.rank == 0:
+        print(f"resuming {meta['trainers']} x {meta['workers']} reader shards on {T} x {W}: "
+              f"{sum(r for s in plan.shards for _, _, r in s):,} unread rows planned onto the new shards",
+              file=sys.stderr, flush=True)
+    return plan
+
+
 @dataclasses.dataclass
 class _TrainerRun:
     trainer: Trainer
@@ -253,7 +288,7 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
     state = SharedState.private(cfg, job.init_dense)
-    source = trainer_source(cfg, data, t)
+    source = trainer_source(cfg, data, t, job.plan)
     logger = None
     if t == 0:
         out = Path(cfg.out_dir)
@@ -263,7 +298,7 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     emit = _progress(logger, console, roles) if logger is not None else (lambda rec: None)
     stop_at = None
     if job.cluster.stop_after is not None:  # this trainer's share of the examples to stop at
-        stop_at = job.cluster.stop_after // roles.trainers
+        stop_at = max(0, job.cluster.stop_after - job.examples_before) // roles.trainers
     on_eval, every = None, None
     if t == 0 and job.cluster.eval_every is not None:  # trainer 0 scores its replica while the job trains
         every = max(1, job.cluster.eval_every // roles.trainers)
@@ -286,7 +321,8 @@ class _eval_curve:  # noqa: N801 (a callable standing in for a closure that need
 
     def __call__(self, examples: int) -> None:
         trainer = self.trainer  # the job's examples, estimated from this trainer's reader positions (resumed included)
-        seen = int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
+        seen = (int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
+                + self.job.examples_before)
         rec = score(_ServedModel(trainer.model, self.tables), self.batches, seen)
         self.logger.log(rec)
         self.console.print(describe(rec))
@@ -311,7 +347,8 @@ def _meta(job: _Job, seen: int, stopped: bool) -> dict:
     return {"config": config_to_dict(job.cfg), "trainers": roles.trainers, "workers": job.cfg.workers,
             "embedding_servers": job.rowhash.servers, "sync_servers": roles.sync_per_node * roles.topo.nnodes,
             "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.data.table_sizes),
-            "examples_seen": seen, "stopped": stopped}
+            "examples_seen": seen, "stopped": stopped,
+            **({"data_plan": job.plan.as_json()} if job.plan is not None else {})}
 
 
 def _command(job: _Job, cmd: str | None) -> str:
@@ -334,7 +371,7 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
     trainer, t = run.trainer, parts.index
     T, W = roles.trainers, cfg.workers
     per_trainer = max(1, every // T)
-    last = W * (cfg.total_examples // (T * W)) - 1  # below every trainer's share: the end writes its own checkpoint
+    last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
@@ -342,6 +379,7 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
         _command(job, "checkpoint")
         seen = torch.tensor([int(state["positions"].sum())])
         dist.all_reduce(seen, group=job.trainer_group)
+        seen += job.examples_before
         meta = _meta(job, int(seen), True) if t == 0 else None
         path = save_job(dataclasses.replace(parts, trainer_state=state), Path(cfg.out_dir), meta,
                         writer=roles.rank_of("trainer", 0))
@@ -385,7 +423,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         per_sync = 2 * D * 4 * (N - 1) / N
     else:
         per_sync = 0.0
-    resumed = sum(r["resumed_from"] for r in results)
+    resumed = sum(r["resumed_from"] for r in results) + job.examples_before
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,

@@ -8,8 +8,11 @@ complete one (replaced atomically after every rank has written), so a crash whil
 
 Loading is collective too. On the same topology every rank reads back its own keys (exact resume). With another
 number of embedding or sync servers each new server reads every old shard and keeps the rows the new row hash gives
-it (a read amplification of the old server count, paid once at resume). The trainer count must match: reader
-positions are per trainer shard.
+it (a read amplification of the old server count, paid once at resume). With another number of trainers (or
+workers) the unread rows of every old reader shard are planned onto the new shards (data_plan.py: every example
+still read once), and every new trainer starts from the average of the old dense replicas and Adagrad
+accumulators (what one model-averaging round would give them; BMUF's global state is the same on every trainer and
+is taken from trainer 0).
 """
 
 from __future__ import annotations
@@ -29,9 +32,10 @@ from cocosync.shadowsync.param_server import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
 
-__all__ = ["CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable"]
+__all__ = ["CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable", "resharded_trainers",
+           "read_positions"]
 
-RESUME_KEYS = ("data", "examples", "workers", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
+RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
 
 
 @dataclass
@@ -106,23 +110,37 @@ def read_meta(path: Path) -> dict:
         raise ConfigError(f"resume={str(path)!r}: unreadable meta.json: {e}") from None
 
 
-def check_resumable(meta: dict, cfg: TrainConfig, trainers: int, path: Path) -> None:
+def check_resumable(meta: dict, cfg: TrainConfig, path: Path) -> None:
     """ConfigError naming the first setting that differs from the checkpoint's (reader positions and tables only
-    mean something for the same data, budget and model), or a trainer count that differs."""
+    mean something for the same data, budget and model)."""
     old, new = meta["config"], config_to_dict(cfg)
     for key in RESUME_KEYS:
         if resume_value(old, key) != resume_value(new, key):
             raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this job has "
                               f"{key}={new[key]!r}")
-    if meta["trainers"] != trainers:
-        raise ConfigError(f"cannot resume {str(path)!r} with {trainers} trainers: it has {meta['trainers']} (reader "
-                          "positions are per trainer; the number of embedding and sync servers may change)")
+
+
+def resharded_trainers(meta: dict, trainers: int, workers: int) -> bool:
+    """Whether the job's reader shards differ from the checkpoint's (another trainer or worker count)."""
+    return (meta["trainers"], meta["workers"]) != (trainers, workers)
+
+
+def read_positions(path: Path, meta: dict) -> list[int]:
+    """Every old reader shard's position, in shard order (trainer t's worker w is shard t * W + w). Collective."""
+    T, W = meta["trainers"], meta["workers"]
+    state = {f"trainer.{t}.positions": torch.zeros(W, dtype=torch.int64) for t in range(T)}
+    dcp.load(state, checkpoint_id=str(path))
+    return [int(p) for t in range(T) for p in state[f"trainer.{t}.positions"]]
 
 
 def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash, centre_numel: int,
-             sync_servers: int) -> None:
-    """Collective: fill this rank's part from the checkpoint (resharding servers when their count changed)."""
+             sync_servers: int, trainers: int) -> None:
+    """Collective: fill this rank's part from the checkpoint (resharding servers or trainers when their count
+    changed)."""
     S_old, C_old = meta["embedding_servers"], meta["sync_servers"]
+    if parts.kind == "trainer" and resharded_trainers(meta, trainers, len(parts.trainer.state.positions[0])):
+        _load_averaged_trainer(parts, path, meta)
+        return
     if parts.kind == "embedding" and S_old != rowhash.servers:
         _load_resharded_shard(parts, path, meta, rowhash)
         return
@@ -152,3 +170,20 @@ def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhas
         shard.weight[local] = old[f"emb.{s}.weight"][mine]
         shard.accumulator[local] = old[f"emb.{s}.accumulator"][mine]
         shard.versions[local] = old[f"emb.{s}.versions"][mine]
+
+
+def _load_averaged_trainer(parts: CheckpointParts, path: Path, meta: dict) -> None:
+    """A trainer of a job with another trainer count: the mean of the old replicas and accumulators, BMUF's state
+    from old trainer 0; its reader positions stay 0 (the data plan starts its shards afresh)."""
+    trainer, T = parts.trainer, meta["trainers"]
+    flat, acc = trainer.flat.flat, trainer.accumulator
+    old = {}
+    for t in range(T):
+        old |= {f"trainer.{t}.flat": torch.empty_like(flat), f"trainer.{t}.accumulator": torch.empty_like(acc)}
+    bmuf = {k[len("trainer.0."):]: v for k, v in _trainer_tensors(trainer, 0).items() if ".bmuf." in k}
+    old |= {f"trainer.0.{k}": torch.empty_like(v) for k, v in bmuf.items()}
+    dcp.load(old, checkpoint_id=str(path))
+    flat.copy_(torch.stack([old[f"trainer.{t}.flat"] for t in range(T)]).mean(0))
+    acc.copy_(torch.stack([old[f"trainer.{t}.accumulator"] for t in range(T)]).mean(0))
+    for k, v in bmuf.items():
+        v.copy_(old[f"trainer.0.{k}"])

@@ -9,10 +9,11 @@ from typing import Any, Iterator
 from cocosync.shadowsync.config import DataConfig, ModelConfig
 from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
+from cocosync.shadowsync.data_plan import DataPlan, PlannedSource
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
 __all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",
-           "trainer_source", "eval_batches"]
+           "base_shard_rows", "trainer_source", "eval_batches"]
 
 
 def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
@@ -137,18 +138,33 @@ def make_source(cfg: TrainConfig, data: DataConfig) -> Any:
     return _passes(FileSource(data, cfg.examples), cfg)
 
 
-def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int) -> Any:
-    """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
-    the same ones `make_source` would give it."""
+def base_shard_rows(cfg: TrainConfig, data: DataConfig, shard: int, shards: int) -> int:
+    """Rows shard `shard` of `shards` of the run's training source holds (all passes), without building it."""
     if data.train_path is not None:
-        return _passes(FileSource(data, cfg.examples), cfg)
-    shards = cfg.trainers * cfg.workers
-    lo = trainer * cfg.workers * cfg.examples // shards
-    hi = (trainer + 1) * cfg.workers * cfg.examples // shards
-    stream = SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=hi - lo, skip_rows=lo,
-                             max_rows=hi - lo)
-    b = next(iter(stream))
-    return _passes(InMemorySource(b, offset=lo, rows=cfg.examples), cfg)
+        return cfg.epochs * (cfg.examples // shards)
+    return cfg.epochs * ((shard + 1) * cfg.examples // shards - shard * cfg.examples // shards)
+
+
+def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int, plan: DataPlan | None = None) -> Any:
+    """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
+    the same ones `make_source` would give it. `plan`: the job resumed on another trainer count reads its shards'
+    segments of the original sharding (data_plan.py); a synthetic trainer generates the base shards they touch."""
+    W = cfg.workers
+    if plan is None:
+        shards, mine = cfg.trainers * W, range(trainer * W, (trainer + 1) * W)
+    else:
+        shards = plan.base_shards
+        mine = sorted({b for s in range(trainer * W, (trainer + 1) * W) for b, _, _ in plan.shards[s]})
+    if data.train_path is not None:
+        base = _passes(FileSource(data, cfg.examples), cfg)
+    elif not mine:  # a resumed trainer with nothing left to read
+        base = None
+    else:
+        lo, hi = mine[0] * cfg.examples // shards, (mine[-1] + 1) * cfg.examples // shards
+        stream = SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=hi - lo,
+                                 skip_rows=lo, max_rows=hi - lo)
+        base = _passes(InMemorySource(next(iter(stream)), offset=lo, rows=cfg.examples), cfg)
+    return base if plan is None else PlannedSource(base, plan.base_shards, plan.shards)
 
 
 def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:
