@@ -3,7 +3,9 @@ once; a step that starts with a matmul runs as the GEMM with its epilogue (runti
 
 from __future__ import annotations
 
-from cocosync.dsl.ir import Program
+import dataclasses
+
+from cocosync.dsl.ir import Node, Program
 from cocosync.lower.plan import Kernel
 from cocosync.runtime.reference.stage import StageComm
 from cocosync.runtime.steps.codegen import build_kernel, can_fuse
@@ -20,17 +22,22 @@ def kernel_reason(step: Kernel, program: Program) -> str | None:
         if len(stages) < 2 or any(a.ndim != 2 for a in stages[0].args):
             return f"{stages[0].name}: a matmul without an epilogue, or not 2-D: one torch call already"
         return None
+    # an update names the value a state takes when the program ends (executor._finish writes it): the kernel
+    # computes the value, the update stands for it
+    body = [s for s in stages if s.op != "update"]
     # one stage is one torch op already
-    if len(stages) < 2:
+    if len(body) < 2:
         return f"{stages[0].name}: a single stage runs as one torch op"
     # generated kernels hold the elementwise ops whose value depends only on their operands
-    bad = next((s for s in stages if not can_fuse(s)), None)
+    bad = next((s for s in body if not can_fuse(s)), None)
     if bad is not None:
         return f"{bad.name} ({bad.op}) is not an op generated kernels compute"
-    # broadcasting and state writes keep the reference semantics
-    odd = next((s for s in stages if s.op == "update" or s.shape != stages[-1].shape), None)
+    # broadcasting keeps the reference semantics, and so does an update whose value changes layout on the way
+    odd = next((s for s in stages if s.shape != stages[-1].shape or s.op == "update" and (
+        s.args[1].layout != s.args[0].layout or s.args[1].dtype != s.args[0].dtype)), None)
     if odd is not None:
-        return f"{odd.name} writes a state or has another shape than the kernel's {list(stages[-1].shape)}"
+        return (f"{odd.name} has another shape than the kernel's {list(stages[-1].shape)}, or writes a state from "
+                "a value of another layout or dtype")
     return None
 
 
@@ -41,13 +48,38 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
         return None
     if stages[0].op == "matmul":
         return matmul_runner(step, program, comm, options, outside_readers(program, {id(s) for s in stages}))
-    inside = {id(s) for s in stages}
-    outs = [s for s in stages if id(s) in outside_readers(program, inside)]
-    k = build_kernel(stages, outs, options.kernels, name=f"k_{stages[0].name}",
+    updates = [s for s in stages if s.op == "update"]
+    body = [s for s in stages if s.op != "update"]
+    inside = {id(s) for s in body}
+    needed = outside_readers(program, inside)
+    outs = [s for s in body if id(s) in needed]
+    rewritten, form = _through_updates(body)
+    k = build_kernel(rewritten, [form[id(s)] for s in outs], options.kernels, name=f"k_{body[0].name}",
                      eager_work=eager_work(options, local_ranks_of(comm)))
+    aliases = [(id(u), id(u.args[1])) for u in updates]
 
     def run(env: dict) -> None:
         put_consts(k.inputs, env)
         for node, val in zip(outs, k(*(env[id(a)] for a in k.inputs))):
             env[id(node)] = val
+        for u, value in aliases:  # the state's new value; executor._finish writes it when the program ends
+            env[u] = env[value]
     return run
+
+
+def _through_updates(body: list[Node]) -> tuple[list[Node], dict[int, Node]]:
+    """The stages with every operand that is an update read as the value it writes (a generated kernel computes
+    values; the states are written when the program ends), and each original stage's id -> its form here."""
+    new: dict[int, Node] = {}
+
+    def value(a: Node) -> Node:
+        while a.op == "update":
+            a = a.args[1]
+        return new.get(id(a), a)
+
+    out = []
+    for st in body:
+        args = tuple(value(a) for a in st.args)
+        new[id(st)] = st if all(x is y for x, y in zip(args, st.args)) else dataclasses.replace(st, args=args)
+        out.append(new[id(st)])
+    return out, new

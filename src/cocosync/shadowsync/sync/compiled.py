@@ -74,19 +74,26 @@ class CompiledSync(SyncAlgorithm):
             self.glob = alloc(k, flat.dtype).copy_(self.s[self._lo:self._lo + k])  # x_prev_global (its slice)
             self.delta = alloc(k, flat.dtype).zero_()
         self._flag_slots = [(i - self._lo) for i in (n, n + 1) if self._lo <= i < self._lo + k]  # in my slice
+        self._flag_index = torch.tensor(self._flag_slots, dtype=torch.int64)
         m = cfg.block_momentum
         self.momentum = (1.0 - 1.0 / world) if m is None else m
+        self.world = world
+        # a round's fixed parts, made once (at the default model's size a round is ~100 us: each torch call counts)
+        self._snapshot = torch.empty_like(flat)
+        self._x_head, self._s_head, self._s_tail = self.x[:n], self.s[:n], self.s[n:]
+        self._flags = {(a, h): torch.tensor([float(a), float(h)] + [0.0] * (self.padded - n - 2), dtype=flat.dtype)
+                       for a in (False, True) for h in (False, True)}  # the active and hold flags, then padding
 
     def _sync(self, active: bool) -> int:
-        n, x, s = self.n, self.x, self.s
-        snapshot = self.flat.clone()
-        x[:n].copy_(snapshot)
-        x[n:].zero_()
-        x[n], x[n + 1] = float(active), float(self.holding)
-        s[n:].zero_()
+        n, x, s, snapshot = self.n, self.x, self.s, self._snapshot
+        snapshot.copy_(self.flat)
+        self._x_head.copy_(snapshot)
+        x[n:].copy_(self._flags[(active, bool(self.holding))])
+        self._s_tail.zero_()
         if self.name == "bmuf":
-            for i in self._flag_slots:
-                self.glob[i] = self.delta[i] = 0.0
+            if self._flag_slots:
+                self.glob.index_fill_(0, self._flag_index, 0.0)
+                self.delta.index_fill_(0, self._flag_index, 0.0)
             look_ahead = self.momentum if self.cfg.nesterov else 0.0
             self.plan(x=x, s=s, glob=self.glob, delta=self.delta, mom=self.momentum, blr=self.cfg.block_lr,
                       nm=look_ahead)
@@ -94,12 +101,12 @@ class CompiledSync(SyncAlgorithm):
         else:
             self.plan(x=x, s=s)
             scale = 1.0
-        world = self._world()
-        n_active = int(round(float(s[n]) / scale * world))
-        self.holds = int(round(float(s[n + 1]) / scale * world))
+        active_sum, hold_sum = s[n:n + 2].tolist()  # one read of both flags
+        n_active = int(round(active_sum / scale * self.world))
+        self.holds = int(round(hold_sum / scale * self.world))
         if self.name == "bmuf" and look_ahead and n_active == 0:  # the last round: end on the global model
-            s[:n].copy_(self._full(self.glob))
-        self.flat.add_(s[:n]).sub_(snapshot)  # delta write-back: keeps updates made during the round
+            self._s_head.copy_(self._full(self.glob))
+        self.flat.add_(self._s_head).sub_(snapshot)  # delta write-back: keeps updates made during the round
         return n_active
 
     # -- the state a checkpoint holds (full vectors; the slices are read from the peers' shared memory) ----------
