@@ -25,11 +25,26 @@ def _move(r: int, k: int) -> torch.Tensor:
     return torch.randn(N, generator=torch.Generator().manual_seed(100 * k + r))
 
 
-def _rounds(algorithm: str, sliced: bool, nesterov: bool, rounds: int = 4):
+def _rounds(algorithm: str, sliced: bool, nesterov: bool, rounds: int = 4, kernels: str = "eager"):
+    import os
+
+    before = os.environ.get("COCOSYNC_KERNELS")
+    os.environ["COCOSYNC_KERNELS"] = kernels  # read when the plan and the copies compile; the pool's ranks live on
+    try:
+        return _rounds_with(algorithm, sliced, nesterov, rounds, kernels)
+    finally:
+        if before is None:
+            os.environ.pop("COCOSYNC_KERNELS", None)
+        else:
+            os.environ["COCOSYNC_KERNELS"] = before
+
+
+def _rounds_with(algorithm: str, sliced: bool, nesterov: bool, rounds: int, kernels: str):
     r = dist.get_rank()
     cfg = SyncConfig(algorithm=f"fr-{algorithm}", nesterov=nesterov, block_momentum=0.4, block_lr=0.9)
     ours, ref = _start(), _start()
-    compiled = CompiledSync(ours, cfg, sliced=sliced)
+    # with Inductor kernels, the copies in and out as generated loops too (from 1M elements in a job)
+    compiled = CompiledSync(ours, cfg, sliced=sliced, fused_copies_from=1 if kernels == "inductor" else 1 << 20)
     reference = (BMUF if algorithm == "bmuf" else ModelAveraging)(ref, cfg)
     out = []
     for k in range(rounds):
@@ -55,6 +70,14 @@ def test_compiled_sync_equals_the_hand_written_class(rank_pool, world, algorithm
         assert state.keys() == ref_state.keys()
         for k in state:  # BMUF's global model and block momentum, gathered from the slices
             torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm, sliced", [("ma", False), ("bmuf", True)])
+def test_generated_kernels_and_copies_equal_the_hand_written_class(rank_pool, algorithm, sliced):
+    for rounds, *_ in rank_pool(2).run(_rounds, algorithm, sliced, False, 4, "inductor"):
+        for ours, ref, n_ours, n_ref in rounds:
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+            assert n_ours == n_ref
 
 
 def _oracle(sliced: bool):

@@ -1,9 +1,10 @@
 """``cocosync bench sync``: one dense-sync round of ShadowSync's collective algorithms, the compiled DSL program on
 shared memory (shadowsync/sync/compiled.py) against the hand-written classes on gloo, on T local trainers.
 
-Per algorithm and size: each rank builds both over the same vector; rounds are timed round-robin after a
-shared-memory barrier (time_interleaved), medians of the slowest rank; `copies` = a round's time in units of one copy
-of the vector on this machine (the memory traffic floor is a few copies: snapshot, reduce, write-back)."""
+Per algorithm and size: each rank builds both over the same vector; rounds are timed round-robin in blocks, each
+after a barrier of its own transport (time_blocks), medians of the slowest rank; `copies` = a round's time in units
+of one copy of the vector on this machine (the memory traffic floor is a few copies: snapshot, reduce,
+write-back)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from cocosync.bench.common import (
     markdown_table,
     print_table,
     stats,
-    time_interleaved,
+    time_blocks,
     write_json,
 )
 from cocosync.testing import RankPool
@@ -46,9 +47,11 @@ def _bench_rank(params: list[int], repeats: int) -> dict:
             ref = (BMUF if alg == "bmuf" else ModelAveraging)(ref_x, cfg, group=gloo)
             cases = {"ours": lambda: ours.sync(True), "gloo": lambda: ref.sync(True),
                      "copy": lambda: copy_src.clone()}
-            # the ranks meet through shared memory between cases: a gloo barrier would leave gloo's threads busy
-            # at the start of every case, ours included (measured: 80-90 us on 2 cores)
-            samples = time_interleaved(cases, reps, warmup=2, before=ours.plan.comm.shm.barrier)
+            # each side meets through its own transport and is timed in blocks (time_blocks): gloo warm, ours not
+            # sharing the cores with gloo's threads still finishing the previous call
+            shm = ours.plan.comm.shm
+            samples = time_blocks(cases, reps, block=4, before={"ours": shm.barrier, "gloo": lambda: dist.barrier(gloo),
+                                                              "copy": shm.barrier})
             out[f"{alg}|{n}"] = {"samples": samples, "schedule": "sliced" if ours.sliced else "replicated"}
     return out
 

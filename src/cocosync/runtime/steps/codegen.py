@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -22,7 +22,7 @@ from cocosync.dsl.ir import Node
 from cocosync.dsl.registry import OPS
 from cocosync.interp import ELEMENTWISE
 
-__all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse", "line_of"]
+__all__ = ["Kernel", "build_kernel", "default_backend", "can_fuse", "line_of", "compile_function"]
 
 BACKENDS = ("inductor", "eager")
 _COMPILED: dict[tuple, object] = {}
@@ -189,6 +189,16 @@ class Kernel:
             self._first = False
             return out
         return self._fn(*args)
+
+
+def compile_function(fn: Callable, *, dynamic: bool = True) -> Callable:
+    """`fn` (a few in-place torch ops on flat vectors) as one Inductor loop, with the runtime's kernel cache; `fn`
+    itself under COCOSYNC_KERNELS=eager."""
+    if default_backend() == "eager":
+        return fn
+    _inductor_cache_dir()
+    _raise_recompile_limit()
+    return torch.compile(fn, dynamic=dynamic, fullgraph=True)
 
 
 def _raise_recompile_limit(limit: int = 64) -> None:

@@ -22,12 +22,28 @@ import torch.distributed as dist
 from cocosync.lower import lower
 from cocosync.programs.sync import bmuf_program, ma_program
 from cocosync.runtime.executor import compile_plan
+from cocosync.runtime.steps.codegen import compile_function
 from cocosync.schedule import Schedule
 from cocosync.schedule.standard import STANDARD
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["CompiledSync", "NotOnOneMachine"]
+
+
+#: elements from which a round's copies in and out run as one generated loop each (fork: the live vector read once
+#: into the snapshot and the collective's buffer; write-back: flat += s - snapshot in one pass); measured at 16M,
+#: T=2: 7.2 + 7.1 ms -> see BENCHMARKS.md; below it the torch calls (a compiled call costs 25-80 us)
+FUSED_COPIES_FROM = 1 << 20
+
+
+def _fork(flat: torch.Tensor, snapshot: torch.Tensor, x: torch.Tensor) -> None:
+    snapshot.copy_(flat)
+    x.copy_(flat)
+
+
+def _write_back(flat: torch.Tensor, s: torch.Tensor, snapshot: torch.Tensor) -> None:
+    flat.add_(s - snapshot)
 
 
 #: peer bytes from which the sliced schedule runs (T=2, rounds measured here: at 27,601 parameters replicated MA/BMUF
@@ -45,8 +61,9 @@ class CompiledSync(SyncAlgorithm):
     collective = True
 
     def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None, *,
-                 sliced: bool | None = None):
-        """`sliced`: force the schedule (None: by size, see module doc)."""
+                 sliced: bool | None = None, fused_copies_from: int = FUSED_COPIES_FROM):
+        """`sliced`: force the schedule (None: by size, see module doc); `fused_copies_from`: elements from which
+        the copies in and out run as generated loops."""
         super().__init__(flat, cfg, group)
         self.name = cfg.method
         if self.name not in ("ma", "bmuf"):
@@ -83,11 +100,13 @@ class CompiledSync(SyncAlgorithm):
         self._x_head, self._s_head, self._s_tail = self.x[:n], self.s[:n], self.s[n:]
         self._flags = {(a, h): torch.tensor([float(a), float(h)] + [0.0] * (self.padded - n - 2), dtype=flat.dtype)
                        for a in (False, True) for h in (False, True)}  # the active and hold flags, then padding
+        big = n >= fused_copies_from
+        self._fork = compile_function(_fork) if big else (lambda f, p, x: (p.copy_(f), x.copy_(p)))
+        self._write_back = compile_function(_write_back) if big else (lambda f, s, p: f.add_(s).sub_(p))
 
     def _sync(self, active: bool) -> int:
         n, x, s, snapshot = self.n, self.x, self.s, self._snapshot
-        snapshot.copy_(self.flat)
-        self._x_head.copy_(snapshot)
+        self._fork(self.flat, snapshot, self._x_head)
         x[n:].copy_(self._flags[(active, bool(self.holding))])
         self._s_tail.zero_()
         if self.name == "bmuf":
@@ -106,7 +125,7 @@ class CompiledSync(SyncAlgorithm):
         self.holds = int(round(hold_sum / scale * self.world))
         if self.name == "bmuf" and look_ahead and n_active == 0:  # the last round: end on the global model
             self._s_head.copy_(self._full(self.glob))
-        self.flat.add_(self._s_head).sub_(snapshot)  # delta write-back: keeps updates made during the round
+        self._write_back(self.flat, self._s_head, snapshot)  # delta write-back: keeps updates made during the round
         return n_active
 
     # -- the state a checkpoint holds (full vectors; the slices are read from the peers' shared memory) ----------
