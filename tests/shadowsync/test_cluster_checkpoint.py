@@ -4,6 +4,7 @@ of embedding servers, and refusals that name what differs."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import time
@@ -86,22 +87,32 @@ def test_resume_reshards_the_tables_onto_another_number_of_servers(tmp_path):
 
 
 def test_resume_on_another_trainer_and_worker_count_reads_every_example_once(tmp_path):
-    """2 trainers x 2 workers stopped at 8,000 of 20,000 examples; resumed on 3 trainers x 1 worker: the unread rows
-    of the 4 old reader shards are planned onto the 3 new ones (data_plan.py), so the two runs read the budget once;
-    the new trainers start from the mean of the old replicas."""
+    """2 trainers x 2 workers stopped at 8,000 of 20,000 examples; resumed on 3 trainers x 1 worker (stopped at once:
+    the new trainers start from the mean of the old replicas and accumulators); then finished on 1 trainer. The unread
+    rows of the old reader shards are planned onto the new ones (data_plan.py), and the plan is planned again from,
+    so the runs read the budget once."""
     out = tmp_path / "run"
-    _run(out, "--sync", "shadow-bmuf", "--workers", "2", "--stop-after", "8000", nproc=3)
+    _run(out, "--sync", "none", "--workers", "2", "--stop-after", "8000", nproc=3)
     first = _summary(out)
     assert first["T"] == 2 and first["stopped"] and 8000 <= first["examples"] < 20000
-    runs = _run(out, "--sync", "shadow-bmuf", "--workers", "1", "--resume", str(out), nproc=4)
+    runs = _run(out, "--sync", "none", "--workers", "1", "--resume", str(out), "--stop-after", "8000", nproc=4)
     second = _summary(out)
-    assert second["T"] == 3 and second["W"] == 1 and not second["stopped"]
-    assert second["resumed_from"] == first["examples"] and first["examples"] + second["examples"] == 20000
+    assert second["T"] == 3 and second["W"] == 1 and second["examples"] == 0
+    assert second["resumed_from"] == first["examples"] and second["stopped"]
     assert "resuming 2 x 2 reader shards on 3 x 1" in runs[0].output
+    old, new = _load(Path(first["checkpoint"]), tmp_path), _load(Path(second["checkpoint"]), tmp_path)
+    for key in ("flat", "accumulator"):
+        mean = (old[f"trainer.0.{key}"] + old[f"trainer.1.{key}"]) / 2
+        for t in range(3):
+            torch.testing.assert_close(new[f"trainer.{t}.{key}"], mean, rtol=0, atol=0)
     plan = json.loads((Path(second["checkpoint"]) / "meta.json").read_text())["data_plan"]
     assert plan["base_shards"] == 4 and len(plan["shards"]) == 3 and plan["examples_before"] == first["examples"]
-    assert sum(r for s in plan["shards"] for *_, r in s) == second["examples"]
-    assert second["eval_ne"] < 0.99  # it goes on learning from the averaged replicas (the click rate alone: 1)
+    assert sum(r for s in plan["shards"] for *_, r in s) == 20000 - first["examples"]
+    _run(out, "--sync", "none", "--resume", str(out), nproc=2)
+    third = _summary(out)
+    assert third["T"] == 1 and not third["stopped"] and third["resumed_from"] == first["examples"]
+    assert first["examples"] + third["examples"] == 20000  # each example once
+    assert math.isfinite(third["eval_ne"])
 
 
 def test_resume_refuses_another_budget_or_seed_naming_it(tmp_path):

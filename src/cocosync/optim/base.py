@@ -224,6 +224,8 @@ class DistributedOptimizer(TorchStateDict, torch.optim.Optimizer):
             choice = choose_update_schedule(program, sliced, group, self._float_scalars(param_group, 1),
                                             donate=("g",))
             self.schedule_choices.append(choice)
+            if choice is None:  # no schedule of this program's space keeps its state sliced but the standard one
+                return schedule, compile_plan(lower(schedule), group, donate=("g",))
             if dist.get_rank(group) == 0:
                 print(f"cocosync: {type(self).__name__}(schedule='auto') runs {choice.candidate.name}: "
                       f"{choice.reason}", file=sys.stderr)

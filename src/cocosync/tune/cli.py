@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import click
 
 
@@ -91,58 +93,62 @@ def _print_projection(result) -> None:
                     ["nodes", "ranks", "predicted best", "its time", f"chosen ({result.chosen})", "as written"], rows)
 
 
-def _one_shot(ranks: int, repeats: int, json_path: str | None) -> None:
-    from cocosync.bench.common import fmt_bytes, print_table, write_json
-    from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
+def _measured_constant(name: str, ranks: int, measure: Any, repeats: int, choose: Any,
+                       json_path: str | None) -> tuple[dict, int, str]:
+    """Run `measure(repeats)` on `ranks` local ranks, choose the constant from rank 0's rows, save it (and the rows
+    to `json_path`); returns (rows, chosen, the constants file)."""
+    from cocosync.bench.common import write_json
     from cocosync.testing.launch import RankPool
-    from cocosync.tune.constants import choose_one_shot, measure_one_shot, save_constant
+    from cocosync.tune.constants import save_constant
 
     with RankPool(ranks, threads=1, timeout=1800) as pool:
-        out = pool.run(measure_one_shot, max(repeats, 15))[0]
-    chosen = choose_one_shot(out["rows"])
-    path = save_constant("one_shot_bytes", out["local_ranks"], chosen)
+        out = pool.run(measure, repeats)[0]
+    chosen = choose(out)
+    path = save_constant(name, out["local_ranks"], chosen)
+    if json_path:
+        write_json(json_path, {"constant": name, "chosen": chosen, **out})
+    return out, chosen, path
+
+
+def _one_shot(ranks: int, repeats: int, json_path: str | None) -> None:
+    from cocosync.bench.common import fmt_bytes, print_table
+    from cocosync.runtime.comm.collectives import DEFAULT_ONE_SHOT_BYTES
+    from cocosync.tune.constants import choose_one_shot, measure_one_shot
+
+    out, chosen, path = _measured_constant("one_shot_bytes", ranks, measure_one_shot, max(repeats, 15),
+                                           lambda o: choose_one_shot(o["rows"]), json_path)
     rows = [[fmt_bytes(r["peer_bytes"]), f"{r['one_shot_s'] * 1e6:.1f} us", f"{r['three_phase_s'] * 1e6:.1f} us",
              f"{r['three_phase_s'] / r['one_shot_s']:.2f}x"] for r in out["rows"]]
     print_table(f"one-shot vs three-phase all_reduce on {out['local_ranks']} local ranks",
                 ["(ranks - 1) x bytes", "one-shot", "three-phase", "three-phase / one-shot"], rows,
                 caption=f"one_shot_bytes = {chosen} ({fmt_bytes(chosen)}; hand-tuned default "
                         f"{fmt_bytes(DEFAULT_ONE_SHOT_BYTES)}) saved to {path}")
-    if json_path:
-        write_json(json_path, {"constant": "one_shot_bytes", "chosen": chosen, **out})
 
 
 def _kernel_bytes(ranks: int, repeats: int, json_path: str | None) -> None:
-    from cocosync.bench.common import fmt_bytes, print_table, write_json
+    from cocosync.bench.common import fmt_bytes, print_table
     from cocosync.runtime.steps.common import DEFAULT_KERNEL_BYTES
-    from cocosync.testing.launch import RankPool
-    from cocosync.tune.constants import choose_kernel_bytes, measure_kernel_bytes, save_constant
+    from cocosync.tune.constants import choose_kernel_bytes, measure_kernel_bytes
 
-    with RankPool(ranks, threads=1, timeout=1800) as pool:
-        out = pool.run(measure_kernel_bytes, max(repeats, 9))[0]
-    chosen = choose_kernel_bytes(out["rows"], DEFAULT_KERNEL_BYTES)
+    out, chosen, path = _measured_constant("kernel_bytes", ranks, measure_kernel_bytes, max(repeats, 9),
+                                           lambda o: choose_kernel_bytes(o["rows"], DEFAULT_KERNEL_BYTES), json_path)
     best = next(r for r in out["rows"] if r["kernel_bytes"] == chosen)
     default = next(r for r in out["rows"] if r["kernel_bytes"] == DEFAULT_KERNEL_BYTES)
-    path = save_constant("kernel_bytes", out["local_ranks"], chosen)
     rows = [[("* " if r is best else "  ") + fmt_bytes(r["kernel_bytes"]), f"{r['median_s'] * 1e3:.2f} ms",
              f"{default['median_s'] / r['median_s']:.2f}x"] for r in out["rows"]]
     print_table(f"fused Adam step ({fmt_bytes(out['numel'] * 4)} fp32) by bytes per kernel call, "
                 f"{out['local_ranks']} local ranks", ["kernel bytes", "median (slowest rank)", "vs default"], rows,
                 caption=f"kernel_bytes = {chosen} ({fmt_bytes(chosen)}; hand-tuned default "
                         f"{fmt_bytes(DEFAULT_KERNEL_BYTES)}, kept unless another is > 5% faster) saved to {path}")
-    if json_path:
-        write_json(json_path, {"constant": "kernel_bytes", "chosen": chosen, **out})
 
 
 def _eager_work(ranks: int, repeats: int, json_path: str | None) -> None:
-    from cocosync.bench.common import print_table, write_json
+    from cocosync.bench.common import print_table
     from cocosync.runtime.steps.codegen import EAGER_WORK
-    from cocosync.testing.launch import RankPool
-    from cocosync.tune.constants import choose_eager_work, measure_eager_work, save_constant
+    from cocosync.tune.constants import choose_eager_work, measure_eager_work
 
-    with RankPool(ranks, threads=1, timeout=1800) as pool:
-        out = pool.run(measure_eager_work, max(repeats, 9))[0]
-    chosen = choose_eager_work(out["rows"], out["stages"])
-    path = save_constant("eager_work", out["local_ranks"], chosen)
+    out, chosen, path = _measured_constant("eager_work", ranks, measure_eager_work, max(repeats, 9),
+                                           lambda o: choose_eager_work(o["rows"], o["stages"]), json_path)
     rows = [[("* " if r["numel"] * out["stages"] == chosen else "  ") + f"{r['numel'] // 1024}K",
              f"{r['compiled_s'] * 1e6:.1f} us", f"{r['eager_s'] * 1e6:.1f} us",
              f"{r['eager_s'] / r['compiled_s']:.2f}x"] for r in out["rows"]]
@@ -150,5 +156,3 @@ def _eager_work(ranks: int, repeats: int, json_path: str | None) -> None:
                 ["elements", "compiled (slowest rank)", "eager", "eager / compiled"], rows,
                 caption=f"eager_work = {chosen} elements x stages (kernels below it run eagerly; hand-tuned default "
                         f"{EAGER_WORK}) saved to {path}")
-    if json_path:
-        write_json(json_path, {"constant": "eager_work", "chosen": chosen, **out})

@@ -64,11 +64,14 @@ def _scratch(compiled: Any, scalars: dict[str, float]) -> dict[str, Any]:
 
 def choose_update_schedule(program: Program, state: tuple[str, ...], group: dist.ProcessGroup | None,
                            scalars: dict[str, float], *, donate: tuple[str, ...] = (), repeats: int = 5,
-                           use_cache: bool = True) -> Choice:
-    """The fastest schedule of an optimizer's update `program` on `group` among those keeping `state` sliced.
-    Collective over `group` (every rank reads the same cache entry or times the same candidates)."""
+                           use_cache: bool = True) -> Choice | None:
+    """The fastest schedule of an optimizer's update `program` on `group` among those keeping `state` sliced (None
+    when the schedule space has none: the caller keeps its standard schedule). Collective over `group` (every rank
+    reads the same cache entry or times the same candidates)."""
     world = dist.get_world_size(group)
     candidates = [c for c in schedule_space(program, state, world=world) if _keeps_sliced(program, c, state)]
+    if not candidates:  # the same on every rank: the space depends on the program and world only
+        return None
     compiled: dict[str, Any] = {}
 
     def plan(c: Candidate) -> Any:  # compiled when needed: a cached choice compiles one candidate only
