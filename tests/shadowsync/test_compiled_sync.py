@@ -131,3 +131,19 @@ def test_sliced_bmuf_state_round_trips_through_a_checkpoint(rank_pool):
         assert saved.keys() == loaded.keys() == {"bmuf.global", "bmuf.start", "bmuf.delta"}
         for k in saved:
             assert torch.equal(saved[k], loaded[k]), k
+
+
+@pytest.mark.parametrize("algorithm, nesterov, sliced", [("ma", False, False), ("bmuf", False, True),
+                                                         ("bmuf", True, True)])
+def test_across_two_nodes_the_compiled_rounds_equal_the_class(rank_pool, algorithm, nesterov, sliced):
+    """4 trainers on 2 simulated nodes: the runtime's hierarchical communicator (shared memory within a node, gloo
+    between nodes); the sliced state a checkpoint reads is gathered across the nodes."""
+    for rounds, was_sliced, fast, state, ref_state in rank_pool(4, nnodes=2).run(_rounds, algorithm, sliced,
+                                                                                  nesterov):
+        assert was_sliced == sliced
+        for ours, ref, n_ours, n_ref in rounds:
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+            assert n_ours == n_ref
+        assert state.keys() == ref_state.keys()
+        for k in state:
+            torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=1e-6)

@@ -7,8 +7,9 @@ Every process joins the gloo default group and the RPC world (TensorPipe), then 
 * a **sync server** holds a range of EASGD's centre and serves exchanges (sync/center.py);
 * a **trainer** runs the single-node `Trainer` (W Hogwild workers and the shadow or foreground sync) on its own share
   of the data, with its embedding rows from the servers (its node's shards zero-copy, the others by RPC, prefetched)
-  and its dense sync over the trainers: MA/BMUF all-reduce within the node through the cocosync backend (shared
-  memory) and across nodes through gloo; EASGD against the sync servers.
+  and its dense sync over the trainers: MA/BMUF as the compiled DSL programs on the runtime's hierarchical
+  communicator (shared memory within the node, gloo across nodes; the classes over the same path with
+  --no-compiled-sync); EASGD against the sync servers.
 
 At the end the trainers gather their results on trainer 0, which scores the final model on the held-out set (rows
 looked up from the servers) and writes summary.json and metrics.jsonl. Nothing binds beyond loopback unless the
@@ -36,8 +37,9 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from rich.console import Console
 
+from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena
-from cocosync.runtime.comm.topology import node_groups, topology_from_env
+from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
 from cocosync.shadowsync.cluster_checkpoint import (
     CheckpointParts,
     check_resumable,
@@ -243,7 +245,14 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
         if kind == "trainer" and index % Tn == i:
             inter = g
-    if kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
+    if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
+        # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
+        # runtime's hierarchical communicator), the same fused collective as on one machine
+        node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
+        if kind == "trainer":
+            register_subgroup(spanning_node_groups(trainers, job.trainer_group, node_gloo[topo.node], inter, Tn))
+            job.dense_group = job.trainer_group
+    elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
         job.dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     job.hosts = [""] * topo.world_size
     dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
@@ -441,6 +450,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,
+        "sync_impl": results[0]["sync_impl"],  # CompiledSync (the DSL program), or the class that ran
         "lookup_wait_fraction": sum(x["wait_s"] for x in lk) / max(step_s, 1e-9),
         "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
         "dense_bytes_per_example": per_sync * sum(r["syncs"] for r in results) / max(examples, 1),

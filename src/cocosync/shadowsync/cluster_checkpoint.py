@@ -51,14 +51,19 @@ class CheckpointParts:
 
 
 def _trainer_tensors(trainer: Any, t: int) -> dict[str, torch.Tensor]:
-    """The trainer's live tensors, to load into."""
+    """The trainer's live tensors to load into, and buffers for its sync state (`_load_sync` hands them over)."""
     out = {f"trainer.{t}.flat": trainer.flat.flat, f"trainer.{t}.accumulator": trainer.accumulator,
            f"trainer.{t}.positions": trainer.state.positions[t]}
-    sync = trainer.sync
-    if sync.name == "bmuf":
-        out.update({f"trainer.{t}.bmuf.global": sync.global_params, f"trainer.{t}.bmuf.start": sync.start,
-                    f"trainer.{t}.bmuf.delta": sync.delta})
+    out.update({f"trainer.{t}.{k}": torch.empty_like(v) for k, v in trainer.sync.state().items()})
     return out
+
+
+def _load_sync(trainer: Any, loaded: dict[str, torch.Tensor], t: int) -> None:
+    """Trainer t's sync state (BMUF's global model, start point and block momentum) from `loaded` into its sync
+    algorithm (the class's tensors, or the compiled program's slices)."""
+    prefix, names = f"trainer.{t}.", set(trainer.sync.state())  # (state(): collective across machines)
+    trainer.sync.load_state({k[len(prefix):]: v for k, v in loaded.items()
+                             if k.startswith(prefix) and k[len(prefix):] in names})
 
 
 def _state_dict(parts: CheckpointParts) -> dict[str, torch.Tensor]:
@@ -150,7 +155,10 @@ def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash
         lo, hi = center_bounds(centre_numel, sync_servers)[parts.index]
         parts.center.copy_(torch.cat([old[f"center.{i}"] for i in range(C_old)])[lo:hi])
         return
-    dcp.load(_state_dict(dataclasses.replace(parts, trainer_state=None)), checkpoint_id=str(path))
+    state = _state_dict(dataclasses.replace(parts, trainer_state=None))
+    dcp.load(state, checkpoint_id=str(path))
+    if parts.kind == "trainer":
+        _load_sync(parts.trainer, state, parts.index)
 
 
 def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhash: RowHash) -> None:
@@ -180,10 +188,8 @@ def _load_averaged_trainer(parts: CheckpointParts, path: Path, meta: dict) -> No
     old = {}
     for t in range(T):
         old |= {f"trainer.{t}.flat": torch.empty_like(flat), f"trainer.{t}.accumulator": torch.empty_like(acc)}
-    bmuf = {k[len("trainer.0."):]: v for k, v in _trainer_tensors(trainer, 0).items() if ".bmuf." in k}
-    old |= {f"trainer.0.{k}": torch.empty_like(v) for k, v in bmuf.items()}
+    old |= {k: v for k, v in _trainer_tensors(trainer, 0).items() if ".bmuf." in k}
     dcp.load(old, checkpoint_id=str(path))
     flat.copy_(torch.stack([old[f"trainer.{t}.flat"] for t in range(T)]).mean(0))
     acc.copy_(torch.stack([old[f"trainer.{t}.accumulator"] for t in range(T)]).mean(0))
-    for k, v in bmuf.items():
-        v.copy_(old[f"trainer.0.{k}"])
+    _load_sync(trainer, old, 0)

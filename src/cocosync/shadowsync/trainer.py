@@ -313,7 +313,7 @@ class Trainer:
         return {
             "trainer": self.rank, "examples": self.examples, "iterations": iterations,
             "seconds": t_end - t0, "start": t0, "end": t_end, "cpu_seconds": cpu_end - cpu0, "syncs": self.sync.syncs,
-            "active_syncs": self.active_syncs,
+            "active_syncs": self.active_syncs, "sync_impl": type(self.sync).__name__,
             "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
             "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},

@@ -215,3 +215,15 @@ def subgroup_node_groups(members: list[int], group: Any) -> NodeGroups | None:
     i, size = members.index(topo.rank), len(members)
     sub = Topology(rank=i, world_size=size, local_rank=i, local_world_size=size, node=0)
     return NodeGroups(topo=sub, job_id=obj[0], intra=group, members=list(members))
+
+
+def spanning_node_groups(members: list[int], group: Any, intra: Any, inter: Any, local_size: int) -> NodeGroups:
+    """NodeGroups of a subgroup spanning nodes, `local_size` members on each, numbered node by node (`members` in
+    that order): `intra` holds this node's members, `inter` the members with this member's node-local index (both
+    made by the caller, which every rank of the job must do alike). Collective over the members (a job id)."""
+    me = members.index(dist.get_rank())
+    obj = [f"s{members[0]}-{uuid.uuid4().hex[:12]}"]
+    dist.broadcast_object_list(obj, src=members[0], group=group)
+    sub = Topology(rank=me, world_size=len(members), local_rank=me % local_size, local_world_size=local_size,
+                   node=me // local_size)
+    return NodeGroups(topo=sub, job_id=obj[0], intra=intra, inter=inter, members=list(members))

@@ -1,12 +1,14 @@
-"""MA and BMUF as compiled DSL programs (programs/sync.py) on the cocosync runtime: the trainers of one machine
-average through shared memory, in one collective per round, instead of gloo over loopback TCP.
+"""MA and BMUF as compiled DSL programs (programs/sync.py) on the cocosync runtime: the trainers average in one
+collective per round through the runtime's communicator (shared memory within a machine; across machines the same
+program on its hierarchical form: shared memory within each node, gloo between nodes, cluster.py registers it),
+instead of the classes' gloo all-reduce.
 
 One program per algorithm, two schedules, chosen by size (SLICED_FROM_BYTES, measured): for small vectors the
 program runs as written (a one-shot all-reduce, then the update on the whole vector, the state replicated: fewest
 round trips); above it with the optimizers' sharded-update schedule (reduce-scatter -> update on this trainer's
 slice -> all-gather, one fused collective), BMUF's state sliced across the trainers (each holds 1/T of the global
 model and block momentum). The hand-written classes (ma.py, bmuf.py) are the reference the tests compare against,
-and run where this does not apply: one trainer, and across machines (HierarchicalGroup).
+and run where this does not apply: one trainer, `--no-compiled-sync` (then across machines over HierarchicalGroup).
 
 The active and hold flags ride in the same collective: two elements past the parameters (`x[n]`, `x[n+1]`), whose
 BMUF state is reset before every round, so the round's restart point there is a known multiple of their mean. BMUF
@@ -52,11 +54,13 @@ SLICED_FROM_BYTES = 256 << 10
 
 
 class NotOnOneMachine(ValueError):
-    """The trainers' group spans machines: no shared-memory communicator (make_sync falls back to the classes)."""
+    """The trainers' group has no shared-memory communicator (it spans machines without a registered hierarchical
+    one: make_sync falls back to the classes)."""
 
 
 class CompiledSync(SyncAlgorithm):
-    """MA ('ma') or BMUF ('bmuf') of `flat` over `group` (a process group of the trainers, one machine)."""
+    """MA ('ma') or BMUF ('bmuf') of `flat` over `group` (a process group of the trainers: on one machine, or
+    across machines with a registered hierarchical communicator)."""
 
     collective = True
 
@@ -130,8 +134,12 @@ class CompiledSync(SyncAlgorithm):
 
     # -- the state a checkpoint holds (full vectors; the slices are read from the peers' shared memory) ----------
     def _full(self, local: torch.Tensor) -> torch.Tensor:
+        """The whole vector of a state this trainer holds a slice of: read from the peers' shared memory on one
+        machine; across machines gathered (collective: every trainer asks at the same point, between rounds)."""
         if not self.sliced:
             return local[:self.n].clone()
+        if self._comm.nnodes > 1:
+            return self._comm.all_gather(local.clone())[:self.n]
         parts = [self._comm.arena.peer_view(local, p) for p in range(self.plan.comm.group_size)]
         return torch.cat(parts)[:self.n]
 
