@@ -51,6 +51,10 @@ def _write_back(flat: torch.Tensor, s: torch.Tensor, snapshot: torch.Tensor) -> 
 #: peer bytes from which the sliced schedule runs (T=2, rounds measured here: at 27,601 parameters replicated MA/BMUF
 #: 382/585 us vs sliced 444/725 us; at 200,000 replicated 1231/3379 us vs sliced 881/1088 us)
 SLICED_FROM_BYTES = 256 << 10
+#: across machines, (local trainers - 1) x bytes from which the sliced schedule runs: 2 simulated nodes x 2 trainers
+#: at 27,601 parameters, sliced rounds (gloo reduce-scatter + all-gather between nodes) left a 3.7x (MA) / 1.7x
+#: (BMUF) longer sync gap than the classes' one gloo all-reduce; not measured above that (BENCHMARKS.md)
+SLICED_ACROSS_FROM_BYTES = 16 << 20
 
 
 class NotOnOneMachine(ValueError):
@@ -76,12 +80,17 @@ class CompiledSync(SyncAlgorithm):
         n = flat.numel()
         self.n, self.padded = n, -(-(n + 2) // world) * world  # + the active and hold flags
         program = (bmuf_program if self.name == "bmuf" else ma_program)(self.padded, flat.dtype)
-        if sliced is None:
-            sliced = n * flat.element_size() * (world - 1) > SLICED_FROM_BYTES
-        self.sliced = sliced
-        schedule = STANDARD[self.name](program) if sliced else Schedule(program)
-        self.plan = compile_plan(lower(schedule), group, donate=("x",))
+        self.plan = compile_plan(lower(Schedule(program)), group, donate=("x",))
         shm = self.plan.comm.shm
+        if sliced is None and shm is not None:
+            # across machines the sliced schedule puts two gloo calls (reduce-scatter, all-gather) on the network
+            # where the replicated one has one all-reduce: only worth it for large vectors
+            peers = shm.local_size - 1 if shm.nnodes > 1 else world - 1
+            sliced = n * flat.element_size() * peers > (SLICED_FROM_BYTES if shm.nnodes == 1 else
+                                                        SLICED_ACROSS_FROM_BYTES)
+        self.sliced = bool(sliced)
+        if self.sliced:
+            self.plan = compile_plan(lower(STANDARD[self.name](program)), group, donate=("x",))
         if shm is None:
             raise NotOnOneMachine("CompiledSync needs the trainers on one machine (the shared-memory communicator)")
         self._comm, alloc = shm, shm.arena.empty
