@@ -24,6 +24,7 @@ __all__ = ["run_nodes_suite", "report"]
 
 GROUP = 16  # the grouped run: lookups of 16 batches per message (and 16 batches of prefetch)
 GROUPED = f"2 nodes, {GROUP} batches/message"
+CLASSES = "2 nodes, dense sync by the classes"  # --no-compiled-sync: the hand-written MA/BMUF over HierarchicalGroup
 
 KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_wait_fraction",
         "sparse_bytes_per_example", "dense_bytes_per_example", "rpc_round_trip_s", "staleness", "remote_row_fraction",
@@ -57,7 +58,8 @@ def run_nodes_suite(*, examples: int, eval_examples: int, trainers: int, sync: s
         raise ValueError(f"--trainers {trainers}: the 2-node comparison needs an even number of trainers >= 2")
     args = ["--examples", str(examples), "--eval-examples", str(eval_examples), "--batch-size", str(batch_size),
             "--sync", sync, "--sync-interval", str(interval)]
-    samples: dict[str, list[dict]] = {"1 node": [], "2 nodes": [], "2 nodes, no prefetch": [], GROUPED: []}
+    samples: dict[str, list[dict]] = {"1 node": [], "2 nodes": [], "2 nodes, no prefetch": [], GROUPED: [],
+                                      CLASSES: []}
     with tempfile.TemporaryDirectory(prefix="cocosync-bench-nodes-") as tmp:
         for rnd in range(repeats):
             console.print(f"[bold]round {rnd + 1}/{repeats}[/]")
@@ -69,7 +71,8 @@ def run_nodes_suite(*, examples: int, eval_examples: int, trainers: int, sync: s
                     s = _single(kw, out, console)
                 else:
                     group = GROUP if name == GROUPED else 1
-                    s = _two_nodes(args, trainers, out, prefetch=0 if "no prefetch" in name else max(2, group),
+                    extra = ["--no-compiled-sync"] if name == CLASSES else []
+                    s = _two_nodes(args + extra, trainers, out, prefetch=0 if "no prefetch" in name else max(2, group),
                                    group=group)
                 samples[name].append(s)
                 console.print(f"  {name:22s} EPS {s['eps']:9,.0f}  EPS/CPU-s {s['eps_per_cpu']:9,.0f}  "
