@@ -98,7 +98,7 @@ class _Job:
     shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
     rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
-    dense_group: HierarchicalGroup | None = None
+    dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
     center: CenterShard | None = None  # a sync server's range of EASGD's centre
     dense_params: int = 0
     init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from

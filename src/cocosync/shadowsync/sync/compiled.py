@@ -34,8 +34,8 @@ __all__ = ["CompiledSync", "NotOnOneMachine"]
 
 
 #: elements from which a round's copies in and out run as one generated loop each (fork: the live vector read once
-#: into the snapshot and the collective's buffer; write-back: flat += s - snapshot in one pass); measured at 16M,
-#: T=2: 7.2 + 7.1 ms -> see BENCHMARKS.md; below it the torch calls (a compiled call costs 25-80 us)
+#: into the snapshot and the collective's buffer; write-back: flat += s - snapshot in one pass): at 16M, T=2 the
+#: round went 38 -> 23.5 ms (BENCHMARKS.md); below it the torch calls (a compiled call costs 25-80 us)
 FUSED_COPIES_FROM = 1 << 20
 
 
@@ -52,7 +52,7 @@ def _write_back(flat: torch.Tensor, s: torch.Tensor, snapshot: torch.Tensor) -> 
 #: 382/585 us vs sliced 444/725 us; at 200,000 replicated 1231/3379 us vs sliced 881/1088 us)
 SLICED_FROM_BYTES = 256 << 10
 #: across machines, (local trainers - 1) x bytes from which the sliced schedule runs: 2 simulated nodes x 2 trainers
-#: at 27,601 parameters, sliced rounds (gloo reduce-scatter + all-gather between nodes) left a 3.7x (MA) / 1.7x
+#: at 27,601 parameters, sliced rounds (gloo reduce-scatter + all-gather between nodes) left a 3.6x (MA) / 1.7x
 #: (BMUF) longer sync gap than the classes' one gloo all-reduce; not measured above that (BENCHMARKS.md)
 SLICED_ACROSS_FROM_BYTES = 16 << 20
 
@@ -80,8 +80,8 @@ class CompiledSync(SyncAlgorithm):
         n = flat.numel()
         self.n, self.padded = n, -(-(n + 2) // world) * world  # + the active and hold flags
         program = (bmuf_program if self.name == "bmuf" else ma_program)(self.padded, flat.dtype)
-        self.plan = compile_plan(lower(Schedule(program)), group, donate=("x",))
-        shm = self.plan.comm.shm
+        self.plan = compile_plan(lower(Schedule(program)), group, donate=("x",))  # (kernels compile on first call)
+        shm = self.plan.comm.shm  # its nodes decide the schedule
         if sliced is None and shm is not None:
             # across machines the sliced schedule puts two gloo calls (reduce-scatter, all-gather) on the network
             # where the replicated one has one all-reduce: only worth it for large vectors
