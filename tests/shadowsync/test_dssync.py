@@ -83,9 +83,10 @@ def test_finished_trainers_keep_joining_until_every_group_is_done(rank_pool):
 
 
 def test_shadow_dssync_trains(tmp_path):
-    cfg = TrainConfig(examples=30_000, eval_examples=4_000, trainers=3, batch_size=128, progress=False, plot=False,
+    # 60,000 examples: NE 0.73-0.74 here (0.78-0.86 at 30,000, and 0.954 once in a CI run, over the bound)
+    cfg = TrainConfig(examples=60_000, eval_examples=4_000, trainers=3, batch_size=128, progress=False, plot=False,
                       out_dir=str(tmp_path / "ds"), data_options={"table_size": 2000}, timeout=120,
                       model={"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]},
                       sync=SyncConfig(algorithm="shadow-dssync", groups=2))
     s = run_training(cfg).summary
-    assert s["examples"] == 30_000 and s["syncs"] > 3 and s["eval_ne"] < 0.95, s
+    assert s["examples"] == 60_000 and s["syncs"] > 3 and s["eval_ne"] < 0.95, s
