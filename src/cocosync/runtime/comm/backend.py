@@ -5,7 +5,8 @@ their CPU collectives through the node's shared memory instead of gloo over loop
 A Python ProcessGroup (as PyTorch's test/distributed/test_c10d_pypg.py builds them): every operation the shared-memory
 communicator implements runs there when it applies (CPU tensors of float32/bfloat16/float16; sum, avg, min, max; the
 whole group on one node); everything else goes to an internal gloo group built on the same store, so every operation
-of torch.distributed works. Results equal gloo's (tests/runtime/comm/test_backend.py runs DDP on both).
+of torch.distributed works, through its Python API and through the dispatcher (functional collectives, FSDP2,
+DTensor). Results equal gloo's (tests/runtime/comm/test_backend.py runs DDP and FSDP2 on both).
 
 Shared memory serves a group whose members all live on this node (the torchrun environment tells each rank's
 node): the default group of a one-node job, or any `new_group` of ranks on one node. The whole job across nodes runs
@@ -53,6 +54,14 @@ class _Done(dist._Work):
         return self._future
 
 
+def _all_done(works: list[dist._Work], result: Any) -> dist._Work:
+    """One Work for several: the gloo ones are waited for here (the shared-memory ones are done already)."""
+    for w in works:
+        if not isinstance(w, _Done):
+            w.wait()  # releases the GIL
+    return _Done(result)
+
+
 def _op_of(opts: Any) -> str | None:
     op = getattr(opts, "reduceOp", opts)
     for k, v in _OPS.items():
@@ -67,8 +76,8 @@ class CocosyncProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
         self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("cocosync/gloo", store), rank, size, timeout)
-        # the C++ side of the group: torch keeps the group's name on its backend, and the dispatcher-based APIs
-        # (functional collectives, hence FSDP2 and DTensor) call the backend directly: they run on gloo
+        # the C++ side of the group: torch keeps the group's name on its backend. The dispatcher-based APIs
+        # (functional collectives, hence FSDP2 and DTensor) call the group's methods, which land in this class
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
         self._store = dist.PrefixStore("cocosync/shm", store)
         self._timeout = timeout
@@ -171,6 +180,29 @@ class CocosyncProcessGroup(dist.ProcessGroup):
     # torch >= 2.12 names the tensor forms all_gather_single / reduce_scatter_single
     all_gather_single = _allgather_base
     reduce_scatter_single = _reduce_scatter_base
+
+    # The coalesced tensor forms are what functional collectives (hence FSDP2 and DTensor) and _coalescing_manager
+    # call. They must be defined here: torch's trampoline calls the base class (the registered gloo backend) while
+    # it holds the GIL when Python defines no override, and gloo's worker thread frees a finished work's tensors
+    # while it holds the queue's lock, which takes the GIL when such a tensor's Python object died first: a
+    # deadlock (seen as FSDP2/DTensor hanging in ProcessGroupGloo::enqueue). From here gloo is entered through its
+    # Python bindings, which release the GIL.
+    def all_gather_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                    opts: Any = None) -> dist._Work:
+        return _all_done([self._allgather_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    def reduce_scatter_single_coalesced(self, outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                                        opts: Any = None) -> dist._Work:
+        return _all_done([self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)], outputs)
+
+    allgather_into_tensor_coalesced = all_gather_single_coalesced  # the names before torch 2.12
+    reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
+
+    def start_coalescing(self, device: torch.device) -> None:
+        """Nothing to gather: this group runs every operation when it is called."""
+
+    def end_coalescing(self, device: torch.device) -> dist._Work:
+        return _Done(None)
 
     def barrier(self, opts: Any = None) -> dist._Work:
         comm = self._comm()
