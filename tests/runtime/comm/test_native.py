@@ -1,5 +1,6 @@
 """The native (C++) all_reduce loops, one-shot and three-phase, against the Python path, their reference: the same
-bits for fp32, bf16 and fp16 sums and means at sizes 1 to 50k, in place and into out=, on 2 and 3 ranks; a rank on
+bits for fp32, bf16 and fp16 sums and means at sizes 1 to 50k, in place and into out=, on 2 and 3 ranks, with and
+without streaming stores (the three-phase loop's large-vector form, forced at every size); a rank on
 the native path and a rank on the Python path interoperate in the same call; mismatched calls raise the Python
 path's errors. It must build wherever a compiler and ninja exist (CI included)."""
 
@@ -46,13 +47,15 @@ class _Counting:
         return Counted()
 
 
-def _compare(mixed: bool, three_phase: bool = False) -> dict:
+def _compare(mixed: bool, three_phase: bool = False, stream: bool = False) -> dict:
     r = dist.get_rank()
     one_shot = 0 if three_phase else None  # 0: every size in three phases (reduce-scatter, all-gather)
     fast = ShmCommunicator(timeout=60, native=not mixed or r == 0, one_shot_bytes=one_shot)  # mixed: rank 0 only
     ref = ShmCommunicator(timeout=60, native=False, one_shot_bytes=one_shot)
     if fast._native is not None:
         fast._native = _Counting(fast._native)
+    if stream:  # streaming stores at every size: unaligned heads and tails, ranges of odd length
+        fast.stream_ws_bytes = fast.stream_result_bytes = 0
     bad = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         for op in ("sum", "mean"):
@@ -69,11 +72,12 @@ def _compare(mixed: bool, three_phase: bool = False) -> dict:
     return {"bad": bad, "native_calls": fast._native.calls if fast._native is not None else 0}
 
 
-@pytest.mark.parametrize("P, three_phase", [(2, False), (3, False), (2, True), (3, True)])
-def test_native_all_reduce_equals_the_python_path_bit_for_bit(rank_pool, P, three_phase):
+@pytest.mark.parametrize("P, three_phase, stream", [(2, False, False), (3, False, False), (2, True, False),
+                                                     (3, True, False), (2, True, True), (3, True, True)])
+def test_native_all_reduce_equals_the_python_path_bit_for_bit(rank_pool, P, three_phase, stream):
     if native.one_shot() is None:
         pytest.skip("the native path did not build here")
-    got = rank_pool(P).run(_compare, False, three_phase)
+    got = rank_pool(P).run(_compare, False, three_phase, stream)
     assert all(g["bad"] == [] for g in got), got
     calls = 3 * 2 * len(SIZES) * 2
     assert all(g["native_calls"] >= calls - 2 * 2 for g in got), got  # all but the first call per workspace

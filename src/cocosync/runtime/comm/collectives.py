@@ -54,6 +54,11 @@ DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # all_reduce within a node reads every peer's whole vector (one barrier) while (L - 1) x its bytes stay below this:
 # small vectors are latency-bound, and a barrier right after a large GEMM costs more than the extra reads
 DEFAULT_ONE_SHOT_BYTES = 1 << 20  # measured: 3.7x faster at 256 KB, even at 1 MB, slower from 4 MB
+# The native three-phase all_reduce writes what its peers read with streaming stores from this size, and its result
+# from the next (P=2, plain fp32; BENCHMARKS.md "streaming stores"): from 8 MB the workspace is 1.2x faster that way
+# (slower at 4 MB, where it stays in the last-level cache); streaming the result too wins from 64 MB (1.1x-1.2x).
+STREAM_WS_BYTES = 8 << 20
+STREAM_RESULT_BYTES = 64 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +123,7 @@ class ShmCommunicator:
         self._calls = 0
         self._acc: torch.Tensor | None = None
         self._one_shot = None  # the native loop bound to this communicator's control words (made on first use)
+        self.stream_ws_bytes, self.stream_result_bytes = STREAM_WS_BYTES, STREAM_RESULT_BYTES
 
     # ------------------------------------------------------------------ public collectives
 
@@ -531,8 +537,9 @@ class ShmCommunicator:
         one_shot = self._bind_native(name, x, op)
         seq = self.flags.seq + 1
         scale = 1.0 / self.world if NATIVE_OPS[op] else 1.0
+        nbytes = x.numel() * x.element_size()
         args = (seq, NATIVE_DTYPES[x.dtype], NATIVE_OPS_CODE[op], workspace.base, workspace.region_bytes, x, scale,
-                NATIVE_OPS[op], NATIVE_SPINS)
+                NATIVE_OPS[op], NATIVE_SPINS, nbytes >= self.stream_ws_bytes, nbytes >= self.stream_result_bytes)
         self.flags.seq = seq
         self._calls += 1
         status = one_shot.three_phase(0, *args)

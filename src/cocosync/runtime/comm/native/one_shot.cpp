@@ -4,6 +4,7 @@
 // reference and handles every case this does not (timeouts and dead peers, mismatched headers, other ops/dtypes).
 #include <torch/extension.h>
 
+#include <immintrin.h>
 #include <sched.h>
 
 #include <algorithm>
@@ -12,6 +13,49 @@
 
 namespace {
 
+// memcpy with non-temporal stores: for data no core of this rank reads again soon (what it publishes for its peers,
+// and large results). A plain store first reads the line it writes (read for ownership); a streaming store does not,
+// so a copy moves 2 bytes per byte instead of 3. Large vectors here are memory-bound, so that is the time.
+// Callers fence (stream_fence) before publishing an arrival flag.
+inline void stream_copy(void* dst, const void* src, int64_t bytes) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+#if defined(__AVX512F__)
+  constexpr int64_t kVec = 64;
+#else
+  constexpr int64_t kVec = 32;
+#endif
+  const int64_t head = std::min<int64_t>(bytes, (kVec - reinterpret_cast<uintptr_t>(d) % kVec) % kVec);
+  std::memcpy(d, s, head);
+  d += head, s += head, bytes -= head;
+  const int64_t body = bytes / kVec * kVec;
+  for (int64_t i = 0; i < body; i += kVec) {
+#if defined(__AVX512F__)
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(d + i), _mm512_loadu_si512(s + i));
+#else
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i)));
+#endif
+  }
+  std::memcpy(d + body, s + body, bytes - body);
+#else
+  std::memcpy(dst, src, bytes);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  _mm_sfence();
+#endif
+}
+
+inline void copy(void* dst, const void* src, int64_t bytes, bool streaming) {
+  if (streaming)
+    stream_copy(dst, src, bytes);
+  else
+    std::memcpy(dst, src, bytes);
+}
+
 inline int64_t load_acquire(const int64_t* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
 inline void store_release(int64_t* p, int64_t v) { __atomic_store_n(p, v, __ATOMIC_RELEASE); }
 
@@ -19,10 +63,14 @@ constexpr int kFields = 10;  // header words compared: collective, dtype, numel,
 
 // dst = (src[0] + src[1] + ... ) * scale per element, in float32, in rank order (as the Python path: the same bits),
 // in blocks so that each pass is a plain vectorizable loop
+// pub: also copy each block of the result there with streaming stores (the three-phase publish, fused so the result
+// is read from L1 instead of memory); stream: write dst itself with streaming stores (through a block buffer).
 template <typename T>
-void reduce_sum(const T* const* src, int64_t nsrc, T* dst, int64_t n, float scale, bool scaled) {  // dst may be a src
+void reduce_sum(const T* const* src, int64_t nsrc, T* dst, int64_t n, float scale, bool scaled,  // dst may be a src
+                T* pub = nullptr, bool stream = false, bool stream_pub = false) {
   constexpr int64_t kBlock = 1024;
   float acc[kBlock];
+  alignas(64) T out[kBlock];
   for (int64_t lo = 0; lo < n; lo += kBlock) {
     const int64_t m = std::min(kBlock, n - lo);
     const T* __restrict s0 = src[0] + lo;
@@ -33,8 +81,10 @@ void reduce_sum(const T* const* src, int64_t nsrc, T* dst, int64_t n, float scal
     }
     if (scaled)
       for (int64_t j = 0; j < m; ++j) acc[j] *= scale;
-    T* d = dst + lo;
+    T* d = stream ? out : dst + lo;
     for (int64_t j = 0; j < m; ++j) d[j] = static_cast<T>(acc[j]);
+    if (stream) stream_copy(dst + lo, out, m * sizeof(T));
+    if (pub != nullptr) copy(pub + lo, d, m * sizeof(T), stream_pub);
   }
 }
 
@@ -105,8 +155,11 @@ class OneShot {
   // copies the peers' reduced ranges from their regions into x. Returns 0 when done, 1 (late at seq: call again
   // with phase 1 once every rank arrived), 3 (late at seq + 1: call again with phase 2), 2 (headers disagree), or
   // 4 (a peer's vector is an arena tensor, read in place: the caller finishes the call on the Python path).
+  // stream_ws: write the workspace (what the peers read) with streaming stores; stream_x: x too (vectors too large
+  // to stay in the caches, where skipping the read for ownership saves a third of a copy's memory traffic).
   int64_t three_phase(int64_t phase, int64_t seq, int64_t dtype_code, int64_t op_code, int64_t ws_addr,
-                      int64_t region_bytes, const torch::Tensor& x, double scale, bool scaled, int64_t spins) {
+                      int64_t region_bytes, const torch::Tensor& x, double scale, bool scaled, int64_t spins,
+                      bool stream_ws, bool stream_x) {
     const int64_t numel = x.numel(), es = x.element_size();
     char* data = static_cast<char*>(x.data_ptr());
     char* ws = reinterpret_cast<char*>(ws_addr);
@@ -117,7 +170,8 @@ class OneShot {
       pybind11::gil_scoped_release no_gil;
       char* mine = ws + rank_ * region_bytes;
       for (int64_t r = 0; r < size_; ++r)
-        if (r != rank_) std::memcpy(mine + lo(r) * es, data + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+        if (r != rank_) copy(mine + lo(r) * es, data + lo(r) * es, (lo(r + 1) - lo(r)) * es, stream_ws);
+      if (stream_ws) stream_fence();
       store_release(words_ + rank_ * slot_ + seq_field_, seq);
       if (!spin(seq, spins)) return 1;
       phase = 1;
@@ -137,15 +191,17 @@ class OneShot {
         src[r] = (r == rank_ ? data : ws + r * region_bytes) + s * es;
       const auto dtype = x.scalar_type();
       pybind11::gil_scoped_release no_gil;
-      reduce(dtype, src, data + s * es, n, static_cast<float>(scale), scaled);
-      std::memcpy(ws + rank_ * region_bytes + s * es, data + s * es, n * es);  // published for the peers
+      reduce(dtype, src, data + s * es, n, static_cast<float>(scale), scaled,  // and published for the peers
+             ws + rank_ * region_bytes + s * es, stream_x, stream_ws);
+      if (stream_x || stream_ws) stream_fence();
       store_release(words_ + rank_ * slot_ + seq_field_, seq + 1);
       if (!spin(seq + 1, spins)) return 3;
       phase = 2;
     }
     pybind11::gil_scoped_release no_gil;
     for (int64_t r = 0; r < size_; ++r)
-      if (r != rank_) std::memcpy(data + lo(r) * es, ws + r * region_bytes + lo(r) * es, (lo(r + 1) - lo(r)) * es);
+      if (r != rank_) copy(data + lo(r) * es, ws + r * region_bytes + lo(r) * es, (lo(r + 1) - lo(r)) * es, stream_x);
+    if (stream_x) stream_fence();
     return 0;
   }
 
@@ -169,16 +225,17 @@ class OneShot {
   }
 
   static void reduce(c10::ScalarType dtype, const std::vector<const void*>& src, void* dst, int64_t n, float s,
-                     bool scaled) {
+                     bool scaled, void* pub, bool stream, bool stream_pub) {
     const int64_t k = src.size();
     if (dtype == torch::kFloat)
-      reduce_sum(reinterpret_cast<const float* const*>(src.data()), k, static_cast<float*>(dst), n, s, scaled);
+      reduce_sum(reinterpret_cast<const float* const*>(src.data()), k, static_cast<float*>(dst), n, s, scaled,
+                 static_cast<float*>(pub), stream, stream_pub);
     else if (dtype == torch::kBFloat16)
       reduce_sum(reinterpret_cast<const c10::BFloat16* const*>(src.data()), k, static_cast<c10::BFloat16*>(dst), n,
-                 s, scaled);
+                 s, scaled, static_cast<c10::BFloat16*>(pub), stream, stream_pub);
     else
       reduce_sum(reinterpret_cast<const c10::Half* const*>(src.data()), k, static_cast<c10::Half*>(dst), n, s,
-                 scaled);
+                 scaled, static_cast<c10::Half*>(pub), stream, stream_pub);
   }
 
   int64_t* header(int64_t seq, int64_t r) const { return words_ + r * slot_ + hdr_field_ + (seq % 2) * hdr_words_; }
