@@ -133,3 +133,27 @@ def test_a_native_rank_finishes_a_call_with_an_arena_peer_in_python(rank_pool, P
         pytest.skip("the native path did not build here")
     got = rank_pool(P).run(_arena_and_plain)
     assert all(all(g) for g in got), got
+
+
+def _gather_and_scatter_streamed() -> list[str]:
+    """all_gather and reduce_scatter with streaming stores at every size (native copies) against the plain copies."""
+    r, W = dist.get_rank(), dist.get_world_size()
+    fast = ShmCommunicator(timeout=60, native=True)
+    fast.stream_ws_bytes = fast.stream_result_bytes = fast.stream_gather_bytes = 0
+    ref = ShmCommunicator(timeout=60, native=False)
+    bad = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (1, 7, 1000, 50_001):
+            x = torch.randn(n * W, generator=torch.Generator().manual_seed(n + r)).to(dtype)
+            if not torch.equal(fast.all_gather(x[:n]), ref.all_gather(x[:n])):
+                bad.append(f"all_gather {dtype} n={n}")
+            if not torch.equal(fast.reduce_scatter(x), ref.reduce_scatter(x)):
+                bad.append(f"reduce_scatter {dtype} n={n}")
+    return bad
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_streamed_copies_of_all_gather_and_reduce_scatter_equal_plain_ones(rank_pool, P):
+    if native.one_shot() is None:
+        pytest.skip("the native path did not build here")
+    assert rank_pool(P).run(_gather_and_scatter_streamed) == [[]] * P

@@ -251,7 +251,18 @@ class OneShot {
   std::vector<int64_t> template_;
 };
 
+// dst = src (contiguous, the same bytes) with streaming stores, fenced: for the large copies of the collectives'
+// Python paths (all_gather, reduce_scatter), whose time is memory traffic.
+void stream_copy_tensor(const torch::Tensor& dst, const torch::Tensor& src) {
+  TORCH_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes(),
+              "stream_copy: contiguous tensors of the same size expected, got ", dst.sizes(), " and ", src.sizes());
+  pybind11::gil_scoped_release no_gil;
+  stream_copy(dst.data_ptr(), src.data_ptr(), static_cast<int64_t>(dst.nbytes()));
+  stream_fence();
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("stream_copy", &stream_copy_tensor);
   pybind11::class_<OneShot>(m, "OneShot")
       .def(pybind11::init<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, std::vector<int64_t>>())
       .def("run", &OneShot::run)
