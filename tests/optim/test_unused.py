@@ -125,3 +125,20 @@ def test_bf16_with_float32_master_weights_skips_through_the_masked_program(rank_
         assert untouched
         for a, b in zip(params, ref):
             torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-3)
+
+
+def test_a_gradient_written_in_place_counts_wherever_its_nonzeros_are():
+    """No backward, gradients copied into the optimizer's views (as a benchmark or a custom reducer does): a view
+    counts when any element is nonzero, also when only its last one is (the check looks at a prefix first)."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(32, 16), torch.nn.Linear(32, 16)  # 512 weights each: past the prefix
+    opt = DistributedAdam([a.weight, b.weight], lr=0.1)
+    (a(torch.randn(2, 32)).sum() + b(torch.randn(2, 32)).sum()).backward()
+    opt.step()  # the gradients are the optimizer's views from here
+    a.weight.grad.zero_()
+    b.weight.grad.zero_()
+    a.weight.grad.view(-1)[-1] = 1.0  # nonzero only at the end
+    wa, wb = a.weight.detach().clone(), b.weight.detach().clone()
+    opt.step()
+    assert not torch.equal(a.weight, wa) and torch.equal(b.weight, wb)
+    assert float(opt.state[a.weight]["step"]) == 2.0 and float(opt.state[b.weight]["step"]) == 1.0  # b: skipped

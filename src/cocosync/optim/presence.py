@@ -62,7 +62,7 @@ class GradientPresence:
                 elif not FlatParams._same(p.grad, gv):
                     out.append(True)
                 else:
-                    out.append(bool(gv.any()))
+                    out.append(_nonzero(gv))
         return out
 
     def reset(self) -> None:
@@ -77,6 +77,13 @@ class GradientPresence:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+
+def _nonzero(view: torch.Tensor, prefix: int = 64) -> bool:
+    """Whether a gradient view holds a nonzero: its first elements first (a real gradient almost always has one
+    there), so only a zero one pays a full pass (per-parameter `any()` over 16.8M elements took 17 ms a step)."""
+    flat = view.reshape(-1)
+    return bool(flat[:prefix].any()) or bool(flat[prefix:].any())
 
 
 class Agreement:
