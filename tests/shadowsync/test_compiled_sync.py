@@ -43,8 +43,10 @@ def _rounds_with(algorithm: str, sliced: bool, nesterov: bool, rounds: int, kern
     r = dist.get_rank()
     cfg = SyncConfig(algorithm=f"fr-{algorithm}", nesterov=nesterov, block_momentum=0.4, block_lr=0.9)
     ours, ref = _start(), _start()
-    # with Inductor kernels, the copies in and out as generated loops too (from 1M elements in a job)
-    compiled = CompiledSync(ours, cfg, sliced=sliced, fused_copies_from=1 if kernels == "inductor" else 1 << 20)
+    # with Inductor kernels, the copies in and out as generated loops too (from 1M elements in a job); the sliced
+    # eager runs fork through the native streaming copy (from 2M elements in a job), the replicated ones through torch
+    compiled = CompiledSync(ours, cfg, sliced=sliced, fused_copies_from=1 if kernels == "inductor" else 1 << 20,
+                            stream_fork_from=1 if kernels == "eager" and sliced else 1 << 62)
     reference = (BMUF if algorithm == "bmuf" else ModelAveraging)(ref, cfg)
     out = []
     for k in range(rounds):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from cocosync.lower import lower
 from cocosync.programs.sync import bmuf_program, ma_program
+from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.runtime.executor import compile_plan
 from cocosync.runtime.steps.codegen import compile_function
 from cocosync.schedule import Schedule
@@ -37,6 +38,9 @@ __all__ = ["CompiledSync", "NotOnOneMachine"]
 #: into the snapshot and the collective's buffer; write-back: flat += s - snapshot in one pass): at 16M, T=2 the
 #: round went 38 -> 23.5 ms (BENCHMARKS.md); below it the torch calls (a compiled call costs 25-80 us)
 FUSED_COPIES_FROM = 1 << 20
+#: elements from which the fork is the native streaming copy (runtime/comm/native: read once, no read for ownership
+#: of the two copies): 16M, T=2: BENCHMARKS.md "sync: the round's fork with streaming stores"
+STREAM_FORK_FROM = 2 << 20
 
 
 def _fork(flat: torch.Tensor, snapshot: torch.Tensor, x: torch.Tensor) -> None:
@@ -69,7 +73,8 @@ class CompiledSync(SyncAlgorithm):
     collective = True
 
     def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None, *,
-                 sliced: bool | None = None, fused_copies_from: int = FUSED_COPIES_FROM):
+                 sliced: bool | None = None, fused_copies_from: int = FUSED_COPIES_FROM,
+                 stream_fork_from: int = STREAM_FORK_FROM):
         """`sliced`: force the schedule (None: by size, see module doc); `fused_copies_from`: elements from which
         the copies in and out run as generated loops."""
         super().__init__(flat, cfg, group)
@@ -115,6 +120,9 @@ class CompiledSync(SyncAlgorithm):
                        for a in (False, True) for h in (False, True)}  # the active and hold flags, then padding
         big = n >= fused_copies_from
         self._fork = compile_function(_fork) if big else (lambda f, p, x: (p.copy_(f), x.copy_(p)))
+        native = native_module() if n >= stream_fork_from and flat.is_contiguous() else None
+        if native is not None:
+            self._fork = lambda f, p, x: native.stream_copy2(p, x, f)
         self._write_back = compile_function(_write_back) if big else (lambda f, s, p: f.add_(s).sub_(p))
 
     def _sync(self, active: bool) -> int:
