@@ -53,7 +53,10 @@ __all__ = ["ShmCommunicator", "Call", "CollectiveTimeout", "SUPPORTED_DTYPES", "
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # all_reduce within a node reads every peer's whole vector (one barrier) while (L - 1) x its bytes stay below this:
 # small vectors are latency-bound, and a barrier right after a large GEMM costs more than the extra reads
-DEFAULT_ONE_SHOT_BYTES = 1 << 20  # measured: 3.7x faster at 256 KB, even at 1 MB, slower from 4 MB
+# (local ranks - 1) x bytes up to which all_reduce runs one-shot. Measured with the native loops, P=2: three-phase
+# 0.95x-1.11x of one-shot from 256 KB to 1 MB, 0.46x-0.76x from 2 MB (`cocosync tune one-shot`, 2 runs: they
+# chose 64 KB); bench collectives at 1 MB: 112-126 us three-phase vs 142-145 one-shot (BENCHMARKS.md)
+DEFAULT_ONE_SHOT_BYTES = 256 << 10
 # The native three-phase all_reduce writes what its peers read with streaming stores from this size, and its result
 # from the next (P=2, plain fp32; BENCHMARKS.md "streaming stores"): from 8 MB the workspace is 1.2x faster that way
 # (slower at 4 MB, where it stays in the last-level cache); streaming the result too wins from 64 MB (1.1x-1.2x).
@@ -91,7 +94,7 @@ class ShmCommunicator:
         chunk_bytes: bytes reduced at a time (cache blocking).
         one_shot_bytes: a single-node all_reduce whose (local ranks - 1) x bytes are at most this runs one-shot:
             every rank reduces the whole vector from all ranks' copies, behind one barrier (0: never). Default:
-            measured on this machine by `cocosync tune one-shot` (runtime/comm/tuned.py), else 1 MB.
+            measured on this machine by `cocosync tune one-shot` (runtime/comm/tuned.py), else 256 KB.
 
     All ranks must call the same collectives in the same order (as with torch.distributed), and one thread at a
     time per rank (e.g. only the CommThread while an overlap is in flight). Mismatched calls are detected through
