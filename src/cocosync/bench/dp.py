@@ -58,6 +58,7 @@ LABELS = {
     "naive": "one all_reduce(gloo) of all grads, then Adam (foreach, torch's default)",
     "zero": "ZeRO-1: all_reduce(gloo) + ZeroRedundancyOptimizer(Adam)",
     "fsdp2": "FSDP2 fully_shard (fwd/bwd/step b=1 minus local fwd/bwd)",
+    "fsdp2_cocosync": "FSDP2 fully_shard on the cocosync backend (the same, minus local fwd/bwd)",
     "lamb_ours": "ours: DistributedLAMB (per-tensor trust ratios)",
     "lamb_base": "bucketed all_reduce(gloo) + foreach LAMB (per-tensor ratios)",
     "lamb_ours_global": "ours: DistributedLAMB(per_tensor=False) (one global ratio)",
@@ -94,7 +95,8 @@ class DpConfig:
     """Small transformer: vocabulary size."""
     sections: tuple[str, ...] = SECTIONS
     """Which comparisons to run (adam, lamb, train)."""
-    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync")
+    baselines: tuple[str, ...] = ("naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync",
+                                  "fsdp2_cocosync")
     """Optional rows (ours and the DDP-style / same-math LAMB baselines always run)."""
     kernels: str | None = None
     """Fused-kernel backend of ours (COCOSYNC_KERNELS: inductor or eager); None: the environment's (inductor)."""
@@ -115,10 +117,11 @@ class DpConfig:
         bad = set(self.sections) - set(SECTIONS)
         if bad:
             raise ValueError(f"DpConfig.sections: unknown {sorted(bad)}; choose from {list(SECTIONS)}")
-        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync"}
+        bad = set(self.baselines) - {"naive", "zero", "fsdp2", "adamslice", "lamb_global", "ddp_cocosync",
+                                     "fsdp2_cocosync"}
         if bad:
             raise ValueError(f"DpConfig.baselines: unknown {sorted(bad)}; choose from naive, zero, fsdp2, "
-                             "adamslice, lamb_global, ddp_cocosync")
+                             "adamslice, lamb_global, ddp_cocosync, fsdp2_cocosync")
         if self.kernels not in (None, "inductor", "eager"):
             raise ValueError(f"DpConfig.kernels={self.kernels!r}: expected 'inductor', 'eager' or None")
         if self.P < 2:
@@ -256,13 +259,20 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
         return bucketed(bucket, lambda ps: ZeroRedundancyOptimizer(ps, optimizer_class=torch.optim.Adam, lr=1e-4,
                                                                    fused=True))
 
-    def fsdp2():
+    def fsdp2(backend: str | None = None):
+        from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if backend is not None:  # a mesh over a group of this backend (else the default group's, gloo here)
+            from cocosync.runtime.comm.backend import register
+
+            register()
+            mesh = DeviceMesh.from_group(dist.new_group(backend=backend), "cpu")
         model = mlp(cfg)
-        for layer in model:
-            fully_shard(layer, reshard_after_forward=False)  # 1 all-gather + 1 reduce-scatter per step, as all_reduce
-        fully_shard(model, reshard_after_forward=False)
+        for layer in model:  # 1 all-gather + 1 reduce-scatter per step, as all_reduce
+            fully_shard(layer, reshard_after_forward=False, mesh=mesh)
+        fully_shard(model, reshard_after_forward=False, mesh=mesh)
         opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
         x = torch.randn(1, cfg.width)
         keep.append((model, opt))
@@ -295,8 +305,10 @@ def _adam_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
         cases.add("zero", zero)
     if "fsdp2" in cfg.baselines:
         cases.add("fsdp2", fsdp2)
-        if "fsdp2" in cases.fns:
-            cases.add("fsdp2_local", local_fwd_bwd)
+    if "fsdp2_cocosync" in cfg.baselines:
+        cases.add("fsdp2_cocosync", lambda: fsdp2("cocosync"))
+    if "fsdp2" in cases.fns or "fsdp2_cocosync" in cases.fns:
+        cases.add("fsdp2_local", local_fwd_bwd)
     cases.keep = keep  # type: ignore[attr-defined]
     return cases
 
@@ -393,9 +405,11 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
         samples = per_rank[0]["samples"].get(section, {})
         per_iter = {case: [max(s) for s in zip(*(pr["samples"][section][case] for pr in per_rank))]
                     for case in samples}
-        if "fsdp2" in per_iter and "fsdp2_local" in per_iter:  # FSDP2 comm + step = its step - the local compute
+        if "fsdp2_local" in per_iter:  # FSDP2 comm + step = its step - the local compute
             compute = stats(per_iter.pop("fsdp2_local"))
-            per_iter["fsdp2"] = [max(t - compute.median, 1e-9) for t in per_iter["fsdp2"]]
+            for case in ("fsdp2", "fsdp2_cocosync"):
+                if case in per_iter:
+                    per_iter[case] = [max(t - compute.median, 1e-9) for t in per_iter[case]]
             notes["fsdp2_local_fwd_bwd_s"] = f"{compute.median:.6f}"
         meds = {case: stats(ts) for case, ts in per_iter.items()}
         ours = meds.get(OURS_OF[section])
