@@ -52,10 +52,9 @@ __all__ = ["ShmCommunicator", "Call", "CollectiveTimeout", "SUPPORTED_DTYPES", "
 
 DEFAULT_CHUNK_BYTES = 256 << 10  # fits in L2 next to its inputs
 # all_reduce within a node reads every peer's whole vector (one barrier) while (L - 1) x its bytes stay below this:
-# small vectors are latency-bound, and a barrier right after a large GEMM costs more than the extra reads
-# (local ranks - 1) x bytes up to which all_reduce runs one-shot. Measured with the native loops, P=2: three-phase
-# 0.95x-1.11x of one-shot from 256 KB to 1 MB, 0.46x-0.76x from 2 MB (`cocosync tune one-shot`, 2 runs: they
-# chose 64 KB); bench collectives at 1 MB: 112-126 us three-phase vs 142-145 one-shot (BENCHMARKS.md)
+# small vectors are latency-bound. Measured with the native loops, P=2: three-phase 0.95x-1.11x of one-shot from
+# 256 KB to 1 MB, 0.46x-0.76x from 2 MB (`cocosync tune one-shot`, 2 runs: they chose 64 KB); bench collectives at
+# 1 MB: 112-126 us three-phase vs 142-145 one-shot (BENCHMARKS.md)
 DEFAULT_ONE_SHOT_BYTES = 256 << 10
 # The native three-phase all_reduce writes what its peers read with streaming stores from this size, and its result
 # from the next (P=2, plain fp32; BENCHMARKS.md "streaming stores"): from 8 MB the workspace is 1.2x faster that way
@@ -358,7 +357,8 @@ class ShmCommunicator:
 
     def streams(self, nbytes: int, result_from: int | None = None) -> tuple[bool, bool]:
         """(write the workspace with streaming stores, write the result so) for a collective of nbytes."""
-        return nbytes >= self.stream_ws_bytes, nbytes >= (result_from or self.stream_result_bytes)
+        return nbytes >= self.stream_ws_bytes, nbytes >= (self.stream_result_bytes if result_from is None
+                                                           else result_from)
 
     def ws_view(self, workspace: Segment | None, peer: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
         assert workspace is not None

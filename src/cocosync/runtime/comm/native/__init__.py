@@ -1,7 +1,8 @@
-"""The optional native (C++) hot loop of the shared-memory one-shot all_reduce, JIT-built once with the system
-compiler through torch.utils.cpp_extension (cached in torch's extensions directory, $TORCH_EXTENSIONS_DIR or
-~/.cache/torch_extensions; the first build says so on stderr). `$COCOSYNC_NATIVE=0` turns it off; a build that
-fails is reported once as a warning and the Python path, the reference the native one is tested against, runs."""
+"""The optional native (C++) hot loops of the shared-memory all_reduce (one-shot and three-phase) and the streaming
+copies of large collectives, JIT-built once with the system compiler through torch.utils.cpp_extension (cached in
+torch's extensions directory, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; the first build says so on
+stderr). `$COCOSYNC_NATIVE=0` turns it off; a build that fails is reported once as a warning and the Python path,
+the reference the native one is tested against, runs."""
 
 from __future__ import annotations
 

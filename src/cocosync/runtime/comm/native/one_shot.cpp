@@ -2,6 +2,7 @@
 // peers' arrival flags, check their headers agree, reduce every rank's copy in rank order. The same protocol and
 // the same bits as the Python path (runtime/comm/collectives.py: begin_call + reduce_ranges), which stays the
 // reference and handles every case this does not (timeouts and dead peers, mismatched headers, other ops/dtypes).
+// Also the three-phase all_reduce's loop, and copies with streaming stores for the memory-bound large collectives.
 #include <torch/extension.h>
 
 #include <immintrin.h>
@@ -63,8 +64,9 @@ constexpr int kFields = 10;  // header words compared: collective, dtype, numel,
 
 // dst = (src[0] + src[1] + ... ) * scale per element, in float32, in rank order (as the Python path: the same bits),
 // in blocks so that each pass is a plain vectorizable loop
-// pub: also copy each block of the result there with streaming stores (the three-phase publish, fused so the result
-// is read from L1 instead of memory); stream: write dst itself with streaming stores (through a block buffer).
+// pub: also copy each block of the result there (the three-phase publish, fused so the result is read from L1
+// instead of memory; with streaming stores when stream_pub); stream: write dst itself with streaming stores
+// (through a block buffer).
 template <typename T>
 void reduce_sum(const T* const* src, int64_t nsrc, T* dst, int64_t n, float scale, bool scaled,  // dst may be a src
                 T* pub = nullptr, bool stream = false, bool stream_pub = false) {
