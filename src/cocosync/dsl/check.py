@@ -16,6 +16,16 @@ def program_groups(program: "Program") -> int:
     return seen.pop() if seen else 1
 
 
+def world_independent(program: "Program") -> bool:
+    """Whether the program computes the same on any number of ranks: no stage communicates, keeps a rank's slice or
+    draws a rank's dropout mask, and no value is Sliced. Such a program runs on its rank alone (a world of one)."""
+    from cocosync.dsl.registry import OPS, OpKind
+
+    rank_bound = (OpKind.COMMUNICATES, OpKind.SLICE)
+    return not any(OPS[s.op].kind in rank_bound or s.op == "dropout" for s in program.stages) and not any(
+        n.layout.is_sliced for n in (*program.inputs, *program.stages))
+
+
 def check_program(program: "Program") -> None:
     declared = {id(n) for n in program.inputs}
     names = [n.name for n in program.inputs]

@@ -16,7 +16,7 @@ import torch
 
 from cocosync.dsl import Local, Program, ReduceOp, Replicated, Scalar, Tensor, all_reduce, float32, update
 
-__all__ = ["ma_program", "bmuf_program"]
+__all__ = ["ma_program", "bmuf_program", "easgd_program"]
 
 
 def ma_program(n: int, dtype: torch.dtype = float32) -> Program:
@@ -43,3 +43,19 @@ def bmuf_program(n: int, dtype: torch.dtype = float32) -> Program:
     glob1 = update(glob, glob + delta1)
     s1 = update(s, glob1 + nm * delta1)
     return Program("bmuf", [x, s, glob, delta, mom, blr, nm], [s1, glob1, delta1])
+
+
+def easgd_program(n: int, dtype: torch.dtype = float32) -> Program:
+    """Elastic averaging SGD (Zhang et al. 2015) of one trainer against the centre `c` (one copy in the node's shared
+    memory, which every trainer moves in turn, Hogwild):
+
+        d  = alpha * (x - c)
+        x <- x - d
+        c <- c + d
+
+    No collective: each trainer runs it alone (a world of one, whenever its shadow thread likes), so both are Local
+    to it; the centre is the same memory for every trainer. Compiled it is one generated loop reading x and c once
+    and writing both, where the hand-written update made five passes over the vector."""
+    x, c, alpha = Tensor("x", n, dtype, Local), Tensor("c", n, dtype, Local), Scalar("alpha")
+    d = alpha * (x - c)
+    return Program("easgd", [x, c, alpha], [update(x, x - d), update(c, c + d)])

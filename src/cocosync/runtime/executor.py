@@ -61,7 +61,8 @@ class CompiledProgram:
                 raise DslError(f"{p.name}: input {n.name!r} must be a tensor, got {type(v).__name__}")
             want = self._shapes[n.name]
             if tuple(v.shape) != want or v.dtype != n.dtype:
-                raise DslError(f"{p.name}: input {n.name!r} ({n.layout}) on rank {dist.get_rank()} must have local "
+                rank = dist.get_rank() if dist.is_initialized() else 0
+                raise DslError(f"{p.name}: input {n.name!r} ({n.layout}) on rank {rank} must have local "
                                f"shape {want} and dtype {n.dtype}; got shape {tuple(v.shape)} dtype {v.dtype}")
             if n.ndim and device is not None and v.device != device:
                 raise DslError(f"{p.name}: input {n.name!r} is on {v.device}, other inputs are on {device}")

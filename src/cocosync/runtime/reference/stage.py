@@ -16,7 +16,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from cocosync.dsl.check import check_world, program_groups
+from cocosync.dsl.check import check_world, program_groups, world_independent
 from cocosync.dsl.ir import Node, Program
 from cocosync.dsl.registry import names
 from cocosync.dsl.types import FLAT, ReduceOp, Sliced, local_shape_of, part_of
@@ -48,13 +48,15 @@ class StageComm:
     """
 
     def __init__(self, program: Program, group: dist.ProcessGroup | None, backend: str | None = None):
-        if not dist.is_initialized():
+        alone = world_independent(program)  # e.g. EASGD's update against its centre: no process group needed
+        if not dist.is_initialized() and not alone:
             raise RuntimeError("cocosync.compile: torch.distributed is not initialized; call "
                                "torch.distributed.init_process_group (torchrun sets up its environment) first")
-        ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
+        me = dist.get_rank() if dist.is_initialized() else 0
+        ranks = [me] if alone else dist.get_process_group_ranks(group or dist.group.WORLD)
         self.world = len(ranks)
         self.group_size = check_world(program, self.world)
-        pos = ranks.index(dist.get_rank())
+        pos = ranks.index(me)
         self.group_rank, self.group_index = pos % self.group_size, pos // self.group_size
         self.global_ranks = ranks
         ngroups = program_groups(program)
@@ -67,11 +69,11 @@ class StageComm:
         backend = backend or os.environ.get("COCOSYNC_BACKEND", "auto")
         if backend not in BACKENDS:
             raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
-        whole_world = list(self.members) == list(range(dist.get_world_size()))
+        whole_world = list(self.members) == list(range(dist.get_world_size() if dist.is_initialized() else 1))
         self.shm = None
         if backend != "torch" and self.group_size > 1:
             self.shm = shared_communicator() if whole_world else group_communicator(self.members, self.group)
-        if backend == "shm" and self.shm is None:
+        if backend == "shm" and self.shm is None and not alone:
             raise ValueError(f"backend='shm' needs more than one rank and a (sub)group on one node or the whole "
                              f"world; this program's group is global ranks {self.members}: use 'torch' or 'auto'")
         self.backend = "shm" if self.shm is not None else "torch"

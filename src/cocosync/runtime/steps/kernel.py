@@ -54,8 +54,12 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
     needed = outside_readers(program, inside)
     outs = [s for s in body if id(s) in needed]
     rewritten, form = _through_updates(body)
+    work = eager_work(options, local_ranks_of(comm))
+    states = _in_place_states(step, program, updates, outs)
+    if states is not None:
+        return _in_place_runner(rewritten, form, outs, states, updates, options, work, f"k_{body[0].name}")
     k = build_kernel(rewritten, [form[id(s)] for s in outs], options.kernels, name=f"k_{body[0].name}",
-                     eager_work=eager_work(options, local_ranks_of(comm)))
+                     eager_work=work)
     aliases = [(id(u), id(u.args[1])) for u in updates]
 
     def run(env: dict) -> None:
@@ -64,6 +68,42 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
             env[id(node)] = val
         for u, value in aliases:  # the state's new value; executor._finish writes it when the program ends
             env[u] = env[value]
+    return run
+
+
+def _in_place_states(step: Kernel, program: Program, updates: list[Node], outs: list[Node]) -> list[Node] | None:
+    """The states the kernel may write in place, one per output (None: it returns new tensors, which the program's
+    end copies into the states): every value the kernel hands out is the value of one update of this step, and no
+    stage after the step reads those states' old values."""
+    by_value = {id(u.args[1]): u.args[0] for u in updates}
+    if len(by_value) != len(updates) or {id(o) for o in outs} != set(by_value):
+        return None
+    inside = {id(s) for s in step.stages}
+    written = {id(u.args[0]) for u in updates}
+    if len(written) != len(updates) or any(a.op != "input" for a in by_value.values()):
+        return None
+    if any(id(a) in written for s in program.stages if id(s) not in inside for a in s.args):
+        return None
+    return [by_value[id(o)] for o in outs]
+
+
+def _in_place_runner(rewritten: list[Node], form: dict[int, Node], outs: list[Node], states: list[Node],
+                     updates: list[Node], options: StepOptions, work: int, name: str) -> Runner:
+    """The kernel writing each update's value straight into its state (one pass: e.g. EASGD reads its replica and
+    the centre once and writes both, where new tensors and the copies at the program's end take three passes);
+    a state the kernel reads is read from the memory it writes (no two arguments alias)."""
+    reads = {id(state): i for i, state in enumerate(states)}
+    k = build_kernel(rewritten, [form[id(s)] for s in outs], options.kernels, name=name, into=True,
+                     reads_out=reads, eager_work=work)
+
+    def run(env: dict) -> None:
+        put_consts(k.inputs, env)
+        targets = [env[id(state)] for state in states]
+        k(*(env[id(a)] for a in k.inputs), *targets)
+        for node, state in zip(outs, targets):  # the values are the states now; the program's end copies nothing
+            env[id(node)] = state
+        for u in updates:
+            env[id(u)] = env[id(u.args[1])]
     return run
 
 

@@ -2,18 +2,32 @@
 each range updated by RPC (lock-free, Hogwild on the centre, as the single-node shared-memory centre).
 
 A trainer's exchange sends its snapshot's ranges to their servers in one message each, in parallel; each server
-answers with alpha * (x - c) for its range and adds it to its centre: the elastic step of both sides in one round
-trip.
+runs EASGD's program (programs/sync.py: d = alpha * (x - c), x -= d, c += d) on its range and answers with the moved
+point x - d: the elastic step of both sides in one round trip.
 """
 
 from __future__ import annotations
+
+from functools import lru_cache
+from typing import Callable
 
 import torch
 import torch.distributed.rpc as rpc
 
 from cocosync.shadowsync.served import Served
 
-__all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds"]
+__all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds", "easgd_step"]
+
+
+@lru_cache(maxsize=8)
+def easgd_step(numel: int, dtype: torch.dtype) -> Callable[..., dict[str, torch.Tensor]]:
+    """EASGD's program for vectors of `numel`, compiled for this process alone (it has no collective):
+    `step(x=..., c=..., alpha=...)` moves both in place."""
+    from cocosync.lower import lower
+    from cocosync.programs.sync import easgd_program
+    from cocosync.runtime.executor import compile_plan
+
+    return compile_plan(lower(easgd_program(numel, dtype)))
 
 
 def center_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -26,12 +40,13 @@ class CenterShard:
 
     def __init__(self, values: torch.Tensor):
         self.values = values.detach().clone()
+        self._step = easgd_step(self.values.numel(), self.values.dtype)
 
     @torch.no_grad()
     def exchange(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        diff = x.sub_(self.values).mul_(alpha)  # alpha * (x_local - x_center); x is this call's own copy
-        self.values.add_(diff)
-        return diff
+        """x - alpha * (x - c) (x is this call's own copy, moved in place), the centre moved towards x as much."""
+        self._step(x=x, c=self.values, alpha=alpha)
+        return x
 
 
 _SERVED: Served[CenterShard] = Served("sync server", "an exchange")  # the centre ranges this process serves
@@ -59,7 +74,8 @@ class RemoteCenter:
         self.bounds = center_bounds(numel, len(servers))
 
     def exchange(self, x: torch.Tensor, alpha: float) -> torch.Tensor:
-        """alpha * (x - centre), the centre moved by the same amount; one parallel round trip to every server."""
+        """x - alpha * (x - centre), the centre moved by as much towards x; one parallel round trip to every
+        server."""
         futures = [rpc.rpc_async(name, _rpc_exchange, args=(s, x[lo:hi].clone(), float(alpha)))
                    for s, (name, (lo, hi)) in enumerate(zip(self.servers, self.bounds))]
         return torch.cat([f.wait() for f in futures])

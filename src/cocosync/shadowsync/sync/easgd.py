@@ -1,12 +1,16 @@
-"""Elastic averaging SGD (Zhang et al. 2015) against a central copy in shared memory (the single-node sync PS).
+"""Elastic averaging SGD (Zhang et al. 2015) against a central copy: the DSL program `easgd_program`
+(programs/sync.py), compiled to one generated loop, on the same runtime as the collective algorithms.
 
-    diff      = x_local - x_center              (both read once: the snapshot)
-    x_local  <- x_local  - alpha * diff
-    x_center <- x_center + alpha * diff
+    d         = alpha * (x_local - x_center)
+    x_local  <- x_local  - d
+    x_center <- x_center + d
 
-No collective: each trainer talks only to the center, lock-free, whenever it likes (Hogwild on the center).
-Across machines the centre is a `RemoteCenter` (sharded over the sync servers, see center.py): the server computes
-diff for its range and moves its centre in the same round trip.
+No collective: each trainer talks only to the centre, lock-free, whenever it likes (Hogwild on the centre). On one
+machine the centre is a tensor in shared memory and the trainer runs the program on its live replica and the centre
+(each element read once and written once, in one pass: an update a worker makes meanwhile to an element is kept
+unless it lands between that element's read and write). Across machines the centre is a `RemoteCenter` (sharded
+over the sync servers, see center.py): each server runs the same program on its range of the trainer's snapshot
+and sends the moved point back, which the trainer writes back as a delta (keeping its workers' updates).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from cocosync.shadowsync.sync.base import SyncAlgorithm
-from cocosync.shadowsync.sync.center import RemoteCenter
+from cocosync.shadowsync.sync.center import RemoteCenter, easgd_step
 from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["EASGD"]
@@ -31,13 +35,15 @@ class EASGD(SyncAlgorithm):
         elif center.shape != flat.shape or center.dtype != flat.dtype:
             raise ValueError(f"EASGD center {tuple(center.shape)}/{center.dtype} does not match the dense "
                              f"buffer {tuple(flat.shape)}/{flat.dtype}")
+        else:
+            self._step = easgd_step(flat.numel(), flat.dtype)
         self.center = center
 
     def _sync(self, active: bool) -> int:
         if isinstance(self.center, RemoteCenter):
-            self.flat.sub_(self.center.exchange(self.flat.clone(), self.cfg.alpha))
-            return int(active)
-        diff = self.flat.clone().sub_(self.center).mul_(self.cfg.alpha)  # alpha * (x_local - x_center)
-        self.flat.sub_(diff)
-        self.center.add_(diff)
+            snapshot = self.flat.clone()
+            moved = self.center.exchange(snapshot.clone(), self.cfg.alpha)  # x - d, from every server's range
+            self.flat.add_(moved.sub_(snapshot))  # delta write-back
+        else:
+            self._step(x=self.flat, c=self.center, alpha=self.cfg.alpha)
         return int(active)
