@@ -34,20 +34,23 @@ def _x(rank: int) -> torch.Tensor:
     return torch.tensor([1.0, -2.0, 3.0]) * (rank + 1) + rank * rank
 
 
-def _dssync_rank(rounds: int):
+def _dssync_rank(rounds: int, compiled: bool):
     r = dist.get_rank()
     x = _x(r)
-    algo = make_sync(x, SyncConfig(algorithm="fr-dssync", groups=2, shuffle_seed=7))
+    algo = make_sync(x, SyncConfig(algorithm="fr-dssync", groups=2, shuffle_seed=7, compiled=compiled))
     assert isinstance(algo, DSSync)
     out = []
     for k in range(rounds):
         x.add_(float(k + 1) * (r + 1))  # local training between rounds
         n = algo.sync()
         out.append((x.clone(), algo.last_group, n))
+        pg = algo._groups[algo.last_group]  # the round's own group: its backend
+        out[-1] += (dist.get_backend(pg),)
     return out
 
 
-def test_each_round_averages_within_its_group_only(rank_pool):
+@pytest.mark.parametrize("compiled,backend", [(True, "cocosync"), (False, "gloo")], ids=["shared-memory", "gloo"])
+def test_each_round_averages_within_its_group_only(rank_pool, compiled, backend):
     rounds, world = 3, 4
     local = [_x(r) for r in range(world)]
     ref = []
@@ -59,9 +62,10 @@ def test_each_round_averages_within_its_group_only(rank_pool):
             for m in g:
                 local[m] = mean.clone()
         ref.append(([x.clone() for x in local], groups))
-    for r, rank_out in enumerate(rank_pool(world).run(_dssync_rank, rounds)):
-        for (x, group, n), (xs, groups) in zip(rank_out, ref):
+    for r, rank_out in enumerate(rank_pool(world).run(_dssync_rank, rounds, compiled)):
+        for (x, group, n, used), (xs, groups) in zip(rank_out, ref):
             assert group in groups and r in group and n == world
+            assert used == backend, used  # the groups' averages ran through shared memory, or gloo
             torch.testing.assert_close(x, xs[r])
 
 

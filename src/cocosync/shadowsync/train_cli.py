@@ -71,8 +71,8 @@ _TRAIN_OPTIONS = [
     click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
     click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
     click.option("--compiled-sync/--no-compiled-sync", default=None,
-                 help="MA/BMUF as compiled DSL programs on shared memory (default on one machine), or the "
-                      "classes on gloo."),
+                 help="MA/BMUF as compiled DSL programs on shared memory and DS-Sync's groups on the cocosync "
+                      "backend (default on one machine), or the classes on gloo."),
     click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),

@@ -84,7 +84,8 @@ class SyncConfig:
     """DS-Sync: seed of the per-round shuffle of the groups (the same on every trainer)."""
     compiled: bool = True
     """MA/BMUF on one machine as compiled DSL programs on shared memory (sync/compiled.py) instead of the classes on
-    gloo (False; the classes also run across machines and are the tests' reference). The default since 42 fr-ma runs
+    gloo (False; the classes also run across machines and are the tests' reference); DS-Sync's groups on the
+    `cocosync` backend (shared memory) instead of gloo. The default since 42 fr-ma runs
     (T=2, 120k examples) on it and 30 on the classes, interleaved, learned alike (eval NE medians 0.732 and 0.729,
     the same tail to 0.76) at 1.36x the examples/s (BENCHMARKS.md, sync); the slow runs an earlier session saw (NE
     0.86) did not come back in 103 runs since."""

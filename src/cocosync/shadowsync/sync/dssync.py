@@ -12,7 +12,9 @@ paper's claim: convergence close to full averaging at a fraction of its communic
 
 Each group is a process group of its members (created once, when its membership first occurs: every trainer calls
 `new_group` for every group of the round in the same order, as torch requires). The active and hold flags, which
-must count every trainer, ride on a small all-reduce over all trainers.
+must count every trainer, ride on a small all-reduce over all trainers. With `compiled` (the default) these groups
+are of the `cocosync` backend, so the averages and the flags go through the node's shared memory (the runtime's
+communicator) instead of gloo.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cocosync.runtime.comm.backend import BACKEND
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.train_config import SyncConfig
 
@@ -37,17 +40,27 @@ class DSSync(SyncAlgorithm):
     name = "dssync"
     collective = True
 
-    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None):
+    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None,
+                 backend: str | None = None):
+        """`backend` of the groups it makes: default 'cocosync' (shared memory) with cfg.compiled, else the
+        default group's (gloo)."""
         super().__init__(flat, cfg, group)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise ValueError("DS-Sync runs over a flat group of trainers (one machine), not a hierarchical one")
         self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.last_group: tuple[int, ...] = ()
+        self.backend = backend or (BACKEND if cfg.compiled else None)
+        self._flags_group = group
+        if self.backend is not None and self._world() > 1:  # collective: every trainer builds its sync here
+            self._flags_group = dist.new_group(self._ranks(range(self._world())), backend=self.backend)
+
+    def _ranks(self, members) -> list[int]:
+        return [dist.get_global_rank(self.group, m) for m in members] if self.group is not None else list(members)
 
     def _process_group(self, members: tuple[int, ...]) -> dist.ProcessGroup | None:
         if members not in self._groups:  # collective: every trainer reaches here for every new group in order
-            ranks = [dist.get_global_rank(self.group, m) for m in members] if self.group is not None else list(members)
-            self._groups[members] = dist.new_group(ranks) if len(members) > 1 else None
+            self._groups[members] = (dist.new_group(self._ranks(members), backend=self.backend)
+                                     if len(members) > 1 else None)
         return self._groups[members]
 
     def _sync(self, active: bool) -> int:
@@ -69,6 +82,6 @@ class DSSync(SyncAlgorithm):
             mean = snapshot.clone()
             dist.all_reduce(mean, group=my_pg)
             self.flat.add_(mean.div_(len(mine)).sub_(snapshot))  # delta write-back: keeps Hogwild updates
-        dist.all_reduce(flags, group=self.group)
+        dist.all_reduce(flags, group=self._flags_group)
         self.holds = int(round(flags[1].item()))
         return int(round(flags[0].item()))
