@@ -73,8 +73,9 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
 
 def _in_place_states(step: Kernel, program: Program, updates: list[Node], outs: list[Node]) -> list[Node] | None:
     """The states the kernel may write in place, one per output (None: it returns new tensors, which the program's
-    end copies into the states): every value the kernel hands out is the value of one update of this step, and no
-    stage after the step reads those states' old values."""
+    end copies into the states): every value the kernel hands out is the value of one update of this step, and
+    nothing outside the step reads those states (no stage, no program output: it would see the new values; a reader
+    in an earlier step would be safe, but this rule does not look at the plan's order)."""
     by_value = {id(u.args[1]): u.args[0] for u in updates}
     if len(by_value) != len(updates) or {id(o) for o in outs} != set(by_value):
         return None
@@ -82,7 +83,8 @@ def _in_place_states(step: Kernel, program: Program, updates: list[Node], outs: 
     written = {id(u.args[0]) for u in updates}
     if len(written) != len(updates) or any(a.op != "input" for a in by_value.values()):
         return None
-    if any(id(a) in written for s in program.stages if id(s) not in inside for a in s.args):
+    if any(id(a) in written for s in program.stages if id(s) not in inside for a in s.args) or any(
+            id(o) in written for o in program.outputs):
         return None
     return [by_value[id(o)] for o in outs]
 
