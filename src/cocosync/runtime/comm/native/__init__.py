@@ -11,11 +11,15 @@ import hashlib
 import os
 import platform
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["one_shot", "enabled"]
+__all__ = ["one_shot", "enabled", "clear_stale_lock"]
+
+#: a build lock older than this is a killed build's (a build takes ~1 min on 2 cores): torch would wait on it forever
+STALE_LOCK_SECONDS = 300.0
 
 
 def enabled() -> bool:
@@ -44,6 +48,7 @@ def one_shot() -> Any:
         src = Path(__file__).with_name("one_shot.cpp")
         name = f"cocosync_one_shot_{_cpu_key()}"  # built for this CPU (-march=native): one build per CPU kind
         build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        clear_stale_lock(build / "lock")
         built = sorted(build.glob("*.so"))
         if not built or built[0].stat().st_mtime < src.stat().st_mtime:
             print("cocosync: building the native shared-memory all_reduce once with the system compiler "
@@ -53,3 +58,25 @@ def one_shot() -> Any:
         warnings.warn(f"cocosync: the native shared-memory all_reduce did not build ({type(e).__name__}: "
                       f"{str(e)[:300]}); the Python path runs", RuntimeWarning, stacklevel=2)
         return None
+
+
+def clear_stale_lock(lock: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> bool:
+    """Wait while another process builds (its `lock` exists), saying so once; a lock older than `stale_after`
+    seconds is a killed build's, which torch.utils.cpp_extension would wait on forever: remove it, with a warning.
+    Returns whether it removed one."""
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return False
+        if age > stale_after:
+            lock.unlink(missing_ok=True)
+            warnings.warn(f"cocosync: removed a stale build lock {lock} ({age:.0f} s old: a build that was killed); "
+                          "building the native module again", RuntimeWarning, stacklevel=3)
+            return True
+        if not said:
+            print(f"cocosync: waiting for another process's build of the native module (lock {lock}; treated as "
+                  f"stale after {stale_after:.0f} s)", file=sys.stderr, flush=True)
+            said = True
+        time.sleep(poll)
