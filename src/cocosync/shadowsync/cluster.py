@@ -118,6 +118,10 @@ class _Job:
         return W * (self.cfg.total_examples // (self.roles.trainers * W))
 
 
+#: seconds a failed server waits before it leaves, so that the trainers report the lost peer first
+SERVER_EXIT_GRACE = 5.0
+
+
 def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
     """Run this process's role of the job; returns the summary on trainer 0, None elsewhere."""
     console = console or Console(stderr=True)
@@ -184,6 +188,11 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
         print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{traceback.format_exc()}",
               file=sys.stderr, flush=True)  # plain text: rich would wrap it and parse the [brackets] of gloo's
+        if roles.role()[0] != "trainer":
+            # a server waiting for trainer 0's next command fails as soon as any peer's gloo connection closes,
+            # which says only an address; its exit would make torchrun stop this node's trainer before that
+            # trainer's next lookup names the lost server (seen in CI): give the trainers the first word
+            time.sleep(SERVER_EXIT_GRACE)
         os._exit(1)
     dist.destroy_process_group()
     return summary
