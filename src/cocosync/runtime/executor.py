@@ -127,7 +127,11 @@ class CompiledPlan(CompiledProgram):
             raise ValueError(f"donate={sorted(unknown)}: not inputs of {plan.program.name!r}")
         options = StepOptions.make(kernels=kernels, donate=frozenset(donate), fuse_reduction=fuse_reduction,
                                    kernel_bytes=kernel_bytes, eager_work=eager_work)
-        self.runners = [prepare(step, plan.program, self.comm, options) if fast else None for step in plan.steps]
+        self.runners = []
+        earlier: set[int] = set()  # the stages of the steps before (they have run when a step runs)
+        for step in plan.steps:
+            self.runners.append(prepare(step, plan.program, self.comm, options, frozenset(earlier)) if fast else None)
+            earlier.update(id(s) for s in step.stages)
         self._profile: StepProfile | None = None
 
     @property

@@ -41,8 +41,9 @@ def kernel_reason(step: Kernel, program: Program) -> str | None:
     return None
 
 
-def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: StepOptions) -> Runner | None:
-    """A runner for the step, or None (reference path)."""
+def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: StepOptions,
+                  earlier: frozenset[int] = frozenset()) -> Runner | None:
+    """A runner for the step, or None (reference path). `earlier`: the stages of the steps before it."""
     stages = list(step.stages)
     if kernel_reason(step, program) is not None:
         return None
@@ -55,7 +56,7 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
     outs = [s for s in body if id(s) in needed]
     rewritten, form = _through_updates(body)
     work = eager_work(options, local_ranks_of(comm))
-    states = _in_place_states(step, program, updates, outs)
+    states = _in_place_states(step, program, updates, outs, earlier)
     if states is not None:
         return _in_place_runner(rewritten, form, outs, states, updates, options, work, f"k_{body[0].name}")
     k = build_kernel(rewritten, [form[id(s)] for s in outs], options.kernels, name=f"k_{body[0].name}",
@@ -71,15 +72,16 @@ def kernel_runner(step: Kernel, program: Program, comm: StageComm, options: Step
     return run
 
 
-def _in_place_states(step: Kernel, program: Program, updates: list[Node], outs: list[Node]) -> list[Node] | None:
+def _in_place_states(step: Kernel, program: Program, updates: list[Node], outs: list[Node],
+                     earlier: frozenset[int] = frozenset()) -> list[Node] | None:
     """The states the kernel may write in place, one per output (None: it returns new tensors, which the program's
     end copies into the states): every value the kernel hands out is the value of one update of this step, and
-    nothing outside the step reads those states (no stage, no program output: it would see the new values; a reader
-    in an earlier step would be safe, but this rule does not look at the plan's order)."""
+    nothing that runs after it reads those states (no stage outside this step and the `earlier` ones, no program
+    output: it would see the new values)."""
     by_value = {id(u.args[1]): u.args[0] for u in updates}
     if len(by_value) != len(updates) or {id(o) for o in outs} != set(by_value):
         return None
-    inside = {id(s) for s in step.stages}
+    inside = {id(s) for s in step.stages} | earlier
     written = {id(u.args[0]) for u in updates}
     if len(written) != len(updates) or any(a.op != "input" for a in by_value.values()):
         return None

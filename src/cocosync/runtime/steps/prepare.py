@@ -19,12 +19,14 @@ from cocosync.runtime.steps.overlap import overlap_reason, overlap_runner
 __all__ = ["prepare", "static_reason"]
 
 
-def prepare(step: Step, program: Program, comm: StageComm, options: StepOptions) -> Runner | None:
-    """A runner `run(env)` for the step's fast form, or None."""
+def prepare(step: Step, program: Program, comm: StageComm, options: StepOptions,
+            earlier: frozenset[int] = frozenset()) -> Runner | None:
+    """A runner `run(env)` for the step's fast form, or None. `earlier`: ids of the stages of the plan's steps
+    before this one (a kernel may write a state in place that only they read)."""
     if comm.pruning.touches(step.stages) and not isinstance(step, Overlap):
         return None  # stage by stage, skipping what this rank prunes (runtime.reference.prune)
     if isinstance(step, Kernel):
-        return kernel_runner(step, program, comm, options)
+        return kernel_runner(step, program, comm, options, earlier)
     if isinstance(step, FusedCollective):
         group = analyze(step, program)
         if isinstance(group, NotFused) or runtime_reason(group, comm.shm) is not None:
