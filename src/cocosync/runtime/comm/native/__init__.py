@@ -60,11 +60,13 @@ def one_shot() -> Any:
         return None
 
 
-def clear_stale_lock(lock: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.5) -> bool:
-    """Wait while another process builds (its `lock` exists), saying so once; a lock older than `stale_after`
-    seconds is a killed build's, which torch.utils.cpp_extension would wait on forever: remove it, with a warning.
-    Returns whether it removed one."""
-    said = False
+def clear_stale_lock(lock: Path, stale_after: float = STALE_LOCK_SECONDS, poll: float = 0.05,
+                     say_after: float = 3.0) -> bool:
+    """Wait while another process builds (its `lock` exists; torch also holds it briefly for every load's version
+    check), saying so once past `say_after` seconds; a lock older than `stale_after` seconds is a killed build's,
+    which torch.utils.cpp_extension would wait on forever: remove it, with a warning. Returns whether it removed
+    one."""
+    said, t0 = False, time.monotonic()
     while True:
         try:
             age = time.time() - lock.stat().st_mtime
@@ -75,7 +77,7 @@ def clear_stale_lock(lock: Path, stale_after: float = STALE_LOCK_SECONDS, poll: 
             warnings.warn(f"cocosync: removed a stale build lock {lock} ({age:.0f} s old: a build that was killed); "
                           "building the native module again", RuntimeWarning, stacklevel=3)
             return True
-        if not said:
+        if not said and time.monotonic() - t0 >= say_after:
             print(f"cocosync: waiting for another process's build of the native module (lock {lock}; treated as "
                   f"stale after {stale_after:.0f} s)", file=sys.stderr, flush=True)
             said = True
