@@ -42,7 +42,7 @@ class EASGD(SyncAlgorithm):
     def _sync(self, active: bool) -> int:
         if isinstance(self.center, RemoteCenter):
             snapshot = self.flat.clone()
-            moved = self.center.exchange(snapshot.clone(), self.cfg.alpha)  # x - d, from every server's range
+            moved = self.center.exchange(snapshot, self.cfg.alpha)  # x - d (it sends copies of the ranges)
             self.flat.add_(moved.sub_(snapshot))  # delta write-back
         else:
             self._step(x=self.flat, c=self.center, alpha=self.cfg.alpha)
