@@ -1,6 +1,6 @@
 """Nothing runs code, nothing listens beyond loopback: a crafted checkpoint is refused without running its payload;
 every socket a run listens on is on 127.0.0.1 (RankPool for tests, benchmarks and the demo; the ShadowSync
-launcher's rendezvous store)."""
+launcher's rendezvous store, the job's gloo and RPC)."""
 
 from __future__ import annotations
 
@@ -26,10 +26,17 @@ class _Payload:
 
 
 def _crafted(tmp_path):
+    """A checkpoint directory whose DCP metadata (a pickle) would run a command when loaded with plain pickle."""
+    import json
+    import pickle
+
     marker = tmp_path / "pwned"
-    path = tmp_path / "checkpoint.pt"
-    torch.save({"config": {}, "dense": {}, "embeddings": {}, "positions": torch.zeros(1), "x": _Payload(str(marker))},
-               path)
+    path = tmp_path / "run" / "checkpoints" / "seen-1"
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(pickle.dumps(_Payload(str(marker))))
+    meta = {"config": {}, "trainers": 1, "workers": 1, "embedding_servers": 1, "sync_servers": 0, "table_rows": [1],
+            "dense_params": 1, "examples_seen": 1}
+    (path / "meta.json").write_text(json.dumps(meta))
     return path, marker
 
 
@@ -44,21 +51,19 @@ def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, args):
     assert not marker.exists(), "the checkpoint's payload ran"
 
 
-def test_a_real_checkpoint_still_loads(tmp_path):
-    from cocosync.shadowsync.checkpoint import CheckpointError, read_checkpoint
+def test_a_real_checkpoint_still_loads_and_a_damaged_one_is_named(tmp_path):
+    import torch.distributed.checkpoint as dcp
 
-    good = tmp_path / "good.pt"
-    torch.save({"config": {"a": 1}, "dense": {"w": torch.ones(2)}, "embeddings": {}, "positions": torch.zeros(2)}, good)
-    assert read_checkpoint(good)["config"] == {"a": 1}
-    (tmp_path / "empty.pt").write_bytes(b"")
-    with pytest.raises(CheckpointError, match="empty"):
-        read_checkpoint(tmp_path / "empty.pt")
-    (tmp_path / "junk.pt").write_bytes(b"not a checkpoint")
-    with pytest.raises(CheckpointError, match="not a torch checkpoint or corrupt"):
-        read_checkpoint(tmp_path / "junk.pt")
-    torch.save({"dense": {}}, tmp_path / "other.pt")
-    with pytest.raises(CheckpointError, match="not a cocosync checkpoint"):
-        read_checkpoint(tmp_path / "other.pt")
+    from cocosync.shadowsync.checkpoint import CheckpointError, SafeReader
+
+    good = tmp_path / "good"
+    dcp.save({"w": torch.ones(2), "i": torch.zeros(3, dtype=torch.int64)}, checkpoint_id=str(good), no_dist=True)
+    state = {"w": torch.zeros(2), "i": torch.ones(3, dtype=torch.int64)}
+    dcp.load(state, storage_reader=SafeReader(str(good)), no_dist=True)
+    assert state["w"].tolist() == [1.0, 1.0] and state["i"].tolist() == [0, 0, 0]
+    (good / ".metadata").write_bytes((good / ".metadata").read_bytes()[:40])  # cut short
+    with pytest.raises(CheckpointError, match="damaged .metadata"):
+        SafeReader(str(good)).read_metadata()
 
 
 def _non_loopback(found):

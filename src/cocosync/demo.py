@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -70,8 +71,9 @@ def shadowsync_demo(console: Console) -> bool:
     from cocosync.shadowsync.train_cli import train
 
     console.rule("[bold]ShadowSync: CTR training with background dense sync (`cocosync train`)")
-    try:
-        train.main(args=[], standalone_mode=False)
+    try:  # `cocosync train` writes to stderr; the demo's whole story goes where the demo writes (`demo > file`)
+        with contextlib.redirect_stderr(sys.stdout):
+            train.main(args=[], standalone_mode=False)
     except SystemExit as e:  # click reports failures as exit codes
         return not e.code
     return True

@@ -48,10 +48,22 @@ def test_wrong_typed_or_non_finite_values_are_named(tmp_path, text, needle):
     _one_error(CliRunner().invoke(cli, ["train", "--no-progress", "--config", _config(tmp_path, text)]), needle)
 
 
-@pytest.mark.parametrize("content, needle", [(b"", "is empty"), (b"\x80\x02junk", "not a torch checkpoint or corrupt")])
-def test_bad_checkpoints_are_one_line(tmp_path, content, needle):
-    ckpt = tmp_path / "checkpoint.pt"
-    ckpt.write_bytes(content)
+def _bad_checkpoint(tmp_path, kind: str):
+    if kind == "old file":
+        path = tmp_path / "checkpoint.pt"
+        path.write_bytes(b"\x80\x02junk")
+        return path, "one-file format"
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    if kind == "empty dir":
+        return path, "no checkpoint there"
+    (path / "meta.json").write_text("{not json")
+    return path, "unreadable meta.json"
+
+
+@pytest.mark.parametrize("kind", ["old file", "empty dir", "bad meta"])
+def test_bad_checkpoints_are_one_line(tmp_path, kind):
+    ckpt, needle = _bad_checkpoint(tmp_path, kind)
     _one_error(CliRunner().invoke(cli, ["eval", str(ckpt)]), needle, str(ckpt))
     _one_error(_train(tmp_path, "--resume", str(ckpt)), needle)
 
@@ -110,15 +122,20 @@ def test_model_and_data_sizes_on_the_command_line_are_checked(tmp_path, args, ne
 
 
 def test_model_and_data_sizes_on_the_command_line_shape_the_model(tmp_path):
-    import torch
 
     res = _train(tmp_path, "--trainers", "1", "--examples", "4000", "--eval-examples", "500", "--batch-size", "64",
                  "--embedding-dim", "4", "--bottom-mlp", "12,4", "--top-mlp", "6", "--table-size", "300",
                  "--sync", "none")
     assert res.exit_code == 0, res.output
-    ckpt = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
-    assert ckpt["config"]["model"] == {"embedding_dim": 4, "bottom_mlp": [12, 4], "top_mlp": [6], "init_ctr": 0.04}
-    assert ckpt["config"]["data_options"] == {"table_size": 300}
-    assert ckpt["embeddings"]["weight"].shape == (26 * 300, 4)  # 26 tables of 300 rows, 4 wide
-    shapes = {tuple(v.shape) for k, v in ckpt["dense"].items() if k.endswith("weight")}
-    assert {(12, 13), (4, 12)} <= shapes  # the bottom MLP: 13 dense features -> 12 -> 4
+    import json
+
+    from cocosync.shadowsync.checkpoint import read_tensors
+
+    meta = json.loads((tmp_path / "run" / "checkpoints" / "seen-4000" / "meta.json").read_text())
+    assert meta["config"]["model"] == {"embedding_dim": 4, "bottom_mlp": [12, 4], "top_mlp": [6], "init_ctr": 0.04}
+    assert meta["config"]["data_options"] == {"table_size": 300}
+    ckpt = read_tensors(tmp_path / "run")
+    assert ckpt["emb.0.weight"].shape == (26 * 300, 4)  # 26 tables of 300 rows, 4 wide, on one server
+    bottom = 13 * 12 + 12 + 12 * 4 + 4  # the bottom MLP: 13 dense features -> 12 -> 4
+    top = (4 + 27 * 26 // 2) * 6 + 6 + 6 + 1  # [bottom output, 351 pairwise dots] -> 6 -> 1
+    assert ckpt["trainer.0.flat"].numel() == bottom + top

@@ -11,20 +11,13 @@ import sys
 import time
 from pathlib import Path
 
-from cocosync.testing.sockets import process_tree
+from cocosync.testing.sockets import job_ranks
 
 
 def _trainers(pid: int) -> list[int]:
-    """The launcher's trainer processes (multiprocessing spawn children, not its resource tracker)."""
-    out = []
-    for p in process_tree(pid)[1:]:
-        try:
-            cmd = Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
-        except OSError:
-            continue
-        if "spawn_main" in cmd:
-            out.append(p)
-    return sorted(out)
+    """The job's trainers (local ranks 1 and 2; rank 0 is the embedding server)."""
+    ranks = job_ranks(pid)
+    return [ranks[r] for r in sorted(ranks) if r >= 1]
 
 
 def _alive(pid: int) -> bool:
@@ -47,7 +40,7 @@ def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
         while time.monotonic() < deadline:  # wait until both trainers train
             metrics = out / "metrics.jsonl"
             events = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
-            if len({e["trainer"] for e in events if e.get("event") == "train"}) == 2:
+            if any(e.get("event") == "train" for e in events) and len(_trainers(proc.pid)) == 2:
                 break
             assert proc.poll() is None, proc.communicate()
             time.sleep(0.2)
@@ -71,7 +64,7 @@ def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
 
 
 def test_a_second_run_on_the_same_output_directory_is_refused(tmp_path):
-    from cocosync.shadowsync.launcher import _OutputLock
+    from cocosync.shadowsync.launch import OutputLock as _OutputLock
 
     out = tmp_path / "run"
     out.mkdir()

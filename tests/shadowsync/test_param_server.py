@@ -6,9 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.shadowsync.embeddings import SharedEmbeddings
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows
 from cocosync.testing.launch import RankPool
+
+from .tables import ReferenceTables
 
 ROWS, DIM = [7, 13, 5], 4
 
@@ -25,7 +26,7 @@ def _shards(rowhash: RowHash, optimizer: str, seed: int = 3) -> list[Shard]:
 def test_row_hash_covers_every_row_once_and_starts_from_the_local_tables():
     rowhash = RowHash(sum(ROWS), 3)
     assert sum(rowhash.shard_rows(s) for s in range(3)) == sum(ROWS)
-    local = SharedEmbeddings(ROWS, DIM, seed=3)
+    local = ReferenceTables(ROWS, DIM, seed=3)
     for s, shard in enumerate(_shards(rowhash, "adagrad")):
         assert torch.equal(shard.weight, local.weight[s::3])
     with pytest.raises(ValueError, match="servers >= 1"):
@@ -36,11 +37,11 @@ def test_row_hash_covers_every_row_once_and_starts_from_the_local_tables():
 def test_local_shards_equal_the_shared_tables(optimizer):
     rowhash = RowHash(sum(ROWS), 2)
     client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, optimizer))
-    local = SharedEmbeddings(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
+    local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
     _drive(client, local, steps=6)
 
 
-def _drive(client: ShardedEmbeddings, local: SharedEmbeddings, steps: int, in_order: bool = True) -> None:
+def _drive(client: ShardedEmbeddings, local: ReferenceTables, steps: int, in_order: bool = True) -> None:
     """Fetch, compare with the local tables, push the same gradients to both; at the end every row is equal.
     `in_order`: each push is applied before the next fetch (one worker, fixed order: bit for bit at every step);
     else pushes stay in flight (the servers may apply them after later fetches, and in either order)."""
@@ -56,7 +57,7 @@ def _drive(client: ShardedEmbeddings, local: SharedEmbeddings, steps: int, in_or
         client.push(lk, grads)
         if in_order:
             client.flush()
-        local.apply_rows(0, lk.uniq, grads)  # global ids address the concatenated tables of table 0
+        local.apply_rows(lk.uniq, grads)
     client.flush()
     every = torch.stack([torch.arange(sum(ROWS)) % r for r in ROWS], dim=1)
     got = client.lookup(every)
@@ -90,13 +91,13 @@ def _rpc_rank(optimizer: str) -> dict:
         if rank == 0:
             return {}
         client = ShardedEmbeddings(ROWS, DIM, [shards[0], "w0"], max_inflight=2)
-        local = SharedEmbeddings(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
+        local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
         _drive(client, local, steps=8)
         stats = client.stats.as_dict()
         # pushes in flight (up to max_inflight): the same updates reach the servers, the end state agrees
         rpc.rpc_sync("w0", _reset_served, args=(optimizer,))
         client = ShardedEmbeddings(ROWS, DIM, [_shards(rowhash, optimizer)[0], "w0"], max_inflight=2)
-        _drive(client, SharedEmbeddings(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1), steps=8, in_order=False)
+        _drive(client, ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1), steps=8, in_order=False)
         return stats
     finally:
         rpc.shutdown()
@@ -115,7 +116,7 @@ def test_lookups_and_pushes_through_rpc_equal_the_shared_tables_bit_for_bit(opti
 def test_a_group_of_batches_shares_one_lookup_and_each_batch_gets_its_own_rows():
     rowhash = RowHash(sum(ROWS), 2)
     client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, "sgd"), group=3)
-    local = SharedEmbeddings(ROWS, DIM, seed=3, optimizer="sgd", lr=0.1)
+    local = ReferenceTables(ROWS, DIM, seed=3, optimizer="sgd", lr=0.1)
     gen = torch.Generator().manual_seed(1)
     batches = [_Batch(torch.stack([torch.randint(0, r, (5,), generator=gen) for r in ROWS], dim=1)) for _ in range(7)]
     seen = 0

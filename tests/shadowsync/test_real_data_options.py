@@ -1,6 +1,6 @@
 """What training real data needs without a config file: --epochs (passes, resumable inside any pass), the initial
 click rate estimated from the data, dense L2 and row-wise L2 of embedding rows, and the eval curve's best model
-(best.pt) on one machine."""
+(checkpoints/best)."""
 
 from __future__ import annotations
 
@@ -11,13 +11,11 @@ import torch
 from click.testing import CliRunner
 
 from cocosync.cli import main
-from cocosync.shadowsync.checkpoint import read_checkpoint
+from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.config import DataConfig, SynthConfig
 from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
-from cocosync.shadowsync.embeddings import SharedEmbeddings, rowwise_update
 from cocosync.shadowsync.eval_curve import previous_best
-from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
-from cocosync.shadowsync.metrics import evaluate
+from cocosync.shadowsync.launch import run_training
 from cocosync.shadowsync.sources import Epochs, InMemorySource, build_configs, estimate_ctr, eval_batches, with_init_ctr
 from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
@@ -40,24 +38,6 @@ def test_epochs_repeat_each_shard_in_order_and_resume_inside_a_pass():
     assert torch.equal(labels(0), one_pass.repeat(3))
     assert torch.equal(labels(400), one_pass.repeat(3)[400:])  # resumed in the second pass
     assert list(source.batches(1, 4, 64, 750)) == []  # all three passes done
-
-
-def test_rowwise_l2_adds_weight_decay_to_the_touched_rows_only():
-    """FBGEMM's row-wise Adagrad with weight_decay_mode=L2: g' = g + wd * w, acc += mean(g'^2),
-    w -= lr * g' / (sqrt(acc) + eps), on the rows of the batch; other rows keep their weights."""
-    torch.manual_seed(0)
-    w, acc = torch.randn(6, 4), torch.rand(6)
-    rows, g = torch.tensor([1, 4]), torch.randn(2, 4)
-    w0, acc0 = w.clone(), acc.clone()
-    rowwise_update(w, acc, rows, g.clone(), "adagrad", 0.1, 1e-8, weight_decay=0.5)
-    g2 = g + 0.5 * w0[rows]
-    want_acc = acc0[rows] + g2.pow(2).mean(1)
-    torch.testing.assert_close(acc[rows], want_acc)
-    torch.testing.assert_close(w[rows], w0[rows] - 0.1 * g2 / (want_acc.sqrt() + 1e-8).unsqueeze(1))
-    others = torch.tensor([0, 2, 3, 5])
-    assert torch.equal(w[others], w0[others]) and torch.equal(acc[others], acc0[others])
-    with pytest.raises(ValueError, match="weight_decay=-1"):
-        SharedEmbeddings([4], 2, weight_decay=-1)
 
 
 def test_init_ctr_is_estimated_from_the_data_unless_given(tmp_path):
@@ -84,12 +64,12 @@ def test_epochs_stop_and_resume_in_the_second_pass_equals_an_uninterrupted_run(t
     first = run_training(_cfg(tmp_path / "parts", **kw), stop_after=17_000)
     second = run_training(_cfg(tmp_path / "parts", **kw), resume=first.checkpoint)
     assert first.summary["examples"] + second.summary["examples"] == 24_000
-    a, b = read_checkpoint(whole.checkpoint), read_checkpoint(second.checkpoint)
-    for k in a["dense"]:
-        assert torch.equal(a["dense"][k], b["dense"][k]), k
-    assert torch.equal(a["embeddings"]["weight"], b["embeddings"]["weight"])
-    plain = read_checkpoint(run_training(_cfg(tmp_path / "plain", epochs=2)).checkpoint)
-    assert plain["embeddings"]["weight"].norm() > a["embeddings"]["weight"].norm()  # the L2 shrank the rows
+    a, b = read_tensors(whole.checkpoint), read_tensors(second.checkpoint)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    plain = read_tensors(run_training(_cfg(tmp_path / "plain", epochs=2)).checkpoint)
+    assert plain["emb.0.weight"].norm() > a["emb.0.weight"].norm()  # the L2 shrank the rows
 
 
 def test_eval_curve_keeps_the_best_model_on_one_machine(tmp_path):
@@ -106,18 +86,23 @@ def test_eval_curve_keeps_the_best_model_on_one_machine(tmp_path):
     assert summary["best_eval_ne"] == pytest.approx(min(best, summary["eval_ne"]))
     assert summary["examples"] == 120_000
     assert previous_best(out) == pytest.approx(summary["best_eval_ne"])  # what a resumed run starts to beat
-    model, cfg, data, ckpt = load_checkpoint_model(out / "best.pt")
-    if best < summary["eval_ne"]:  # best.pt is the copy that was scored
-        assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(best, rel=1e-6)
-        assert ckpt["eval"]["eval_ne"] == best
+    scored = CliRunner().invoke(main, ["eval", str(out / "checkpoints" / "best"), "--json"])
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.output.strip().splitlines()[-1])["ne"] == pytest.approx(summary["best_eval_ne"],
+                                                                                      rel=1e-6)  # the copy scored
+    meta = json.loads((out / "checkpoints" / "best" / "meta.json").read_text())
+    assert meta["best"] and meta["eval"]["eval_ne"] == summary["best_eval_ne"]
+    res = CliRunner().invoke(main, ["train", "--no-progress", "--resume", str(out / "checkpoints" / "best")])
+    assert res.exit_code == 2 and "best-eval model" in res.output, res.output
 
 
 def test_a_fresh_run_drops_an_earlier_runs_best_model(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
-    (out / "best.pt").write_bytes(b"an earlier run's best model")
+    (out / "checkpoints" / "best").mkdir(parents=True)
+    (out / "checkpoints" / "best" / "meta.json").write_text('{"eval": {"eval_ne": 0.1}}')
     run_training(_cfg(out, examples=4_000))
-    assert not (out / "best.pt").exists()
+    assert not (out / "checkpoints" / "best").exists()
 
 
 def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from cocosync.shadowsync.checkpoint import read_checkpoint
-from cocosync.shadowsync.launcher import run_training
+from cocosync.shadowsync.checkpoint import read_tensors
+from cocosync.shadowsync.launch import run_training
 from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
+from cocosync.testing.sockets import job_ranks
 
 SMALL = {"table_size": 2000}
 MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
@@ -29,21 +30,16 @@ def _cfg(out: Path, algorithm: str, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
-def _flat_tensors(ckpt: dict) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint under a dotted name (the summary and config aside)."""
-    out = {f"dense.{k}": v for k, v in ckpt["dense"].items()}
-    out.update({"emb.weight": ckpt["embeddings"]["weight"], "emb.accumulator": ckpt["embeddings"]["accumulator"],
-                "positions": ckpt["positions"]})
-    for r, t in enumerate(ckpt["trainers"]):
-        out.update({f"trainer.{r}.{k}": v for k, v in t.items()})
-    return out
-
-
-def _assert_equal(a: dict, b: dict) -> None:
-    ta, tb = _flat_tensors(a), _flat_tensors(b)
+def _assert_equal(a: str, b: str) -> None:
+    """Every tensor of two checkpoints equal (tables, accumulators, row versions, replicas, readers)."""
+    ta, tb = read_tensors(a), read_tensors(b)
     assert ta.keys() == tb.keys()
     for k in ta:
         assert torch.equal(ta[k], tb[k]), k
+
+
+def _seen(path) -> int:
+    return sum(int(v.sum()) for k, v in read_tensors(path).items() if k.endswith(".positions"))
 
 
 def _cli(out: Path, tmp: Path, *extra: str) -> subprocess.Popen:
@@ -83,7 +79,7 @@ def test_stop_and_resume_continue_exactly_as_an_uninterrupted_run(tmp_path):
     assert first.summary["stopped"] and 10_000 <= done < 10_000 + 64  # whole batches
     second = run_training(_cfg(tmp_path / "parts", "none"), resume=first.checkpoint)
     assert second.summary["resumed_from"] == done and second.summary["examples"] == 24_000 - done
-    _assert_equal(read_checkpoint(whole.checkpoint), read_checkpoint(second.checkpoint))
+    _assert_equal(whole.checkpoint, second.checkpoint)
     assert second.summary["eval_ne"] == whole.summary["eval_ne"]
 
 
@@ -92,20 +88,20 @@ def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp
     out = tmp_path / "killed"
     proc = _cli(out, tmp_path, "--sync", "none", "--trainers", "1", "--examples", "60000", "--eval-examples", "2000",
                 "--batch-size", "64", "--checkpoint-every", "6000")
-    trainers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()]
     rec = _wait_for_checkpoint(proc, out)
+    ranks = list(job_ranks(proc.pid).values())
+    assert len(ranks) == 2, ranks  # an embedding server and the trainer
     os.kill(proc.pid, signal.SIGKILL)  # no chance to write anything more
     proc.communicate(timeout=30)
-    deadline = time.monotonic() + 10  # the trainer dies with its launcher (PDEATHSIG)
-    while time.monotonic() < deadline and any(_alive(t) for t in trainers):
+    deadline = time.monotonic() + 10  # the ranks die with their launcher (PDEATHSIG)
+    while time.monotonic() < deadline and any(_alive(t) for t in ranks):
         time.sleep(0.1)
-    assert not any(_alive(t) for t in trainers)
-    ckpt = read_checkpoint(out / "checkpoint.pt")
-    seen = int(ckpt["positions"].sum())
+    assert not any(_alive(t) for t in ranks)
+    seen = _seen(out)  # its latest checkpoint
     assert seen % 6000 < 64 and 6000 <= seen < 60_000 and rec["examples"] <= seen  # a mark, not the end
-    resumed = run_training(_cfg(out, "none", examples=60_000), resume=out / "checkpoint.pt")
+    resumed = run_training(_cfg(out, "none", examples=60_000), resume=out)
     assert resumed.summary["resumed_from"] == seen and resumed.summary["examples"] == 60_000 - seen
-    _assert_equal(read_checkpoint(whole.checkpoint), read_checkpoint(resumed.checkpoint))
+    _assert_equal(whole.checkpoint, resumed.checkpoint)
 
 
 def test_a_killed_trainer_loses_only_what_followed_the_last_checkpoint(tmp_path):
@@ -115,20 +111,19 @@ def test_a_killed_trainer_loses_only_what_followed_the_last_checkpoint(tmp_path)
     proc = _cli(out, tmp_path, "--sync", "shadow-bmuf", "--trainers", "2", "--workers", "2", "--examples", "150000",
                 "--eval-examples", "4000", "--batch-size", "64", "--checkpoint-every", "20000")
     _wait_for_checkpoint(proc, out)
-    trainers = [int(c) for c in Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-                if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ")]
-    saved = read_checkpoint(out / "checkpoint.pt")
-    os.kill(trainers[1], signal.SIGKILL)
+    ranks = job_ranks(proc.pid)
+    saved = _seen(out)
+    os.kill(ranks[2], signal.SIGKILL)  # local rank 2: trainer 1 (the embedding server is rank 0)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 1 and "trainer 1" in err and "SIGKILL" in err
-    ckpt = read_checkpoint(out / "checkpoint.pt")
-    seen = int(ckpt["positions"].sum())
-    assert seen >= int(saved["positions"].sum()) and seen < 150_000
-    assert len(ckpt["trainers"]) == 2 and {"flat", "accumulator", "bmuf.global", "bmuf.start",
-                                            "bmuf.delta"} <= set(ckpt["trainers"][0])
-    assert torch.equal(ckpt["trainers"][0]["bmuf.global"], ckpt["trainers"][1]["bmuf.global"])  # one global model
+    assert proc.returncode == 1 and "trainer 1" in err and "SIGKILL" in err, err[-3000:]
+    seen = _seen(out)
+    assert seen >= saved and seen < 150_000
+    ckpt = read_tensors(out)
+    assert {f"trainer.{t}.{k}" for t in (0, 1) for k in ("flat", "accumulator")} <= set(ckpt)
+    bmuf = sorted(k for k in ckpt if k.startswith("trainer.0.bmuf"))
+    assert bmuf, sorted(ckpt)
     cfg = _cfg(out, "shadow-bmuf", trainers=2, workers=2, examples=150_000, eval_examples=4_000)
-    resumed = run_training(cfg, resume=out / "checkpoint.pt")
+    resumed = run_training(cfg, resume=out)
     s = resumed.summary
     assert s["resumed_from"] == seen and s["examples"] == 150_000 - seen  # every example exactly once
     assert s["eval_ne"] < 0.9, s
@@ -143,6 +138,6 @@ def test_foreground_collective_sync_checkpoints_at_common_rounds_without_deadloc
     marks = [json.loads(line) for line in (tmp_path / "fr" / "metrics.jsonl").read_text().splitlines()
              if '"event": "checkpoint"' in line]
     assert len(marks) >= 5 and res.summary["examples"] == 40_000
-    ckpt = read_checkpoint(res.checkpoint)
-    a, b = ckpt["trainers"][0]["flat"], ckpt["trainers"][1]["flat"]
+    ckpt = read_tensors(res.checkpoint)
+    a, b = ckpt["trainer.0.flat"], ckpt["trainer.1.flat"]
     assert torch.allclose(a, b, atol=1e-6)  # the last round averaged them (x + (mean - x): equal up to rounding)

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from cocosync.shadowsync.launcher import load_checkpoint_model, run_training
+from cocosync.shadowsync.checkpoint import read_tensors
+from cocosync.shadowsync.launch import run_training
 from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
 from cocosync.shadowsync.trainer import TrainerFailure
+from cocosync.testing.sockets import job_ranks
 
 SMALL = {"table_size": 2000}
 MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
@@ -100,12 +102,15 @@ def test_shadow_bmuf_learns_checkpoints_and_leaves_nothing(tmp_path):
     assert s["excess_ne"] < 0.25, s
     assert s["syncs"] > 2 and s["sync_gap"] > 0
     assert Path(res.plot).stat().st_size > 0 and json.loads(Path(res.out_dir, "summary.json").read_text())
-    model, cfg, data, ckpt = load_checkpoint_model(res.checkpoint)
-    assert int(ckpt["positions"].sum()) == 40_000 and cfg.sync.algorithm == "shadow-bmuf"
-    from cocosync.shadowsync.metrics import evaluate
-    from cocosync.shadowsync.sources import eval_batches
+    ckpt = read_tensors(res.checkpoint)
+    assert sum(int(ckpt[f"trainer.{t}.positions"].sum()) for t in (0, 1)) == 40_000
+    from click.testing import CliRunner
 
-    assert evaluate(model, eval_batches(cfg, data))["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    from cocosync.cli import main
+
+    scored = CliRunner().invoke(main, ["eval", res.out_dir, "--json"])  # the run's latest checkpoint, scored alone
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.output.strip().splitlines()[-1])["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
     assert _shm() - before == set()
 
 
@@ -139,8 +144,9 @@ def _start_cli(tmp_path, *extra: str) -> tuple[subprocess.Popen, Path]:
 
 
 def _trainer_pids(proc) -> list[int]:
-    # the spawned trainers are the children that are python processes running the spawn entry point
-    return [c for c in _children(proc.pid) if "spawn_main" in Path(f"/proc/{c}/cmdline").read_text().replace("\0", " ")]
+    """The job's trainers: local ranks 1 and 2 (rank 0 is the embedding server)."""
+    ranks = job_ranks(proc.pid)
+    return [ranks[r] for r in sorted(ranks) if r >= 1]
 
 
 def _assert_no_named_shm(pid: int) -> None:
@@ -159,7 +165,7 @@ def test_killed_trainer_fails_cleanly(tmp_path):
     os.kill(trainers[1], signal.SIGKILL)
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 1
-    assert f"trainer 1 (pid {trainers[1]}) was killed by signal SIGKILL" in err
+    assert f"trainer 1 (rank 2) (pid {trainers[1]}) was killed by signal SIGKILL" in err, err[-3000:]
     time.sleep(0.5)
     assert not any(_alive(t) for t in trainers)
     assert _shm() - before == set()
@@ -175,7 +181,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
     assert proc.returncode == 130, err
     summary = json.loads((out / "summary.json").read_text())
     assert summary["interrupted"] and 0 < summary["examples"] < 150_000
-    assert (out / "checkpoint.pt").exists() and "eval_ne" in summary
+    assert (out / "checkpoints" / "latest").exists() and "eval_ne" in summary
     time.sleep(0.5)
     assert not any(_alive(t) for t in trainers)
     deadline = time.monotonic() + 10  # nothing of the process group is left (helpers exit with the launcher)
@@ -199,7 +205,7 @@ def test_a_raising_trainer_is_reported(tmp_path):
 def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):
     import threading
 
-    cfg = _cfg(tmp_path, "shadow-ma", examples=30_000, batch_size=32, log_every=0.2)
+    cfg = _cfg(tmp_path, "shadow-ma", examples=600_000, batch_size=32, log_every=0.2)
 
     def interrupt_once_training():
         metrics = Path(cfg.out_dir) / "metrics.jsonl"
@@ -212,12 +218,12 @@ def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):
 
     threading.Thread(target=interrupt_once_training, daemon=True).start()
     first = run_training(cfg)
-    assert first.interrupted and 0 < first.summary["examples"] < 30_000
+    assert first.interrupted and 0 < first.summary["examples"] < 600_000
     done = first.summary["examples"]
     second = run_training(cfg, resume=first.checkpoint)
     assert not second.interrupted
     assert second.summary["resumed_from"] == done
-    assert second.summary["examples"] == 30_000 - done  # every example exactly once over both sessions
+    assert second.summary["examples"] == 600_000 - done  # every example exactly once over both sessions
     assert second.summary["eval_ne"] < 0.95
-    with pytest.raises(ConfigError, match="trained with trainers=2"):
-        run_training(_cfg(tmp_path, "shadow-ma", examples=30_000, batch_size=32, trainers=1), resume=first.checkpoint)
+    with pytest.raises(ConfigError, match="trained with seed=0"):
+        run_training(_cfg(tmp_path, "shadow-ma", examples=600_000, batch_size=32, seed=1), resume=first.checkpoint)

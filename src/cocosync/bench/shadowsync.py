@@ -27,7 +27,7 @@ COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS median", "EPS best", "v
 
 
 def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
-    from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.launch import run_training
     from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = kw.pop("sync")

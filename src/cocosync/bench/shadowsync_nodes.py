@@ -32,7 +32,7 @@ KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_
 
 
 def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
-    from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.launch import run_training
     from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = cfg_kw.pop("sync")

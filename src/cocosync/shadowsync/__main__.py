@@ -8,15 +8,30 @@
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
+import signal
 import sys
+from pathlib import Path
 
 import click
 from rich.markup import escape
 
 from cocosync.shadowsync.roles import ClusterConfig
 from cocosync.shadowsync.train_cli import cluster_options, config_from_options, debug_mode, train_options
-from cocosync.shadowsync.train_config import ConfigError
+from cocosync.shadowsync.train_config import ConfigError, config_from_dict
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that started it (torchrun, `cocosync train`) dies, so no rank
+    outlives a killed launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
 
 
 @click.command()
@@ -26,12 +41,12 @@ from cocosync.shadowsync.train_config import ConfigError
               help="row-gradient pushes a trainer may have outstanding.")
 @click.option("--resume", type=click.Path(), help="a checkpoint directory, or a run directory (its latest checkpoint).")
 @click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
+@click.option("--job", "job_file", type=click.Path(dir_okay=False), hidden=True,
+              help="the job.json `cocosync train` wrote (config and cluster options; the other options are ignored).")
 def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
          stop_after: int | None, checkpoint_every: int | None, lookup_batches: int, eval_every: int | None,
-         max_inflight: int, resume: str | None, json_out: bool, **opts) -> None:
+         max_inflight: int, resume: str | None, json_out: bool, job_file: str | None, **opts) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
-    import json
-
     from rich.console import Console
 
     from cocosync.shadowsync.cluster import run_cluster
@@ -42,14 +57,19 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
                                "`torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
                                "-m cocosync.shadowsync ...`, or use `cocosync train --nnodes N ...` (`cocosync train` "
                                "alone trains on this machine)")
-    opts["progress"] = False
-    cfg = config_from_options(config_path, None, opts)
+    _die_with_parent()
     console = Console(stderr=True)
     try:
-        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
-                                max_inflight=max_inflight, resume=resume, stop_after=stop_after,
-                                checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
-                                eval_every=eval_every)
+        if job_file is not None:  # launched by `cocosync train` on this machine (launch.py)
+            job = json.loads(Path(job_file).read_text())
+            cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+        else:
+            opts["progress"] = False
+            cfg = config_from_options(config_path, None, opts)
+            cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
+                                    max_inflight=max_inflight, resume=resume, stop_after=stop_after,
+                                    checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
+                                    eval_every=eval_every)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():

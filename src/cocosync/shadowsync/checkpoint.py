@@ -1,76 +1,344 @@
-"""A single-machine run's checkpoint.pt: written atomically (periodically with --checkpoint-every, and at the end),
-read safely: torch.load with weights_only=True (tensors, containers and plain values only), so a crafted file cannot
-run code; anything else is refused with a message naming the file.
+"""Checkpoints of a ShadowSync job, one format for every run: torch.distributed.checkpoint (DCP) directories.
 
-It holds the model for scoring (`dense`: EASGD's centre or trainer 0's replica, and the embedding tables), and what an
-exact resume needs: each trainer's replica, dense Adagrad accumulator and BMUF state (`trainers`), the embedding
-tables' row-wise Adagrad accumulator and every worker shard's reader position."""
+Every rank saves its own part in one collective `dcp.save`: an embedding server its shard (weights, row-wise Adagrad
+accumulator, row versions), a sync server its range of EASGD's centre, a trainer its dense replica, dense Adagrad
+accumulator, BMUF state and reader positions. Trainer 0 adds `meta.json` (config, topology, examples seen). A
+checkpoint is a directory `checkpoints/seen-<examples>` under the run's output; `checkpoints/latest` names the last
+complete one (replaced atomically after every rank has written), so a crash while saving leaves the previous one.
+`checkpoints/best` holds the best-eval model of an eval curve (weights only: the tables as one shard, trainer 0's
+replica; scorable, not a resume point).
+
+Loading runs no code: DCP pickles its metadata, which is read here by an unpickler that knows only DCP's own
+metadata classes, and tensors load with `weights_only`. Loading is collective too. On the same topology every rank
+reads back its own keys (exact resume). With another number of embedding or sync servers each new server reads every
+old shard and keeps the rows the new row hash gives it. With another number of trainers (or workers) the unread rows
+of every old reader shard are planned onto the new shards (data_plan.py: every example still read once), and every
+new trainer starts from the average of the old dense replicas and Adagrad accumulators (BMUF's global state, the same
+on every trainer, is taken from trainer 0).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import pickle
-import re
+import shutil
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 
+from cocosync.shadowsync.param_server import RowHash, Shard
+from cocosync.shadowsync.sync.center import center_bounds
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
 
-__all__ = ["CheckpointError", "read_checkpoint", "write_checkpoint", "check_resumable", "REQUIRED_KEYS"]
+__all__ = ["CheckpointError", "CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable",
+           "resharded_trainers", "read_positions", "save_best", "load_weights", "read_tensors", "BEST"]
 
-REQUIRED_KEYS = ("config", "dense", "embeddings", "positions")
+RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
+BEST = "best"  # checkpoints/best: the best-eval model
 
 
 class CheckpointError(ConfigError):
-    """A checkpoint file is missing, empty, not a cocosync checkpoint, or holds something other than data."""
+    """A checkpoint is missing, damaged, of another format, or holds something other than data."""
 
 
-def read_checkpoint(path: str | os.PathLike) -> dict:
-    """The checkpoint dict written by `cocosync train` (<out_dir>/checkpoint.pt), or CheckpointError."""
-    p = Path(path)
-    if not p.is_file():
-        raise CheckpointError(f"no checkpoint at {str(p)!r} (a run writes <out_dir>/checkpoint.pt)")
-    if p.stat().st_size == 0:
-        raise CheckpointError(f"checkpoint {str(p)!r} is empty (0 bytes): the run that wrote it was cut off")
+# ---------------------------------------------------------------------------------------------- safe reading
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
+            ("collections", "OrderedDict")}
+
+
+class _Refused(pickle.UnpicklingError):
+    """The metadata names a global outside DCP's metadata classes."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _METADATA_MODULES and not name.startswith("__"):
+            obj = super().find_class(module, name)
+            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":  # classes (dataclasses, enums) only
+                return obj
+        elif (module, name) in _ALLOWED:
+            return super().find_class(module, name)
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise _Refused(f"{module}.{name}")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader whose metadata cannot run code (a crafted .metadata is refused naming what it holds)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        path = Path(self.path) / ".metadata"
+        try:
+            with open(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except _Refused as e:
+            raise CheckpointError(f"refused to load {str(self.path)!r}: its .metadata holds an object ({e}) that "
+                                  "loading would have to call; a checkpoint holds only tensors and DCP's metadata") \
+                from None
+        except Exception as e:  # noqa: BLE001 - a damaged or cut file
+            raise CheckpointError(f"cannot read checkpoint {str(self.path)!r}: damaged .metadata "
+                                  f"({type(e).__name__}: {str(e)[:200]})") from None
+        from torch.distributed.checkpoint.metadata import StorageMeta
+
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+_ONE_PROCESS = "torch.distributed is disabled"  # DCP's warning when one process reads or writes a checkpoint alone
+
+
+def _load(state: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) -> None:
+    reader = SafeReader(str(path))
+    reader.read_metadata()  # a crafted or damaged .metadata is named here (DCP would wrap the error in its own)
     try:
-        ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:  # weights_only refuses globals it does not know: it never calls them
-        found = re.search(r"(?:unsupported )?GLOBAL ([\w.]+)", str(e), re.IGNORECASE)
-        if found is None:
-            raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt") from None
-        raise CheckpointError(f"refused to load {str(p)!r}: it holds an object ({found.group(1)}) that loading would "
-                              "have to call; a cocosync checkpoint holds only tensors and plain values") from None
-    except Exception as e:  # torch raises RuntimeError, EOFError, struct.error, ... for a damaged file
-        raise CheckpointError(f"cannot read checkpoint {str(p)!r}: not a torch checkpoint or corrupt "
-                              f"({type(e).__name__}: {str(e)[:200]})") from None
-    if not isinstance(ckpt, dict) or any(k not in ckpt for k in REQUIRED_KEYS):
-        keys = sorted(ckpt) if isinstance(ckpt, dict) else type(ckpt).__name__
-        raise CheckpointError(f"{str(p)!r} is not a cocosync checkpoint: expected the keys {list(REQUIRED_KEYS)}, "
-                              f"found {keys}")
-    return ckpt
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    except Exception as e:  # noqa: BLE001 - a missing key, a damaged data file
+        raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {type(e).__name__}: {str(e)[:300]}") from None
 
 
-def write_checkpoint(path: Path, ckpt: dict) -> None:
-    """torch.save to a temporary name, then rename: a reader (or a resume after a kill) never sees half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
-    os.replace(tmp, path)
+# ---------------------------------------------------------------------------------------------- the parts
+@dataclass
+class CheckpointParts:
+    """What this rank owns: its embedding shard (server), centre range (sync server) or trainer state."""
+
+    kind: str
+    index: int
+    shard: Shard | None = None
+    center: torch.Tensor | None = None  # this sync server's range of the centre
+    trainer: Any = None  # the Trainer (dense replica, accumulator, sync state, reader positions)
+    trainer_state: dict | None = None  # a snapshot of it to save (Trainer.checkpoint_state)
 
 
-RESUME_KEYS = ("data", "examples", "trainers", "workers", "seed", "batch_size", "model", "data_options")
+def _trainer_tensors(trainer: Any, t: int) -> dict[str, torch.Tensor]:
+    """The trainer's live tensors to load into, and buffers for its sync state (`_load_sync` hands them over)."""
+    out = {f"trainer.{t}.flat": trainer.flat.flat, f"trainer.{t}.accumulator": trainer.accumulator,
+           f"trainer.{t}.positions": trainer.state.positions[t]}
+    out.update({f"trainer.{t}.{k}": torch.empty_like(v) for k, v in trainer.sync.state().items()})
+    return out
 
 
-def check_resumable(ckpt: dict, cfg: TrainConfig, path: Path) -> None:
-    """ConfigError naming the first setting that differs from the checkpoint's: reader positions only mean something
-    for the same data, budget and shards. The sync algorithm may change (a new one starts its state from the
-    checkpoint's model)."""
-    old, new = ckpt["config"], config_to_dict(cfg)
+def _load_sync(trainer: Any, loaded: dict[str, torch.Tensor], t: int) -> None:
+    """Trainer t's sync state (BMUF's global model, start point and block momentum) from `loaded` into its sync
+    algorithm (the class's tensors, or the compiled program's slices)."""
+    prefix, names = f"trainer.{t}.", set(trainer.sync.state())  # (state(): collective across machines)
+    trainer.sync.load_state({k[len(prefix):]: v for k, v in loaded.items()
+                             if k.startswith(prefix) and k[len(prefix):] in names})
+
+
+def _state_dict(parts: CheckpointParts) -> dict[str, torch.Tensor]:
+    i = parts.index
+    if parts.kind == "embedding":
+        s = parts.shard
+        return {f"emb.{i}.weight": s.weight, f"emb.{i}.accumulator": s.accumulator, f"emb.{i}.versions": s.versions}
+    if parts.kind == "sync":
+        return {f"center.{i}": parts.center}
+    if parts.trainer_state is not None:
+        return {f"trainer.{i}.{k}": v for k, v in parts.trainer_state.items()}
+    return _trainer_tensors(parts.trainer, i)
+
+
+def _point_latest(root: Path, path: Path, meta: dict) -> None:
+    (path / "meta.json").write_text(json.dumps(meta, indent=2, default=str) + "\n")
+    tmp = root / "checkpoints" / "latest.tmp"
+    tmp.write_text(path.name + "\n")
+    os.replace(tmp, root / "checkpoints" / "latest")
+
+
+def save_job(parts: CheckpointParts, root: Path, meta: dict | None, *, writer: int) -> Path:
+    """Collective: every rank writes its part into root/checkpoints/seen-<N>; the writer (the rank holding `meta`:
+    trainer 0) then points root/checkpoints/latest at it."""
+    seen = [int(meta["examples_seen"]) if meta else -1]
+    dist.broadcast_object_list(seen, src=writer)
+    path = root / "checkpoints" / f"seen-{seen[0]}"
+    dcp.save(_state_dict(parts), checkpoint_id=str(path))
+    dist.barrier()  # every rank's files are written before `latest` points here
+    if meta is not None:
+        _point_latest(root, path, meta)
+    return path
+
+
+def save_best(root: Path, meta: dict, table: torch.Tensor, flat: torch.Tensor) -> Path:
+    """checkpoints/best from one process: the whole tables (as one shard) and a dense replica; replaced atomically."""
+    best = root / "checkpoints" / BEST
+    tmp = root / "checkpoints" / f"{BEST}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_ONE_PROCESS)
+        dcp.save({"emb.0.weight": table, "trainer.0.flat": flat}, checkpoint_id=str(tmp), no_dist=True)
+    (tmp / "meta.json").write_text(json.dumps({**meta, "best": True, "embedding_servers": 1, "sync_servers": 0,
+                                               "trainers": 1}, indent=2, default=str) + "\n")
+    old = root / "checkpoints" / f"{BEST}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if best.exists():
+        os.replace(best, old)
+    os.replace(tmp, best)
+    shutil.rmtree(old, ignore_errors=True)
+    return best
+
+
+# ---------------------------------------------------------------------------------------------- finding one
+def resolve(path: str | os.PathLike) -> Path:
+    """A checkpoint directory from what a user names: the checkpoint itself, or a run directory (its latest)."""
+    p = Path(path)
+    if p.is_file():
+        raise CheckpointError(
+            f"{str(p)!r} is a file: checkpoints are directories (<out>/checkpoints/seen-N, written by torch."
+            "distributed.checkpoint); name one, or the run directory for its latest. A checkpoint.pt file is the "
+            "one-file format of cocosync before the single-machine and multi-machine jobs became one: this version "
+            "does not read it (score or resume it with the cocosync that wrote it, or train again)")
+    if (p / "meta.json").is_file():
+        return p
+    latest = p / "checkpoints" / "latest"
+    if latest.is_file():
+        cand = p / "checkpoints" / latest.read_text().strip()
+        if (cand / "meta.json").is_file():
+            return cand
+    raise CheckpointError(f"{str(p)!r}: no checkpoint there (expected a checkpoint directory with meta.json, e.g. "
+                          "<out>/checkpoints/seen-N or <out>/checkpoints/best, or a run directory with "
+                          "checkpoints/latest)")
+
+
+def read_meta(path: Path) -> dict:
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"checkpoint {str(path)!r}: unreadable meta.json: {e}") from None
+    if not isinstance(meta, dict) or not {"config", "trainers", "embedding_servers"} <= meta.keys():
+        raise CheckpointError(f"checkpoint {str(path)!r}: meta.json is not a cocosync checkpoint's")
+    return meta
+
+
+def check_resumable(meta: dict, cfg: TrainConfig, path: Path) -> None:
+    """ConfigError naming the first setting that differs from the checkpoint's (reader positions and tables only
+    mean something for the same data, budget and model), or that the checkpoint is not a resume point."""
+    if meta.get("best"):
+        raise ConfigError(f"cannot resume {str(path)!r}: it is the best-eval model (weights only, no optimizer, sync "
+                          "or reader state); resume from the run directory (its checkpoints/latest), score this one "
+                          "with `cocosync eval`")
+    old, new = meta["config"], config_to_dict(cfg)
     for key in RESUME_KEYS:
+        if key not in old:
+            raise CheckpointError(f"cannot resume {str(path)!r}: its meta.json has no {key!r} in its config")
         if resume_value(old, key) != resume_value(new, key):
-            raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this run has "
-                              f"{key}={new[key]!r} (the reader positions only mean something for the same data and "
-                              "shards)")
-    if ckpt["embeddings"]["optimizer"] != cfg.embedding_optimizer:
-        raise ConfigError(f"cannot resume {str(path)!r}: embedding_optimizer {ckpt['embeddings']['optimizer']!r} "
-                          f"!= {cfg.embedding_optimizer!r}")
+            raise ConfigError(f"cannot resume {str(path)!r}: it was trained with {key}={old[key]!r}, this job has "
+                              f"{key}={new[key]!r}")
+
+
+def resharded_trainers(meta: dict, trainers: int, workers: int) -> bool:
+    """Whether the job's reader shards differ from the checkpoint's (another trainer or worker count)."""
+    return (meta["trainers"], meta["workers"]) != (trainers, workers)
+
+
+def read_positions(path: Path, meta: dict) -> list[int]:
+    """Every old reader shard's position, in shard order (trainer t's worker w is shard t * W + w). Collective."""
+    T, W = meta["trainers"], meta["workers"]
+    state = {f"trainer.{t}.positions": torch.zeros(W, dtype=torch.int64) for t in range(T)}
+    _load(state, path)
+    return [int(p) for t in range(T) for p in state[f"trainer.{t}.positions"]]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash, centre_numel: int,
+             sync_servers: int, trainers: int) -> None:
+    """Collective: fill this rank's part from the checkpoint (resharding servers or trainers when their count
+    changed)."""
+    S_old, C_old = meta["embedding_servers"], meta["sync_servers"]
+    if parts.kind == "trainer" and resharded_trainers(meta, trainers, len(parts.trainer.state.positions[0])):
+        _load_averaged_trainer(parts, path, meta)
+        return
+    if parts.kind == "embedding" and S_old != rowhash.servers:
+        _load_resharded_shard(parts, path, meta, rowhash)
+        return
+    if parts.kind == "sync" and C_old != sync_servers:
+        old = {f"center.{i}": torch.empty(hi - lo) for i, (lo, hi) in enumerate(center_bounds(centre_numel, C_old))}
+        _load(old, path)
+        lo, hi = center_bounds(centre_numel, sync_servers)[parts.index]
+        parts.center.copy_(torch.cat([old[f"center.{i}"] for i in range(C_old)])[lo:hi])
+        return
+    state = _state_dict(dataclasses.replace(parts, trainer_state=None))
+    _load(state, path)
+    if parts.kind == "trainer":
+        _load_sync(parts.trainer, state, parts.index)
+
+
+def _old_shards(path: Path, meta: dict, dim: int, *, accumulators: bool, no_dist: bool = False) -> dict:
+    old_hash = RowHash(sum(meta["table_rows"]), meta["embedding_servers"])
+    old = {}
+    for s in range(old_hash.servers):
+        n = old_hash.shard_rows(s)
+        old[f"emb.{s}.weight"] = torch.empty(n, dim)
+        if accumulators:
+            old |= {f"emb.{s}.accumulator": torch.empty(n), f"emb.{s}.versions": torch.empty(n, dtype=torch.int64)}
+    _load(old, path, no_dist=no_dist)
+    return old
+
+
+def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhash: RowHash) -> None:
+    S_old, s_new, shard = meta["embedding_servers"], parts.index, parts.shard
+    old = _old_shards(path, meta, shard.weight.shape[1], accumulators=True)
+    old_hash = RowHash(rowhash.total_rows, S_old)
+    for s in range(S_old):
+        g = s + S_old * torch.arange(old_hash.shard_rows(s))  # the global rows of old shard s
+        mine = g % rowhash.servers == s_new
+        local = g[mine] // rowhash.servers
+        shard.weight[local] = old[f"emb.{s}.weight"][mine]
+        shard.accumulator[local] = old[f"emb.{s}.accumulator"][mine]
+        shard.versions[local] = old[f"emb.{s}.versions"][mine]
+
+
+def _load_averaged_trainer(parts: CheckpointParts, path: Path, meta: dict) -> None:
+    """A trainer of a job with another trainer count: the mean of the old replicas and accumulators, BMUF's state
+    from old trainer 0; its reader positions stay 0 (the data plan starts its shards afresh)."""
+    trainer, T = parts.trainer, meta["trainers"]
+    flat, acc = trainer.flat.flat, trainer.accumulator
+    old = {}
+    for t in range(T):
+        old |= {f"trainer.{t}.flat": torch.empty_like(flat), f"trainer.{t}.accumulator": torch.empty_like(acc)}
+    old |= {k: v for k, v in _trainer_tensors(trainer, 0).items() if ".bmuf." in k}
+    _load(old, path)
+    flat.copy_(torch.stack([old[f"trainer.{t}.flat"] for t in range(T)]).mean(0))
+    acc.copy_(torch.stack([old[f"trainer.{t}.accumulator"] for t in range(T)]).mean(0))
+    _load_sync(trainer, old, 0)
+
+
+def load_weights(path: Path, meta: dict, *, dim: int, dense_params: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the whole tables [rows, dim] in global row order, the dense parameters to score) from one process: EASGD's
+    centre where the checkpoint has one, else trainer 0's replica."""
+    old = _old_shards(path, meta, dim, accumulators=False, no_dist=True)
+    S = meta["embedding_servers"]
+    table = torch.empty(sum(meta["table_rows"]), dim)
+    for s in range(S):
+        table[s::S] = old[f"emb.{s}.weight"]
+    C = meta["sync_servers"]
+    if C:
+        centre = {f"center.{i}": torch.empty(hi - lo) for i, (lo, hi) in enumerate(center_bounds(dense_params, C))}
+        _load(centre, path, no_dist=True)
+        flat = torch.cat([centre[f"center.{i}"] for i in range(C)])
+    else:
+        state = {"trainer.0.flat": torch.empty(dense_params)}
+        _load(state, path, no_dist=True)
+        flat = state["trainer.0.flat"]
+    return table, flat
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory by key, from one process (inspection, tests, comparisons)."""
+    p = resolve(path)
+    metadata = SafeReader(str(p)).read_metadata()
+    state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
+             if hasattr(m, "size")}
+    _load(state, p, no_dist=True)
+    return state

@@ -23,6 +23,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import socket
 import sys
 import time
@@ -40,7 +41,8 @@ from rich.console import Console
 from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
-from cocosync.shadowsync.cluster_checkpoint import (
+from cocosync.shadowsync.checkpoint import (
+    BEST,
     CheckpointParts,
     check_resumable,
     load_job,
@@ -51,18 +53,18 @@ from cocosync.shadowsync.cluster_checkpoint import (
     save_job,
 )
 from cocosync.shadowsync.data_plan import DataPlan, replan
-from cocosync.shadowsync.eval_curve import describe, score
+from cocosync.shadowsync.eval_curve import BestModel, describe
+from cocosync.shadowsync.link import Link
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
-from cocosync.shadowsync.model import DLRM
+from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.roles import ClusterConfig, Roles
 from cocosync.shadowsync.sources import base_shard_rows, build_configs, eval_batches, trainer_source, with_init_ctr
-from cocosync.shadowsync.state import SharedState
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
-from cocosync.shadowsync.train_config import TrainConfig, check_paths, config_to_dict
-from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, json_safe
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
+from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 
 __all__ = ["run_cluster"]
 
@@ -75,17 +77,6 @@ def _loopback_interfaces() -> None:
     if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith(_LOOPBACK):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-
-
-class _ServedModel(torch.nn.Module):
-    """forward(dense, sparse) of a DLRM whose rows come from the parameter servers (for `evaluate`)."""
-
-    def __init__(self, model: DLRM, tables: ShardedEmbeddings):
-        super().__init__()
-        self.model, self.tables = model, tables
-
-    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
-        return self.model.forward_pooled(dense, self.tables.lookup(sparse))
 
 
 @dataclasses.dataclass
@@ -104,6 +95,8 @@ class _Job:
     init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from
     hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
     plan: DataPlan | None = None  # the reader shards' rows when resumed on another trainer count (data_plan.py)
+    link: Link | None = None  # the line to `cocosync train`'s monitor (launch.py), when it launched this job
+    resumed_from: int = 0  # examples the checkpoint resumed from had seen
 
     @property
     def examples_before(self) -> int:
@@ -126,7 +119,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     """Run this process's role of the job; returns the summary on trainer 0, None elsewhere."""
     console = console or Console(stderr=True)
     topo = topology_from_env()
-    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method))
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
     cfg = with_init_ctr(cfg)  # every process reads the same first rows: the same value
@@ -136,7 +129,9 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         meta = read_meta(resume)
         check_resumable(meta, cfg, resume)
     _loopback_interfaces()
-    timeout = datetime.timedelta(seconds=cfg.timeout)
+    link = Link.from_env(topo.rank)
+    # under the launcher its --timeout asks the trainers to stop; the groups' own timeout comes after that stop
+    timeout = datetime.timedelta(seconds=cfg.timeout + (300 if link is not None else 0))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", timeout=timeout)
     try:
@@ -150,6 +145,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                              init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
                              _transports=["uv"], _channels=["basic"]))
         job = _setup(cfg, cluster, roles)
+        job.link = link
+        job.resumed_from = int(meta["examples_seen"]) if meta is not None else 0
         if meta is not None:
             job.plan = _data_plan(job, resume, meta)
         kind, index = roles.role()
@@ -182,11 +179,17 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         dist.all_gather_object(cpu, (kind, time.process_time() - cpu0))
         if summary is not None:
             _add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
+        if link is not None and kind == "trainer":
+            link.finish(index)
         rpc.shutdown()
     except BaseException:
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
-        print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{traceback.format_exc()}",
+        err = sys.exc_info()[1]  # bad input found by a rank (a damaged checkpoint): its message says it all
+        text = str(err) if isinstance(err, ConfigError) else traceback.format_exc()
+        if link is not None:
+            link.failed(text)
+        print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{text}",
               file=sys.stderr, flush=True)  # plain text: rich would wrap it and parse the [brackets] of gloo's
         if roles.role()[0] != "trainer":
             # a server waiting for trainer 0's next command fails as soon as any peer's gloo connection closes,
@@ -263,6 +266,8 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             job.dense_group = job.trainer_group
     elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
         job.dense_group = HierarchicalGroup(intra, inter, roles.trainers)
+    elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
+        job.dense_group = job.trainer_group
     job.hosts = [""] * topo.world_size
     dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return job
@@ -305,15 +310,19 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
-    state = SharedState.private(cfg, job.init_dense)
+    state = TrainerState.new(cfg.trainers, cfg.workers, job.init_dense)
+    if job.link is not None:
+        job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10))
     source = trainer_source(cfg, data, t, job.plan)
     logger = None
     if t == 0:
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(out / "metrics.jsonl", append=job.cluster.resume is not None)
+        if job.cluster.resume is None:  # a best model here belongs to an earlier run in this directory
+            shutil.rmtree(out / "checkpoints" / BEST, ignore_errors=True)
         logger.log(event="start", name=_name(cfg, roles), config=config_to_dict(cfg), nodes=roles.topo.nnodes)
-    emit = _progress(logger, console, roles) if logger is not None else (lambda rec: None)
+    emit = _progress(job, t, logger, console)
     stop_at = None
     if job.cluster.stop_after is not None:  # this trainer's share of the examples to stop at
         stop_at = max(0, job.cluster.stop_after - job.examples_before) // roles.trainers
@@ -329,19 +338,20 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
 
 
 class _eval_curve:  # noqa: N801 (a callable standing in for a closure that needs the trainer after it exists)
-    """Trainer 0's eval NE curve (dlrm's --test-freq): its replica with rows from the servers, on the held-out set,
-    logged as `eval` records with the job's examples (this trainer's times the trainer count)."""
+    """Trainer 0's eval NE curve (dlrm's --test-freq): snapshots of its replica and of the tables scored on the
+    held-out set, logged as `eval` records with the job's examples; the best kept as checkpoints/best."""
 
     def __init__(self, job: _Job, tables: ShardedEmbeddings, logger: MetricsLogger, console: Any):
         self.job, self.tables, self.logger, self.console = job, tables, logger, console
-        self.batches = eval_batches(job.cfg, job.data)
+        out = Path(job.cfg.out_dir) if job.cfg.checkpoint else None
+        self.best = BestModel(job.model_cfg, job.data, eval_batches(job.cfg, job.data), out, _meta(job, 0, True))
         self.trainer: Trainer | None = None
 
     def __call__(self, examples: int) -> None:
         trainer = self.trainer  # the job's examples, estimated from this trainer's reader positions (resumed included)
         seen = (int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
                 + self.job.examples_before)
-        rec = score(_ServedModel(trainer.model, self.tables), self.batches, seen)
+        rec = self.best.score(trainer.flat.flat.clone(), self.tables.snapshot(), seen)
         self.logger.log(rec)
         self.console.print(describe(rec))
 
@@ -355,9 +365,7 @@ def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
     dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=job.trainer_group)
     if t != 0:
         return None
-    if run.center is not None:
-        run.trainer.flat.flat.copy_(run.center.values())
-    return _finish(job, run.trainer, run.tables, results, run.logger)
+    return _finish(job, run, results)
 
 
 def _meta(job: _Job, seen: int, stopped: bool) -> dict:
@@ -411,23 +419,43 @@ def _name(cfg: TrainConfig, roles: Roles) -> str:
     return f"{cfg.sync.algorithm} T={roles.trainers} nodes={roles.topo.nnodes}"
 
 
-def _progress(logger: MetricsLogger, console: Any, roles: Roles):
+def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
+    """Trainer t's progress records: to the launcher's monitor (when there is one), and on trainer 0 to
+    metrics.jsonl (the job's examples: every trainer's from the monitor's store, else this trainer's times T)."""
     last = [0.0]
+    roles, link = job.roles, job.link
 
     def emit(rec: dict) -> None:
-        rec = {k: v for k, v in rec.items() if k != "kind"}
-        logger.log(json_safe({"event": "train", "examples": rec["trainer_examples"] * roles.trainers, **rec}))
+        rec = json_safe({k: v for k, v in rec.items() if k != "kind"})
+        if link is not None:
+            link.set(f"progress/{t}", rec)
+        if logger is None:
+            return
+        examples = rec["trainer_examples"] * roles.trainers
+        if link is not None:
+            with link._lock:
+                found = [link.store.get(f"progress/{i}") for i in range(roles.trainers)
+                         if link.store.check([f"progress/{i}"])]
+            examples = sum(json.loads(r)["trainer_examples"] for r in found)
+        logger.log({"event": "train", "examples": examples + job.resumed_from, **rec})
         if time.time() - last[0] >= 5.0:
             last[0] = time.time()
             console.print(f"trainer 0 of {roles.trainers}: {rec['trainer_examples']:,} examples, "
-                          f"{rec['trainer_eps']:,.0f} examples/s, train NE {rec['train_ne']:.4f}")
+                          f"{rec['trainer_eps'] or 0:,.0f} examples/s, train NE "
+                          + ("-" if rec["train_ne"] is None else f"{rec['train_ne']:.4f}"))
     return emit
 
 
-def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: list[dict],
-            logger: MetricsLogger) -> dict:
-    cfg, roles = job.cfg, job.roles
-    ev = evaluate(_ServedModel(trainer.model, tables), eval_batches(cfg, job.data))
+def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
+    """Trainer 0 scores the final model (EASGD's centre, else its replica; on a snapshot of the tables), keeps it as
+    the best model when it beats the eval curve, and logs the summary."""
+    cfg, roles, trainer, logger = job.cfg, job.roles, run.trainer, run.logger
+    flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
+    table = run.tables.snapshot()
+    curve = trainer.on_eval.best if trainer.on_eval is not None else None
+    scorer = curve or BestModel(job.model_cfg, job.data, [], None, {})
+    scorer.flat.flat.copy_(flat)
+    ev = evaluate(ServedModel(scorer.model, FullTable(table, job.data.table_sizes)), eval_batches(cfg, job.data))
     examples = sum(r["examples"] for r in results)
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     gaps = [r["sync_gap"] for r in results if math.isfinite(r["sync_gap"])]
@@ -450,7 +478,7 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
         "lookup_batches": job.cluster.lookup_batches,
         "examples": examples, "eps": examples / max(seconds, 1e-9),
-        "eps_per_trainer": float(np.mean([r["examples"] / max(r["seconds"], 1e-9) for r in results])),
+        "eps_per_trainer": examples / max(seconds, 1e-9) / roles.trainers,  # the job's rate shared: x T = eps
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),
         "trainer_cpu_seconds": sum(r["cpu_seconds"] for r in results),
         "train_ne": float(np.nanmean([r["train_ne"] for r in results])),
@@ -470,8 +498,13 @@ def _finish(job: _Job, trainer: Trainer, tables: ShardedEmbeddings, results: lis
         "remote_calls": sum(x["rpc_calls"] + x["push_calls"] for x in lk),  # messages to remote servers
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
-        "interrupted": False,
+        "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
     }
+    if curve is not None and cfg.checkpoint:  # the end beats the curve: the last model is the best
+        curve.keep({"event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],
+                    "calibration": ev["calibration"]}, flat, table)
+    if curve is not None and math.isfinite(curve.best):
+        summary["best_eval_ne"] = curve.best
     logger.log(event="eval", examples=seen, eval_ne=ev["ne"], auc=ev["auc"], bayes_ne=ev["bayes_ne"])
     logger.log(event="summary", **json_safe(summary))
     logger.close()

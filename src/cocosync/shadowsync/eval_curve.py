@@ -1,30 +1,26 @@
-"""The eval NE curve of a run (dlrm's --test-freq) and, on one machine, its best-eval model.
+"""The eval NE curve of a run (dlrm's --test-freq) and its best-eval model.
 
-Trainer 0 scores its own replica (with the shared tables, or rows from the servers) on the held-out set every
-`--eval-every` examples while the workers keep training, and reports an `eval` record (examples, NE, AUC,
-calibration). On one machine it also keeps the model of the lowest eval NE so far as <out>/best.pt: after several
-passes a model overfits (train NE keeps falling while eval NE rises), and the checkpoint to keep is the best one,
-not the last. best.pt holds the weights (dense replica, tables) in checkpoint.pt's format, so `cocosync eval` scores
-it; it is not a resume point (no optimizer or sync state)."""
+Trainer 0 snapshots its dense replica and the tables (its node's shards copied in place, other nodes' shards
+fetched whole), scores the snapshot on the held-out set every `--eval-every` examples while the workers keep
+training, and logs an `eval` record (examples, NE, AUC, calibration). The snapshot of the lowest eval NE so far is
+kept as <out>/checkpoints/best: after several passes a model overfits (train NE keeps falling while eval NE rises),
+and the model to keep is the best one, not the last. `cocosync eval` scores it; it is not a resume point."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
-from cocosync.shadowsync.checkpoint import write_checkpoint
-from cocosync.shadowsync.embeddings import SharedEmbeddings
+from cocosync.shadowsync.checkpoint import BEST, save_best
 from cocosync.shadowsync.metrics import evaluate
-from cocosync.shadowsync.sources import build_configs
-from cocosync.shadowsync.state import build_model
-from cocosync.shadowsync.train_config import TrainConfig, config_to_dict
+from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
+from cocosync.shadowsync.sync import FlatParams
 
-__all__ = ["score", "describe", "BestModelCurve", "BEST_NAME", "previous_best"]
-
-BEST_NAME = "best.pt"
+__all__ = ["score", "describe", "previous_best", "BestModel"]
 
 
 def score(model: torch.nn.Module, batches: list, seen: int) -> dict:
@@ -35,53 +31,37 @@ def score(model: torch.nn.Module, batches: list, seen: int) -> dict:
 
 
 def previous_best(out: Path) -> float:
-    """The eval NE of <out>/best.pt (a resumed run keeps an earlier session's best), inf when there is none."""
-    path = out / BEST_NAME
-    if not path.is_file():
-        return math.inf
+    """The eval NE of <out>/checkpoints/best (a resumed run keeps an earlier session's best), inf when none."""
     try:
-        return float(torch.load(path, map_location="cpu", weights_only=True)["eval"]["eval_ne"])
-    except Exception:  # noqa: BLE001 - unreadable: the next eval replaces it
+        return float(json.loads((out / "checkpoints" / BEST / "meta.json").read_text())["eval"]["eval_ne"])
+    except (OSError, ValueError, KeyError, TypeError):  # none, or unreadable: the next eval replaces it
         return math.inf
 
 
 def describe(rec: dict) -> str:
-    best = " (best so far: kept as best.pt)" if rec.get("best") else ""
+    best = " (best so far: kept as checkpoints/best)" if rec.get("best") else ""
     return (f"eval at ~{rec['examples']:,} examples: NE {rec['eval_ne']:.4f}, AUC {rec['auc']:.4f}, "
             f"calibration {rec['calibration']:.3f}{best}")
 
 
-class BestModelCurve:
-    """Trainer 0's `on_eval` on one machine: copy the model (its dense replica and the shared tables, which Hogwild
-    workers keep updating), score the copy, keep it as best.pt when its NE is the lowest so far, and report the
-    record through `send`."""
+class BestModel:
+    """Scores snapshots of (dense parameters, tables) and keeps the best as checkpoints/best (when `out` is set)."""
 
-    def __init__(self, cfg: TrainConfig, state: Any, batches: list, send: Callable[[dict], None]):
-        self.cfg, self.state, self.batches, self.send = cfg, state, batches, send
-        self.path = Path(cfg.out_dir) / BEST_NAME if cfg.checkpoint else None
-        self.best = previous_best(Path(cfg.out_dir))
-        self.trainer: Any = None  # set once the Trainer exists (it takes this callable at construction)
-        self.copy: Any = None  # the scored model: a DLRM over tables of its own
-        self.tables: SharedEmbeddings | None = None
+    def __init__(self, model_cfg: Any, data: Any, batches: list, out: Path | None, meta: dict):
+        self.model = DLRM(model_cfg, data, external_embeddings=True)
+        self.flat = FlatParams(self.model.dense_parameters())
+        self.table_rows, self.batches, self.out, self.meta = list(data.table_sizes), batches, out, meta
+        self.best = previous_best(out) if out is not None else math.inf
 
-    def _snapshot(self) -> tuple[dict, torch.Tensor]:
-        dense = {k: v.detach().clone() for k, v in self.trainer.model.state_dict().items()
-                 if not k.startswith("embeddings.")}
-        if self.copy is None:
-            data, model_cfg = build_configs(self.cfg)
-            self.tables = SharedEmbeddings.from_state_dict(self.state.embeddings.state_dict())
-            self.copy = build_model(data, model_cfg, self.tables)
-        else:
-            self.tables.weight.copy_(self.state.embeddings.weight)
-        self.copy.load_state_dict(dense, strict=False)
-        return dense, self.state.positions.clone()
+    def score(self, flat: torch.Tensor, table: torch.Tensor, seen: int) -> dict:
+        """The eval record of this snapshot, with best=True when it was kept as the best model."""
+        self.flat.flat.copy_(flat)
+        rec = score(ServedModel(self.model, FullTable(table, self.table_rows)), self.batches, seen)
+        self.keep(rec, flat, table)
+        return rec
 
-    def __call__(self, examples: int) -> None:
-        dense, positions = self._snapshot()
-        rec = score(self.copy, self.batches, int(positions.sum()))  # the run's examples, resumed included
-        if self.path is not None and rec["eval_ne"] < self.best:
+    def keep(self, rec: dict, flat: torch.Tensor, table: torch.Tensor) -> None:
+        if self.out is not None and rec["eval_ne"] < self.best:
             self.best = rec["eval_ne"]
-            write_checkpoint(self.path, {"config": config_to_dict(self.cfg), "name": "best eval", "dense": dense,
-                                         "embeddings": self.tables.state_dict(), "positions": positions, "eval": rec})
+            save_best(self.out, {**self.meta, "examples_seen": rec["examples"], "eval": rec}, table, flat)
             rec["best"] = True
-        self.send({"kind": "eval", **rec})

@@ -16,7 +16,7 @@ from torch import nn
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig
 
-__all__ = ["DLRM", "new_embedding_weights"]
+__all__ = ["DLRM", "new_embedding_weights", "ServedModel", "FullTable"]
 
 
 def new_embedding_weights(model: ModelConfig, data: DataConfig, *, seed: int | None = None) -> list[torch.Tensor]:
@@ -118,3 +118,26 @@ class DLRM(nn.Module):
         """t: [B, 1 + num_sparse, dim], the bottom MLP's output first."""
         z = torch.bmm(t, t.transpose(1, 2))[:, self._rows, self._cols]  # [B, pairs]
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
+
+
+class FullTable:
+    """Whole tables [rows, dim] in global row order (tables concatenated) with the `lookup` of the parameter servers'
+    client: what a checkpoint or a snapshot holds, scored without servers."""
+
+    def __init__(self, weight: torch.Tensor, table_rows: Sequence[int]):
+        self.weight = weight
+        self.offsets = torch.tensor([0, *torch.tensor(list(table_rows)).cumsum(0)[:-1].tolist()], dtype=torch.int64)
+
+    def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
+        return self.weight[sparse + self.offsets]
+
+
+class ServedModel(nn.Module):
+    """forward(dense, sparse) of a DLRM whose rows come from `tables.lookup` (the servers, or a FullTable)."""
+
+    def __init__(self, model: DLRM, tables: object):
+        super().__init__()
+        self.model, self.tables = model, tables
+
+    def forward(self, dense: torch.Tensor, sparse: torch.Tensor) -> torch.Tensor:
+        return self.model.forward_pooled(dense, self.tables.lookup(sparse))

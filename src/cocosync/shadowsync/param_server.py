@@ -7,7 +7,7 @@ each table's low, frequent ids together). The price, that one lookup touches eve
 the client deduplicates the batch's ids and sends one message per server.
 
 A server's shard lives in its node's shared memory (an `Arena.shared_empty`, mapped by every process of the node):
-trainers on the same node read and update it in place, zero-copy, exactly as the single-node `SharedEmbeddings`;
+trainers on the same node read and update it in place, zero-copy, as if it were their own;
 trainers on other nodes go through RPC. Updates are row-wise Adagrad or SGD, Hogwild, through the same
 `rowwise_update` as the local tables. Each row carries a version (its update count): a push reports how many
 updates its rows received between their fetch and its gradient (the staleness of asynchronous lookups).
@@ -30,11 +30,29 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.embeddings import OPTIMIZERS, rowwise_update
 from cocosync.shadowsync.served import Served
 
 __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
-           "initial_rows"]
+           "initial_rows", "rowwise_update", "OPTIMIZERS"]
+
+OPTIMIZERS = ("adagrad", "sgd")
+
+
+@torch.no_grad()
+def rowwise_update(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.Tensor, g: torch.Tensor,
+                   optimizer: str, lr: float, eps: float, weight_decay: float = 0.0) -> None:
+    """Apply the gradient rows `g[i]` to the distinct rows `rows[i]` of `weight`, in place and lock-free (Hogwild):
+    SGD, or row-wise Adagrad with one accumulator per row (acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps)).
+    weight_decay: L2 on the touched rows, g += wd * w first. `g` is consumed (scaled in place). The one
+    definition of the row update."""
+    if weight_decay:
+        g.add_(weight.index_select(0, rows), alpha=weight_decay)
+    if optimizer == "sgd":
+        weight.index_add_(0, rows, g, alpha=-lr)
+        return
+    accumulator.index_add_(0, rows, g.pow(2).mean(1))
+    scale = accumulator.index_select(0, rows).sqrt_().add_(eps).reciprocal_().mul_(-lr)
+    weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
 
 
 class ServerLost(RuntimeError):
@@ -60,8 +78,8 @@ class RowHash:
 
 def initial_rows(rows: Sequence[int], dim: int, *, init_std: float, seed: int, rowhash: RowHash,
                  server: int) -> torch.Tensor:
-    """The initial rows of one server's shard: the rows of `SharedEmbeddings(rows, dim, seed=seed)`'s init it owns,
-    so a sharded run starts from the same tables as a single-node one."""
+    """The initial rows of one server's shard: its rows of the tables drawn N(0, init_std) from `seed` as one
+    [sum(rows), dim] tensor, so a job starts from the same tables whatever its server count."""
     gen = torch.Generator().manual_seed(seed)
     full = torch.randn(sum(rows), dim, generator=gen).mul_(init_std)
     return full[server::rowhash.servers].clone()
@@ -114,6 +132,10 @@ def _rpc_push_lookup(server: int, pushes: list, ids: torch.Tensor) -> tuple[int,
     return stale, rows, versions
 
 
+def _rpc_rows(server: int) -> torch.Tensor:
+    return _SERVED[server].weight.clone()
+
+
 def _rpc_push(server: int, pushes: list) -> int:
     shard = _SERVED[server]
     return sum(shard.apply(*push) for push in pushes)
@@ -149,7 +171,7 @@ class Lookup:
     inverse: torch.Tensor  # [B, F]: index into uniq
     order: torch.Tensor  # permutation of uniq grouping it by server
     bounds: list[tuple[int, int, int]]  # (server, lo, hi) into order
-    parts: list[Any]  # per bound: (rows, versions) or a Future of it
+    parts: list[Any]  # per bound: a local shard's ids (read at wait) or a Future of a remote (stale, rows, versions)
     issued: float
     rows: torch.Tensor | None = None
     versions: torch.Tensor | None = None
@@ -195,8 +217,8 @@ class ShardedEmbeddings:
         for s, lo, hi in bounds:
             ids = local_ids[lo:hi]
             server = self.servers[s]
-            if isinstance(server, Shard):
-                parts.append(server.lookup(ids))
+            if isinstance(server, Shard):  # read when the batch is due (wait), not when prefetched: fresher rows
+                parts.append(ids)
             else:
                 with self._lock:
                     pushes = self._pending.pop(s, [])
@@ -204,7 +226,7 @@ class ShardedEmbeddings:
                 parts.append(rpc.rpc_async(server, _rpc_push_lookup, args=(s, pushes, ids)))
         lk = Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
         for part in parts:
-            if not isinstance(part, tuple):  # the round trip proper, not the time until the trainer looks
+            if not isinstance(part, torch.Tensor):  # the round trip proper, not the time until the trainer looks
                 part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
         return lk
 
@@ -250,7 +272,9 @@ class ShardedEmbeddings:
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
         remote = received = calls = stale = 0
         for (s, lo, hi), part in zip(lk.bounds, lk.parts):
-            if not isinstance(part, tuple):
+            if isinstance(part, torch.Tensor):
+                part = self.servers[s].lookup(part)
+            else:
                 t0 = time.perf_counter()
                 pushed_stale, *part = self._wait(part, s, "a lookup")
                 blocked += time.perf_counter() - t0
@@ -275,6 +299,20 @@ class ShardedEmbeddings:
             st.rpc_s += sum(t - lk.issued for t in answered) + (calls - len(answered)) * (now - lk.issued)
             st.rpc_calls += calls
         return rows
+
+    def snapshot(self) -> torch.Tensor:
+        """The whole tables [rows, dim] in global row order: local shards copied, remote ones fetched whole (one
+        message per server)."""
+        S = self.hash.servers
+        out = torch.empty(self.hash.total_rows, self.dim)
+        remote = [(s, rpc.rpc_async(server, _rpc_rows, args=(s,))) for s, server in enumerate(self.servers)
+                  if not isinstance(server, Shard)]
+        for s, server in enumerate(self.servers):
+            if isinstance(server, Shard):
+                out[s::S] = server.weight
+        for s, future in remote:
+            out[s::S] = self._wait(future, s, "a snapshot of its rows")
+        return out
 
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
         """Embedding vectors [B, num_tables, dim] of a batch, synchronously (evaluation)."""

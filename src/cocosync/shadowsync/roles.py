@@ -54,9 +54,10 @@ class ClusterConfig:
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 
-    def sync_servers_for(self, method: str) -> int:
-        if method == "dssync":
-            raise ConfigError("sync 'dssync' runs on one machine for now (its groups are flat gloo groups; across "
+    def sync_servers_for(self, method: str, nodes: int = 1) -> int:
+        """EASGD's sync servers per node for a job of `nodes` machines (ConfigError when the setting cannot run)."""
+        if method == "dssync" and nodes > 1:
+            raise ConfigError("sync 'dssync' runs on one machine for now (its groups are flat groups; across "
                               "machines use ma, bmuf or easgd)")
         if self.sync_servers is None:
             return 1 if method == "easgd" else 0

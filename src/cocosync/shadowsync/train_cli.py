@@ -56,9 +56,15 @@ def _layer_sizes(ctx: click.Context, param: click.Parameter, value: str | None) 
 
 
 def _console():
+    """stderr; where it is not a terminal (CI, nohup, a log file) lines are not wrapped (a command to copy stays on
+    one line) and tables get room for their full width."""
+    import sys
+
     from rich.console import Console
 
-    return Console(stderr=True)
+    if sys.stderr.isatty():
+        return Console(stderr=True)
+    return Console(stderr=True, width=160, soft_wrap=True)
 
 
 _TRAIN_OPTIONS = [
@@ -105,7 +111,7 @@ _TRAIN_OPTIONS = [
                  help="click rate the model starts predicting (default: estimated from the first 100k rows)."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
-    click.option("--timeout", type=float, help="abort the run after this many seconds."),
+    click.option("--timeout", type=float, help="stop the run (with a checkpoint) after this many seconds."),
     click.option("--heartbeat-timeout", type=float,
                  help="fail naming a trainer silent this many seconds (stopped or hung; default 30)."),
     click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest)."),
@@ -120,10 +126,10 @@ _CLUSTER_OPTIONS = [
                  help="multi-node: batches whose embedding lookups share one message per server (with prefetch)."),
     click.option("--eval-every", type=int, default=None,
                  help="score the model on the held-out set every this many examples (an NE curve; on one machine "
-                      "the best model is kept as --out/best.pt)."),
+                      "the best model is kept as --out/checkpoints/best)."),
     click.option("--checkpoint-every", type=int, default=None,
-                 help="also checkpoint every this many examples of the run (--out/checkpoint.pt; multi-node: DCP "
-                      "under --out/checkpoints): a killed run resumes from the last one."),
+                 help="also checkpoint every this many examples of the run (DCP directories under "
+                      "--out/checkpoints): a killed run resumes from the last one."),
     click.option("--stop-after", type=int, default=None,
                  help="stop (with a checkpoint) once the run has seen this many examples (earlier sessions "
                       "included)."),
@@ -182,8 +188,9 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
 @click.command()
 @train_options
 @click.option("--progress/--no-progress", default=None, help="progress bar while training.")
-@click.option("--resume", type=click.Path(dir_okay=False),
-              help="continue a run (e.g. one stopped by Ctrl-C) from its checkpoint.pt, with its config.")
+@click.option("--resume", type=click.Path(),
+              help="continue a run (e.g. one stopped by Ctrl-C) from a checkpoint directory, or a run directory (its "
+                   "latest checkpoint), with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
 @click.option("--nnodes", type=int, help="multi-node: machines in the job (runs torchrun; see --rdzv-endpoint).")
 @click.option("--node-rank", type=int, default=0, show_default=True,
@@ -203,7 +210,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun for this machine
     (the same as `torchrun ... -m cocosync.shadowsync`), with embedding parameter servers and sync servers.
     """
-    from cocosync.shadowsync.launcher import run_training
+    from cocosync.shadowsync.launch import run_training
+    from cocosync.shadowsync.roles import ClusterConfig
     from cocosync.shadowsync.trainer import TrainerFailure
 
     if nnodes is not None:
@@ -217,8 +225,10 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
                   + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "") + f" of {cfg.data!r}{_split_note(cfg)} -> "
                   f"{cfg.out_dir}/")
     try:
+        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
+                                lookup_batches=lookup_batches)
         result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
-                              stop_after=stop_after, eval_every=eval_every)
+                              stop_after=stop_after, eval_every=eval_every, cluster=cluster)
     except ConfigError as e:
         if debug_mode():
             raise
@@ -279,68 +289,87 @@ def debug_mode() -> bool:
 
 
 def _checkpoint_config(path: str) -> dict:
-    from cocosync.shadowsync.checkpoint import read_checkpoint
+    from cocosync.shadowsync.checkpoint import read_meta, resolve
 
-    return dict(read_checkpoint(path)["config"])
+    return dict(read_meta(resolve(path))["config"])
+
+
+def _fmt(v, spec: str) -> str:
+    """A summary value formatted, '-' where it is missing (JSON's null for NaN)."""
+    return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
 
 
 def _print_result(console, result) -> None:
     from rich.table import Table
 
     s = result.summary
-    rows = [("examples", f"{s['examples']:,}"), ("examples/s (total)", f"{s['eps']:,.0f}"),
-            ("examples/s per trainer", f"{s['eps_per_trainer']:,.0f}"), ("train NE (window)", f"{s['train_ne']:.4f}"),
-            ("eval NE", f"{s['eval_ne']:.4f}"), ("eval AUC", f"{s['auc']:.4f}"),
-            ("calibration (predicted / actual CTR)", f"{s['calibration']:.3f}"),
-            ("Bayes NE", f"{s['bayes_ne']:.4f}"), ("excess NE over Bayes", f"{s['excess_ne']:.4f}"),
-            ("sync gap (iterations)", f"{s['sync_gap']:.2f}"), ("syncs", f"{s['syncs']:,}"),
-            ("training seconds", f"{s['seconds']:.1f}")]
+    rows = [("examples", s["examples"], ","), ("examples/s (total)", s["eps"], ",.0f"),
+            ("examples/s per trainer (total / T)", s["eps_per_trainer"], ",.0f"),
+            ("train NE (window)", s["train_ne"], ".4f"), ("eval NE", s["eval_ne"], ".4f"),
+            ("eval AUC", s["auc"], ".4f"), ("calibration (predicted / actual CTR)", s["calibration"], ".3f"),
+            ("Bayes NE", s["bayes_ne"], ".4f"), ("excess NE over Bayes", s["excess_ne"], ".4f"),
+            ("best eval NE (checkpoints/best)", s.get("best_eval_ne"), ".4f"),
+            ("sync gap (iterations)", s["sync_gap"], ".2f"), ("syncs", s["syncs"], ","),
+            ("training seconds", s["seconds"], ".1f")]
     table = Table(title=f"ShadowSync run: {s['name']} (W={s['W']})")
     table.add_column("metric")
     table.add_column("value", justify="right")
-    for k, v in rows:
-        table.add_row(k, "-" if v in ("nan", "-nan") else v)
+    for k, v, spec in rows:
+        if v is not None or "best" not in k:
+            table.add_row(k, _fmt(v, spec))
     console.print(table)
     if s.get("resumed_from"):
         console.print(f"resumed after {s['resumed_from']:,} examples of an earlier session"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
-    if result.interrupted:
-        console.print("[yellow]interrupted: the numbers cover the examples trained before Ctrl-C"
-                      + (f" (continue with: cocosync train --resume {result.checkpoint})" if result.checkpoint else ""))
-    console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json")
+    if result.interrupted or s.get("stopped"):
+        console.print(("[yellow]interrupted: the numbers cover the examples trained before the stop" if
+                       result.interrupted else "stopped at --stop-after")
+                      + (f"; continue with: cocosync train --resume {result.out_dir}" if result.checkpoint else ""),
+                      soft_wrap=True)
+    console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json", soft_wrap=True)
     if result.plot:
-        console.print(f"plot: {result.plot}")
+        console.print(f"plot: {result.plot}", soft_wrap=True)
     if result.checkpoint:
-        console.print(f"checkpoint: {result.checkpoint}  (score it with: cocosync eval {result.checkpoint})")
+        console.print(f"checkpoint: {result.checkpoint}  (score it with: cocosync eval {result.checkpoint})",
+                      soft_wrap=True)
 
 
 @click.command("eval")
-@click.argument("checkpoint", type=click.Path(dir_okay=False))
+@click.argument("checkpoint", type=click.Path())
 @click.option("--data", help="score on this Criteo-format file instead of the run's held-out set.")
 @click.option("--examples", type=int, help="held-out examples to score (default: the run's eval_examples).")
 @click.option("--json", "json_out", is_flag=True, help="print the metrics as JSON on stdout.")
 def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, json_out: bool) -> None:
-    """Score a checkpoint written by `cocosync train` (NE, AUC, Bayes NE on synthetic data)."""
-    from cocosync.shadowsync.launcher import load_checkpoint_model
+    """Score a checkpoint of `cocosync train` (NE, AUC, Bayes NE on synthetic data): a checkpoint directory
+    (<out>/checkpoints/seen-N, <out>/checkpoints/best) or a run directory (its latest checkpoint)."""
+    from cocosync.shadowsync.checkpoint import load_weights, read_meta, resolve
     from cocosync.shadowsync.metrics import evaluate, summary_table
-    from cocosync.shadowsync.sources import eval_batches
+    from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
+    from cocosync.shadowsync.sources import build_configs, eval_batches
+    from cocosync.shadowsync.sync import FlatParams
 
     try:
-        model, cfg, data_cfg, ckpt = load_checkpoint_model(checkpoint)
-    except ConfigError as e:  # CheckpointError: the message names the file and what is wrong with it
+        path = resolve(checkpoint)
+        meta = read_meta(path)
+        cfg = config_from_dict(meta["config"])
+        data_cfg, model_cfg = build_configs(cfg)
+        model = DLRM(model_cfg, data_cfg, external_embeddings=True)
+        flat = FlatParams(model.dense_parameters())
+        table, dense = load_weights(path, meta, dim=model_cfg.embedding_dim, dense_params=flat.flat.numel())
+    except ConfigError as e:  # CheckpointError: the message names the checkpoint and what is wrong with it
         if debug_mode():
             raise
         raise click.UsageError(str(e)) from None
-    except (ValueError, KeyError) as e:
-        raise click.UsageError(f"cannot load checkpoint {checkpoint!r}: {e}") from None
+    flat.flat.copy_(dense)
     if examples is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)
     if data is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_path=data, eval_rows=examples or data_cfg.eval_rows)
-    ev = evaluate(model, eval_batches(cfg, data_cfg))
+    ev = evaluate(ServedModel(model, FullTable(table, data_cfg.table_sizes)), eval_batches(cfg, data_cfg))
     ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
-    ev = {"name": ckpt.get("name", checkpoint), **ev, "trained_examples": int(ckpt["positions"].sum())}
-    _console().print(summary_table([ev], title=f"eval {checkpoint}"))
+    name = "best eval" if meta.get("best") else f"{cfg.sync.algorithm} T={meta['trainers']}"
+    ev = {"name": name, **ev, "trained_examples": int(meta["examples_seen"])}
+    _console().print(summary_table([ev], title=f"eval {path}"))
     if json_out:
         from cocosync.shadowsync.trainer import json_safe
 

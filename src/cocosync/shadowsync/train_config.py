@@ -157,15 +157,15 @@ class TrainConfig:
     log_every: float = 0.5
     """seconds between two train-metric records of a trainer."""
     out_dir: str = "runs/latest"
-    """directory of metrics.jsonl, summary.json, ne.png and checkpoint.pt."""
+    """directory of metrics.jsonl, summary.json, ne.png, checkpoints/ (DCP directories) and logs/ (the ranks')."""
     checkpoint: bool = True
-    """write checkpoint.pt (dense + embeddings + reader positions) at the end."""
+    """write a checkpoint (checkpoints/seen-N: every rank's part, torch.distributed.checkpoint) at the end."""
     plot: bool = True
     """write the NE-vs-examples PNG."""
     progress: bool = True
     """show a progress bar while training."""
     timeout: float = 900.0
-    """seconds after which the run is aborted (a hung trainer never stalls the run forever)."""
+    """seconds after which the trainers are asked to stop (keeping a checkpoint and the summary, as Ctrl-C does)."""
     heartbeat_timeout: float = 30.0
     """seconds without a heartbeat from a trainer (each beats every heartbeat_timeout / 10 s from a thread of its
     own, whatever its training does) after which the run fails naming that trainer (stopped, hung, swapped out)."""

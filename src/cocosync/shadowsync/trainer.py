@@ -1,9 +1,9 @@
 """One ShadowSync trainer process: W Hogwild worker threads over a dense replica and the shared embedding rows,
 and the replica's dense synchronization (shadow thread, foreground every k iterations, or none).
 
-`Trainer.train_step(batch)` is one lock-free Hogwild iteration (dense replica + shared embedding rows);
-`Trainer.train()` runs the W workers over this trainer's shards and the sync of its replica. The state it shares
-with the other trainers is built by state.py; launcher.py spawns and monitors the trainers.
+`Trainer.train_step(batch)` is one lock-free Hogwild iteration (dense replica + the batch's embedding rows from the
+servers' shards); `Trainer.train()` runs the W workers over this trainer's shards and the sync of its replica. The
+job around it (roles, servers, groups, checkpoints) is cluster.py.
 
 Workers are threads (not processes): torch ops release the GIL, and on this 2-core machine T=2 trainers
 already fill the cores; see the README for the measurement.
@@ -17,6 +17,7 @@ import math
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -26,11 +27,10 @@ import torch.nn.functional as F
 from cocosync.shadowsync.model import DLRM
 from cocosync.shadowsync.param_server import Lookup, ShardedEmbeddings
 from cocosync.shadowsync.sources import build_configs
-from cocosync.shadowsync.state import SharedState, build_model
 from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
 from cocosync.shadowsync.train_config import TrainConfig
 
-__all__ = ["Trainer", "TrainerFailure", "CheckpointMarks", "json_safe"]
+__all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks", "json_safe"]
 
 
 def json_safe(obj: Any) -> Any:
@@ -42,6 +42,27 @@ def json_safe(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return [json_safe(v) for v in obj]
     return obj
+
+
+@dataclass
+class TrainerState:
+    """A trainer's counters (rows indexed by trainer; a trainer writes its own): reader positions, iterations,
+    syncs; the stop flag (the launcher's stop request, copied in by the heartbeat thread: link.py) and `done` (every
+    worker has finished); the common starting point of the dense replicas."""
+
+    positions: torch.Tensor  # int64 [T, W]: rows consumed by each worker shard (the reader position)
+    iterations: torch.Tensor  # int64 [T]
+    syncs: torch.Tensor  # int64 [T]
+    stop: torch.Tensor  # int32 [1]
+    done: torch.Tensor  # int32 [T]
+    init_dense: torch.Tensor
+
+    @classmethod
+    def new(cls, trainers: int, workers: int, init_dense: torch.Tensor) -> "TrainerState":
+        T = trainers
+        return cls(torch.zeros(T, workers, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+                   torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
+                   torch.zeros(T, dtype=torch.int32), init_dense.clone())
 
 
 class TrainerFailure(RuntimeError):
@@ -113,14 +134,14 @@ class CheckpointMarks:
 class Trainer:
     """One trainer: a dense replica updated by W Hogwild worker threads, synced by `cfg.sync`."""
 
-    def __init__(self, cfg: TrainConfig, rank: int, state: SharedState, source: Any, *,
-                 group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
-                 embeddings: ShardedEmbeddings | None = None, center: Any = None, prefetch: int = 1,
-                 stop_at: int | None = None, checkpoints: "CheckpointMarks | None" = None,
-                 on_eval: Callable[[int], None] | None = None, eval_every: int | None = None):
-        """`embeddings`: the parameter servers' tables (multi-node; default: the shared tables of `state`);
-        `center`: EASGD's centre when it is not `state.center` (a RemoteCenter); `prefetch`: request the rows of the
-        next `prefetch` batches from the servers while the current batch trains (0: fetch each batch when due);
+    def __init__(self, cfg: TrainConfig, rank: int, state: TrainerState, source: Any, *,
+                 embeddings: ShardedEmbeddings, group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
+                 center: Any = None, prefetch: int = 1, stop_at: int | None = None,
+                 checkpoints: "CheckpointMarks | None" = None, on_eval: Callable[[int], None] | None = None,
+                 eval_every: int | None = None):
+        """`embeddings`: the tables on the embedding servers (this node's shards in place, others remote); `center`:
+        EASGD's centre (a RemoteCenter); `prefetch`: request the rows of the next `prefetch` batches from remote
+        servers while the current batch trains (0: fetch each batch when due; local shards are read when due);
         `stop_at`: stop once this trainer's reader positions sum to this many examples; `checkpoints`: pause the
         workers at marks of the reader positions and save (CheckpointMarks); `on_eval(examples)`: called from the
         trainer's own thread every `eval_every` examples of this trainer while the workers train (an eval curve)."""
@@ -131,17 +152,12 @@ class Trainer:
         if on_eval is not None and (eval_every is None or eval_every < 1):
             raise ValueError(f"eval_every={eval_every!r}: expected examples >= 1 with on_eval")
         self.on_eval, self.eval_every = on_eval, eval_every
-        if embeddings is None:
-            self.model = build_model(self.data, self.model_cfg, state.embeddings)
-        else:
-            self.model = DLRM(self.model_cfg, self.data, external_embeddings=True)
+        self.model = DLRM(self.model_cfg, self.data, external_embeddings=True)
         self.dense = self.model.dense_parameters()
-        self.emb_params = self.model.embedding_parameters()
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
-        self.sync = make_sync(self.flat.flat, cfg.sync, center=state.center if center is None else center,
-                              group=group)
+        self.sync = make_sync(self.flat.flat, cfg.sync, center=center, group=group)
         self._counter = itertools.count(1)
         self._sync_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
@@ -156,20 +172,14 @@ class Trainer:
 
     # -- one Hogwild iteration ----------------------------------------------------------------------------
     def train_step(self, batch: Any, lookup: Lookup | None = None) -> float:
-        """Forward, backward, and lock-free updates of the dense replica and the shared embedding rows (or, with
-        parameter servers, the batch's fetched rows pushed back as gradients; `lookup`: a prefetched fetch)."""
-        if self.remote is not None:
-            lookup = lookup or self.remote.fetch(batch.sparse)
-            rows = self.remote.wait(lookup).requires_grad_()
-            logits = self.model.forward_pooled(batch.dense, rows[lookup.inverse])
-            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
-            grads = torch.autograd.grad(loss, self.dense + [rows])
-            self.remote.push(lookup, grads[-1])
-        else:
-            logits = self.model(batch.dense, batch.sparse)
-            loss = F.binary_cross_entropy_with_logits(logits, batch.label)
-            grads = torch.autograd.grad(loss, self.dense + self.emb_params)
-            self.state.embeddings.apply_grads(list(grads[len(self.dense):]))
+        """Forward, backward, and lock-free updates of the dense replica and of the batch's embedding rows (pushed
+        to their shards as gradients: in place on this node's, queued for remote ones; `lookup`: a prefetched fetch)."""
+        lookup = lookup or self.remote.fetch(batch.sparse)
+        rows = self.remote.wait(lookup).requires_grad_()
+        logits = self.model.forward_pooled(batch.dense, rows[lookup.inverse])
+        loss = F.binary_cross_entropy_with_logits(logits, batch.label)
+        grads = torch.autograd.grad(loss, self.dense + [rows])
+        self.remote.push(lookup, grads[-1])
         with torch.no_grad():
             g = self.flat.flatten_grads(grads[:len(self.dense)])
             if self.cfg.dense_weight_decay:  # L2, as torch.optim.Adagrad/SGD's weight_decay
@@ -206,7 +216,7 @@ class Trainer:
         pos = self.state.positions[self.rank]
         fr = self.cfg.sync.mode == "foreground"
         batches = self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
-        if self.remote is not None and self.prefetch > 0:
+        if self.prefetch > 0:
             pairs = self.remote.prefetching(batches, depth=self.prefetch)
         else:
             pairs = ((b, None) for b in batches)
@@ -290,7 +300,7 @@ class Trainer:
             if self.on_eval is not None and self.examples >= next_eval:
                 self.on_eval(self.examples)
                 next_eval += self.eval_every
-        if self.remote is not None and not self.errors:
+        if not self.errors:
             self.remote.flush()  # every row gradient has reached its server before the trainer reports
         t_end, cpu_end = time.time(), time.process_time()
         done.set()
@@ -317,7 +327,7 @@ class Trainer:
             "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
             "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
-            **({"lookups": self.remote.stats.as_dict()} if self.remote is not None else {}),
+            "lookups": self.remote.stats.as_dict(),
         }
 
     def checkpoint_state(self, give_up: Callable[[], bool] = lambda: False) -> dict[str, torch.Tensor] | None:
@@ -344,7 +354,7 @@ class Trainer:
         elapsed = max(time.time() - t0, 1e-9)
         self.emit({"kind": "train", "trainer": self.rank, "trainer_examples": self.examples,
                    "train_ne": self.window_ne(), "trainer_eps": self.examples / elapsed,
-                   "syncs": self.sync.syncs})
+                   "syncs": self.sync.syncs, "start": t0})
 
 
 # ---------------------------------------------------------------------------------------------- process side

@@ -1,5 +1,5 @@
 """Which TCP sockets a process tree listens on, read from /proc (Linux): for tests that every listening socket of a
-run is on the loopback address."""
+run is on the loopback address; which of them are the ranks of a ShadowSync job."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import socket
 import struct
 from pathlib import Path
 
-__all__ = ["process_tree", "listening_sockets"]
+__all__ = ["process_tree", "listening_sockets", "job_ranks"]
 
 
 def process_tree(pid: int) -> list[int]:
@@ -69,3 +69,21 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
                 if inode in listening:
                     found.append((pid, *listening[inode]))
     return found
+
+
+def job_ranks(pid: int) -> dict[int, int]:
+    """local rank -> pid of the ranks of the ShadowSync job under process `pid` (`cocosync train`, torchrun):
+    the processes of its tree running `-m cocosync.shadowsync`, numbered by their LOCAL_RANK."""
+    out = {}
+    for p in process_tree(pid)[1:]:
+        try:
+            cmd = Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")
+            env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"cocosync.shadowsync" not in cmd:
+            continue
+        for var in env:
+            if var.startswith(b"LOCAL_RANK="):
+                out[int(var.split(b"=", 1)[1])] = p
+    return out

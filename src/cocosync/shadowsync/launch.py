@@ -1,0 +1,266 @@
+"""`cocosync train` on one machine: the multi-machine job (cluster.py) with one node, its ranks started by torch's
+elastic agent (what `torchrun --standalone` runs) in a thread of this process, on a rendezvous store that listens on
+127.0.0.1 only (TCPStore's own server would listen on every interface).
+
+This process is the job's launcher and monitor, not one of its ranks: it validates everything a run reads before a
+process starts, holds the output directory's lock, and watches the ranks through the store (link.py): progress (a
+bar on a terminal, a line every few seconds elsewhere), heartbeats (a trainer silent for --heartbeat-timeout is named
+and the job stopped), Ctrl-C (the first asks the trainers to stop and keeps what was measured, with a checkpoint; the
+second aborts), --timeout (stops like the first Ctrl-C). Ranks write their output under <out>/logs/; a failed rank's
+message, or torchrun's account of a rank that died, names it. Trainer 0 writes summary.json, metrics.jsonl, ne.png
+and the checkpoints, as it does across machines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
+from torch.distributed.launcher.api import LaunchConfig, launch_agent
+
+from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
+from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
+from cocosync.shadowsync.link import MONITOR_PORT_ENV
+from cocosync.shadowsync.metrics import read_metrics
+from cocosync.shadowsync.monitor import Monitor
+from cocosync.shadowsync.roles import ClusterConfig
+from cocosync.shadowsync.sources import with_init_ctr
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
+from cocosync.shadowsync.trainer import TrainerFailure
+
+__all__ = ["RunResult", "run_training", "OutputLock"]
+
+_BACKEND = "cocosync-loopback"
+_STORES: dict[int, LoopbackStore] = {}  # port -> the store a run in this process owns
+
+
+class _LoopbackRendezvous(DynamicRendezvousHandler):
+    """torch's c10d rendezvous on our loopback store; the workers' bootstrap store is that same store (torch would
+    start another TCPStore server for them, on every interface)."""
+
+    loopback: LoopbackStore
+
+    def _create_tcp_store_server(self, master_addr: str, master_port: int) -> Any:
+        return self.loopback.store
+
+
+class _LoopbackBackend(C10dRendezvousBackend):
+    @property
+    def name(self) -> str:
+        return _BACKEND
+
+
+def _create_handler(params: RendezvousParameters) -> _LoopbackRendezvous:
+    port = int(params.endpoint.rsplit(":", 1)[1])
+    loopback = _STORES[port]
+    backend = _LoopbackBackend(loopback.store, params.run_id)
+    handler = _LoopbackRendezvous.from_backend(params.run_id, loopback.store, backend, params.min_nodes,
+                                               params.max_nodes, local_addr=LOOPBACK)
+    handler.loopback = loopback
+    return handler
+
+
+try:
+    rendezvous_handler_registry.register(_BACKEND, _create_handler)
+except ValueError:  # registered by an earlier import of this module (importlib.reload)
+    pass
+
+
+class _RankLogs(LogsSpecs):
+    """Every rank's stdout and stderr in <out>/logs/rank<R>.{out,err}, its error file beside them."""
+
+    def __init__(self, log_dir: Path):
+        super().__init__(log_dir=str(log_dir))
+        self.dir = log_dir
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        dest = LogsDest()
+        for r, env in envs.items():
+            dest.stdouts[r], dest.stderrs[r] = str(self.dir / f"rank{r}.out"), str(self.dir / f"rank{r}.err")
+            dest.error_files[r] = str(self.dir / f"rank{r}.error.json")
+            env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[r]
+            Path(dest.error_files[r]).unlink(missing_ok=True)
+        return dest
+
+
+class OutputLock:
+    """One run per output directory: an flock on <out>/.lock (released by the kernel even if the run is killed),
+    holding the pid of the run that owns it, so a second run is refused naming the first."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".lock"
+        self.fd = -1
+
+    def __enter__(self) -> "OutputLock":
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(self.fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(self.fd)
+            raise ConfigError(f"output directory {str(self.path.parent)!r} is in use by another run (pid {owner}); "
+                              "wait for it to finish or pass another --out") from None
+        os.ftruncate(self.fd, 0)
+        os.pwrite(self.fd, str(os.getpid()).encode(), 0)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        os.close(self.fd)  # releases the lock
+
+
+@dataclass
+class RunResult:
+    """What a run measured: the summary (summary.json), the metric records, and where its files are."""
+
+    name: str
+    summary: dict
+    records: list[dict]
+    out_dir: str
+    checkpoint: str | None = None
+    plot: str | None = None
+    interrupted: bool = False
+
+
+def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.PathLike | None = None,
+                 checkpoint_every: int | None = None, stop_after: int | None = None, eval_every: int | None = None,
+                 cluster: ClusterConfig | None = None, name: str | None = None) -> RunResult:
+    """Train `cfg` on this machine: 1 embedding server + `cfg.trainers` trainers (+ EASGD's sync server), W Hogwild
+    workers each, as the multi-machine job with one node. `resume`: a checkpoint directory or a run directory
+    (its latest checkpoint; another trainer or worker count is planned onto); `checkpoint_every`: also checkpoint
+    every this many examples; `stop_after`: stop with a checkpoint once the run (earlier sessions included) has seen
+    this many examples; `eval_every`: score trainer 0's replica on the held-out set every this many examples (an eval
+    curve; the best model is kept as checkpoints/best). `cluster` sets the rest (servers, prefetch, ...)."""
+    console = console or Console(stderr=True)
+    cluster = cluster or ClusterConfig()
+    for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after), ("eval_every", eval_every)):
+        if v is not None:
+            setattr(cluster, key, v)
+    if resume is not None:
+        cluster.resume = str(resume)
+    ClusterConfig.__post_init__(cluster)  # the values set above are checked as the constructor checks them
+    sync_servers = cluster.sync_servers_for(cfg.sync.method, nodes=1)
+    nproc = cluster.embedding_servers + sync_servers + cfg.trainers
+    check_paths(cfg)  # everything a rank reads is checked before a process starts
+    if cluster.resume is not None:
+        path = resolve(cluster.resume)
+        SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
+        check_resumable(read_meta(path), cfg, path)
+        cluster.resume = str(path)
+    cfg = with_init_ctr(cfg)
+    out = Path(cfg.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    with OutputLock(out):
+        job = out / "job.json"
+        job.write_text(json.dumps({"config": config_to_dict(cfg), "cluster": asdict(cluster)}, indent=2) + "\n")
+        (out / "summary.json").unlink(missing_ok=True)  # what the end reads is this run's
+        if cluster.resume is None:
+            (out / "metrics.jsonl").unlink(missing_ok=True)
+        return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, console: Any,
+            name: str | None) -> RunResult:
+    out = Path(cfg.out_dir)
+    store = LoopbackStore(timeout=max(cfg.timeout, 60.0))
+    _STORES[store.port] = store
+    servers = f"{cluster.embedding_servers} embedding server" + ("s" if cluster.embedding_servers > 1 else "")
+    sync = nproc - cluster.embedding_servers - cfg.trainers
+    console.print(f"starting {nproc} processes on this machine ({servers}, "
+                  + (f"{sync} sync server, " if sync else "") + f"{cfg.trainers} trainer"
+                  + ("s" if cfg.trainers > 1 else "") + f"; their output: {out}/logs/) ...")
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"cocosync-{uuid.uuid4().hex[:8]}",
+                          rdzv_backend=_BACKEND, rdzv_endpoint=f"{LOOPBACK}:{store.port}", max_restarts=0,
+                          monitor_interval=0.1, local_addr=LOOPBACK, logs_specs=_RankLogs(out / "logs"))
+    outcome: dict[str, Any] = {}
+
+    def agent() -> None:
+        try:
+            outcome["returns"] = launch_agent(config, sys.executable, ["-u", "-m", "cocosync.shadowsync", "--job",
+                                                                       str(job)])
+        except ChildFailedError as e:
+            outcome["failures"] = e.failures
+        except BaseException as e:  # noqa: BLE001 - reported by the monitor
+            outcome["error"] = e
+
+    saved = {k: os.environ.get(k) for k in (MONITOR_PORT_ENV, "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    os.environ[MONITOR_PORT_ENV] = str(store.port)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torchelastic-events-null")]
+    levels = [q.level for q in quiet]
+    for q in quiet:  # the agent's own logging (a thread cannot take signals, rendezvous rounds, worker events)
+        q.setLevel(logging.ERROR)
+    thread = threading.Thread(target=agent, name="cocosync-elastic-agent", daemon=True)
+    monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store, nproc, cluster, console)
+    try:
+        thread.start()
+        monitor.run(thread)
+    finally:
+        if thread.is_alive():  # aborted: no rank outlives the run
+            monitor.kill_ranks()
+            thread.join(30)
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _STORES.pop(store.port, None)
+        store.close()
+    failure = monitor.failure or _describe_failure(outcome, monitor)
+    summary_path = out / "summary.json"
+    if failure is not None or not summary_path.is_file():
+        failure = failure or "the job ended without a summary (see the ranks' output in " + str(out / "logs") + ")"
+        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:  # no rank writes any more
+            f.write(json.dumps({"time": time.time(), "event": "failed", "error": failure}) + "\n")
+        raise TrainerFailure(f"training failed: {failure}")
+    summary = json.loads(summary_path.read_text())
+    return RunResult(name=summary["name"], summary=summary, records=read_metrics(out / "metrics.jsonl"),
+                     out_dir=str(out), checkpoint=summary.get("checkpoint"), plot=summary.get("plot"),
+                     interrupted=monitor.interrupted)
+
+
+def _describe_failure(outcome: dict, monitor: Monitor) -> str | None:
+    """Why the job failed, naming the rank that started it: a rank killed by a signal other than the agent's SIGTERM,
+    else the earliest message a failing rank left, else torchrun's account of any rank."""
+    if "error" in outcome:
+        return f"the elastic agent failed: {outcome['error']!r}"
+    failures = outcome.get("failures")
+    if not failures:
+        return None
+    killed = [(r, f) for r, f in failures.items() if f.exitcode is not None and f.exitcode < 0
+              and f.signal_name() not in ("SIGTERM", "SIGINT")]
+    messages = monitor.failure_messages()
+    if killed:
+        r, f = min(killed, key=lambda rf: rf[1].timestamp)
+        text = f"{monitor.label(r)} (pid {f.pid}) was killed by signal {f.signal_name()}"
+    elif messages:
+        r, text = messages[0]
+    else:
+        r, f = min(failures.items(), key=lambda rf: rf[1].timestamp)
+        text = f"{monitor.label(r)} (pid {f.pid}) exited with code {f.exitcode}"
+    others = len(failures) - 1
+    return text + (f"\n(and {others} consequential error(s); the ranks' output: {monitor.logs})" if others else "")
+

@@ -1,0 +1,87 @@
+"""The line between the ranks of a ShadowSync job and the `cocosync train` process that launched them.
+
+`cocosync train` on one machine starts the job's ranks through torch's elastic agent on a rendezvous store it owns
+(loopback only, launch.py) and names that store's port in COCOSYNC_MONITOR_PORT. Over a client of the same store,
+under the prefix `cocosync/`, every rank publishes its pid, each trainer its heartbeat and progress, a failing rank
+its message; the launcher sets `stop` (Ctrl-C, --timeout), which every trainer polls. Under plain torchrun (no
+launcher) there is no link: `Link.from_env()` is None and the job runs as before.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch.distributed as dist
+
+__all__ = ["Link", "MONITOR_PORT_ENV", "PREFIX"]
+
+MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
+PREFIX = "cocosync/"
+
+
+def get_if_set(store: Any, key: str) -> bytes | None:
+    """The value of `key`, or None when nobody has set it (a plain `get` would wait for it)."""
+    return store.get(key) if store.check([key]) else None
+
+
+class Link:
+    """A rank's client of the launcher's store (see the module doc)."""
+
+    def __init__(self, port: int, rank: int):
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+        self.store = dist.PrefixStore(PREFIX, store)
+        self.rank = rank
+        self._lock = threading.Lock()  # the store client is shared by the heartbeat thread and the trainer
+        self._closed = threading.Event()
+        self._beats: threading.Thread | None = None
+        self.store.set(f"pid/{rank}", str(os.getpid()))
+
+    @classmethod
+    def from_env(cls, rank: int) -> "Link | None":
+        port = os.environ.get(MONITOR_PORT_ENV)
+        return cls(int(port), rank) if port else None
+
+    def set(self, key: str, value: Any) -> None:
+        with self._lock:
+            self.store.set(key, json.dumps(value, default=str))
+
+    def stop_requested(self) -> bool:
+        with self._lock:
+            return self.store.check(["stop"])
+
+    def beat(self, trainer: int, stop: Any, interval: float) -> None:
+        """Start the heartbeat thread of trainer `trainer`: it runs whatever the trainer does (torch ops and gloo
+        release the GIL), so a missing beat means the process is stopped, hung or not scheduled; it also copies the
+        launcher's stop request into `stop[0]` (the workers' flag)."""
+        def run() -> None:
+            while not self._closed.is_set():
+                with self._lock:
+                    # CLOCK_MONOTONIC is system-wide: the launcher compares it with its own
+                    self.store.set(f"beat/{trainer}", repr(time.monotonic()))
+                    stopping = self.store.check(["stop"])
+                if stopping:
+                    stop[0] = 1
+                self._closed.wait(interval)
+
+        self._beats = threading.Thread(target=run, name="cocosync-heartbeat", daemon=True)
+        self._beats.start()
+
+    def finish(self, trainer: int) -> None:
+        """This trainer is done: no more beats (the monitor skips a trainer whose beat says 'done')."""
+        self._closed.set()
+        if self._beats is not None:
+            self._beats.join()
+        with self._lock:
+            self.store.set(f"beat/{trainer}", "done")
+
+    def failed(self, message: str) -> None:
+        """Tell the launcher why this rank is leaving (best effort: the store may be gone)."""
+        try:
+            self.set(f"failed/{self.rank}", {"time": time.time(), "message": message})
+        except Exception:  # noqa: BLE001 - the launcher reads torchrun's exit status then
+            pass

@@ -1,0 +1,192 @@
+"""The launcher's view of a running job (launch.py): progress, heartbeats, Ctrl-C and --timeout, read and written
+through the ranks' store (link.py); eval and checkpoint records read from trainer 0's metrics.jsonl as it grows."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+from rich.markup import escape
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from cocosync.shadowsync.checkpoint import read_meta
+from cocosync.shadowsync.eval_curve import describe
+from cocosync.shadowsync.link import PREFIX, get_if_set
+from cocosync.shadowsync.roles import ClusterConfig
+from cocosync.shadowsync.train_config import TrainConfig
+
+__all__ = ["Monitor"]
+
+#: seconds between two progress lines when the output is not a terminal (CI, nohup, a log file)
+LINE_EVERY = 5.0
+#: seconds the trainers get to stop (and checkpoint) after a stop request before the job is aborted
+STOP_GRACE = 120.0
+
+
+class Monitor:
+    """Watches the job until the elastic agent's thread ends; `failure` says why it had to be stopped, if it was."""
+
+    def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any):
+        self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
+        self.store = dist.PrefixStore(PREFIX, store.store)
+        self.first_trainer = nproc - cfg.trainers  # servers come first on a node (roles.py)
+        self.E = cluster.embedding_servers
+        self.logs = Path(cfg.out_dir) / "logs"
+        self.failure: str | None = None
+        self.interrupted = False
+        self.presses = 0
+        self.stop_at: float | None = None  # when the stop was requested
+        self.resumed = int(read_meta(Path(cluster.resume))["examples_seen"]) if cluster.resume else 0
+        target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
+        self.total = max(target - self.resumed, 0)
+        metrics = Path(cfg.out_dir) / "metrics.jsonl"  # a resumed run appends to it: read what this run adds
+        self._metrics_at = metrics.stat().st_size if cluster.resume and metrics.is_file() else 0
+
+    # -- names --------------------------------------------------------------------------------------------
+    def label(self, rank: int) -> str:
+        if rank < self.E:
+            return f"embedding server {rank} (rank {rank})"
+        if rank < self.first_trainer:
+            return f"sync server {rank - self.E} (rank {rank})"
+        return f"trainer {rank - self.first_trainer} (rank {rank})"
+
+    def _get(self, key: str) -> Any:
+        raw = get_if_set(self.store, key)
+        return json.loads(raw) if raw is not None else None
+
+    def failure_messages(self) -> list[tuple[int, str]]:
+        """(rank, message) of every rank that said why it failed, earliest first."""
+        found = [(rank, self._get(f"failed/{rank}")) for rank in range(self.nproc)]
+        found = sorted(((m["time"], r, m["message"]) for r, m in found if m), key=lambda x: x[0])
+        return [(r, f"{self.label(r)} failed: {msg}") for _, r, msg in found]
+
+    def kill_ranks(self) -> None:
+        """SIGKILL every rank that said its pid (the agent then reports them and returns)."""
+        for rank in range(self.nproc):
+            pid = self._get(f"pid/{rank}")
+            if pid:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def run(self, agent: threading.Thread) -> None:
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self._on_sigint) if main else None
+        t_launch = time.monotonic()
+        bar = None
+        if self.cfg.progress and self.console.is_terminal:
+            bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[eps]} examples/s"), TextColumn("train NE {task.fields[ne]}"),
+                           TimeElapsedColumn(), console=self.console)
+        last_line = time.monotonic()
+        try:
+            if bar is not None:
+                bar.start()
+                task = bar.add_task("starting", total=self.total, eps="-", ne="-")
+            while agent.is_alive():
+                agent.join(0.2)
+                if self._check(t_launch):
+                    self.kill_ranks()
+                    break
+                examples, eps, ne = self._progress()
+                self._tail_metrics()
+                if bar is not None:
+                    bar.update(task, completed=examples, eps=f"{eps:,.0f}" if eps else "-",
+                               ne=f"{ne:.4f}" if ne is not None else "-",
+                               description=self.name if examples else "starting")
+                elif self.cfg.progress and examples and time.monotonic() - last_line >= LINE_EVERY:
+                    last_line = time.monotonic()
+                    self.console.print(f"{examples:,} / {self.total:,} examples, {eps:,.0f} examples/s, train NE "
+                                       + (f"{ne:.4f}" if ne is not None else "-"), soft_wrap=True)
+            self._tail_metrics()
+        finally:
+            if bar is not None:
+                bar.stop()
+            if main:
+                signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        self.presses += 1
+
+    def _request_stop(self, why: str) -> None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic()
+            self.store.set("stop", "1")
+            self.console.print(f"[yellow]{why}: stopping the trainers (they keep what they trained: a checkpoint and "
+                               "the summary)" + (" — Ctrl-C again to abort" if self.presses else ""))
+
+    def _check(self, t_launch: float) -> bool:
+        """Whether the job must be aborted now (self.failure says why); asks for a stop on Ctrl-C or --timeout."""
+        if self.presses >= 2:
+            self.failure = "aborted by a second Ctrl-C"
+            return True
+        if self.presses == 1:
+            self.interrupted = True
+            self._request_stop("Ctrl-C")
+        if time.monotonic() - t_launch > self.cfg.timeout:
+            self.interrupted = True
+            self._request_stop(f"--timeout {self.cfg.timeout:g} s reached")
+        if self.stop_at is not None and time.monotonic() - self.stop_at > STOP_GRACE:
+            self.failure = f"the trainers did not stop within {STOP_GRACE:.0f} s of the stop request"
+            return True
+        self.failure = self._stalled()
+        return self.failure is not None
+
+    def _stalled(self) -> str | None:
+        """The first trainer whose heartbeat is older than cfg.heartbeat_timeout (one that finished says 'done')."""
+        now = time.monotonic()
+        for t in range(self.cfg.trainers):
+            beat = get_if_set(self.store, f"beat/{t}")
+            if beat is None or beat == b"done":
+                continue
+            age = now - float(beat)
+            if age > self.cfg.heartbeat_timeout:
+                pid = self._get(f"pid/{self.first_trainer + t}")
+                return (f"trainer {t} (pid {pid}) stopped responding: no heartbeat for {age:.0f}s "
+                        f"(--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the process is stopped, hung or not "
+                        "scheduled)")
+        return None
+
+    def _progress(self) -> tuple[int, float, float | None]:
+        """(examples trained in this session, examples/s since the first example, mean train NE of the trainers)."""
+        recs = [self._get(f"progress/{t}") for t in range(self.cfg.trainers)]
+        recs = [r for r in recs if r]
+        examples = sum(r["trainer_examples"] for r in recs)
+        if not examples:
+            return 0, 0.0, None
+        start = min(r["start"] for r in recs)
+        nes = [r["train_ne"] for r in recs if r["train_ne"] is not None and math.isfinite(r["train_ne"])]
+        return examples, examples / max(time.time() - start, 1e-9), (sum(nes) / len(nes) if nes else None)
+
+    def _tail_metrics(self) -> None:
+        """Print the eval and checkpoint records trainer 0 has added to metrics.jsonl since the last look."""
+        path = Path(self.cfg.out_dir) / "metrics.jsonl"
+        try:
+            with open(path, "rb") as f:
+                if os.fstat(f.fileno()).st_size < self._metrics_at:  # trainer 0 started the file afresh
+                    self._metrics_at = 0
+                f.seek(self._metrics_at)
+                chunk = f.read()
+        except OSError:
+            return
+        complete = chunk[:chunk.rfind(b"\n") + 1]
+        self._metrics_at += len(complete)
+        for line in complete.decode(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("event") == "eval" and "calibration" in rec:
+                self.console.print(escape(describe(rec)), soft_wrap=True)
+            elif rec.get("event") == "checkpoint":
+                self.console.print(f"checkpoint at {rec['examples']:,} examples: {escape(rec['path'])}",
+                                   soft_wrap=True)
