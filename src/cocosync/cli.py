@@ -14,8 +14,8 @@ from cocosync.bench.pp import pp_cmd
 from cocosync.bench.shadowsync import shadowsync as shadowsync_cmd
 from cocosync.bench.sync import sync_cmd
 from cocosync.bench.tp import tp_cmd
-from cocosync.shadowsync.data_cli import data
-from cocosync.shadowsync.train_cli import eval_checkpoint, train
+from cocosync.shadowsync.cli.data import data
+from cocosync.shadowsync.cli.train import eval_checkpoint, train
 from cocosync.show_cli import show
 from cocosync.tune.cli import tune_cmd
 

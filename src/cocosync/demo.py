@@ -68,7 +68,7 @@ def dsl_adam_demo(console: Console) -> bool:
 
 def shadowsync_demo(console: Console) -> bool:
     """The main job: `cocosync train` on its embedded default (2 trainers, Shadow-BMUF, synthetic data)."""
-    from cocosync.shadowsync.train_cli import train
+    from cocosync.shadowsync.cli.train import train
 
     console.rule("[bold]ShadowSync: CTR training with background dense sync (`cocosync train`)")
     try:  # `cocosync train` writes to stderr; the demo's whole story goes where the demo writes (`demo > file`)

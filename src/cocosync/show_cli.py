@@ -53,7 +53,7 @@ def load(target: str):
 @click.option("--dump", is_flag=True, help="Print the plan after each lowering pass.")
 def show(target: str, dump: bool) -> None:
     """Print a program, its schedule, the transformed program and its plan (TARGET: FILE.py or sgd, adam, lamb,
-    megatron, pipeline)."""
+    megatron, pipeline, ma, bmuf)."""
     from cocosync.lower import lower
     from cocosync.runtime.steps.prepare import static_reason
 

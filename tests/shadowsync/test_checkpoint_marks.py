@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
-from cocosync.shadowsync.trainer import CheckpointMarks
+from cocosync.shadowsync.job.trainer import CheckpointMarks
 
 
 def test_the_last_worker_to_arrive_saves_and_the_others_wait_for_it():

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from cocosync.shadowsync.data.criteo import Batch
-from cocosync.shadowsync.data_plan import DataPlan, PlannedSource, base_plan, replan, split_plan, unread
-from cocosync.shadowsync.sources import Epochs, InMemorySource
+from cocosync.shadowsync.data.plan import DataPlan, PlannedSource, base_plan, replan, split_plan, unread
+from cocosync.shadowsync.data.sources import Epochs, InMemorySource
 
 ROWS = 1000
 

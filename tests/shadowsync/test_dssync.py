@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from cocosync.shadowsync.launch import run_training
+from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.sync import DSSync, make_sync
 from cocosync.shadowsync.sync.dssync import partition
 from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig

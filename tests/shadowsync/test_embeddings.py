@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.shadowsync.param_server import Shard, rowwise_update
+from cocosync.shadowsync.model.embeddings import Shard, rowwise_update
 
 
 def _shard(n: int, dim: int, optimizer: str, lr: float) -> Shard:

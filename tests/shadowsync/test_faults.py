@@ -64,7 +64,7 @@ def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
 
 
 def test_a_second_run_on_the_same_output_directory_is_refused(tmp_path):
-    from cocosync.shadowsync.launch import OutputLock as _OutputLock
+    from cocosync.shadowsync.job.launch import OutputLock as _OutputLock
 
     out = tmp_path / "run"
     out.mkdir()

@@ -8,7 +8,7 @@ import torch
 from cocosync.shadowsync.config import DataConfig, ModelConfig
 from cocosync.shadowsync.data import EVAL, make_synthetic_dataset
 from cocosync.shadowsync.metrics import evaluate
-from cocosync.shadowsync.model import DLRM, new_embedding_weights
+from cocosync.shadowsync.model.dlrm import DLRM, new_embedding_weights
 
 DATA = DataConfig(table_size=2000)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows
+from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows
 from cocosync.testing.launch import RankPool
 
 from .tables import ReferenceTables
@@ -68,7 +68,7 @@ def _drive(client: ShardedEmbeddings, local: ReferenceTables, steps: int, in_ord
 
 
 def _reset_served(optimizer: str) -> None:
-    from cocosync.shadowsync.param_server import serve_shard
+    from cocosync.shadowsync.model.embeddings import serve_shard
 
     serve_shard(1, _shards(RowHash(sum(ROWS), 2), optimizer)[1])
 
@@ -77,7 +77,7 @@ def _rpc_rank(optimizer: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    from cocosync.shadowsync.param_server import serve_shard
+    from cocosync.shadowsync.model.embeddings import serve_shard
 
     rank = dist.get_rank()
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(

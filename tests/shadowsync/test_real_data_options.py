@@ -14,9 +14,16 @@ from cocosync.cli import main
 from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.config import DataConfig, SynthConfig
 from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
-from cocosync.shadowsync.eval_curve import previous_best
-from cocosync.shadowsync.launch import run_training
-from cocosync.shadowsync.sources import Epochs, InMemorySource, build_configs, estimate_ctr, eval_batches, with_init_ctr
+from cocosync.shadowsync.data.sources import (
+    Epochs,
+    InMemorySource,
+    build_configs,
+    estimate_ctr,
+    eval_batches,
+    with_init_ctr,
+)
+from cocosync.shadowsync.job.eval_curve import previous_best
+from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
 SMALL = {"table_size": 2000}

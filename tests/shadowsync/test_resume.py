@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cocosync.shadowsync.checkpoint import read_tensors
-from cocosync.shadowsync.launch import run_training
+from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 from cocosync.testing.sockets import job_ranks
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.param_server import Shard, ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.embeddings import Shard, ShardedEmbeddings, serve_shard
 from cocosync.testing.launch import RankPool
 
 __all__ = ["measure_server_costs"]

@@ -27,7 +27,7 @@ COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS median", "EPS best", "v
 
 
 def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
-    from cocosync.shadowsync.launch import run_training
+    from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = kw.pop("sync")
@@ -149,7 +149,8 @@ def verdicts(runs: list[dict]) -> list[str]:
 @click.option("--examples", type=int, default=300_000, show_default=True, help="training examples per run.")
 @click.option("--eval-examples", type=int, default=20_000, show_default=True, help="held-out examples.")
 @click.option("--trainers", default="1,2", show_default=True, help="comma-separated trainer counts.")
-@click.option("--interval", type=float, default=0.02, show_default=True, help="shadow sync interval (s).")
+@click.option("--sync-interval", "interval", type=float, default=0.02, show_default=True,
+              help="shadow-*: seconds between two syncs of the shadow thread (as `cocosync train --sync-interval`).")
 @click.option("--batch-size", type=int, default=256, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="interleaved rounds; medians reported.")
 @click.option("--algorithms", default=",".join(SHADOW), show_default=True, help="shadow algorithms to compare.")
@@ -213,6 +214,6 @@ def shadowsync(examples: int, eval_examples: int, trainers: str, interval: float
     if json_path:
         payload = {"examples": examples, "eval_examples": eval_examples, "interval": interval, "repeats": repeats,
                    "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs], "verdicts": lines}
-        from cocosync.shadowsync.trainer import json_safe
+        from cocosync.shadowsync.job.trainer import json_safe
 
         console.print(f"json: {write_json(json_path, json_safe(payload))}")

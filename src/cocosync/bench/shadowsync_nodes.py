@@ -32,7 +32,7 @@ KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_
 
 
 def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
-    from cocosync.shadowsync.launch import run_training
+    from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = cfg_kw.pop("sync")
@@ -93,7 +93,7 @@ def _median(rows: list[dict]) -> dict:
 def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out: Path,
            json_path: str | None) -> dict:
     from cocosync.bench.common import markdown_table, print_table, save_figure, write_json
-    from cocosync.shadowsync.trainer import json_safe
+    from cocosync.shadowsync.job.trainer import json_safe
 
     med = {k: _median(v) for k, v in samples.items()}
     one, two, cold = med["1 node"], med["2 nodes"], med["2 nodes, no prefetch"]

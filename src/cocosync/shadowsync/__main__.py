@@ -18,8 +18,8 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from cocosync.shadowsync.roles import ClusterConfig
-from cocosync.shadowsync.train_cli import cluster_options, config_from_options, debug_mode, train_options
+from cocosync.shadowsync.cli.train import cluster_options, config_from_options, debug_mode, train_options
+from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import ConfigError, config_from_dict
 
 
@@ -49,8 +49,8 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     from rich.console import Console
 
-    from cocosync.shadowsync.cluster import run_cluster
-    from cocosync.shadowsync.trainer import json_safe
+    from cocosync.shadowsync.job.rank import run_cluster
+    from cocosync.shadowsync.job.trainer import json_safe
 
     if "LOCAL_WORLD_SIZE" not in os.environ:
         raise click.UsageError("python -m cocosync.shadowsync is one rank of a torchrun job: launch it with "

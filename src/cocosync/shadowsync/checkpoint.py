@@ -34,7 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from cocosync.shadowsync.param_server import RowHash, Shard
+from cocosync.shadowsync.model.embeddings import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
 

@@ -1,5 +1,7 @@
 """ShadowSync data: the Criteo-format reader, the synthetic teacher, and `open_stream`, which picks one of
-them from a `DataConfig` (a file when a path is set, else the embedded synthetic teacher)."""
+them from a `DataConfig` (a file when a path is set, else the embedded synthetic teacher). `sources` turns a run's
+config into each trainer's reader shards and the held-out set; `plan` moves the unread rows onto another shard count
+when a run resumes on other trainer or worker counts."""
 
 from __future__ import annotations
 

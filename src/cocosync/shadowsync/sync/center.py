@@ -14,7 +14,7 @@ from typing import Callable
 import torch
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.served import Served
+from cocosync.shadowsync.model.served import Served
 
 __all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds", "easgd_step"]
 

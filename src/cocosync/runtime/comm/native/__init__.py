@@ -16,7 +16,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-__all__ = ["one_shot", "enabled", "clear_stale_lock"]
+__all__ = ["one_shot", "enabled", "is_built", "clear_stale_lock"]
 
 #: a build lock older than this is a killed build's (a build takes ~1 min on 2 cores): torch would wait on it forever
 STALE_LOCK_SECONDS = 300.0
@@ -37,6 +37,19 @@ def _cpu_key() -> str:
     return hashlib.sha256("\n".join([platform.machine(), *lines]).encode()).hexdigest()[:10]
 
 
+def _build_dir() -> tuple[str, Path]:
+    from torch.utils import cpp_extension
+
+    name = f"cocosync_one_shot_{_cpu_key()}"  # built for this CPU (-march=native): one build per CPU kind
+    return name, Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def is_built() -> bool:
+    """Whether this machine has a build of the current source (else the first `one_shot()` builds it, ~1 min)."""
+    built = sorted(_build_dir()[1].glob("*.so"))
+    return bool(built) and built[0].stat().st_mtime >= Path(__file__).with_name("one_shot.cpp").stat().st_mtime
+
+
 @functools.lru_cache(maxsize=None)
 def one_shot() -> Any:
     """The built module (publish, finish), or None (disabled, or the build failed)."""
@@ -46,11 +59,9 @@ def one_shot() -> Any:
         from torch.utils import cpp_extension
 
         src = Path(__file__).with_name("one_shot.cpp")
-        name = f"cocosync_one_shot_{_cpu_key()}"  # built for this CPU (-march=native): one build per CPU kind
-        build = Path(cpp_extension._get_build_directory(name, verbose=False))
+        name, build = _build_dir()
         clear_stale_lock(build / "lock")
-        built = sorted(build.glob("*.so"))
-        if not built or built[0].stat().st_mtime < src.stat().st_mtime:
+        if not is_built():
             print("cocosync: building the native shared-memory all_reduce once with the system compiler "
                   f"(~1 min; cached in {build})", file=sys.stderr, flush=True)
         return cpp_extension.load(name, [str(src)], extra_cflags=["-O3", "-march=native"], verbose=False)

@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from rich.console import Console
 
+from cocosync.runtime.comm import native
 from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
@@ -52,19 +53,19 @@ from cocosync.shadowsync.checkpoint import (
     resolve,
     save_job,
 )
-from cocosync.shadowsync.data_plan import DataPlan, replan
-from cocosync.shadowsync.eval_curve import BestModel, describe
-from cocosync.shadowsync.link import Link
+from cocosync.shadowsync.data.plan import DataPlan, replan
+from cocosync.shadowsync.data.sources import base_shard_rows, build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.job.eval_curve import BestModel, describe
+from cocosync.shadowsync.job.link import Link
+from cocosync.shadowsync.job.roles import ClusterConfig, Roles
+from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
-from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
-from cocosync.shadowsync.param_server import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
-from cocosync.shadowsync.roles import ClusterConfig, Roles
-from cocosync.shadowsync.sources import base_shard_rows, build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
+from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
-from cocosync.shadowsync.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 
 __all__ = ["run_cluster"]
 
@@ -144,6 +145,10 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                          rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                              init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
                              _transports=["uv"], _channels=["basic"]))
+        if roles.role()[0] == "trainer" and native.enabled():  # built before training, not in its first sync
+            if link is not None and roles.role()[1] == 0 and not native.is_built():
+                link.set("status", "building the native shared-memory all_reduce once on this machine (~1 min)")
+            native.one_shot()
         job = _setup(cfg, cluster, roles)
         job.link = link
         job.resumed_from = int(meta["examples_seen"]) if meta is not None else 0

@@ -30,7 +30,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.served import Served
+from cocosync.shadowsync.model.served import Served
 
 __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
            "initial_rows", "rowwise_update", "OPTIMIZERS"]

@@ -71,9 +71,10 @@ _TRAIN_OPTIONS = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
                  help="TOML/JSON/YAML file of TrainConfig fields."),
     click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file."),
-    click.option("--trainers", "-T", type=int, help="trainer processes (default 2; multi-node: set by the roles)."),
-    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (default 1)."),
-    click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm (default shadow-bmuf)."),
+    click.option("--trainers", "-T", type=int,
+                 help="trainer processes (with --nnodes: set by --nproc-per-node on every machine)."),
+    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer."),
+    click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm."),
     click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
     click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
     click.option("--compiled-sync/--no-compiled-sync", default=None,
@@ -84,8 +85,8 @@ _TRAIN_OPTIONS = [
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
     click.option("--examples", type=int, help="training examples over all trainers in one pass (the data set)."),
-    click.option("--epochs", type=int, help="passes over those examples (default 1)."),
-    click.option("--embedding-dim", type=int, help="model: width of every embedding row (default 16)."),
+    click.option("--epochs", type=int, help="passes over those examples."),
+    click.option("--embedding-dim", type=int, help="model: width of every embedding row."),
     click.option("--bottom-mlp", callback=_layer_sizes,
                  help="model: bottom MLP widths, e.g. 64,16 (the last must equal --embedding-dim)."),
     click.option("--top-mlp", callback=_layer_sizes, help="model: top MLP hidden widths, e.g. 64,32."),
@@ -104,17 +105,17 @@ _TRAIN_OPTIONS = [
     click.option("--batch-size", type=int, help="examples per worker iteration."),
     click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
     click.option("--embedding-lr", type=float, help="embedding row learning rate."),
-    click.option("--dense-weight-decay", type=float, help="L2 of the dense parameters (default 0)."),
+    click.option("--dense-weight-decay", type=float, help="L2 of the dense parameters."),
     click.option("--embedding-weight-decay", type=float,
-                 help="row-wise L2 of the embedding rows a batch touches (FBGEMM's L2 mode; default 0)."),
+                 help="row-wise L2 of the embedding rows a batch touches (FBGEMM's L2 mode)."),
     click.option("--init-ctr", type=float,
                  help="click rate the model starts predicting (default: estimated from the first 100k rows)."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
     click.option("--timeout", type=float, help="stop the run (with a checkpoint) after this many seconds."),
     click.option("--heartbeat-timeout", type=float,
-                 help="fail naming a trainer silent this many seconds (stopped or hung; default 30)."),
-    click.option("--out", type=click.Path(file_okay=False), help="output directory (default runs/latest)."),
+                 help="fail naming a trainer silent this many seconds (stopped or hung)."),
+    click.option("--out", type=click.Path(file_okay=False), help="output directory."),
 ]
 
 _CLUSTER_OPTIONS = [
@@ -138,10 +139,39 @@ _CLUSTER_OPTIONS = [
 ]
 
 
+def _config_default(field: str) -> object:
+    """The value a TrainConfig field (dotted: sync.*, model.*, data_options.*) has when nothing sets it."""
+    from cocosync.shadowsync.config import DataConfig, ModelConfig
+
+    head, _, tail = field.partition(".")
+    if head == "model":
+        return getattr(ModelConfig(), tail, None)
+    if head == "data_options":
+        return getattr(DataConfig(), tail, None)
+    value = getattr(TrainConfig(), head)
+    return getattr(value, tail) if tail else value
+
+
+def _shown(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
 def train_options(f):
-    """The TrainConfig options shared by `cocosync train` and `python -m cocosync.shadowsync` (under torchrun)."""
+    """The TrainConfig options shared by `cocosync train` and `python -m cocosync.shadowsync` (under torchrun);
+    --help shows each one's TrainConfig default (the options themselves default to None: unset, so that a --config
+    file or a resumed run's config fills them)."""
     for option in reversed(_TRAIN_OPTIONS):
         f = option(f)
+    for param in getattr(f, "__click_params__", []):
+        field = _OPTS.get(param.name)
+        if field is not None and param.default is None and not param.show_default:
+            param.show_default = _shown(_config_default(field))
     return f
 
 
@@ -156,7 +186,7 @@ def _split_note(cfg: TrainConfig) -> str:
     """How the workers share a data file (said up front: 'lines' means every reader scans all of it)."""
     if cfg.data == "synthetic":
         return ""
-    from cocosync.shadowsync.sources import build_configs
+    from cocosync.shadowsync.data.sources import build_configs
 
     try:
         split = build_configs(cfg)[0].reader_split
@@ -210,9 +240,9 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun for this machine
     (the same as `torchrun ... -m cocosync.shadowsync`), with embedding parameter servers and sync servers.
     """
-    from cocosync.shadowsync.launch import run_training
-    from cocosync.shadowsync.roles import ClusterConfig
-    from cocosync.shadowsync.trainer import TrainerFailure
+    from cocosync.shadowsync.job.launch import run_training
+    from cocosync.shadowsync.job.roles import ClusterConfig
+    from cocosync.shadowsync.job.trainer import TrainerFailure
 
     if nnodes is not None:
         _exec_torchrun(nnodes, node_rank, nproc_per_node, rdzv_endpoint)
@@ -244,7 +274,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         sys.exit(130)
     _print_result(console, result)
     if json_out:
-        from cocosync.shadowsync.trainer import json_safe
+        from cocosync.shadowsync.job.trainer import json_safe
 
         click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:
@@ -343,9 +373,9 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     """Score a checkpoint of `cocosync train` (NE, AUC, Bayes NE on synthetic data): a checkpoint directory
     (<out>/checkpoints/seen-N, <out>/checkpoints/best) or a run directory (its latest checkpoint)."""
     from cocosync.shadowsync.checkpoint import load_weights, read_meta, resolve
+    from cocosync.shadowsync.data.sources import build_configs, eval_batches
     from cocosync.shadowsync.metrics import evaluate, summary_table
-    from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
-    from cocosync.shadowsync.sources import build_configs, eval_batches
+    from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
     from cocosync.shadowsync.sync import FlatParams
 
     try:
@@ -371,6 +401,6 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     ev = {"name": name, **ev, "trained_examples": int(meta["examples_seen"])}
     _console().print(summary_table([ev], title=f"eval {path}"))
     if json_out:
-        from cocosync.shadowsync.trainer import json_safe
+        from cocosync.shadowsync.job.trainer import json_safe
 
         click.echo(json.dumps(json_safe(ev), default=str))

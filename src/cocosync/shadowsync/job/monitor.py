@@ -17,9 +17,9 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from cocosync.shadowsync.checkpoint import read_meta
-from cocosync.shadowsync.eval_curve import describe
-from cocosync.shadowsync.link import PREFIX, get_if_set
-from cocosync.shadowsync.roles import ClusterConfig
+from cocosync.shadowsync.job.eval_curve import describe
+from cocosync.shadowsync.job.link import PREFIX, get_if_set
+from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["Monitor"]
@@ -40,6 +40,7 @@ class Monitor:
         self.E = cluster.embedding_servers
         self.logs = Path(cfg.out_dir) / "logs"
         self.failure: str | None = None
+        self._status: str | None = None
         self.interrupted = False
         self.presses = 0
         self.stop_at: float | None = None  # when the stop was requested
@@ -99,6 +100,10 @@ class Monitor:
                     break
                 examples, eps, ne = self._progress()
                 self._tail_metrics()
+                status = self._get("status")
+                if status and status != self._status:  # what the ranks are doing before training (a build)
+                    self._status = status
+                    self.console.print(f"{status} ...", soft_wrap=True)
                 if bar is not None:
                     bar.update(task, completed=examples, eps=f"{eps:,.0f}" if eps else "-",
                                ne=f"{ne:.4f}" if ne is not None else "-",

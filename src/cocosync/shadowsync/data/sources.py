@@ -8,8 +8,8 @@ from typing import Any, Iterator
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig
 from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
+from cocosync.shadowsync.data.plan import DataPlan, PlannedSource
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
-from cocosync.shadowsync.data_plan import DataPlan, PlannedSource
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
 __all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",

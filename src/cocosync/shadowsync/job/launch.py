@@ -34,13 +34,13 @@ from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
-from cocosync.shadowsync.link import MONITOR_PORT_ENV
+from cocosync.shadowsync.data.sources import with_init_ctr
+from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
+from cocosync.shadowsync.job.monitor import Monitor
+from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
-from cocosync.shadowsync.monitor import Monitor
-from cocosync.shadowsync.roles import ClusterConfig
-from cocosync.shadowsync.sources import with_init_ctr
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
-from cocosync.shadowsync.trainer import TrainerFailure
 
 __all__ = ["RunResult", "run_training", "OutputLock"]
 

@@ -17,7 +17,7 @@ import torch
 
 from cocosync.shadowsync.checkpoint import BEST, save_best
 from cocosync.shadowsync.metrics import evaluate
-from cocosync.shadowsync.model import DLRM, FullTable, ServedModel
+from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.sync import FlatParams
 
 __all__ = ["score", "describe", "previous_best", "BestModel"]

@@ -24,9 +24,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from cocosync.shadowsync.model import DLRM
-from cocosync.shadowsync.param_server import Lookup, ShardedEmbeddings
-from cocosync.shadowsync.sources import build_configs
+from cocosync.shadowsync.data.sources import build_configs
+from cocosync.shadowsync.model.dlrm import DLRM
+from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
 from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
 from cocosync.shadowsync.train_config import TrainConfig
 

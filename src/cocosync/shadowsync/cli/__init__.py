@@ -1,0 +1,1 @@
+"""ShadowSync's commands: `cocosync train` and `cocosync eval` (`train`), `cocosync data` (`data`)."""
