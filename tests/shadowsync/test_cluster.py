@@ -151,8 +151,10 @@ def test_cocosync_train_nnodes_runs_torchrun_and_its_ranks_listen_on_loopback_on
 
 def test_an_eval_curve_while_training_and_the_ne_plot(tmp_path):
     out = tmp_path / "run"
-    _ok(run_nodes(["-m", "cocosync.shadowsync", *SMALL, "--eval-every", "8000", "--out", str(out)], timeout=240))
+    # 96,000 examples: trainer 0 looks for a due eval point every 50 ms, and 24,000 trained in less than that here
+    args = ["--examples", "96000", "--eval-examples", "4000", "--batch-size", "256"]
+    _ok(run_nodes(["-m", "cocosync.shadowsync", *args, "--eval-every", "16000", "--out", str(out)], timeout=240))
     evals = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["event"] == "eval"]
-    assert len(evals) >= 2 and evals[0]["examples"] < evals[-1]["examples"] == 24000
+    assert len(evals) >= 2 and evals[0]["examples"] < evals[-1]["examples"] == 96000
     assert all(0 < r["eval_ne"] < 1.2 for r in evals) and "calibration" in evals[0]
     assert (out / "ne.png").stat().st_size > 0 and 0.5 < _summary(out)["calibration"] < 2

@@ -18,7 +18,13 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
-from cocosync.shadowsync.cli.train import cluster_options, config_from_options, debug_mode, train_options
+from cocosync.shadowsync.cli.train import (
+    cluster_options,
+    config_from_options,
+    debug_mode,
+    show_defaults,
+    train_options,
+)
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import ConfigError, config_from_dict
 
@@ -34,6 +40,7 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
+@show_defaults
 @click.command()
 @train_options
 @cluster_options
@@ -50,7 +57,6 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     from rich.console import Console
 
     from cocosync.shadowsync.job.rank import run_cluster
-    from cocosync.shadowsync.job.trainer import json_safe
 
     if "LOCAL_WORLD_SIZE" not in os.environ:
         raise click.UsageError("python -m cocosync.shadowsync is one rank of a torchrun job: launch it with "
@@ -75,15 +81,25 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
         if debug_mode():
             raise
         raise click.UsageError(str(e)) from None
-    if summary is None:
-        return
+    if summary is not None:
+        _report(summary, cfg.out_dir, json_out, console)
+    # the job's work is done and its groups destroyed: leave without running C++ destructors at interpreter exit
+    # (a torch thread object destroyed while joinable aborts the process: seen as SIGABRT after a complete job)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _report(summary: dict, out_dir: str, json_out: bool, console) -> None:
+    from cocosync.shadowsync.job.trainer import json_safe
+
     console.print(f"[bold]{escape(summary['name'])}[/]: {summary['examples']:,} examples, "
                   f"{summary['eps']:,.0f} examples/s, eval NE {summary['eval_ne']:.4f}, "
                   f"lookup wait {summary['lookup_wait_fraction']:.1%} of step time, "
-                  f"staleness {summary['staleness']:.2f} updates -> {cfg.out_dir}/summary.json")
+                  f"staleness {summary['staleness']:.2f} updates -> {out_dir}/summary.json")
     if summary.get("checkpoint"):
         console.print(f"checkpoint: {summary['checkpoint']}"
-                      + (f"  (stopped: continue with --resume {cfg.out_dir})" if summary["stopped"] else ""))
+                      + (f"  (stopped: continue with --resume {out_dir})" if summary["stopped"] else ""))
     if json_out:
         click.echo(json.dumps(json_safe(summary), default=str))
 

@@ -70,7 +70,7 @@ def _console():
 _TRAIN_OPTIONS = [
     click.option("--config", "config_path", type=click.Path(dir_okay=False),
                  help="TOML/JSON/YAML file of TrainConfig fields."),
-    click.option("--data", help="'synthetic' (default) or a Criteo-format TSV file."),
+    click.option("--data", help="'synthetic' or a Criteo-format TSV file (.gz accepted)."),
     click.option("--trainers", "-T", type=int,
                  help="trainer processes (with --nnodes: set by --nproc-per-node on every machine)."),
     click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer."),
@@ -79,7 +79,7 @@ _TRAIN_OPTIONS = [
     click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
     click.option("--compiled-sync/--no-compiled-sync", default=None,
                  help="MA/BMUF as compiled DSL programs on shared memory and DS-Sync's groups on the cocosync "
-                      "backend (default on one machine), or the classes on gloo."),
+                      "backend, or the classes on gloo."),
     click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
@@ -101,15 +101,15 @@ _TRAIN_OPTIONS = [
     click.option("--data-split", type=click.Choice(["auto", "bytes", "lines"]),
                  help="how workers share data files: bytes (each reads only its line-aligned byte range; plain files "
                       "with --eval-data), lines (interleaved; every reader scans the file), auto (bytes where it "
-                      "applies; default)."),
+                      "applies)."),
     click.option("--batch-size", type=int, help="examples per worker iteration."),
     click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
     click.option("--embedding-lr", type=float, help="embedding row learning rate."),
     click.option("--dense-weight-decay", type=float, help="L2 of the dense parameters."),
     click.option("--embedding-weight-decay", type=float,
                  help="row-wise L2 of the embedding rows a batch touches (FBGEMM's L2 mode)."),
-    click.option("--init-ctr", type=float,
-                 help="click rate the model starts predicting (default: estimated from the first 100k rows)."),
+    click.option("--init-ctr", type=float, show_default="estimated from the data's first 100k rows",
+                 help="click rate the model starts predicting."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
     click.option("--timeout", type=float, help="stop the run (with a checkpoint) after this many seconds."),
@@ -120,14 +120,15 @@ _TRAIN_OPTIONS = [
 
 _CLUSTER_OPTIONS = [
     click.option("--embedding-servers", type=int, default=1, show_default=True,
-                 help="multi-node: embedding parameter servers per node."),
+                 help="embedding parameter servers per machine (on one machine the trainers use the shards in "
+                      "place)."),
     click.option("--sync-servers", type=int, default=None,
-                 help="multi-node: sync servers per node holding EASGD's centre (default 1 for EASGD, else 0)."),
+                 show_default="1 for EASGD, else 0", help="sync servers per machine holding EASGD's centre."),
     click.option("--lookup-batches", type=int, default=1, show_default=True,
                  help="multi-node: batches whose embedding lookups share one message per server (with prefetch)."),
     click.option("--eval-every", type=int, default=None,
-                 help="score the model on the held-out set every this many examples (an NE curve; on one machine "
-                      "the best model is kept as --out/checkpoints/best)."),
+                 help="score the model on the held-out set every this many examples (an eval NE curve; the best "
+                      "model is kept as --out/checkpoints/best)."),
     click.option("--checkpoint-every", type=int, default=None,
                  help="also checkpoint every this many examples of the run (DCP directories under "
                       "--out/checkpoints): a killed run resumes from the last one."),
@@ -170,9 +171,17 @@ def train_options(f):
         f = option(f)
     for param in getattr(f, "__click_params__", []):
         field = _OPTS.get(param.name)
-        if field is not None and param.default is None and not param.show_default:
+        if field is not None and not param.show_default:  # (unset: click 8.2 has a sentinel, earlier None)
             param.show_default = _shown(_config_default(field))
     return f
+
+
+def show_defaults(command: click.Command) -> click.Command:
+    """--help in one style: every option with a default shows it as the TrainConfig-backed ones do."""
+    for param in command.params:
+        if param.show_default is True:
+            param.show_default = _shown(param.default)
+    return command
 
 
 def cluster_options(f):
@@ -215,6 +224,7 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
         raise click.UsageError(str(e)) from None
 
 
+@show_defaults
 @click.command()
 @train_options
 @click.option("--progress/--no-progress", default=None, help="progress bar while training.")

@@ -135,16 +135,12 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     timeout = datetime.timedelta(seconds=cfg.timeout + (300 if link is not None else 0))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", timeout=timeout)
+    # RPC carries lookups to other machines' shards and EASGD's exchanges with its sync servers: a one-node job
+    # without EASGD has none (its trainers use the node's shards in place) and starts no RPC agent
+    uses_rpc = topo.nnodes > 1 or cfg.sync.method == "easgd"
     try:
-        with warnings.catch_warnings():  # torch's own RPC init passes its gloo Backend as a group (deprecated use)
-            warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-            # TCP only ("uv"): TensorPipe's shared-memory transport busy-polls a reactor thread per process
-            # (measured: 87% of this machine's CPU in system time with 4 processes), and a node's own shards never
-            # go through RPC
-            rpc.init_rpc(roles.rpc_name(), rank=topo.rank, world_size=topo.world_size,
-                         rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                             init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
-                             _transports=["uv"], _channels=["basic"]))
+        if uses_rpc:
+            _init_rpc(cfg, roles)
         if roles.role()[0] == "trainer" and native.enabled():  # built before training, not in its first sync
             if link is not None and roles.role()[1] == 0 and not native.is_built():
                 link.set("status", "building the native shared-memory all_reduce once on this machine (~1 min)")
@@ -186,7 +182,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             _add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":
             link.finish(index)
-        rpc.shutdown()
+        if uses_rpc:
+            rpc.shutdown()
     except BaseException:
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
@@ -204,6 +201,19 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         os._exit(1)
     dist.destroy_process_group()
     return summary
+
+
+def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
+    topo = roles.topo
+    with warnings.catch_warnings():  # torch's own RPC init passes its gloo Backend as a group (deprecated use)
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        # TCP only ("uv"): TensorPipe's shared-memory transport busy-polls a reactor thread per process
+        # (measured: 87% of this machine's CPU in system time with 4 processes), and a node's own shards never
+        # go through RPC
+        rpc.init_rpc(roles.rpc_name(), rank=topo.rank, world_size=topo.world_size,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
+                         _transports=["uv"], _channels=["basic"]))
 
 
 def _add_job_cpu(summary: dict, cpu: list[tuple[str, float]], out: Path) -> None:
