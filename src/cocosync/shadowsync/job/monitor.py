@@ -162,15 +162,15 @@ class Monitor:
         return None
 
     def _progress(self) -> tuple[int, float, float | None]:
-        """(examples trained in this session, examples/s since the first example, mean train NE of the trainers)."""
+        """(examples trained in this session, examples/s: the trainers' rates since their first example, as of their
+        last records, summed; mean train NE of the trainers)."""
         recs = [self._get(f"progress/{t}") for t in range(self.cfg.trainers)]
         recs = [r for r in recs if r]
         examples = sum(r["trainer_examples"] for r in recs)
         if not examples:
             return 0, 0.0, None
-        start = min(r["start"] for r in recs)
         nes = [r["train_ne"] for r in recs if r["train_ne"] is not None and math.isfinite(r["train_ne"])]
-        return examples, examples / max(time.time() - start, 1e-9), (sum(nes) / len(nes) if nes else None)
+        return examples, sum(r["trainer_eps"] or 0.0 for r in recs), (sum(nes) / len(nes) if nes else None)
 
     def _tail_metrics(self) -> None:
         """Print the eval and checkpoint records trainer 0 has added to metrics.jsonl since the last look."""

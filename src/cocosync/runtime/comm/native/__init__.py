@@ -18,7 +18,7 @@ from typing import Any
 
 __all__ = ["one_shot", "enabled", "is_built", "clear_stale_lock"]
 
-#: a build lock older than this is a killed build's (a build takes ~1 min on 2 cores): torch would wait on it forever
+#: a build lock older than this is a killed build's (a build takes ~20 s on 2 idle cores): torch would wait forever
 STALE_LOCK_SECONDS = 300.0
 
 
@@ -45,7 +45,7 @@ def _build_dir() -> tuple[str, Path]:
 
 
 def is_built() -> bool:
-    """Whether this machine has a build of the current source (else the first `one_shot()` builds it, ~1 min)."""
+    """Whether this machine has a build of the current source (else the first `one_shot()` builds it, ~20 s)."""
     built = sorted(_build_dir()[1].glob("*.so"))
     return bool(built) and built[0].stat().st_mtime >= Path(__file__).with_name("one_shot.cpp").stat().st_mtime
 
@@ -63,7 +63,7 @@ def one_shot() -> Any:
         clear_stale_lock(build / "lock")
         if not is_built():
             print("cocosync: building the native shared-memory all_reduce once with the system compiler "
-                  f"(~1 min; cached in {build})", file=sys.stderr, flush=True)
+                  f"(~20 s; cached in {build})", file=sys.stderr, flush=True)
         return cpp_extension.load(name, [str(src)], extra_cflags=["-O3", "-march=native"], verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the Python path runs
         warnings.warn(f"cocosync: the native shared-memory all_reduce did not build ({type(e).__name__}: "
