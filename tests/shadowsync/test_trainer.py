@@ -191,6 +191,34 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
     assert _shm() - before == set()
 
 
+def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tmp_path):
+    """What a scheduler or `kill` sends: the trainers stop, the summary and a checkpoint are written, the exit
+    status says SIGTERM (143), and a resume continues from there."""
+    proc, out = _start_cli(tmp_path, "--sync", "shadow-ma")
+    trainers = _trainer_pids(proc)
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher alone, as `kill PID` does
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "SIGTERM: stopping the trainers" in err and "stopped by SIGTERM" in err, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and 0 < summary["examples"] < 150_000
+    assert (out / "checkpoints" / "latest").exists()
+    time.sleep(0.5)
+    assert not any(_alive(t) for t in trainers)
+
+
+def test_the_timeout_stops_the_run_and_keeps_what_it_trained(tmp_path):
+    out = tmp_path / "run"
+    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--examples", "6000000", "--no-progress",
+                          "--out", str(out), "--timeout", "10", "--sync", "shadow-ma"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 124, res.stderr[-3000:]
+    assert "--timeout 10 s reached: stopping the trainers" in res.stderr, res.stderr[-3000:]
+    summary = json.loads((out / "summary.json").read_text())  # (0 examples where start-up took the 10 s)
+    assert summary["interrupted"] and summary["examples"] < 6_000_000 and "eval_ne" in summary
+    assert (out / "checkpoints" / "latest").exists()
+
+
 def test_a_raising_trainer_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="no such file"):  # a missing file is refused before any trainer starts
         run_training(_cfg(tmp_path, "none", data="/nonexistent/criteo.tsv"))

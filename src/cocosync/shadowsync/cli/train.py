@@ -287,8 +287,9 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         from cocosync.shadowsync.job.trainer import json_safe
 
         click.echo(json.dumps(json_safe(result.summary), default=str))
-    if result.interrupted:
-        sys.exit(130)
+    if result.interrupted:  # stopped early, with a checkpoint: say by what in the exit status too
+        reason = result.stop_reason or ""
+        sys.exit(143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130)
 
 
 def _exec_torchrun(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str) -> None:
@@ -362,8 +363,8 @@ def _print_result(console, result) -> None:
         console.print(f"resumed after {s['resumed_from']:,} examples of an earlier session"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
     if result.interrupted or s.get("stopped"):
-        console.print(("[yellow]interrupted: the numbers cover the examples trained before the stop" if
-                       result.interrupted else "stopped at --stop-after")
+        console.print((f"[yellow]stopped by {result.stop_reason or 'a signal'}: the numbers cover the examples "
+                       "trained before the stop" if result.interrupted else "stopped at --stop-after")
                       + (f"; continue with: cocosync train --resume {result.out_dir}" if result.checkpoint else ""),
                       soft_wrap=True)
     console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json", soft_wrap=True)

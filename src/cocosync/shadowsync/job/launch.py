@@ -140,6 +140,7 @@ class RunResult:
     checkpoint: str | None = None
     plot: str | None = None
     interrupted: bool = False
+    stop_reason: str | None = None  # what stopped it early: "Ctrl-C", "SIGTERM", "--timeout N s reached"
 
 
 def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.PathLike | None = None,
@@ -239,7 +240,7 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     summary = json.loads(summary_path.read_text())
     return RunResult(name=summary["name"], summary=summary, records=read_metrics(out / "metrics.jsonl"),
                      out_dir=str(out), checkpoint=summary.get("checkpoint"), plot=summary.get("plot"),
-                     interrupted=monitor.interrupted)
+                     interrupted=monitor.interrupted, stop_reason=monitor.stop_reason)
 
 
 def _describe_failure(outcome: dict, monitor: Monitor) -> str | None:

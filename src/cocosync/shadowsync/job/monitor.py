@@ -43,7 +43,9 @@ class Monitor:
         self._status: str | None = None
         self.interrupted = False
         self.presses = 0
+        self.signal_name = "SIGINT"  # the last stop signal received
         self.stop_at: float | None = None  # when the stop was requested
+        self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout
         self.resumed = int(read_meta(Path(cluster.resume))["examples_seen"]) if cluster.resume else 0
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
         self.total = max(target - self.resumed, 0)
@@ -81,7 +83,8 @@ class Monitor:
     # -- the loop -----------------------------------------------------------------------------------------
     def run(self, agent: threading.Thread) -> None:
         main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self._on_sigint) if main else None
+        # Ctrl-C, and SIGTERM (what schedulers and `kill` send), stop the trainers with a checkpoint
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         t_launch = time.monotonic()
         bar = None
         if self.cfg.progress and self.console.is_terminal:
@@ -117,26 +120,29 @@ class Monitor:
             if bar is not None:
                 bar.stop()
             if main:
-                signal.signal(signal.SIGINT, previous)
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
         self.presses += 1
+        self.signal_name = signal.Signals(signum).name
 
     def _request_stop(self, why: str) -> None:
         if self.stop_at is None:
-            self.stop_at = time.monotonic()
+            self.stop_at, self.stop_reason = time.monotonic(), why
             self.store.set("stop", "1")
             self.console.print(f"[yellow]{why}: stopping the trainers (they keep what they trained: a checkpoint and "
-                               "the summary)" + (" — Ctrl-C again to abort" if self.presses else ""))
+                               "the summary)" + (" — again to abort" if self.presses else ""))
 
     def _check(self, t_launch: float) -> bool:
         """Whether the job must be aborted now (self.failure says why); asks for a stop on Ctrl-C or --timeout."""
+        why = "Ctrl-C" if self.signal_name == "SIGINT" else self.signal_name
         if self.presses >= 2:
-            self.failure = "aborted by a second Ctrl-C"
+            self.failure = f"aborted by a second {why}"
             return True
         if self.presses == 1:
             self.interrupted = True
-            self._request_stop("Ctrl-C")
+            self._request_stop(why)
         if time.monotonic() - t_launch > self.cfg.timeout:
             self.interrupted = True
             self._request_stop(f"--timeout {self.cfg.timeout:g} s reached")
