@@ -139,3 +139,31 @@ def test_model_and_data_sizes_on_the_command_line_shape_the_model(tmp_path):
     bottom = 13 * 12 + 12 + 12 * 4 + 4  # the bottom MLP: 13 dense features -> 12 -> 4
     top = (4 + 27 * 26 // 2) * 6 + 6 + 6 + 1  # [bottom output, 351 pairwise dots] -> 6 -> 1
     assert ckpt["trainer.0.flat"].numel() == bottom + top
+
+
+def test_a_damaged_or_non_finite_checkpoint_is_refused_naming_the_tensor(tmp_path):
+    """A few bytes flipped inside tensor data (which loads without complaint) fail the tensor's CRC-32; a NaN in the
+    weights is refused by name, for `cocosync eval` and `--resume` alike."""
+    import torch.distributed.checkpoint as dcp
+
+    from cocosync.shadowsync.checkpoint import read_tensors
+
+    res = _train(tmp_path, "--trainers", "1", "--examples", "4000", "--eval-examples", "500", "--batch-size", "64",
+                 "--table-size", "300", "--sync", "none")
+    assert res.exit_code == 0, res.output
+    ckpt = tmp_path / "run" / "checkpoints" / "seen-4000"
+    good = read_tensors(ckpt)
+    data = max(ckpt.glob("*.distcp"), key=lambda f: f.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    for i in range(4):
+        raw[len(raw) // 2 + i] ^= 0x5A  # the middle of the file: inside the embedding shard's bytes
+    data.write_bytes(bytes(raw))
+    _one_error(CliRunner().invoke(cli, ["eval", str(ckpt)]), "is damaged", "emb.0.weight")
+    resumed = _train(tmp_path, "--resume", str(ckpt))  # found by the rank loading that shard: the job fails naming it
+    assert resumed.exit_code == 1, resumed.output
+    assert "is damaged" in resumed.output and "emb.0.weight" in resumed.output, resumed.output
+    nan = tmp_path / "nan"
+    good["trainer.0.flat"][3] = float("nan")
+    dcp.save(good, checkpoint_id=str(nan), no_dist=True)  # no checksums: what an altered checkpoint may look like
+    (nan / "meta.json").write_text((ckpt / "meta.json").read_text())
+    _one_error(CliRunner().invoke(cli, ["eval", str(nan)]), "'trainer.0.flat' holds 1 non-finite value")

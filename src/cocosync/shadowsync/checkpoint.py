@@ -9,7 +9,10 @@ complete one (replaced atomically after every rank has written), so a crash whil
 replica; scorable, not a resume point).
 
 Loading runs no code: DCP pickles its metadata, which is read here by an unpickler that knows only DCP's own
-metadata classes, and tensors load with `weights_only`. Loading is collective too. On the same topology every rank
+metadata classes, and tensors load with `weights_only`. Every saving rank writes the CRC-32 of each tensor it saved
+(crc-<part>.json); a loaded tensor whose bytes differ, or whose values are not finite, is refused naming it.
+
+Loading is collective too. On the same topology every rank
 reads back its own keys (exact resume). With another number of embedding or sync servers each new server reads every
 old shard and keeps the rows the new row hash gives it. With another number of trainers (or workers) the unread rows
 of every old reader shard are planned onto the new shards (data_plan.py: every example still read once), and every
@@ -25,6 +28,7 @@ import os
 import pickle
 import shutil
 import warnings
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -98,6 +102,35 @@ class SafeReader(FileSystemReader):
 _ONE_PROCESS = "torch.distributed is disabled"  # DCP's warning when one process reads or writes a checkpoint alone
 
 
+def _crc(t: torch.Tensor) -> str:
+    """CRC-32 of a tensor's bytes (damage detection, not security: loading runs no code either way)."""
+    return f"{zlib.crc32(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()):08x}"
+
+
+def _write_checksums(path: Path, name: str, state: dict[str, torch.Tensor]) -> None:
+    """<checkpoint>/crc-<name>.json: the CRC-32 of every tensor this process saved (one file per saving rank)."""
+    (path / f"crc-{name}.json").write_text(json.dumps({k: _crc(v) for k, v in state.items()}, indent=0) + "\n")
+
+
+def _verify(state: dict[str, torch.Tensor], path: Path) -> None:
+    """Refuse a loaded tensor whose bytes differ from what was saved, or whose values are not finite, naming it.
+    (Checkpoints written before checksums existed have no crc-*.json: only finiteness is checked.)"""
+    sums: dict[str, str] = {}
+    for f in sorted(path.glob("crc-*.json")):
+        try:
+            sums.update(json.loads(f.read_text()))
+        except ValueError:
+            raise CheckpointError(f"checkpoint {str(path)!r}: damaged checksum file {f.name}") from None
+    for key, t in state.items():
+        if key in sums and _crc(t) != sums[key]:
+            raise CheckpointError(f"checkpoint {str(path)!r}: tensor {key!r} is damaged (its bytes changed since "
+                                  "it was saved: CRC-32 mismatch); use an earlier checkpoint (checkpoints/seen-N)")
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise CheckpointError(f"checkpoint {str(path)!r}: tensor {key!r} holds {bad} non-finite value(s) (NaN or "
+                                  "inf): the run that saved it diverged, or the file was altered")
+
+
 def _load(state: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) -> None:
     reader = SafeReader(str(path))
     reader.read_metadata()  # a crafted or damaged .metadata is named here (DCP would wrap the error in its own)
@@ -107,6 +140,7 @@ def _load(state: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) 
             dcp.load(state, storage_reader=reader, no_dist=no_dist)
     except Exception as e:  # noqa: BLE001 - a missing key, a damaged data file
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {type(e).__name__}: {str(e)[:300]}") from None
+    _verify(state, path)
 
 
 # ---------------------------------------------------------------------------------------------- the parts
@@ -163,7 +197,9 @@ def save_job(parts: CheckpointParts, root: Path, meta: dict | None, *, writer: i
     seen = [int(meta["examples_seen"]) if meta else -1]
     dist.broadcast_object_list(seen, src=writer)
     path = root / "checkpoints" / f"seen-{seen[0]}"
-    dcp.save(_state_dict(parts), checkpoint_id=str(path))
+    state = _state_dict(parts)
+    dcp.save(state, checkpoint_id=str(path))
+    _write_checksums(path, f"{parts.kind}{parts.index}", state)
     dist.barrier()  # every rank's files are written before `latest` points here
     if meta is not None:
         _point_latest(root, path, meta)
@@ -177,7 +213,9 @@ def save_best(root: Path, meta: dict, table: torch.Tensor, flat: torch.Tensor) -
     shutil.rmtree(tmp, ignore_errors=True)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS)
-        dcp.save({"emb.0.weight": table, "trainer.0.flat": flat}, checkpoint_id=str(tmp), no_dist=True)
+        state = {"emb.0.weight": table, "trainer.0.flat": flat}
+        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+    _write_checksums(tmp, BEST, state)
     (tmp / "meta.json").write_text(json.dumps({**meta, "best": True, "embedding_servers": 1, "sync_servers": 0,
                                                "trainers": 1}, indent=2, default=str) + "\n")
     old = root / "checkpoints" / f"{BEST}.old"
