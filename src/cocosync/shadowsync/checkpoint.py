@@ -12,10 +12,10 @@ Loading runs no code: DCP pickles its metadata, which is read here by an unpickl
 metadata classes, and tensors load with `weights_only`. Every saving rank writes the CRC-32 of each tensor it saved
 (crc-<part>.json); a loaded tensor whose bytes differ, or whose values are not finite, is refused naming it.
 
-Loading is collective too. On the same topology every rank
-reads back its own keys (exact resume). With another number of embedding or sync servers each new server reads every
+Loading is collective too. On the same topology every rank reads back its own keys (exact resume). With another
+number of embedding or sync servers each new server reads every
 old shard and keeps the rows the new row hash gives it. With another number of trainers (or workers) the unread rows
-of every old reader shard are planned onto the new shards (data_plan.py: every example still read once), and every
+of every old reader shard are planned onto the new shards (data/plan.py: every example still read once), and every
 new trainer starts from the average of the old dense replicas and Adagrad accumulators (BMUF's global state, the same
 on every trainer, is taken from trainer 0).
 """

@@ -265,7 +265,17 @@ class Arena:
             with _pending_lock:
                 _pending.add(path)
             try:
-                os.ftruncate(fd, nbytes)
+                _reserve(fd, nbytes)
+            except OSError as e:
+                os.close(fd)
+                _unlink(path)
+                if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                    raise
+                free, total = shm_space()
+                raise ArenaFull(f"{what}: a shared-memory segment of {_gib(nbytes)} does not fit in {SHM_DIR} "
+                                f"({_gib(free)} free of {_gib(total)}, the job's other segments counted); free space "
+                                "there, give the container more shared memory (docker --shm-size), or make the "
+                                "model or its buckets smaller") from None
             except BaseException:
                 os.close(fd)
                 _unlink(path)
@@ -412,6 +422,18 @@ class ArenaFull(MemoryError):
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
+
+
+def _reserve(fd: int, nbytes: int) -> None:
+    """Size a new segment and reserve its pages now (posix_fallocate): a segment that /dev/shm cannot hold fails
+    here with ENOSPC, where a sparse one (ftruncate alone) would fault with SIGBUS on first touch. Segments checked
+    one at a time against free space can each fit and still not fit together."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):  # a file system without fallocate: size it only
+            raise
+        os.ftruncate(fd, nbytes)
 
 
 def shm_space() -> tuple[int, int]:
