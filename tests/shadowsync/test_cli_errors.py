@@ -167,3 +167,20 @@ def test_a_damaged_or_non_finite_checkpoint_is_refused_naming_the_tensor(tmp_pat
     dcp.save(good, checkpoint_id=str(nan), no_dist=True)  # no checksums: what an altered checkpoint may look like
     (nan / "meta.json").write_text((ckpt / "meta.json").read_text())
     _one_error(CliRunner().invoke(cli, ["eval", str(nan)]), "'trainer.0.flat' holds 1 non-finite value")
+
+
+def test_a_run_that_does_not_fit_dev_shm_is_refused_before_it_starts(tmp_path):
+    """The tables of the default run need ~19 MiB of shared memory: in a private 16 MiB /dev/shm (a mount namespace)
+    `cocosync train` says what it needs and what there is, before any rank starts."""
+    import subprocess
+    import sys
+
+    if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
+        pytest.skip("unshare -m is not permitted here (needs root): no private /dev/shm")
+    out = tmp_path / "run"
+    run = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && {sys.executable} -m cocosync.cli train --no-progress "
+           f"--examples 100000 --out {out}")
+    res = subprocess.run(["unshare", "-m", "sh", "-c", run], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "needs about 19.7 MiB of shared memory" in res.stderr and "16.0 MiB free of 16.0 MiB" in res.stderr
+    assert "Traceback" not in res.stderr and not (out / "logs").exists()

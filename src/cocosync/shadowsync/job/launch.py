@@ -32,14 +32,16 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+from cocosync.runtime.comm.shm import SHM_DIR, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
-from cocosync.shadowsync.data.sources import with_init_ctr
+from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
+from cocosync.shadowsync.model.dlrm import DLRM
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
 
 __all__ = ["RunResult", "run_training", "OutputLock"]
@@ -169,6 +171,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         check_resumable(read_meta(path), cfg, path)
         cluster.resume = str(path)
     cfg = with_init_ctr(cfg)
+    _check_shared_memory(cfg, cluster)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
@@ -178,6 +181,25 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _check_shared_memory(cfg: TrainConfig, cluster: ClusterConfig) -> None:
+    """Refuse, before a process starts, a job whose tables cannot fit /dev/shm: the embedding shards (weights, row-wise
+    Adagrad accumulator, row versions) plus the trainers' dense sync buffers (a few copies of the dense parameters
+    each; an estimate: the ranks check every segment again as they create it)."""
+    data, model_cfg = build_configs(cfg)
+    rows, dim = sum(data.table_sizes), model_cfg.embedding_dim
+    dense = sum(p.numel() for p in DLRM(model_cfg, data, external_embeddings=True).dense_parameters())
+    tables = rows * (dim * 4 + 4 + 8)
+    need = tables + 4 * cfg.trainers * dense * 4
+    free, total = shm_space()
+    if need > free:
+        mib = 2**20
+        raise ConfigError(f"this run needs about {need / mib:.1f} MiB of shared memory ({rows:,} embedding rows x "
+                          f"{dim} floats with their accumulators: {tables / mib:.1f} MiB; the dense sync's buffers), "
+                          f"and {SHM_DIR} has {free / mib:.1f} MiB free of {total / mib:.1f} MiB: free space there, "
+                          "give the container more shared memory (docker --shm-size), or shrink --table-size / "
+                          "--embedding-dim")
 
 
 def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, console: Any,

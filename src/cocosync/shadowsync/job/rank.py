@@ -40,7 +40,7 @@ from rich.console import Console
 
 from cocosync.runtime.comm import native
 from cocosync.runtime.comm.communicators import register_subgroup
-from cocosync.runtime.comm.shm import Arena
+from cocosync.runtime.comm.shm import Arena, ArenaFull
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
 from cocosync.shadowsync.checkpoint import (
     BEST,
@@ -188,7 +188,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
         err = sys.exc_info()[1]  # bad input found by a rank (a damaged checkpoint): its message says it all
-        text = str(err) if isinstance(err, ConfigError) else traceback.format_exc()
+        text = str(err) if isinstance(err, (ConfigError, ArenaFull)) else traceback.format_exc()
         if link is not None:
             link.failed(text)
         print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{text}",
