@@ -184,3 +184,24 @@ def test_a_run_that_does_not_fit_dev_shm_is_refused_before_it_starts(tmp_path):
     assert res.returncode == 2, res.stderr[-2000:]
     assert "needs about 19.7 MiB of shared memory" in res.stderr and "16.0 MiB free of 16.0 MiB" in res.stderr
     assert "Traceback" not in res.stderr and not (out / "logs").exists()
+
+
+def test_a_binary_eval_file_is_refused_before_training(tmp_path):
+    held = tmp_path / "held.bin"
+    held.write_bytes(bytes(range(256)) * 400)
+    _one_error(_train(tmp_path, "--eval-data", str(held), "--examples", "6000"), "--eval-data", str(held))
+    with_lines = tmp_path / "held2.bin"  # more than the reader's 1000-line grace: 'not a Criteo-format file'
+    with_lines.write_bytes(b"\x00\x01\xff garbage\n" * 3000)
+    _one_error(_train(tmp_path, "--eval-data", str(with_lines), "--examples", "6000"), "cannot be scored on",
+               "malformed")
+    assert not (tmp_path / "run" / "logs").exists()  # nothing was started
+
+
+def test_eval_examples_on_the_command_line_win_over_the_config_files_eval_rows(tmp_path):
+    from cocosync.shadowsync.cli.train import config_from_options
+    from cocosync.shadowsync.data.sources import build_configs
+
+    cfg = config_from_options(_config(tmp_path, "[data_options]\neval_rows = 777\n"), None, {"eval_examples": 1234})
+    assert build_configs(cfg)[0].eval_rows == 1234
+    cfg = config_from_options(_config(tmp_path, "[data_options]\neval_rows = 777\n"), None, {})
+    assert build_configs(cfg)[0].eval_rows == 777  # the file's, when the command line says nothing

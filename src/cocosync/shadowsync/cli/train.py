@@ -217,6 +217,8 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
             cfg = config_from_dict({}, **overrides)
         if eval_data is not None:
             cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "eval_path": eval_data})
+        if opts.get("eval_examples") is not None and "eval_rows" in cfg.data_options:  # the command line wins
+            cfg = dataclasses.replace(cfg, data_options={k: v for k, v in cfg.data_options.items() if k != "eval_rows"})
         return cfg
     except ConfigError as e:
         if debug_mode():

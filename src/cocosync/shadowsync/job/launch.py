@@ -35,6 +35,7 @@ from torch.distributed.launcher.api import LaunchConfig, launch_agent
 from cocosync.runtime.comm.shm import SHM_DIR, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
+from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
@@ -171,6 +172,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         check_resumable(read_meta(path), cfg, path)
         cluster.resume = str(path)
     cfg = with_init_ctr(cfg)
+    _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -181,6 +183,19 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _check_eval_data(cfg: TrainConfig) -> None:
+    """A held-out file (--eval-data) is read as Criteo lines before training, not found unreadable after it."""
+    data, _ = build_configs(cfg)
+    if data.eval_path is None:
+        return
+    try:
+        first = next(iter(CriteoReader(data.eval_path, data, batch_size=1024, max_rows=1024)), None)
+    except CriteoFormatError as e:
+        raise ConfigError(f"--eval-data {data.eval_path!r} cannot be scored on: {e}") from None
+    if first is None:
+        raise ConfigError(f"--eval-data {data.eval_path!r} has no readable rows")
 
 
 def _check_shared_memory(cfg: TrainConfig, cluster: ClusterConfig) -> None:
