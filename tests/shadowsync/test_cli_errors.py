@@ -205,3 +205,22 @@ def test_eval_examples_on_the_command_line_win_over_the_config_files_eval_rows(t
     assert build_configs(cfg)[0].eval_rows == 1234
     cfg = config_from_options(_config(tmp_path, "[data_options]\neval_rows = 777\n"), None, {})
     assert build_configs(cfg)[0].eval_rows == 777  # the file's, when the command line says nothing
+
+
+def test_a_data_file_shorter_than_the_budget_trains_on_all_of_it_or_is_refused_before_training(tmp_path):
+    """--examples caps a plain file, it does not pad it; without --eval-data a file with no rows after the budget has
+    no held-out set, which is said before training (it used to be found after it)."""
+    import json
+
+    from cocosync.shadowsync.data.synth import EVAL, write_synthetic
+
+    data, held = tmp_path / "small.tsv", tmp_path / "held.tsv"
+    write_synthetic(data, 3000, seed=1)
+    write_synthetic(held, 500, seed=1, split=EVAL)
+    res = _train(tmp_path, "--data", str(data), "--eval-data", str(held), "--examples", "20000", "--trainers", "1",
+                 "--sync", "none", "--batch-size", "64")
+    assert res.exit_code == 0, res.output
+    assert "has 3,000 lines, fewer than --examples 20,000: training on all 3,000" in res.output
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["examples"] == 3000
+    _one_error(_train(tmp_path, "--data", str(data), "--examples", "20000", "--out", str(tmp_path / "other")),
+               "has 3,000 lines", "no rows are left after the budget", "--eval-data")

@@ -13,6 +13,7 @@ and the checkpoints, as it does across machines.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -166,6 +167,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     sync_servers = cluster.sync_servers_for(cfg.sync.method, nodes=1)
     nproc = cluster.embedding_servers + sync_servers + cfg.trainers
     check_paths(cfg)  # everything a rank reads is checked before a process starts
+    cfg = _fit_examples_to_data(cfg, console)
     if cluster.resume is not None:
         path = resolve(cluster.resume)
         SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
@@ -183,6 +185,33 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _count_lines(path: str) -> int:
+    n, last = 0, b"\n"
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            n, last = n + chunk.count(b"\n"), chunk[-1:]
+    return n + (last != b"\n")
+
+
+def _fit_examples_to_data(cfg: TrainConfig, console: Any) -> TrainConfig:
+    """--examples caps a plain data file, it does not pad it: a file with fewer lines trains on all of them (said
+    before training); without --eval-data the held-out rows are the file's after the budget, so a file with none left
+    is refused now rather than after training. (A .gz file is not counted: it would be read once more in full.)"""
+    data, _ = build_configs(cfg)
+    if data.train_path is None or str(data.train_path).endswith(".gz"):
+        return cfg
+    rows = _count_lines(data.train_path)
+    if data.eval_path is None and rows <= cfg.examples:
+        raise ConfigError(f"{data.train_path!r} has {rows:,} lines and --examples is {cfg.examples:,}: no rows are "
+                          "left after the budget for the held-out set; pass --eval-data, or --examples below "
+                          f"{rows:,}")
+    if rows < cfg.examples:
+        console.print(f"[yellow]{data.train_path} has {rows:,} lines, fewer than --examples {cfg.examples:,}: training "
+                      f"on all {rows:,}", soft_wrap=True)
+        return dataclasses.replace(cfg, examples=rows)
+    return cfg
 
 
 def _check_eval_data(cfg: TrainConfig) -> None:
