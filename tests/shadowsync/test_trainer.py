@@ -227,7 +227,7 @@ def test_a_raising_trainer_is_reported(tmp_path):
     with pytest.raises(ConfigError, match="garbage.tsv: 5000 of 5000 lines are malformed"):
         run_training(_cfg(tmp_path, "none", data=str(garbage)))  # estimating its click rate reads it first
     with pytest.raises(TrainerFailure, match="trainer [01]"):
-        run_training(_cfg(tmp_path, "none", data=str(garbage), model={**MODEL, "init_ctr": 0.04}))
+        run_training(_cfg(tmp_path, "none", data=str(garbage), examples=4000, model={**MODEL, "init_ctr": 0.04}))
 
 
 def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):

@@ -167,13 +167,13 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     sync_servers = cluster.sync_servers_for(cfg.sync.method, nodes=1)
     nproc = cluster.embedding_servers + sync_servers + cfg.trainers
     check_paths(cfg)  # everything a rank reads is checked before a process starts
-    cfg = _fit_examples_to_data(cfg, console)
     if cluster.resume is not None:
         path = resolve(cluster.resume)
         SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
         check_resumable(read_meta(path), cfg, path)
         cluster.resume = str(path)
-    cfg = with_init_ctr(cfg)
+    cfg = with_init_ctr(cfg)  # (reads the data's first rows: a file that is not Criteo's is named here)
+    cfg = _fit_examples_to_data(cfg, console)
     _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
     out = Path(cfg.out_dir)
