@@ -50,9 +50,11 @@ class Link:
         with self._lock:
             self.store.set(key, json.dumps(value, default=str))
 
-    def stop_requested(self) -> bool:
+    def get_all(self, keys: list[str]) -> list[Any]:
+        """The values of those of `keys` that are set, decoded (in `keys` order)."""
         with self._lock:
-            return self.store.check(["stop"])
+            raw = [self.store.get(k) for k in keys if self.store.check([k])]
+        return [json.loads(r) for r in raw]
 
     def beat(self, trainer: int, stop: Any, interval: float) -> None:
         """Start the heartbeat thread of trainer `trainer`: it runs whatever the trainer does (torch ops and gloo

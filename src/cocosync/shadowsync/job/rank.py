@@ -448,10 +448,8 @@ def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
             return
         examples = rec["trainer_examples"] * roles.trainers
         if link is not None:
-            with link._lock:
-                found = [link.store.get(f"progress/{i}") for i in range(roles.trainers)
-                         if link.store.check([f"progress/{i}"])]
-            examples = sum(json.loads(r)["trainer_examples"] for r in found)
+            found = link.get_all([f"progress/{i}" for i in range(roles.trainers)])
+            examples = sum(r["trainer_examples"] for r in found)
         logger.log({"event": "train", "examples": examples + job.resumed_from, **rec})
         if time.time() - last[0] >= 5.0:
             last[0] = time.time()

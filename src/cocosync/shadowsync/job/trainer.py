@@ -47,22 +47,20 @@ def json_safe(obj: Any) -> Any:
 @dataclass
 class TrainerState:
     """A trainer's counters (rows indexed by trainer; a trainer writes its own): reader positions, iterations,
-    syncs; the stop flag (the launcher's stop request, copied in by the heartbeat thread: link.py) and `done` (every
-    worker has finished); the common starting point of the dense replicas."""
+    syncs; the stop flag (the launcher's stop request, copied in by the heartbeat thread: link.py); the common
+    starting point of the dense replicas."""
 
     positions: torch.Tensor  # int64 [T, W]: rows consumed by each worker shard (the reader position)
     iterations: torch.Tensor  # int64 [T]
     syncs: torch.Tensor  # int64 [T]
     stop: torch.Tensor  # int32 [1]
-    done: torch.Tensor  # int32 [T]
     init_dense: torch.Tensor
 
     @classmethod
     def new(cls, trainers: int, workers: int, init_dense: torch.Tensor) -> "TrainerState":
         T = trainers
         return cls(torch.zeros(T, workers, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
-                   torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32),
-                   torch.zeros(T, dtype=torch.int32), init_dense.clone())
+                   torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), init_dense.clone())
 
 
 class TrainerFailure(RuntimeError):
@@ -239,10 +237,6 @@ class Trainer:
         finally:
             if self.checkpoints is not None:
                 self.checkpoints.leave()
-            with self._metrics_lock:
-                self._working -= 1
-                if self._working == 0:
-                    self.state.done[self.rank] = 1  # no worker of this trainer will reach another mark
 
     def _foreground_round(self, pos: torch.Tensor) -> None:
         """One foreground sync round, then the checkpoint mark it may open (see CheckpointMarks)."""
@@ -266,7 +260,6 @@ class Trainer:
         """Run the workers to the end of this trainer's data (or a stop), finish the sync protocol, and return
         this trainer's measurements and final dense parameters."""
         W = self.cfg.workers
-        self._working = W
         if self.mark_base is None:
             self.mark_base = int(self.state.positions[self.rank].sum())
         workers = [threading.Thread(target=self._worker, args=(w,), name=f"worker{w}", daemon=True) for w in range(W)]
@@ -342,13 +335,6 @@ class Trainer:
             out = {"flat": self.flat.flat.clone(), "accumulator": self.accumulator.clone(),
                    "positions": self.state.positions[self.rank].clone(), **self.sync.state()}
         return out
-
-    def load_checkpoint_state(self, saved: dict[str, Any]) -> None:
-        """Restore what `checkpoint_state` returned (before training; reader positions are the launcher's). BMUF's
-        state is restored when the checkpoint has it; else BMUF starts from the common point, as a fresh run."""
-        self.flat.flat.copy_(torch.as_tensor(saved["flat"]))
-        self.accumulator.copy_(torch.as_tensor(saved["accumulator"]))
-        self.sync.load_state(saved)
 
     def _log(self, t0: float) -> None:
         elapsed = max(time.time() - t0, 1e-9)
