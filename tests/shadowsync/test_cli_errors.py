@@ -43,6 +43,9 @@ def test_toml_syntax_error_names_the_file_and_line(tmp_path):
     ("[sync]\nblock_lr = inf\n", "sync.block_lr=inf is invalid"),
     ("checkpoint = 1\n", "checkpoint=1 is invalid"),
     ("seed = 1.5\n", "seed=1.5 is invalid"),
+    ("sync = 5\n", "sync=5 is invalid: expected a [sync] table"),
+    ("model = 3\n", "model=3 is invalid: expected a [model] table"),
+    ("timeout = 0\n", "timeout=0 is invalid"),
 ])
 def test_wrong_typed_or_non_finite_values_are_named(tmp_path, text, needle):
     _one_error(CliRunner().invoke(cli, ["train", "--no-progress", "--config", _config(tmp_path, text)]), needle)
@@ -159,7 +162,8 @@ def test_a_damaged_or_non_finite_checkpoint_is_refused_naming_the_tensor(tmp_pat
         raw[len(raw) // 2 + i] ^= 0x5A  # the middle of the file: inside the embedding shard's bytes
     data.write_bytes(bytes(raw))
     _one_error(CliRunner().invoke(cli, ["eval", str(ckpt)]), "is damaged", "emb.0.weight")
-    resumed = _train(tmp_path, "--resume", str(ckpt))  # found by the rank loading that shard: the job fails naming it
+    # found by the rank loading that shard: the job fails naming it
+    resumed = _train(tmp_path, "--resume", str(ckpt), "--epochs", "2")
     assert resumed.exit_code == 1, resumed.output
     assert "is damaged" in resumed.output and "emb.0.weight" in resumed.output, resumed.output
     nan = tmp_path / "nan"
@@ -224,3 +228,49 @@ def test_a_data_file_shorter_than_the_budget_trains_on_all_of_it_or_is_refused_b
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["examples"] == 3000
     _one_error(_train(tmp_path, "--data", str(data), "--examples", "20000", "--out", str(tmp_path / "other")),
                "has 3,000 lines", "no rows are left after the budget", "--eval-data")
+
+
+def test_a_directory_as_data_and_tables_beyond_the_machine_are_one_line(tmp_path):
+    _one_error(_train(tmp_path, "--data", str(tmp_path)), "is a directory", "Criteo-format TSV file")
+    _one_error(_train(tmp_path, "--table-size", "4000000000"), "needs about", "TiB of shared memory")
+
+
+def test_the_algorithm_alone_may_stand_for_the_sync_table(tmp_path):
+    from cocosync.shadowsync.cli.train import config_from_options
+
+    assert config_from_options(_config(tmp_path, 'sync = "shadow-ma"\n'), None, {}).sync.algorithm == "shadow-ma"
+
+
+def test_paths_with_markup_characters_are_printed_as_given(tmp_path):
+    """rich markup in a path is text: '[/y]' used to raise MarkupError, '[red]' was printed stripped."""
+    _one_error(_train(tmp_path, "--data", str(tmp_path / "x[/y].tsv")), "x[/y].tsv", "no such file")
+    out = tmp_path / "o[red]x"
+    res = CliRunner().invoke(cli, ["train", "--no-progress", "--out", str(out), "--trainers", "1", "--examples", "4000",
+                                   "--eval-examples", "1000", "--sync", "none", "--timeout", "100"])
+    assert res.exit_code == 0, res.output
+    assert f"{out}/metrics.jsonl" in res.output and f"cocosync eval {out}/checkpoints/seen-4000" in res.output
+    # the finished run: a resume has nothing to train (it used to rewrite summary.json with an empty session), and
+    # would not inherit the session's --timeout
+    summary = (out / "summary.json").read_text()
+    _one_error(_train(tmp_path, "--resume", str(out)), "nothing left to train", "has seen 4,000 examples")
+    assert (out / "summary.json").read_text() == summary
+    from cocosync.shadowsync.cli.train import config_from_options
+
+    assert config_from_options(None, str(out), {}).timeout is None
+    assert config_from_options(None, str(out), {"timeout": 50.0}).timeout == 50.0
+
+
+def test_a_file_with_other_columns_is_scored_on_its_rows_after_the_budget(tmp_path):
+    """Without --eval-data the held-out set is the file's rows after the budget, whatever its column counts (it used
+    to demand the synthetic data's 13/26 columns)."""
+    import random
+
+    rng = random.Random(0)
+    data = tmp_path / "narrow.tsv"
+    data.write_text("".join("\t".join([str(int(rng.random() < 0.3)), *(str(rng.randint(0, 9)) for _ in range(3)),
+                                        *(f"{rng.randint(0, 99):08x}" for _ in range(2))]) + "\n"
+                            for _ in range(6000)))
+    res = _train(tmp_path, "--data", str(data), "--num-dense", "3", "--num-sparse", "2", "--examples", "4000",
+                 "--trainers", "1", "--sync", "none", "--eval-examples", "2000", "--json")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "run" / "summary.json").exists() and "eval NE" in res.output

@@ -14,6 +14,7 @@ from cocosync.shadowsync.metrics import (
     Throughput,
     auc,
     bayes_ne,
+    curve,
     evaluate,
     load_run,
     normalized_entropy,
@@ -108,3 +109,14 @@ def test_calibration_is_predicted_over_actual_ctr():
     assert calibration(y, np.full(4, 0.25)) == 1.0
     assert calibration(y, np.full(4, 0.5)) == 2.0
     assert np.isnan(calibration(np.zeros(4), np.full(4, 0.1)))
+
+
+def test_the_curve_of_a_resumed_run_runs_forwards():
+    """Records of two sessions (the second resumed at 100): the summaries count their session's examples and are
+    not points of the curve (they made ne.png jump back to x=0)."""
+    recs = [{"event": "start"}, {"event": "train", "examples": 50, "train_ne": 0.8},
+            {"event": "eval", "examples": 100, "eval_ne": 0.75}, {"event": "summary", "examples": 100, "eval_ne": 0.75},
+            {"event": "start"}, {"event": "train", "examples": 150, "train_ne": float("nan")},
+            {"event": "eval", "examples": 200, "eval_ne": 0.7}, {"event": "summary", "examples": 100, "eval_ne": 0.7}]
+    assert curve(recs, "eval_ne") == [(100, 0.75), (200, 0.7)]
+    assert curve(recs, "train_ne") == [(50, 0.8)]

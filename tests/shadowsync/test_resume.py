@@ -70,14 +70,16 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_stop_and_resume_continue_exactly_as_an_uninterrupted_run(tmp_path):
-    """One trainer, one worker, no dense sync: the order is fixed, so stopping after N examples and resuming ends
-    bit for bit where the uninterrupted run ends (dense Adagrad accumulator and table accumulators included)."""
-    whole = run_training(_cfg(tmp_path / "whole", "none"))
-    first = run_training(_cfg(tmp_path / "parts", "none"), stop_after=10_000)
+@pytest.mark.parametrize("algorithm", ["none", "shadow-bmuf"])
+def test_stop_and_resume_continue_exactly_as_an_uninterrupted_run(tmp_path, algorithm):
+    """One trainer, one worker: the order is fixed, so stopping after N examples and resuming ends bit for bit where
+    the uninterrupted run ends (dense Adagrad accumulator and table accumulators included). Also with the default
+    shadow-bmuf: one trainer has nothing to sync, so no shadow thread rewrites the replica at times of its own."""
+    whole = run_training(_cfg(tmp_path / "whole", algorithm))
+    first = run_training(_cfg(tmp_path / "parts", algorithm), stop_after=10_000)
     done = first.summary["examples"]
     assert first.summary["stopped"] and 10_000 <= done < 10_000 + 64  # whole batches
-    second = run_training(_cfg(tmp_path / "parts", "none"), resume=first.checkpoint)
+    second = run_training(_cfg(tmp_path / "parts", algorithm), resume=first.checkpoint)
     assert second.summary["resumed_from"] == done and second.summary["examples"] == 24_000 - done
     _assert_equal(whole.checkpoint, second.checkpoint)
     assert second.summary["eval_ne"] == whole.summary["eval_ne"]

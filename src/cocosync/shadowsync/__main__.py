@@ -96,10 +96,10 @@ def _report(summary: dict, out_dir: str, json_out: bool, console) -> None:
     console.print(f"[bold]{escape(summary['name'])}[/]: {summary['examples']:,} examples, "
                   f"{summary['eps']:,.0f} examples/s, eval NE {summary['eval_ne']:.4f}, "
                   f"lookup wait {summary['lookup_wait_fraction']:.1%} of step time, "
-                  f"staleness {summary['staleness']:.2f} updates -> {out_dir}/summary.json")
+                  f"staleness {summary['staleness']:.2f} updates -> {escape(str(out_dir))}/summary.json")
     if summary.get("checkpoint"):
-        console.print(f"checkpoint: {summary['checkpoint']}"
-                      + (f"  (stopped: continue with --resume {out_dir})" if summary["stopped"] else ""))
+        console.print(f"checkpoint: {escape(str(summary['checkpoint']))}"
+                      + (f"  (stopped: continue with --resume {escape(str(out_dir))})" if summary["stopped"] else ""))
     if json_out:
         click.echo(json.dumps(json_safe(summary), default=str))
 

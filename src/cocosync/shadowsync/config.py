@@ -155,7 +155,7 @@ class DataConfig:
                                  "PATH, data_options.eval_path) or use split='lines'")
         if not isinstance(self.synth, SynthConfig):
             raise ValueError(f"{o}.synth={self.synth!r}: expected a SynthConfig")
-        if (self.train_path is None or self.eval_path is None) and (
+        if self.train_path is None and (  # a file's held-out set defaults to its rows after the budget, not synthetic
             self.synth.num_dense != self.num_dense or self.synth.num_sparse != self.num_sparse
         ):
             raise ValueError(

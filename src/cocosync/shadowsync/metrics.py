@@ -220,6 +220,14 @@ def summary_table(runs: Sequence[Mapping[str, Any]], title: str = "Runs"):
     return table
 
 
+def curve(records: Sequence[Mapping[str, Any]], key: str) -> list[tuple[int, float]]:
+    """(examples, value) of `key` over a run's records, finite values only. A summary record counts its session's
+    examples, not the run's: after a resume it would plot backwards, so it is left out."""
+    return [(r["examples"], r[key]) for r in records
+            if "examples" in r and r.get("event") not in ("summary", "start") and r.get(key) is not None
+            and math.isfinite(r[key])]
+
+
 def plot_ne(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title: str = "NE vs examples") -> str:
     """PNG of NE against examples for several runs on one figure.
 
@@ -234,9 +242,8 @@ def plot_ne(runs: Sequence[Mapping[str, Any]], path: str | os.PathLike, *, title
     fig, ax = plt.subplots(figsize=(8, 5))
     for i, run in enumerate(runs):
         color = f"C{i % 10}"
-        recs = [r for r in run.get("records", []) if "examples" in r]
         for key, style in (("train_ne", dict(ls="-")), ("eval_ne", dict(ls="--", marker="o", ms=3))):
-            pts = [(r["examples"], r[key]) for r in recs if r.get(key) is not None and math.isfinite(r[key])]
+            pts = curve(run.get("records", []), key)
             if pts:
                 x, y = zip(*pts)
                 ax.plot(x, y, color=color, label=f"{run.get('name', i)} {key.split('_')[0]}", **style)

@@ -39,6 +39,7 @@ SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "shadow-dssync", 
 #: the methods whose sync() is a collective every trainer joins (gloo among the trainers)
 COLLECTIVE_METHODS = ("ma", "bmuf", "dssync")
 OPTIMIZERS = ("adagrad", "sgd")
+UNLIMITED_WAIT = 1800.0  # seconds a process group or store waits when the run has no timeout (torch's default)
 
 
 class ConfigError(ValueError):
@@ -164,8 +165,9 @@ class TrainConfig:
     """write the NE-vs-examples PNG."""
     progress: bool = True
     """show a progress bar while training."""
-    timeout: float = 900.0
-    """seconds after which the trainers are asked to stop (keeping a checkpoint and the summary, as Ctrl-C does)."""
+    timeout: float | None = None
+    """seconds after which the trainers are asked to stop (keeping a checkpoint and the summary, as Ctrl-C does);
+    None: no limit. A limit of this session: a resumed run does not inherit it."""
     heartbeat_timeout: float = 30.0
     """seconds without a heartbeat from a trainer (each beats every heartbeat_timeout / 10 s from a thread of its
     own, whatever its training does) after which the run fails naming that trainer (stopped, hung, swapped out)."""
@@ -203,7 +205,9 @@ class TrainConfig:
         _check(self.dense_optimizer in OPTIMIZERS, "dense_optimizer", self.dense_optimizer, f"one of {OPTIMIZERS}")
         _check(self.embedding_optimizer in OPTIMIZERS, "embedding_optimizer", self.embedding_optimizer,
                f"one of {OPTIMIZERS}")
-        for name in ("dense_lr", "embedding_lr", "log_every", "timeout", "heartbeat_timeout"):
+        _check(self.timeout is None or (_is_number(self.timeout) and self.timeout > 0), "timeout", self.timeout,
+               "a finite number of seconds > 0 (leave it out for no limit)")
+        for name in ("dense_lr", "embedding_lr", "log_every", "heartbeat_timeout"):
             v = getattr(self, name)
             _check(_is_number(v) and v > 0, name, v, "a finite number > 0")
         for name in ("dense_weight_decay", "embedding_weight_decay"):
@@ -216,10 +220,15 @@ class TrainConfig:
 
 def check_paths(cfg: TrainConfig) -> None:
     """The files a run reads exist (checked before anything is spawned), or ConfigError naming them."""
+    if cfg.data != "synthetic" and Path(cfg.data).is_dir():
+        raise ConfigError(f"data={cfg.data!r} is a directory; expected 'synthetic' or a Criteo-format TSV file "
+                          "(.gz accepted)")
     if cfg.data != "synthetic" and not Path(cfg.data).is_file():
         raise ConfigError(f"data={cfg.data!r}: no such file; expected 'synthetic' or a Criteo-format TSV file "
                           "(.gz accepted)")
     eval_path = cfg.data_options.get("eval_path")
+    if eval_path is not None and Path(str(eval_path)).is_dir():
+        raise ConfigError(f"data_options.eval_path={eval_path!r} is a directory; expected a Criteo-format TSV file")
     if eval_path is not None and not Path(str(eval_path)).is_file():
         raise ConfigError(f"data_options.eval_path={eval_path!r}: no such file")
     out = Path(cfg.out_dir)
@@ -243,7 +252,16 @@ def config_to_dict(cfg: TrainConfig) -> dict:
 def config_from_dict(raw: dict, **overrides: Any) -> TrainConfig:
     """Build a TrainConfig from a nested dict; unknown keys raise ConfigError naming them."""
     raw = dict(raw)
-    sync_raw = dict(raw.pop("sync", {}) or {})
+    sync_raw = raw.pop("sync", None) or {}
+    if isinstance(sync_raw, str):  # `sync = "shadow-ma"`: the algorithm alone
+        sync_raw = {"algorithm": sync_raw}
+    if not isinstance(sync_raw, dict):
+        raise ConfigError(f"sync={sync_raw!r} is invalid: expected a [sync] table (e.g. algorithm = \"shadow-bmuf\") "
+                          f"or an algorithm name, one of {SYNC_ALGORITHMS}")
+    sync_raw = dict(sync_raw)
+    for section in ("model", "data_options"):
+        if section in raw and not isinstance(raw[section], dict):
+            raise ConfigError(f"{section}={raw[section]!r} is invalid: expected a [{section}] table of overrides")
     known = {f.name for f in dataclasses.fields(TrainConfig)} - {"sync"}
     sync_known = {f.name for f in dataclasses.fields(SyncConfig)}
     bad = sorted(set(raw) - known)

@@ -31,6 +31,7 @@ def synth(out: str, rows: int, eval_rows: int, seed: int, teacher_seed: int, ctr
     from dataclasses import asdict
 
     from rich.console import Console
+    from rich.markup import escape
 
     from cocosync.shadowsync.config import SynthConfig
     from cocosync.shadowsync.data.synth import EVAL, TRAIN, write_synthetic
@@ -53,7 +54,7 @@ def synth(out: str, rows: int, eval_rows: int, seed: int, teacher_seed: int, ctr
     meta = {"seed": seed, "synth": asdict(cfg), "files": results}
     with open(os.path.join(out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    Console().print(summary_table(results, title=f"synthetic data in {out}"))
+    Console().print(summary_table(results, title=escape(f"synthetic data in {out}")))
 
 
 @data.command()

@@ -112,7 +112,9 @@ _TRAIN_OPTIONS = [
                  help="click rate the model starts predicting."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
-    click.option("--timeout", type=float, help="stop the run (with a checkpoint) after this many seconds."),
+    click.option("--timeout", type=float, show_default="none (no limit)",
+                 help="stop this session (with a checkpoint and the summary) after this many seconds from launch; "
+                      "a --resume does not inherit it."),
     click.option("--heartbeat-timeout", type=float,
                  help="fail naming a trainer silent this many seconds (stopped or hung)."),
     click.option("--out", type=click.Path(file_okay=False), help="output directory."),
@@ -211,8 +213,9 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
     try:
         if config_path:
             cfg = load_train_config(config_path, **overrides)
-        elif resume:
-            cfg = config_from_dict(_checkpoint_config(resume), **overrides)
+        elif resume:  # the run's settings, less the session's own limit
+            saved = {k: v for k, v in _checkpoint_config(resume).items() if k != "timeout"}
+            cfg = config_from_dict(saved, **overrides)
         else:
             cfg = config_from_dict({}, **overrides)
         if eval_data is not None:
@@ -264,8 +267,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     console = _console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples"
-                  + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "") + f" of {cfg.data!r}{_split_note(cfg)} -> "
-                  f"{cfg.out_dir}/")
+                  + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "")
+                  + f" of {escape(repr(cfg.data))}{_split_note(cfg)} -> {escape(str(cfg.out_dir))}/")
     try:
         cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
                                 lookup_batches=lookup_batches)
@@ -279,7 +282,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         if debug_mode():
             raise
         console.print(f"[bold red]error:[/] {escape(str(e))}")  # tracebacks hold [brackets] rich would parse
-        console.print(f"metrics so far: {cfg.out_dir}/metrics.jsonl")
+        console.print(f"metrics so far: {escape(str(cfg.out_dir))}/metrics.jsonl")
         sys.exit(1)
     except KeyboardInterrupt:  # before the trainers started (data generation, model build)
         console.print("[yellow]interrupted before training started; nothing was trained")
@@ -354,7 +357,7 @@ def _print_result(console, result) -> None:
             ("best eval NE (checkpoints/best)", s.get("best_eval_ne"), ".4f"),
             ("sync gap (iterations)", s["sync_gap"], ".2f"), ("syncs", s["syncs"], ","),
             ("training seconds", s["seconds"], ".1f")]
-    table = Table(title=f"ShadowSync run: {s['name']} (W={s['W']})")
+    table = Table(title=escape(f"ShadowSync run: {s['name']} (W={s['W']})"))
     table.add_column("metric")
     table.add_column("value", justify="right")
     for k, v, spec in rows:
@@ -367,14 +370,15 @@ def _print_result(console, result) -> None:
     if result.interrupted or s.get("stopped"):
         console.print((f"[yellow]stopped by {result.stop_reason or 'a signal'}: the numbers cover the examples "
                        "trained before the stop" if result.interrupted else "stopped at --stop-after")
-                      + (f"; continue with: cocosync train --resume {result.out_dir}" if result.checkpoint else ""),
-                      soft_wrap=True)
-    console.print(f"metrics: {result.out_dir}/metrics.jsonl   summary: {result.out_dir}/summary.json", soft_wrap=True)
+                      + (f"; continue with: cocosync train --resume {escape(str(result.out_dir))}"
+                         if result.checkpoint else ""), soft_wrap=True)
+    out = escape(str(result.out_dir))  # paths are the user's: '[red]' in one is text, not markup
+    console.print(f"metrics: {out}/metrics.jsonl   summary: {out}/summary.json", soft_wrap=True)
     if result.plot:
-        console.print(f"plot: {result.plot}", soft_wrap=True)
+        console.print(f"plot: {escape(str(result.plot))}", soft_wrap=True)
     if result.checkpoint:
-        console.print(f"checkpoint: {result.checkpoint}  (score it with: cocosync eval {result.checkpoint})",
-                      soft_wrap=True)
+        ck = escape(str(result.checkpoint))
+        console.print(f"checkpoint: {ck}  (score it with: cocosync eval {ck})", soft_wrap=True)
 
 
 @click.command("eval")
@@ -412,7 +416,7 @@ def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, jso
     ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
     name = "best eval" if meta.get("best") else f"{cfg.sync.algorithm} T={meta['trainers']}"
     ev = {"name": name, **ev, "trained_examples": int(meta["examples_seen"])}
-    _console().print(summary_table([ev], title=f"eval {path}"))
+    _console().print(summary_table([ev], title=escape(f"eval {path}")))
     if json_out:
         from cocosync.shadowsync.job.trainer import json_safe
 

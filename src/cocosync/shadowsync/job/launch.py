@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
@@ -44,7 +45,13 @@ from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
+from cocosync.shadowsync.train_config import (
+    UNLIMITED_WAIT,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+    config_to_dict,
+)
 
 __all__ = ["RunResult", "run_training", "OutputLock"]
 
@@ -170,7 +177,9 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     if cluster.resume is not None:
         path = resolve(cluster.resume)
         SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
-        check_resumable(read_meta(path), cfg, path)
+        meta = read_meta(path)
+        check_resumable(meta, cfg, path)
+        _check_work_left(int(meta.get("examples_seen", 0)), cfg, cluster.stop_after, path)
         cluster.resume = str(path)
     cfg = with_init_ctr(cfg)  # (reads the data's first rows: a file that is not Criteo's is named here)
     cfg = _fit_examples_to_data(cfg, console)
@@ -185,6 +194,18 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _check_work_left(seen: int, cfg: TrainConfig, stop_after: int | None, path: Path) -> None:
+    """A resume with nothing left to train is refused before a rank starts (it would rewrite the run's summary with
+    an empty session)."""
+    end = min(cfg.total_examples, stop_after or cfg.total_examples)
+    if seen >= end:
+        what = (f"--stop-after {stop_after:,}" if stop_after and stop_after < cfg.total_examples
+                else f"the budget ({cfg.examples:,} examples x {cfg.epochs} epochs)")
+        raise ConfigError(f"nothing left to train: {str(path)!r} has seen {seen:,} examples, {what} is "
+                          f"{end:,}; score it with `cocosync eval {path}`, or resume with more --epochs or a "
+                          "later --stop-after")
 
 
 def _count_lines(path: str) -> int:
@@ -208,8 +229,8 @@ def _fit_examples_to_data(cfg: TrainConfig, console: Any) -> TrainConfig:
                           "left after the budget for the held-out set; pass --eval-data, or --examples below "
                           f"{rows:,}")
     if rows < cfg.examples:
-        console.print(f"[yellow]{data.train_path} has {rows:,} lines, fewer than --examples {cfg.examples:,}: training "
-                      f"on all {rows:,}", soft_wrap=True)
+        console.print(f"[yellow]{escape(str(data.train_path))} has {rows:,} lines, fewer than --examples "
+                      f"{cfg.examples:,}: training on all {rows:,}", soft_wrap=True)
         return dataclasses.replace(cfg, examples=rows)
     return cfg
 
@@ -238,24 +259,46 @@ def _check_shared_memory(cfg: TrainConfig, cluster: ClusterConfig) -> None:
     need = tables + 4 * cfg.trainers * dense * 4
     free, total = shm_space()
     if need > free:
-        mib = 2**20
-        raise ConfigError(f"this run needs about {need / mib:.1f} MiB of shared memory ({rows:,} embedding rows x "
-                          f"{dim} floats with their accumulators: {tables / mib:.1f} MiB; the dense sync's buffers), "
-                          f"and {SHM_DIR} has {free / mib:.1f} MiB free of {total / mib:.1f} MiB: free space there, "
-                          "give the container more shared memory (docker --shm-size), or shrink --table-size / "
+        raise ConfigError(f"this run needs about {_size(need)} of shared memory ({rows:,} embedding rows x {dim} "
+                          f"floats with their accumulators: {_size(tables)}; the dense sync's buffers), and {SHM_DIR} "
+                          f"has {_size(free)} free of {_size(total)}: free space there, give the container more shared "
+                          "memory (docker --shm-size), or shrink --table-size / --embedding-dim")
+    available = _memory_available()
+    if available is not None and need > available:  # /dev/shm's size can exceed the memory behind it
+        raise ConfigError(f"this run needs about {_size(need)} of shared memory for its tables and sync buffers, and "
+                          f"the machine has {_size(available)} of memory available: shrink --table-size / "
                           "--embedding-dim")
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _memory_available() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, console: Any,
             name: str | None) -> RunResult:
     out = Path(cfg.out_dir)
-    store = LoopbackStore(timeout=max(cfg.timeout, 60.0))
+    store = LoopbackStore(timeout=max(cfg.timeout or UNLIMITED_WAIT, 60.0))
     _STORES[store.port] = store
     servers = f"{cluster.embedding_servers} embedding server" + ("s" if cluster.embedding_servers > 1 else "")
     sync = nproc - cluster.embedding_servers - cfg.trainers
     console.print(f"starting {nproc} processes on this machine ({servers}, "
                   + (f"{sync} sync server, " if sync else "") + f"{cfg.trainers} trainer"
-                  + ("s" if cfg.trainers > 1 else "") + f"; their output: {out}/logs/) ...")
+                  + ("s" if cfg.trainers > 1 else "") + f"; their output: {escape(str(out))}/logs/) ...")
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"cocosync-{uuid.uuid4().hex[:8]}",
                           rdzv_backend=_BACKEND, rdzv_endpoint=f"{LOOPBACK}:{store.port}", max_restarts=0,
                           monitor_interval=0.1, local_addr=LOOPBACK, logs_specs=_RankLogs(out / "logs"))

@@ -143,7 +143,7 @@ class Monitor:
         if self.presses == 1:
             self.interrupted = True
             self._request_stop(why)
-        if time.monotonic() - t_launch > self.cfg.timeout:
+        if self.cfg.timeout is not None and time.monotonic() - t_launch > self.cfg.timeout:
             self.interrupted = True
             self._request_stop(f"--timeout {self.cfg.timeout:g} s reached")
         if self.stop_at is not None and time.monotonic() - self.stop_at > STOP_GRACE:

@@ -65,7 +65,13 @@ from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddin
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, check_paths, config_to_dict
+from cocosync.shadowsync.train_config import (
+    UNLIMITED_WAIT,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+    config_to_dict,
+)
 
 __all__ = ["run_cluster"]
 
@@ -132,7 +138,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     _loopback_interfaces()
     link = Link.from_env(topo.rank)
     # under the launcher its --timeout asks the trainers to stop; the groups' own timeout comes after that stop
-    timeout = datetime.timedelta(seconds=cfg.timeout + (300 if link is not None else 0))
+    # (without a --timeout: torch's default, a hung peer fails the job after it; the launcher's heartbeats sooner)
+    timeout = datetime.timedelta(seconds=(cfg.timeout or UNLIMITED_WAIT) + (300 if link is not None else 0))
     torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo", timeout=timeout)
     # RPC carries lookups to other machines' shards and EASGD's exchanges with its sync servers: a one-node job

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.model.dlrm import DLRM
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
-from cocosync.shadowsync.sync import FlatParams, ShadowThread, make_sync
+from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks", "json_safe"]
@@ -155,7 +155,7 @@ class Trainer:
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
-        self.sync = make_sync(self.flat.flat, cfg.sync, center=center, group=group)
+        self.sync = make_sync(self.flat.flat, cfg.sync, center=center, group=group, trainers=cfg.trainers)
         self._counter = itertools.count(1)
         self._sync_lock = threading.Lock()
         self._metrics_lock = threading.Lock()
@@ -265,7 +265,7 @@ class Trainer:
         workers = [threading.Thread(target=self._worker, args=(w,), name=f"worker{w}", daemon=True) for w in range(W)]
         done = threading.Event()
         shadow = None
-        if self.cfg.sync.mode == "shadow":
+        if self.cfg.sync.mode == "shadow" and not isinstance(self.sync, NoSync):  # (T=1: nothing to sync)
             def on_active() -> bool:
                 return not done.is_set()
 

@@ -13,13 +13,24 @@ from cocosync.shadowsync.sync.easgd import EASGD
 from cocosync.shadowsync.sync.ma import ModelAveraging
 from cocosync.shadowsync.train_config import SyncConfig
 
-__all__ = ["make_sync"]
+__all__ = ["make_sync", "changes_nothing_alone"]
+
+
+def changes_nothing_alone(cfg: SyncConfig) -> bool:
+    """Whether the algorithm leaves a lone trainer's replica as it is: MA and DS-Sync average one replica; BMUF with
+    block momentum 0 (1 - 1/T at T=1) and block lr 1 moves the global model onto it. (Run anyway, a background
+    round would rewrite the replica with its rounding, at times set by a thread: not reproducible.) EASGD's
+    elastic pull towards its centre is a real change."""
+    if cfg.method in ("ma", "dssync"):
+        return True
+    return cfg.method == "bmuf" and cfg.block_momentum in (None, 0.0) and cfg.block_lr == 1.0
 
 
 def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
-              group: dist.ProcessGroup | None = None) -> SyncAlgorithm:
-    """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop)."""
-    if cfg.method == "none":
+              group: dist.ProcessGroup | None = None, trainers: int | None = None) -> SyncAlgorithm:
+    """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop); with
+    `trainers` = 1, NoSync where the algorithm would change nothing (a T=1 run is then reproducible)."""
+    if cfg.method == "none" or (trainers == 1 and changes_nothing_alone(cfg)):
         return NoSync(flat, cfg)
     if cfg.method == "easgd":
         if center is None:
