@@ -65,7 +65,7 @@ def test_none_changes_nothing_and_make_sync_dispatches():
 def test_single_process_ma_and_bmuf_are_well_defined():
     x = torch.tensor([1.0, 2.0])
     assert ModelAveraging(x, SyncConfig(algorithm="fr-ma")).sync() == 1 and x.tolist() == [1.0, 2.0]
-    bmuf = BMUF(x, SyncConfig(algorithm="fr-bmuf"))  # default momentum 1 - 1/T = 0 for one trainer
+    bmuf = BMUF(x, SyncConfig(algorithm="fr-bmuf"))  # default momentum 0 for one trainer
     assert bmuf.momentum == 0.0
     x.add_(1.0)
     bmuf.sync()
@@ -179,3 +179,20 @@ def test_shadow_thread_surfaces_errors():
     sh.start()
     assert sh.join(5)
     assert isinstance(sh.error, RuntimeError)
+
+
+def test_bmuf_default_block_momentum_is_measured_rule_of_trainers_and_block_length():
+    """1 - 1/sqrt(T) in shadow mode; foreground scaled by 1 - 1/every (none for one-iteration blocks); a value set
+    wins; one trainer gets none (T=1 runs no sync: changes_nothing_alone)."""
+    import math
+
+    from cocosync.shadowsync.sync.factory import changes_nothing_alone
+
+    shadow = SyncConfig(algorithm="shadow-bmuf")
+    assert shadow.momentum_for(1) == 0.0 and changes_nothing_alone(shadow)
+    assert math.isclose(shadow.momentum_for(2), 1 - 1 / math.sqrt(2))
+    assert math.isclose(shadow.momentum_for(16), 0.75)
+    assert SyncConfig(algorithm="fr-bmuf").momentum_for(8) == 0.0
+    assert math.isclose(SyncConfig(algorithm="fr-bmuf", every=4).momentum_for(4), 0.5 * 0.75)
+    assert SyncConfig(algorithm="shadow-bmuf", block_momentum=0.9).momentum_for(8) == 0.9
+    assert not changes_nothing_alone(SyncConfig(algorithm="shadow-bmuf", block_momentum=0.5))

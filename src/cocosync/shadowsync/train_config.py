@@ -74,7 +74,9 @@ class SyncConfig:
     alpha: float = 0.5
     """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]."""
     block_momentum: float | None = None
-    """BMUF block momentum, in [0, 1); None = 1 - 1/T (Chen & Huo's rule: 0.5 for 2 trainers, 0 for one)."""
+    """BMUF block momentum, in [0, 1); None = `momentum_for(T)`: 1 - 1/sqrt(T) for shadow-bmuf (0.29 at T=2, 0.65 at
+    T=8; Chen & Huo's 1 - 1/T lost 0.6% NE at T=2 and 0.4% at T=8, measured in BENCHMARKS.md), scaled by
+    (1 - 1/every) for fr-bmuf (a block of one iteration gets none: 1 - 1/T diverged there from T=4)."""
     block_lr: float = 1.0
     """BMUF block learning rate, > 0."""
     nesterov: bool = True
@@ -98,13 +100,22 @@ class SyncConfig:
                self.interval, "seconds in [0, 60]")
         _check(_is_number(self.alpha) and 0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
         _check(self.block_momentum is None or _is_number(self.block_momentum) and 0 <= self.block_momentum < 1,
-               "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for 1 - 1/T")
+               "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for its default, 1 - 1/sqrt(T)")
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
                "a finite number > 0")
         _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
         _check(_is_int(self.groups) and self.groups >= 1, "sync.groups", self.groups, "an integer >= 1")
         _check(_is_int(self.shuffle_seed), "sync.shuffle_seed", self.shuffle_seed, "an integer")
         _check(isinstance(self.compiled, bool), "sync.compiled", self.compiled, "true or false")
+
+    def momentum_for(self, trainers: int) -> float:
+        """BMUF's block momentum with `trainers` trainers: the one set, else the measured default (see block_momentum).
+        Why not Chen & Huo's 1 - 1/T: it makes the block's step T times the trainers' mean, right for SGD; a trainer's
+        dense Adagrad sees 1/T of the gradients, so its own steps are already ~sqrt(T) times a lone trainer's."""
+        if self.block_momentum is not None:
+            return float(self.block_momentum)
+        m = 1.0 - 1.0 / math.sqrt(trainers)
+        return m * (1.0 - 1.0 / self.every) if self.mode == "foreground" else m
 
     @property
     def mode(self) -> str:

@@ -381,6 +381,9 @@ class _eval_curve:  # noqa: N801 (a callable standing in for a closure that need
 def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
     roles = job.roles
     resumed = int(run.trainer.state.positions[t].sum())
+    # every trainer starts training at once: one that started early would be averaged with replicas still at their
+    # starting point, pulling its progress back while the shared embeddings keep theirs (a jump in its NE)
+    dist.barrier(group=job.trainer_group)
     result = run.trainer.train()
     result["resumed_from"] = resumed
     results: list[Any] = [None] * roles.trainers if t == 0 else []
@@ -507,6 +510,7 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),
         "sync_gap": float(np.mean(gaps)) if gaps else float("nan"),
         "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,
+        "start_skew_s": max(r["start"] for r in results) - min(r["start"] for r in results),
         "sync_impl": results[0]["sync_impl"],  # CompiledSync (the DSL program), or the class that ran
         "lookup_wait_fraction": sum(x["wait_s"] for x in lk) / max(step_s, 1e-9),
         "sparse_bytes_per_example": sparse_bytes / max(examples, 1),

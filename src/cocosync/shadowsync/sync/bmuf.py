@@ -36,8 +36,7 @@ class BMUF(SyncAlgorithm):
         self.global_params = flat.detach().clone()  # x_prev_global
         self.start = flat.detach().clone()  # x_start of the current block
         self.delta = torch.zeros_like(flat)
-        m = cfg.block_momentum
-        self.momentum = (1.0 - 1.0 / self._world()) if m is None else m  # None: Chen & Huo's 1 - 1/T
+        self.momentum = cfg.momentum_for(self._world())
 
     def _sync(self, active: bool) -> int:
         snapshot = self.flat.clone()

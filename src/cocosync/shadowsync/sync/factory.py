@@ -18,12 +18,12 @@ __all__ = ["make_sync", "changes_nothing_alone"]
 
 def changes_nothing_alone(cfg: SyncConfig) -> bool:
     """Whether the algorithm leaves a lone trainer's replica as it is: MA and DS-Sync average one replica; BMUF with
-    block momentum 0 (1 - 1/T at T=1) and block lr 1 moves the global model onto it. (Run anyway, a background
+    block momentum 0 (its default at T=1) and block lr 1 moves the global model onto it. (Run anyway, a background
     round would rewrite the replica with its rounding, at times set by a thread: not reproducible.) EASGD's
     elastic pull towards its centre is a real change."""
     if cfg.method in ("ma", "dssync"):
         return True
-    return cfg.method == "bmuf" and cfg.block_momentum in (None, 0.0) and cfg.block_lr == 1.0
+    return cfg.method == "bmuf" and cfg.momentum_for(1) == 0.0 and cfg.block_lr == 1.0
 
 
 def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
