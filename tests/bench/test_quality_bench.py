@@ -28,6 +28,7 @@ def test_quality_bench_relates_each_run_to_one_trainer_of_the_same_seed(tmp_path
         assert abs(row["change"] - change) < 1e-12
         assert row["pass"] == (change <= tolerance(2))
     assert (out / "quality.png").stat().st_size > 10_000
+    assert len((out / "quality-runs.jsonl").read_text().splitlines()) == len(runs)  # written as each run ended
     assert "| shadow-ma | 2 |" in res.output  # the markdown row for BENCHMARKS.md
 
 

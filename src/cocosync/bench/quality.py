@@ -47,21 +47,30 @@ def _train(alg: str, T: int, seed: int, base: dict, out: Path, console: Any) -> 
 
 
 def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int], examples: int, eval_examples: int,
-                out: Path, console: Any) -> dict:
-    """Every run (a list of dicts) and the per-(algorithm, T) rows."""
+                out: Path, console: Any, log: Path | None = None) -> dict:
+    """Every run (a list of dicts) and the per-(algorithm, T) rows; `log`: each run appended there as a JSON line as
+    it ends (a long bench stopped early keeps what it measured)."""
     from rich.progress import Progress
 
     base = dict(examples=examples, eval_examples=eval_examples, progress=False, plot=False, checkpoint=False)
     plan = [(seed, alg, T) for seed in seeds for T in trainers for alg in algorithms if T > 1]
     runs: list[dict] = []
+
+    def done(r: dict) -> dict:
+        runs.append(r)
+        if log is not None:
+            with open(log, "a") as f:
+                f.write(json.dumps(r) + "\n")
+        return r
+
     with Progress(console=console, transient=False) as bar:
         task = bar.add_task("quality runs", total=len(plan) + len(seeds))
         for seed in seeds:
-            runs.append(_train("none", 1, seed, base, out, _quiet()))
+            done(_train("none", 1, seed, base, out, _quiet()))
             bar.advance(task)
             for s, alg, T in plan:
                 if s == seed:
-                    runs.append(r := _train(alg, T, seed, base, out, _quiet()))
+                    r = done(_train(alg, T, seed, base, out, _quiet()))
                     bar.advance(task)
                     bar.console.print(f"  {alg:14s} T={T:<3d} seed {seed}: eval NE {r['eval_ne']:.4f}")
     ref = {r["seed"]: r["eval_ne"] for r in runs if r["algorithm"] == "none"}
@@ -169,8 +178,10 @@ def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_
     console = Console(width=160)
     root = Path(out)
     root.mkdir(parents=True, exist_ok=True)
+    (root / "quality-runs.jsonl").unlink(missing_ok=True)
     result = run_quality(trainers=ts, algorithms=algs, seeds=list(range(seeds)), examples=examples,
-                         eval_examples=eval_examples, out=root / "runs", console=console)
+                         eval_examples=eval_examples, out=root / "runs", console=console,
+                         log=root / "quality-runs.jsonl")
     console.print(_table(result))
     console.print(_markdown(result), markup=False)
     (root / "quality.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
