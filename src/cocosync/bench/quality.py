@@ -50,7 +50,14 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
                 out: Path, console: Any, log: Path | None = None) -> dict:
     """Every run (a list of dicts) and the per-(algorithm, T) rows; `log`: each run appended there as a JSON line as
     it ends (a long bench stopped early keeps what it measured)."""
-    from rich.progress import Progress
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
 
     base = dict(examples=examples, eval_examples=eval_examples, progress=False, plot=False, checkpoint=False)
     plan = [(seed, alg, T) for seed in seeds for T in trainers for alg in algorithms if T > 1]
@@ -63,7 +70,9 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
                 f.write(json.dumps(r) + "\n")
         return r
 
-    with Progress(console=console, transient=False) as bar:
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+               TextColumn("left"), TimeRemainingColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("quality runs", total=len(plan) + len(seeds))
         for seed in seeds:
             done(_train("none", 1, seed, base, out, _quiet()))

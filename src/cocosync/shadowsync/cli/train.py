@@ -73,7 +73,8 @@ _TRAIN_OPTIONS = [
     click.option("--data", help="'synthetic' or a Criteo-format TSV file (.gz accepted)."),
     click.option("--trainers", "-T", type=int,
                  help="trainer processes (with --nnodes: set by --nproc-per-node on every machine)."),
-    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer."),
+    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (each adds staleness: at T=1, "
+                                                   "400k examples, W=2 cost 1.3% NE, W=8 12%; BENCHMARKS.md)."),
     click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm."),
     click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
     click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
@@ -112,7 +113,7 @@ _TRAIN_OPTIONS = [
                  help="click rate the model starts predicting."),
     click.option("--seed", type=int, help="model and synthetic-data seed."),
     click.option("--threads", type=int, help="intra-op torch threads per trainer."),
-    click.option("--timeout", type=float, show_default="none (no limit)",
+    click.option("--timeout", type=float, show_default="no limit",
                  help="stop this session (with a checkpoint and the summary) after this many seconds from launch; "
                       "a --resume does not inherit it."),
     click.option("--heartbeat-timeout", type=float,
