@@ -18,6 +18,7 @@ from pathlib import Path
 import click
 from rich.markup import escape
 
+from cocosync.runtime.comm.shm import unlink_pending
 from cocosync.shadowsync.cli.train import (
     cluster_options,
     config_from_options,
@@ -87,6 +88,7 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     # (a torch thread object destroyed while joinable aborts the process: seen as SIGABRT after a complete job)
     sys.stdout.flush()
     sys.stderr.flush()
+    unlink_pending()
     os._exit(0)
 
 

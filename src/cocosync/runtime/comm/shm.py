@@ -82,9 +82,14 @@ def _unlink(path: str) -> None:
 
 
 @atexit.register
-def _unlink_pending() -> None:
+def unlink_pending() -> None:
+    """Unlink the segments this process created or attached and that are still named (a peer never mapped them).
+    Runs at exit; call it too before os._exit or a fatal signal, which skip atexit hooks."""
     for path in list(_pending):
         _unlink(path)
+
+
+_unlink_pending = unlink_pending  # (former name)
 
 
 def _pid_alive(pid: int) -> bool:

@@ -40,7 +40,7 @@ from rich.console import Console
 
 from cocosync.runtime.comm import native
 from cocosync.runtime.comm.communicators import register_subgroup
-from cocosync.runtime.comm.shm import Arena, ArenaFull
+from cocosync.runtime.comm.shm import Arena, ArenaFull, unlink_pending
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
 from cocosync.shadowsync.checkpoint import (
     BEST,
@@ -198,6 +198,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         text = str(err) if isinstance(err, (ConfigError, ArenaFull)) else traceback.format_exc()
         if link is not None:
             link.failed(text)
+        unlink_pending()  # a segment a dead peer never mapped (os._exit skips the atexit hook that would)
         print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{text}",
               file=sys.stderr, flush=True)  # plain text: rich would wrap it and parse the [brackets] of gloo's
         if roles.role()[0] != "trainer":
