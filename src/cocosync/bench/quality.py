@@ -41,7 +41,9 @@ def _train(alg: str, T: int, seed: int, base: dict, out: Path, console: Any) -> 
     if res.interrupted:
         raise click.Abort()
     s = res.summary
-    curve = [r["train_ne"] for r in res.records if r.get("event") == "train" and r.get("train_ne") is not None]
+    full = cfg.window * cfg.batch_size  # a trainer's first windows score the initial model: not a jump in its NE
+    curve = [r["train_ne"] for r in res.records if r.get("event") == "train" and r.get("train_ne") is not None
+             and r.get("trainer_examples", full) >= full]
     return {"algorithm": alg, "T": T, "seed": seed, "eval_ne": s["eval_ne"], "eps": s["eps"],
             "sync_gap": s["sync_gap"], "max_train_ne": max(curve, default=float("nan"))}
 
