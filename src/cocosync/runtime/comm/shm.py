@@ -89,9 +89,6 @@ def unlink_pending() -> None:
         _unlink(path)
 
 
-_unlink_pending = unlink_pending  # (former name)
-
-
 def _pid_alive(pid: int) -> bool:
     """False when the process is gone or a zombie (killed, not yet reaped by its parent)."""
     if pid <= 0:  # not published yet
@@ -262,9 +259,10 @@ class Arena:
         # for a segment that cannot be created, and nothing faults (SIGBUS) later on first touch
         free, total = shm_space()
         if nbytes > free:
-            raise ArenaFull(f"{what}: a shared-memory segment of {_gib(nbytes)} does not fit in {SHM_DIR} "
-                            f"({_gib(free)} free of {_gib(total)}); free space there, give the container more "
-                            "shared memory (docker --shm-size), or make the model or its buckets smaller")
+            raise ArenaFull(f"{what}: a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
+                            f"({format_size(free)} free of {format_size(total)}); free space there, give the "
+                            "container more shared memory (docker --shm-size), or make the model or its buckets "
+                            "smaller")
         if self.local_rank == 0:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             with _pending_lock:
@@ -277,10 +275,10 @@ class Arena:
                 if e.errno not in (errno.ENOSPC, errno.ENOMEM):
                     raise
                 free, total = shm_space()
-                raise ArenaFull(f"{what}: a shared-memory segment of {_gib(nbytes)} does not fit in {SHM_DIR} "
-                                f"({_gib(free)} free of {_gib(total)}, the job's other segments counted); free space "
-                                "there, give the container more shared memory (docker --shm-size), or make the "
-                                "model or its buckets smaller") from None
+                raise ArenaFull(f"{what}: a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
+                                f"({format_size(free)} free of {format_size(total)}, the job's other segments "
+                                "counted); free space there, give the container more shared memory "
+                                "(docker --shm-size), or make the model or its buckets smaller") from None
             except BaseException:
                 os.close(fd)
                 _unlink(path)
@@ -425,7 +423,10 @@ class ArenaFull(MemoryError):
     """A segment would not fit in /dev/shm; the message gives the sizes."""
 
 
-def _gib(n: int) -> str:
+def format_size(n: float) -> str:
+    """Bytes for a message: MiB below 256 MiB, GiB below 1 TiB, TiB above."""
+    if n >= 2**40:
+        return f"{n / 2**40:,.2f} TiB"
     return f"{n / 2**30:.2f} GiB" if n >= 2**28 else f"{n / 2**20:.1f} MiB"
 
 

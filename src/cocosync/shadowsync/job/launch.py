@@ -34,7 +34,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
-from cocosync.runtime.comm.shm import SHM_DIR, shm_space
+from cocosync.runtime.comm.shm import SHM_DIR, format_size, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
 from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
@@ -259,22 +259,16 @@ def _check_shared_memory(cfg: TrainConfig, cluster: ClusterConfig) -> None:
     need = tables + 4 * cfg.trainers * dense * 4
     free, total = shm_space()
     if need > free:
-        raise ConfigError(f"this run needs about {_size(need)} of shared memory ({rows:,} embedding rows x {dim} "
-                          f"floats with their accumulators: {_size(tables)}; the dense sync's buffers), and {SHM_DIR} "
-                          f"has {_size(free)} free of {_size(total)}: free space there, give the container more shared "
-                          "memory (docker --shm-size), or shrink --table-size / --embedding-dim")
+        raise ConfigError(f"this run needs about {format_size(need)} of shared memory ({rows:,} embedding rows x "
+                          f"{dim} floats with their accumulators: {format_size(tables)}; the dense sync's buffers), "
+                          f"and {SHM_DIR} has {format_size(free)} free of {format_size(total)}: free space there, give "
+                          "the container more shared memory (docker --shm-size), or shrink --table-size / "
+                          "--embedding-dim")
     available = _memory_available()
     if available is not None and need > available:  # /dev/shm's size can exceed the memory behind it
-        raise ConfigError(f"this run needs about {_size(need)} of shared memory for its tables and sync buffers, and "
-                          f"the machine has {_size(available)} of memory available: shrink --table-size / "
-                          "--embedding-dim")
-
-
-def _size(n: float) -> str:
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30)):
-        if n >= scale:
-            return f"{n / scale:,.1f} {unit}"
-    return f"{n / 2**20:.1f} MiB"
+        raise ConfigError(f"this run needs about {format_size(need)} of shared memory for its tables and sync "
+                          f"buffers, and the machine has {format_size(available)} of memory available: shrink "
+                          "--table-size / --embedding-dim")
 
 
 def _memory_available() -> int | None:
