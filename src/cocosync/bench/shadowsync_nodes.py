@@ -1,4 +1,6 @@
-"""`cocosync bench shadowsync --nodes 2`: the same ShadowSync job on one node and across two torchrun nodes.
+"""`cocosync bench shadowsync --nodes 2`: the same ShadowSync job on one node and across two torchrun nodes, with
+lookups by torch.distributed.rpc (the former path, whose messages the scaling model counts; the lookup exchange, the
+default since, is measured across 1, 2 and 4 nodes by `cocosync bench lookups`).
 
 Round-robin over repeats: the single-node launcher (T trainers) and the 2-node job (T/2 trainers and one embedding
 server per node, loopback), with and without prefetching the lookups. Reported (medians): EPS, EPS per trainer
@@ -43,8 +45,10 @@ def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
 
 def _two_nodes(args: list[str], trainers: int, out: Path, prefetch: int, group: int) -> dict:
     per_node = trainers // 2
+    # the RPC path: the scaling model below counts its messages (the lookup exchange: bench/lookup_scaling.py)
     runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--out", str(out), "--prefetch", str(prefetch),
-                      "--lookup-batches", str(group)], nproc_per_node=1 + per_node, timeout=900)
+                      "--lookup-batches", str(group), "--lookup-transport", "rpc"], nproc_per_node=1 + per_node,
+                     timeout=900)
     for r in runs:
         if r.returncode != 0:
             raise RuntimeError(f"2-node run failed on node {r.node} (exit {r.returncode}):\n{r.output[-3000:]}")

@@ -1,12 +1,16 @@
 """A ShadowSync job across machines, one process per torchrun rank (`python -m cocosync.shadowsync` under torchrun).
 
-Every process joins the gloo default group and the RPC world (TensorPipe), then takes its role (roles.py):
+Every process joins the gloo default group (and the RPC world where EASGD or `--lookup-transport rpc` needs it), then
+takes its role (roles.py):
 
 * an **embedding server** initializes its shard of the tables (row hash, param_server.py) in the node's shared
-  memory, serves lookups and row-gradient pushes from trainers on other nodes, and waits for the end;
+  memory (where every process of the node reads and updates it in place) and saves it at checkpoints; with
+  `--lookup-transport rpc` it also serves the lookups and pushes of trainers on other nodes;
 * a **sync server** holds a range of EASGD's centre and serves exchanges (sync/center.py);
 * a **trainer** runs the single-node `Trainer` (W Hogwild workers and the shadow or foreground sync) on its own share
-  of the data, with its embedding rows from the servers (its node's shards zero-copy, the others by RPC, prefetched)
+  of the data, with its embedding rows from the servers (its node's shards zero-copy, the others through the lookup
+  exchange with the trainer of the same local index on every other node, which serves them from its node's shards;
+  prefetched)
   and its dense sync over the trainers: MA/BMUF as the compiled DSL programs on the runtime's hierarchical
   communicator (shared memory within the node, gloo across nodes; the classes over the same path with
   --no-compiled-sync); EASGD against the sync servers.
@@ -62,6 +66,7 @@ from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerSta
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
+from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -96,6 +101,7 @@ class _Job:
     shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
     rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
+    exchange_group: Any = None  # this trainer's lookup exchange: the trainer of its local index on every node
     dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
     center: CenterShard | None = None  # a sync server's range of EASGD's centre
     dense_params: int = 0
@@ -144,7 +150,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     dist.init_process_group("gloo", timeout=timeout)
     # RPC carries lookups to other machines' shards and EASGD's exchanges with its sync servers: a one-node job
     # without EASGD has none (its trainers use the node's shards in place) and starts no RPC agent
-    uses_rpc = topo.nnodes > 1 or cfg.sync.method == "easgd"
+    uses_rpc = (topo.nnodes > 1 and cluster.lookup_transport == "rpc") or cfg.sync.method == "easgd"
     try:
         if uses_rpc:
             _init_rpc(cfg, roles)
@@ -171,6 +177,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             _periodic_checkpoints(job, run, parts)
             summary = _run_trainer(job, run, index)
             _command(job, "end")
+            run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             while _command(job, None) == "checkpoint":
@@ -231,6 +238,10 @@ def _add_job_cpu(summary: dict, cpu: list[tuple[str, float]], out: Path) -> None
     # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
     summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
     summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
+    # every process from the end of set-up to the end (trainers' lookup serving and final scoring included): the
+    # CPU per example that issue 31's scaling targets compare across node counts
+    summary["job_cpu_seconds"] = sum(c for _, c in cpu)
+    summary["job_cpu_us_per_example"] = 1e6 * summary["job_cpu_seconds"] / max(summary["examples"], 1)
     _write_summary(summary, out)
 
 
@@ -280,6 +291,11 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
         if kind == "trainer" and index % Tn == i:
             inter = g
+    if nnodes > 1 and cluster.lookup_transport == "exchange":  # its own groups: a thread of its own uses them
+        for i in range(Tn):
+            g = dist.new_group(trainers[i::Tn])
+            if kind == "trainer" and index % Tn == i:
+                job.exchange_group = g
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
         # runtime's hierarchical communicator), the same fused collective as on one machine
@@ -327,9 +343,16 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
     labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)}, host {job.hosts[r]})"
               for r in roles.ranks("embedding")]
+    exchange = None
+    if job.exchange_group is not None:
+        Tn = roles.trainers_per_node
+        peers = roles.ranks("trainer")[t % Tn::Tn]
+        exchange = LookupExchange(job.exchange_group, job.shards, servers=E, servers_per_node=roles.embedding_per_node,
+                                  dim=job.model_cfg.embedding_dim, interval=job.cluster.exchange_interval,
+                                  labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,
-                               group=job.cluster.lookup_batches)
+                               group=job.cluster.lookup_batches, exchange=exchange)
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
@@ -520,7 +543,13 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "dense_params": D,
         "remote_row_fraction": sum(x["remote_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
         "_remote_rows": sum(x["remote_rows"] for x in lk),
-        "remote_calls": sum(x["rpc_calls"] + x["push_calls"] for x in lk),  # messages to remote servers
+        "remote_calls": sum(x["rpc_calls"] + x["push_calls"] for x in lk),  # lookups and pushes of remote rows
+        "lookup_transport": job.cluster.lookup_transport if N > 1 else "local",
+        "messages_per_example": sum(x["messages"] for x in lk) / max(examples, 1),  # to other nodes, per trainer
+        "exchange_rounds": sum(x["rounds"] for x in lk),
+        "exchange_cpu_us_per_round": 1e6 * sum(x["exchange_cpu_s"] for x in lk) / max(sum(x["rounds"] for x in lk), 1),
+        "network_bytes_per_example": (sum(x["wire_bytes"] for x in lk) if job.exchange_group is not None
+                                      else sparse_bytes) / max(examples, 1),
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)

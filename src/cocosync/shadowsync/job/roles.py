@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.train_config import ConfigError
 
-__all__ = ["ClusterConfig", "Roles"]
+__all__ = ["ClusterConfig", "Roles", "TRANSPORTS"]
+
+TRANSPORTS = ("exchange", "rpc")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -25,12 +27,18 @@ class ClusterConfig:
     """embedding parameter servers per node (their shards live in the node's shared memory)."""
     sync_servers: int | None = None
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
-    prefetch: int = 2
-    """batches whose embedding rows are requested ahead of the one training (0: none)."""
+    prefetch: int | None = None
+    """batches whose embedding rows are requested ahead of the one training (0: none); None: 6 with the lookup
+    exchange (its answers take 2-3 rounds), 2 with RPC."""
     lookup_batches: int = 1
     """batches whose embedding lookups go in one message per server (fewer messages, staler rows)."""
     max_inflight: int = 4
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
+    lookup_transport: str = "exchange"
+    """how lookups reach other machines' shards: 'exchange' (rounds of one gloo all_to_all between the trainers of
+    every node, exchange.py) or 'rpc' (torch.distributed.rpc, a message per server and batch: the former path)."""
+    exchange_interval: float = 0.005
+    """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example)."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
     eval_every: int | None = None
@@ -45,12 +53,18 @@ class ClusterConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
+        if self.prefetch is None:
+            self.prefetch = 6 if self.lookup_transport == "exchange" else 2
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
         for name in ("stop_after", "checkpoint_every", "eval_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")
+        if self.lookup_transport not in TRANSPORTS:
+            raise ConfigError(f"lookup_transport={self.lookup_transport!r} is invalid: expected one of {TRANSPORTS}")
+        if not isinstance(self.exchange_interval, (int, float)) or not 0 < self.exchange_interval <= 1:
+            raise ConfigError(f"exchange_interval={self.exchange_interval!r} is invalid: expected seconds in (0, 1]")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 

@@ -8,7 +8,9 @@ the client deduplicates the batch's ids and sends one message per server.
 
 A server's shard lives in its node's shared memory (an `Arena.shared_empty`, mapped by every process of the node):
 trainers on the same node read and update it in place, zero-copy, as if it were their own;
-trainers on other nodes go through RPC. Updates are row-wise Adagrad or SGD, Hogwild, through the same
+trainers on other nodes go through the lookup exchange (exchange.py: rounds of one gloo all_to_all between the
+trainers of every node, the default) or through torch.distributed.rpc (one message per server and batch, the former
+path, kept as the baseline `--lookup-transport rpc`). Updates are row-wise Adagrad or SGD, Hogwild, through the same
 `rowwise_update` as the local tables. Each row carries a version (its update count): a push reports how many
 updates its rows received between their fetch and its gradient (the staleness of asynchronous lookups).
 
@@ -30,6 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
+from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.served import Served
 
 __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
@@ -103,7 +106,13 @@ class Shard:
     def apply(self, ids: torch.Tensor, grads: torch.Tensor, fetched: torch.Tensor) -> int:
         """Apply gradient rows to the distinct local rows `ids` (Hogwild); returns the summed staleness: updates the
         rows received since `fetched` (their versions when the trainer read them)."""
-        stale = int((self.versions.index_select(0, ids) - fetched).sum())
+        return int(self.apply_rows(ids, grads, fetched).sum())
+
+    @torch.no_grad()
+    def apply_rows(self, ids: torch.Tensor, grads: torch.Tensor, fetched: torch.Tensor) -> torch.Tensor:
+        """`apply`, with the staleness of each row. Rows may repeat (several trainers' pushes applied at once): each
+        occurrence adds its gradient, as Hogwild threads would."""
+        stale = self.versions.index_select(0, ids) - fetched
         rowwise_update(self.weight, self.accumulator, ids, grads.to(self.weight.dtype).clone(), self.optimizer,
                        self.lr, self.eps, self.weight_decay)
         self.versions.index_add_(0, ids, torch.ones_like(ids))
@@ -153,8 +162,12 @@ class LookupStats:
     bytes_sent: int = 0  # RPC payload bytes (ids, gradients, versions), both directions counted where they go
     bytes_received: int = 0
     rpc_s: float = 0.0  # summed round trips of remote lookups (issue -> answer arrived)
-    rpc_calls: int = 0  # lookup messages (pushes ride on them)
-    push_calls: int = 0  # messages of pushes alone (queue full, or the final flush)
+    rpc_calls: int = 0  # remote lookups (RPC: one message each, pushes ride on them)
+    push_calls: int = 0  # messages of pushes alone (RPC: queue full, or the final flush)
+    rounds: int = 0  # lookup exchange: rounds run (one message to every other node each)
+    messages: int = 0  # messages this client's transport sent to other nodes (exchange: rounds x peers)
+    wire_bytes: int = 0  # exchange: bytes of those messages (requests, answers served to peers, headers)
+    exchange_cpu_s: float = 0.0  # exchange: its thread's CPU in rounds (packing, all_to_all, serving peers)
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
     stale_rows: int = 0
@@ -177,6 +190,11 @@ class Lookup:
     versions: torch.Tensor | None = None
     answered: list[float] = field(default_factory=list)  # when each remote part arrived (an RPC thread notes it)
     within: tuple[Lookup, torch.Tensor] | None = None  # (the lookup of a group of batches, uniq's positions in it)
+    # lookup exchange: (server, positions in uniq, local rows) per local shard; the remote rows' positions, and
+    # the Future of their (rows, versions) from the exchange (None: every row is local)
+    local: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    remote_idx: torch.Tensor | None = None
+    remote: Any = None
 
 
 class ShardedEmbeddings:
@@ -184,9 +202,10 @@ class ShardedEmbeddings:
     memory) or the RPC worker name of the server that holds it."""
 
     def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
-                 labels: Sequence[str] | None = None, group: int = 1):
+                 labels: Sequence[str] | None = None, group: int = 1, exchange: LookupExchange | None = None):
         """`labels`: how errors name each server (default: its RPC name); `group`: batches whose lookups go in one
-        message per server when prefetching (fewer messages, staler rows)."""
+        message per server when prefetching (fewer messages, staler rows); `exchange`: the remote servers are
+        reached through it (their entries in `servers` are then labels only), else by RPC."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -200,7 +219,9 @@ class ShardedEmbeddings:
             raise ValueError(f"max_inflight={max_inflight!r} must be >= 1")
         if group < 1:
             raise ValueError(f"group={group!r} must be >= 1 batch per message")
-        self.max_inflight, self.group = max_inflight, group
+        self.max_inflight, self.group, self.exchange = max_inflight, group, exchange
+        self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
+        self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
         self.stats = LookupStats()
         self._lock = threading.Lock()
         self._inflight: collections.deque = collections.deque()
@@ -210,6 +231,8 @@ class ShardedEmbeddings:
     def fetch(self, sparse: torch.Tensor) -> Lookup:
         """Start the lookup of a batch's ids [B, num_tables]: one message per remote server, local shards read now."""
         uniq, inverse = self._distinct(sparse)
+        if self.exchange is not None:
+            return self._fetch_exchange(uniq, inverse.view(sparse.shape))
         order, bounds = self._by_server(uniq)
         local_ids = (uniq // self.hash.servers)[order]
         parts = []
@@ -223,12 +246,73 @@ class ShardedEmbeddings:
                 with self._lock:
                     pushes = self._pending.pop(s, [])
                     self.stats.bytes_sent += _push_bytes(pushes) + ids.numel() * 8
+                    self.stats.messages += 1
                 parts.append(rpc.rpc_async(server, _rpc_push_lookup, args=(s, pushes, ids)))
         lk = Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
         for part in parts:
             if not isinstance(part, torch.Tensor):  # the round trip proper, not the time until the trainer looks
                 part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
         return lk
+
+    def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
+        """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
+        S = self.hash.servers
+        owner = uniq % S
+        local = [(s, idx, uniq[idx] // S) for s in self._local_servers
+                 if (idx := (owner == s).nonzero().view(-1)).numel()]
+        remote_idx = (~self._is_local[owner]).nonzero().view(-1)
+        lk = Lookup(uniq, inverse, uniq, [], [], time.perf_counter(), local=local, remote_idx=remote_idx)
+        if remote_idx.numel():
+            with self._lock:
+                self.stats.bytes_sent += remote_idx.numel() * 8
+            lk.remote = self.exchange.lookup(uniq[remote_idx])
+            lk.remote.add_done_callback(lambda _f: lk.answered.append(time.perf_counter()))
+        return lk
+
+    def _wait_exchange(self, lk: Lookup) -> torch.Tensor:
+        rows = torch.empty(lk.uniq.numel(), self.dim)
+        versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
+        for s, idx, ids in lk.local:
+            rows[idx], versions[idx] = self.servers[s].lookup(ids)
+        blocked = 0.0
+        remote = lk.remote_idx.numel()
+        if lk.remote is not None:
+            t0 = time.perf_counter()
+            got_rows, got_versions = self._wait(lk.remote, self._first_remote(lk), "a lookup")
+            blocked = time.perf_counter() - t0
+            rows[lk.remote_idx], versions[lk.remote_idx] = got_rows, got_versions
+        lk.rows, lk.versions, lk.remote = rows, versions, None
+        stale = self.exchange.take_stale()
+        with self._lock:
+            st = self.stats
+            st.wait_s += blocked
+            st.lookups += 1
+            st.rows += lk.uniq.numel()
+            st.remote_rows += remote
+            st.stale_sum += stale
+            st.bytes_received += remote * (self.dim * 4 + 8)
+            if remote:
+                st.rpc_s += (lk.answered[0] if lk.answered else time.perf_counter()) - lk.issued
+                st.rpc_calls += 1
+        return rows
+
+    def _first_remote(self, lk: Lookup) -> int:
+        """A remote server of the lookup (errors name it: with two nodes, the only other one)."""
+        return int(lk.uniq[lk.remote_idx[0]] % self.hash.servers)
+
+    def _push_exchange(self, lk: Lookup, grads: torch.Tensor) -> None:
+        stale = 0
+        for s, idx, ids in lk.local:
+            stale += self.servers[s].apply(ids, grads.index_select(0, idx), lk.versions[idx])
+        r = lk.remote_idx
+        if r.numel():
+            self.exchange.push(lk.uniq[r], grads.index_select(0, r), lk.versions[r])
+        with self._lock:
+            st = self.stats
+            st.bytes_sent += r.numel() * (16 + self.dim * 4)
+            st.pushes += 1
+            st.stale_sum += stale
+            st.stale_rows += lk.uniq.numel()
 
     def _distinct(self, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         uniq, inverse = torch.unique((sparse + self.offsets).reshape(-1), return_inverse=True)
@@ -252,11 +336,19 @@ class ShardedEmbeddings:
             return [self.fetch(sparses[0])]
         union = self.fetch(torch.cat(sparses))
         out = []
+        S = self.hash.servers
         for sparse in sparses:
             uniq, inverse = self._distinct(sparse)
+            within = (union, torch.searchsorted(union.uniq, uniq))
+            if self.exchange is not None:  # the batch's own local/remote split, for its push
+                owner = uniq % S
+                local = [(s, idx, uniq[idx] // S) for s in self._local_servers
+                         if (idx := (owner == s).nonzero().view(-1)).numel()]
+                out.append(Lookup(uniq, inverse, uniq, [], [], union.issued, within=within, local=local,
+                                  remote_idx=(~self._is_local[owner]).nonzero().view(-1)))
+                continue
             order, bounds = self._by_server(uniq)
-            out.append(Lookup(uniq, inverse, order, bounds, [], union.issued,
-                              within=(union, torch.searchsorted(union.uniq, uniq))))
+            out.append(Lookup(uniq, inverse, order, bounds, [], union.issued, within=within))
         return out
 
     def wait(self, lk: Lookup) -> torch.Tensor:
@@ -267,6 +359,8 @@ class ShardedEmbeddings:
             union, pos = lk.within
             lk.rows, lk.versions = self.wait(union).index_select(0, pos), union.versions.index_select(0, pos)
             return lk.rows
+        if lk.local is not None:
+            return self._wait_exchange(lk)
         blocked = 0.0
         rows = torch.empty(lk.uniq.numel(), self.dim)
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
@@ -305,13 +399,17 @@ class ShardedEmbeddings:
         message per server)."""
         S = self.hash.servers
         out = torch.empty(self.hash.total_rows, self.dim)
-        remote = [(s, rpc.rpc_async(server, _rpc_rows, args=(s,))) for s, server in enumerate(self.servers)
-                  if not isinstance(server, Shard)]
+        remote = [s for s, server in enumerate(self.servers) if not isinstance(server, Shard)]
+        if self.exchange is not None:  # every row of the shard, as one lookup
+            futures = [self.exchange.lookup(torch.arange(self.hash.shard_rows(s)) * S + s) for s in remote]
+        else:
+            futures = [rpc.rpc_async(self.servers[s], _rpc_rows, args=(s,)) for s in remote]
         for s, server in enumerate(self.servers):
             if isinstance(server, Shard):
                 out[s::S] = server.weight
-        for s, future in remote:
-            out[s::S] = self._wait(future, s, "a snapshot of its rows")
+        for s, future in zip(remote, futures):
+            got = self._wait(future, s, "a snapshot of its rows")
+            out[s::S] = got[0] if self.exchange is not None else got
         return out
 
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
@@ -342,6 +440,8 @@ class ShardedEmbeddings:
     def push(self, lk: Lookup, grads: torch.Tensor) -> None:
         """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards now; for a remote server, queued
         to ride on the next lookup sent to it (sent alone once `max_inflight` batches of pushes are queued)."""
+        if self.exchange is not None:
+            return self._push_exchange(lk, grads)
         stale = 0
         alone: list = []
         with self._lock:
@@ -370,6 +470,7 @@ class ShardedEmbeddings:
         with self._lock:
             self.stats.bytes_sent += sum(_push_bytes(p) for _, p in batches)
             self.stats.push_calls += len(futures)
+            self.stats.messages += len(futures)
             self._inflight.extend(futures)
             excess = [self._inflight.popleft() for _ in range(max(0, len(self._inflight) - self.max_inflight))]
         self._retire(excess)
@@ -387,6 +488,15 @@ class ShardedEmbeddings:
 
     def flush(self) -> None:
         """Send every queued push and wait for all of them (before reading the tables or reporting)."""
+        if self.exchange is not None:
+            ex = self.exchange
+            ex.flush()
+            with self._lock:
+                st = self.stats
+                st.stale_sum += ex.take_stale()
+                st.rounds, st.messages, st.wire_bytes = ex.rounds, ex.rounds * (ex.n - 1), ex.bytes_sent
+                st.exchange_cpu_s = ex.cpu_s
+            return
         with self._lock:
             queued = list(self._pending.items())
             self._pending.clear()
@@ -395,3 +505,8 @@ class ShardedEmbeddings:
             futures = list(self._inflight)
             self._inflight.clear()
         self._retire(futures)
+
+    def close(self) -> None:
+        """This client is done: the lookup exchange (if any) serves the other nodes until they are done too."""
+        if self.exchange is not None:
+            self.exchange.close()

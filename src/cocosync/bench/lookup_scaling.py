@@ -1,0 +1,217 @@
+"""`cocosync bench lookups`: CPU per example of a ShadowSync job on 1, 2, 4 ... torchrun nodes (loopback), for each
+lookup transport (the exchange, RPC), and the straight-line projection to 32 and 128 machines (issue 31).
+
+Each node runs one embedding server and `--trainers-per-node` trainers (`--sync none`: the lookups alone). A
+configuration's **CPU per example** is the CPU-seconds of every process (set-up excluded) per *extra* example between
+a short and a long run, so start-up and the final scoring cancel; its **efficiency** is one node's CPU per example
+over its own. Every configuration runs once per round (round-robin, both lengths back to back), medians over the
+rounds. A least-squares line through CPU per example against the node count projects the efficiency at 32 and 128
+machines: (a + b) / (a + b N). Also reported (long runs, medians): staleness (updates a pushed row received since its
+fetch), the share of step time trainers waited on lookups, messages and bytes per example between nodes, eval NE.
+Written: the table (and markdown), lookups.json and lookups.png (CPU per example vs nodes, measured and fitted).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import click
+
+__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency"]
+
+TARGETS = {"efficiency_4": 0.9, "efficiency_32": 0.9, "efficiency_128": 0.75, "staleness": 4.0, "wait": 0.05}
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b
+
+
+def projected_efficiency(a: float, b: float, nodes: int) -> float:
+    """One node's CPU per example over N nodes', both on the fitted line a + b N."""
+    return (a + b) / (a + b * nodes)
+
+
+def _run(nodes: int, transport: str, examples: int, per_node: int, extra: list[str], out: Path) -> dict:
+    from cocosync.testing.multinode import run_nodes
+
+    runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--sync", "none", "--out", str(out),
+                      "--lookup-transport", transport, *extra], nnodes=nodes, nproc_per_node=1 + per_node,
+                     timeout=900)
+    for r in runs:
+        if r.returncode != 0:
+            raise click.ClickException(f"{nodes}-node {transport} run failed on node {r.node} (exit {r.returncode}):"
+                                       f"\n{r.output[-3000:]}")
+    return json.loads((out / "summary.json").read_text())
+
+
+def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int, int], per_node: int, repeats: int,
+                eval_examples: int, extra: list[str], console: Any) -> dict:
+    """Every configuration's samples (one per round) and its medians."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    configs = [(n, t) for n in nodes for t in (transports if n > 1 else transports[:1])]
+    small, big = examples
+    args = ["--eval-examples", str(eval_examples), *extra]
+    samples: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
+    with tempfile.TemporaryDirectory(prefix="cocosync-bench-lookups-") as tmp, Progress(
+            TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+            console=console) as bar:
+        task = bar.add_task("lookup runs", total=2 * repeats * len(configs))
+        for rnd in range(repeats):
+            for n, t in configs:
+                got = []
+                for ex in (small, big):
+                    got.append(_run(n, t, ex, per_node, args, Path(tmp) / f"{n}-{t}-{ex}-{rnd}"))
+                    bar.advance(task)
+                a, b = got
+                cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
+                samples[(n, t)].append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu})
+                bar.console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':9s} round {rnd + 1}: "
+                                  f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
+                                  f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
+    rows = [_median(n, t, v) for (n, t), v in samples.items()]
+    one = next(r for r in rows if r["nodes"] == 1)
+    for r in rows:
+        r["efficiency"] = one["cpu_us_per_example"] / r["cpu_us_per_example"]
+        r["ne_change"] = r["eval_ne"] / one["eval_ne"] - 1
+    fits = {}
+    for t in transports:
+        pts = [(r["nodes"], r["cpu_us_per_example"]) for r in rows if r["nodes"] == 1 or r["transport"] == t]
+        if len({x for x, _ in pts}) >= 2:
+            a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
+            fits[t] = {"intercept_us": a, "slope_us_per_node": b,
+                       **{f"efficiency_{m}": projected_efficiency(a, b, m) for m in (4, 8, 32, 128)}}
+    return {"rows": rows, "fits": fits, "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
+            "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
+                         "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
+
+
+_KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
+         "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples")
+
+
+def _median(nodes: int, transport: str, v: list[dict]) -> dict:
+    out: dict = {"nodes": nodes, "transport": transport if nodes > 1 else "local", "samples": len(v)}
+    for k in ("cpu_us_per_example", *_KEYS):
+        vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
+        out[k] = statistics.median(vals) if vals else float("nan")
+    out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
+    return out
+
+
+def verdicts(result: dict) -> list[str]:
+    out = []
+    for r in result["rows"]:
+        if r["nodes"] == 4:
+            out.append(_verdict(r["efficiency"] >= TARGETS["efficiency_4"],
+                                f"CPU efficiency at 4 nodes, {r['transport']}",
+                                f"{r['efficiency']:.2f} (target >= 0.9)"))
+        if r["nodes"] > 1:
+            out.append(_verdict(r["staleness"] <= TARGETS["staleness"], f"staleness at {r['nodes']} nodes, "
+                                f"{r['transport']}", f"{r['staleness']:.2f} updates per row (target <= 4)"))
+            out.append(_verdict(r["lookup_wait_fraction"] < TARGETS["wait"], f"lookup wait at {r['nodes']} nodes, "
+                                f"{r['transport']}", f"{r['lookup_wait_fraction']:.1%} of step time (target < 5%)"))
+    for t, f in result["fits"].items():
+        out.append(_verdict(f["efficiency_32"] >= TARGETS["efficiency_32"] and f["efficiency_128"] >= TARGETS[
+            "efficiency_128"], f"projected efficiency, {t} (straight line)", f"32 machines {f['efficiency_32']:.2f} "
+            f"(target >= 0.9), 128 machines {f['efficiency_128']:.2f} (target >= 0.75)"))
+    return out
+
+
+def _verdict(ok: bool, what: str, detail: str) -> str:
+    return f"{'PASS' if ok else 'MISS'} {what}: {detail}"
+
+
+COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "staleness", "lookup wait", "messages/example",
+           "net B/example", "eval NE", "NE vs 1 node", "samples"]
+
+
+def _cells(r: dict) -> list[str]:
+    return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}",
+            f"{r['staleness']:.2f}", f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
+            f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}", f"{r['ne_change']:+.2%}",
+            str(r["samples"])]
+
+
+def _plot(result: dict):
+    import logging
+
+    import matplotlib
+
+    logging.getLogger("matplotlib.font_manager").setLevel(logging.ERROR)
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    one = [r for r in result["rows"] if r["nodes"] == 1]
+    for t, f in result["fits"].items():
+        pts = sorted(one + [r for r in result["rows"] if r["transport"] == t], key=lambda r: r["nodes"])
+        line = ax.plot([r["nodes"] for r in pts], [r["cpu_us_per_example"] for r in pts], "o", label=f"{t} (measured)")
+        xs = [1, max(r["nodes"] for r in pts) * 2]
+        ax.plot(xs, [f["intercept_us"] + f["slope_us_per_node"] * x for x in xs], "--", color=line[0].get_color(),
+                label=f"{t} fit: 32 machines {f['efficiency_32']:.0%}")
+    ax.set_xlabel("torchrun nodes (loopback)")
+    ax.set_ylabel("CPU us per extra example (all processes)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("ShadowSync CPU per example vs nodes")
+    fig.tight_layout()
+    return fig
+
+
+@click.command("lookups")
+@click.option("--nodes", default="1,2,4", show_default=True, help="node counts (comma-separated; 1 is the reference).")
+@click.option("--transports", default="exchange,rpc", show_default=True, help="lookup transports to compare.")
+@click.option("--examples", default="100000,300000", show_default=True,
+              help="the short and the long run (CPU per example is their difference over the extra examples).")
+@click.option("--trainers-per-node", type=int, default=1, show_default=True)
+@click.option("--repeats", type=int, default=3, show_default=True, help="rounds (medians over them).")
+@click.option("--eval-examples", type=int, default=20_000, show_default=True)
+@click.option("--exchange-interval", type=float, default=None, help="milliseconds (the job's default if not set).")
+@click.option("--prefetch", type=int, default=None, help="batches (the transport's default if not set).")
+@click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
+@click.option("--json", "json_path", default=None, help="also write the JSON here.")
+def lookups_cmd(nodes: str, transports: str, examples: str, trainers_per_node: int, repeats: int, eval_examples: int,
+                exchange_interval: float | None, prefetch: int | None, out: str, json_path: str | None) -> None:
+    """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
+    from rich.console import Console
+
+    from cocosync.bench.common import markdown_table, print_table, save_figure, write_json
+    from cocosync.shadowsync.job.roles import TRANSPORTS
+
+    node_list = sorted({int(x) for x in nodes.split(",")})
+    trans = [t.strip() for t in transports.split(",")]
+    bad = [t for t in trans if t not in TRANSPORTS]
+    if bad or 1 not in node_list or len(node_list) < 2 or min(node_list) < 1:
+        raise click.UsageError(f"--nodes {nodes!r} --transports {transports!r}: expected node counts including 1 and "
+                               f"another, transports from {TRANSPORTS}")
+    small, big = (int(x) for x in examples.split(","))
+    if not 0 < small < big:
+        raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
+    extra = [*(["--exchange-interval", str(exchange_interval)] if exchange_interval else []),
+             *(["--prefetch", str(prefetch)] if prefetch is not None else [])]
+    console = Console()
+    result = run_lookups(nodes=node_list, transports=trans, examples=(small, big), per_node=trainers_per_node,
+                         repeats=repeats, eval_examples=eval_examples, extra=extra, console=console)
+    rows = [_cells(r) for r in result["rows"]]
+    print_table("bench lookups (medians; CPU per extra example of every process)", COLUMNS, rows, console=console)
+    for t, f in result["fits"].items():
+        console.print(f"{t}: CPU per example = {f['intercept_us']:.2f} + {f['slope_us_per_node']:.3f} x nodes us; "
+                      f"projected efficiency 8: {f['efficiency_8']:.2f}, 32: {f['efficiency_32']:.2f}, "
+                      f"128: {f['efficiency_128']:.2f}")
+    result["verdicts"] = verdicts(result)
+    for line in result["verdicts"]:
+        console.print(("[green]" if line.startswith("PASS") else "[red]") + line)
+    console.print(markdown_table(COLUMNS, rows), markup=False, highlight=False, soft_wrap=True)
+    path = Path(out)
+    path.mkdir(parents=True, exist_ok=True)
+    console.print(f"plot: {save_figure(_plot(result), path / 'lookups.png')}")
+    console.print(f"json: {write_json(json_path or path / 'lookups.json', result)}")

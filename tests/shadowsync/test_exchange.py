@@ -1,0 +1,104 @@
+"""The lookup exchange (rounds of one gloo all_to_all between the trainers of every node): lookups and pushes equal
+to the local tables bit for bit (one worker, fixed order), with pushes in flight, with several servers per node, and
+a dead peer named in every waiting lookup."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from cocosync.shadowsync.model.embeddings import RowHash, ServerLost, Shard, ShardedEmbeddings, initial_rows
+from cocosync.testing.launch import RankPool
+
+from .tables import ReferenceTables
+from .test_param_server import DIM, ROWS, _drive
+
+INTERVAL = 0.002
+
+
+def _shards(servers: int, optimizer: str) -> list[Shard]:
+    rowhash = RowHash(sum(ROWS), servers)
+    out = []
+    for s in range(servers):
+        n = rowhash.shard_rows(s)
+        w = initial_rows(ROWS, DIM, init_std=0.05, seed=3, rowhash=rowhash, server=s)
+        out.append(Shard(w, torch.zeros(n), torch.zeros(n, dtype=torch.int64), optimizer=optimizer, lr=0.1))
+    return out
+
+
+def _exchange_rank(optimizer: str, per_node: int, in_order: bool) -> dict:
+    """Rank r is node r, holding servers r*per_node ... ; rank 1 drives a client, rank 0 only serves."""
+    import torch.distributed as dist
+
+    from cocosync.shadowsync.model.exchange import LookupExchange
+
+    rank, nodes = dist.get_rank(), dist.get_world_size()
+    S = per_node * nodes
+    shards = _shards(S, optimizer)
+    mine = {s: shards[s] for s in range(rank * per_node, (rank + 1) * per_node)}
+    ex = LookupExchange(dist.group.WORLD, mine, servers=S, servers_per_node=per_node, dim=DIM, interval=INTERVAL,
+                        labels=[f"node{n}" for n in range(nodes)])
+    if rank == 0:
+        ex.close()  # serves rank 1 until it is done too
+        return {"rounds": ex.rounds}
+    client = ShardedEmbeddings(ROWS, DIM, [mine.get(s, f"server{s}") for s in range(S)], exchange=ex)
+    local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
+    _drive(client, local, steps=8, in_order=in_order)
+    snap = client.snapshot()  # every row, the remote shard's as one lookup
+    client.close()
+    stats = client.stats.as_dict()
+    stats["snapshot_error"] = float((snap - local.weight).abs().max())
+    return stats
+
+
+@pytest.mark.parametrize("optimizer,per_node,in_order", [("adagrad", 1, True), ("sgd", 2, True),
+                                                         ("adagrad", 1, False)])
+def test_lookups_and_pushes_through_the_exchange_equal_the_shared_tables(optimizer, per_node, in_order):
+    with RankPool(2, timeout=120) as pool:
+        res = pool.run(_exchange_rank, optimizer, per_node, in_order)
+    stats = res[1]
+    assert 0 < stats["remote_rows"] < stats["rows"]  # both a local and a remote shard were used
+    assert stats["rounds"] > 0 and stats["messages"] == stats["rounds"] and stats["wire_bytes"] > 0
+    assert res[0]["rounds"] >= stats["rounds"]  # the server kept serving until the client was done
+    assert stats["stale_rows"] > 0
+    if in_order:  # every push applied before the next fetch: no update in between
+        assert stats["stale_sum"] == 0 and stats["snapshot_error"] == 0
+    assert stats["snapshot_error"] < 1e-5
+
+
+def _lost_peer_rank() -> str:
+    import os
+    import threading
+
+    import torch.distributed as dist
+
+    from cocosync.shadowsync.model.exchange import LookupExchange
+
+    rank = dist.get_rank()
+    shards = _shards(2, "sgd")
+    ex = LookupExchange(dist.group.WORLD, {rank: shards[rank]}, servers=2, servers_per_node=1, dim=DIM,
+                        interval=INTERVAL, labels=["trainer0 (node 0)", "trainer1 (node 1)"])
+    if rank == 0:  # gone without a word, as a killed process, once it has answered the pool
+        dist.barrier()
+        threading.Timer(0.5, os._exit, args=(0,)).start()
+        return ""
+    client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shards[1]], exchange=ex)
+    dist.barrier()
+    sparse = torch.stack([torch.arange(5) % r for r in ROWS], dim=1)
+    text = "no error"
+    try:
+        for _ in range(500):
+            client.lookup(sparse)
+    except ServerLost as e:
+        text = str(e)
+    return text
+
+
+def test_a_lost_peer_fails_the_lookups_naming_it():
+    pool = RankPool(2, timeout=60)
+    try:
+        text = pool.run(_lost_peer_rank, timeout=60)[1]
+    finally:
+        pool.close(force=True)
+    assert "embedding server embedding0 did not answer a lookup" in text
+    assert "exchange with node 0 (trainer0 (node 0)) broke" in text
