@@ -85,16 +85,17 @@ def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path):
 @pytest.mark.parametrize("victim", [2, 3], ids=["embedding-server", "trainer"])
 def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim):
     """Rank 2 is node 1's embedding server, rank 3 its trainer: every process exits (non-zero) well within the
-    timeout, the error names the dead party, nothing is left in /dev/shm. With a dead server the trainers run no
-    dense sync: node 0's trainer then meets the server's absence in its next lookup (with one, it can meet node 1's
-    trainer gone first, torn down by its agent, and report that; torchrun still names the dead rank)."""
+    timeout, the error names the dead party, nothing is left in /dev/shm. The dead server is met through the RPC
+    lookups (`--lookup-transport rpc`, no dense sync: node 0's trainer meets the server's absence in its next lookup
+    and names it); the dead trainer through the default lookup exchange, whose peer it is (and the dense sync:
+    whichever breaks first, torchrun names the dead rank). The exchange naming a lost peer: test_exchange.py."""
     out = tmp_path / "run"
-    sync = ["--sync", "none"] if victim == 2 else []
+    sync = ["--sync", "none", "--lookup-transport", "rpc"] if victim == 2 else []
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "400000", "--eval-examples", "2000",
                          "--heartbeat-timeout", "20", *sync, "--out", str(out)], nproc_per_node=2)
     try:
         deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or "train" not in (out / "metrics.jsonl").read_text():
+        while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
             assert time.monotonic() < deadline, "the job did not start training"
             assert all(p.poll() is None for p in procs), "an agent exited before training"
             time.sleep(0.2)
