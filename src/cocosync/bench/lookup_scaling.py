@@ -7,7 +7,9 @@ a short and a long run, so start-up and the final scoring cancel; its **efficien
 over its own. Every configuration runs once per round (round-robin, both lengths back to back), medians over the
 rounds. A least-squares line through CPU per example against the node count projects the efficiency at 32 and 128
 machines: (a + b) / (a + b N). Also reported (long runs, medians): staleness (updates a pushed row received since its
-fetch), the share of step time trainers waited on lookups, messages and bytes per example between nodes, eval NE.
+fetch), the share of step time trainers waited on lookups, messages and bytes per example between nodes, eval NE
+(with `--sync none` the N nodes' N trainers do not average their dense replicas: compare NE across node counts with
+a sync algorithm and as many trainers on one node, as BENCHMARKS.md does).
 Written: the table (and markdown), lookups.json and lookups.png (CPU per example vs nodes, measured and fitted).
 """
 
@@ -81,7 +83,6 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
     one = next(r for r in rows if r["nodes"] == 1)
     for r in rows:
         r["efficiency"] = one["cpu_us_per_example"] / r["cpu_us_per_example"]
-        r["ne_change"] = r["eval_ne"] / one["eval_ne"] - 1
     fits = {}
     for t in transports:
         pts = [(r["nodes"], r["cpu_us_per_example"]) for r in rows if r["nodes"] == 1 or r["transport"] == t]
@@ -131,13 +132,13 @@ def _verdict(ok: bool, what: str, detail: str) -> str:
 
 
 COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "staleness", "lookup wait", "messages/example",
-           "net B/example", "eval NE", "NE vs 1 node", "samples"]
+           "net B/example", "eval NE", "samples"]
 
 
 def _cells(r: dict) -> list[str]:
     return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}",
             f"{r['staleness']:.2f}", f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
-            f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}", f"{r['ne_change']:+.2%}",
+            f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
 
 

@@ -145,7 +145,7 @@ _CLUSTER_OPTIONS = [
                  help="multi-node: how lookups reach other machines' shards: rounds of one gloo all_to_all between "
                       "the trainers of every node, or torch.distributed.rpc (a message per server and batch: the "
                       "former path)."),
-    click.option("--exchange-interval", type=float, default=5.0, show_default=True,
+    click.option("--exchange-interval", type=float, default=10.0, show_default=True,
                  help="multi-node: milliseconds between two rounds of the lookup exchange (shorter: fresher rows, "
                       "more CPU per example)."),
 ]

@@ -37,7 +37,7 @@ class ClusterConfig:
     lookup_transport: str = "exchange"
     """how lookups reach other machines' shards: 'exchange' (rounds of one gloo all_to_all between the trainers of
     every node, exchange.py) or 'rpc' (torch.distributed.rpc, a message per server and batch: the former path)."""
-    exchange_interval: float = 0.005
+    exchange_interval: float = 0.010
     """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example)."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""

@@ -6,14 +6,17 @@ workers queued for other nodes (each batch's remote rows to look up, its row gra
 ONE `all_to_all_single` of bytes: one message per peer and round, however many batches, workers and servers it
 carries, and gloo loops over the peers in C++. The message from A to B in round k holds, each part 8-byte aligned:
 
-1. a header: the sizes of the request A sends B in round k+1 (rows to look up, rows pushed) and A's done flag;
+1. a header: the room B may use for its request to A in round k+1 (rows to look up, rows pushed), and A's done flag;
 2. A's answer to the request B sent in round k-1 (B knows its size): the pushes' summed staleness, versions, rows;
-3. A's request announced in round k-1: global row ids to look up; pushed ids, their versions when fetched, gradients.
+3. A's request, padded to the room B announced in round k-1: its sizes, the global row ids to look up, the pushed
+   ids, their versions when fetched, and the gradients.
 
 B serves the requests of all its peers at once right after the round, on its node's shards in place (the pushes
-first, then the lookups, as one RPC did) and answers in the next round. A request queued before round k is announced
-in k, sent in k+1, answered in k+2: a lookup waits 2-3 intervals, hidden by the trainer's prefetch. A trainer done
-with its lookups keeps serving until every peer is done (`close`).
+first, then the lookups, as one RPC did) and answers in the next round: a lookup queued before round k is answered
+in round k+1, 1-2 intervals later, hidden by the trainer's prefetch. The room is twice the most sent over the last
+rounds (so a request rarely waits; one that does not fit goes in the next round, with room announced for it: all
+gloo needs is every message's size before the all_to_all). A trainer done with its lookups keeps serving until every
+peer is done (`close`).
 
 Why: a message costs ~100-400 us of CPU on each side in gloo's process group (~450 us in TensorPipe RPC) whatever
 its size, and row-hash sharding sends every batch's lookup to every machine (bench/server_costs.py, BENCHMARKS.md,
@@ -23,6 +26,7 @@ work of a round is a fixed number of tensor operations over everything it carrie
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -34,7 +38,8 @@ import torch.distributed as dist
 
 __all__ = ["LookupExchange", "ExchangeLost"]
 
-_HEADER = 4  # int64s: rows to look up, rows pushed, done, unused
+_HEADER = 4  # int64s: room for the next request (rows to look up, rows pushed), done, unused
+_MEMORY = 8  # rounds whose sizes set the room announced for the next request
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
@@ -52,8 +57,55 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return torch.cat([b, b.new_zeros(pad)]) if pad else b
 
 
-def _request_nbytes(looked: int, pushed: int, dim: int) -> int:
-    return 8 * (looked + 2 * pushed) + _align(4 * pushed * dim)
+def _request_nbytes(cap_looked: int, cap_pushed: int, dim: int) -> int:
+    """A request padded to its capacity: [looked, pushed], ids, pushed ids, versions, gradients (none if no room)."""
+    if not (cap_looked or cap_pushed):
+        return 0
+    return 16 + 8 * (cap_looked + 2 * cap_pushed) + _align(4 * cap_pushed * dim)
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """`t` with zero rows appended up to `rows` rows, as bytes."""
+    if t.shape[0] < rows:
+        t = torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+    return _as_bytes(t)
+
+
+def _parse_request(msg: torch.Tensor, cap: tuple[int, int], dim: int) -> tuple[torch.Tensor, ...]:
+    """(ids, pushed ids, their versions, gradients) of a request padded to `cap`."""
+    cap_l, cap_k = cap
+    L, K = msg[:16].view(torch.int64).tolist()
+    pos = 16 + 8 * cap_l
+    ids = msg[16:16 + 8 * L].view(torch.int64)
+    push_ids = msg[pos:pos + 8 * K].view(torch.int64)
+    versions = msg[pos + 8 * cap_k:pos + 8 * (cap_k + K)].view(torch.int64)
+    grads = msg[pos + 16 * cap_k:pos + 16 * cap_k + 4 * K * dim].view(torch.float32).view(K, dim)
+    return ids, push_ids, versions, grads
+
+
+def _fit(pending: list[_Part], cap: list[tuple[int, int]]) -> tuple[list[_Part], list[_Part]]:
+    """The parts, in order, that fit every peer's capacity this round, and the rest (kept in order: a push stays
+    before the lookups queued after it)."""
+    left_l, left_k = [c[0] for c in cap], [c[1] for c in cap]
+    for i, part in enumerate(pending):
+        left = left_l if part.future is not None else left_k
+        if any(c > room for c, room in zip(part.counts, left)):
+            return pending[:i], pending[i:]
+        for p, c in enumerate(part.counts):
+            left[p] -= c
+    return pending, []
+
+
+def _next_caps(recent: collections.deque, deferred: list[_Part], n: int) -> list[tuple[int, int]]:
+    """Room to announce for the next round: twice the most sent to a peer over the last rounds, and twice what
+    waits for it (a burst, or the first requests after a quiet spell, wait one round for its room)."""
+    wait_l, wait_k = [0] * n, [0] * n
+    for part in deferred:
+        acc = wait_l if part.future is not None else wait_k
+        for p, c in enumerate(part.counts):
+            acc[p] += c
+    return [(2 * max(max(r[0][p] for r in recent), wait_l[p]), 2 * max(max(r[1][p] for r in recent), wait_k[p]))
+            for p in range(n)]
 
 
 def _answer_nbytes(looked: int, pushed: int, dim: int) -> int:
@@ -70,6 +122,7 @@ class _Part:
     future: torch.futures.Future | None  # a lookup's (rows, versions); None for a push
     versions: torch.Tensor | None = None  # a push: the rows' versions when fetched
     grads: torch.Tensor | None = None
+    counts: list[int] = field(default_factory=list)  # rows per node
 
 
 @dataclass
@@ -128,6 +181,7 @@ class LookupExchange:
         self._put(_Part(rows, None, versions, grads))
 
     def _put(self, part: _Part) -> None:
+        part.counts = torch.bincount(self.node_of(part.ids), minlength=self.n).tolist()
         with self._lock:
             if self._error is not None:
                 raise self._error
@@ -162,10 +216,13 @@ class LookupExchange:
     # -- the rounds ----------------------------------------------------------------------------------------------
     def _run(self) -> None:
         n, dim = self.n, self.dim
-        announced = awaiting = _Round(looked=[0] * n, pushed=[0] * n)  # sent this round / answered this round
-        incoming = [(0, 0)] * n  # (looked, pushed) each peer announced last round
+        awaiting = _Round(looked=[0] * n, pushed=[0] * n)  # sent last round: answered this round
+        cap_out = [(0, 0)] * n  # (lookups, pushed rows) this trainer may send each peer this round
+        cap_in = [(0, 0)] * n  # ... each peer may send this trainer: the padded size of its request
         owed = [_EMPTY] * n  # answers served after last round
-        drained = False
+        deferred: list[_Part] = []
+        recent: collections.deque = collections.deque(maxlen=_MEMORY)
+        rnd = awaiting
         deadline = time.monotonic()
         try:
             while True:
@@ -173,32 +230,29 @@ class LookupExchange:
                 time.sleep(max(0.0, deadline - time.monotonic()))
                 cpu0 = time.thread_time()
                 with self._lock:
-                    fresh, self._queue = self._queue, []
-                    done = self._closing and not fresh
-                nxt = self._sorted(fresh)
+                    pending, self._queue = deferred + self._queue, []
+                    done = self._closing and not pending
+                sent, deferred = _fit(pending, cap_out)
+                rnd = self._sorted(sent)
+                recent.append((rnd.looked, rnd.pushed))
+                caps = _next_caps(recent, deferred, n)
                 send, in_sizes, out_sizes = [], [0] * n, [0] * n
-                lb, pb = _bounds(announced.looked), _bounds(announced.pushed)
+                heads = torch.tensor([[*caps[p], int(done), 0] for p in range(n)], dtype=torch.int64)
+                lb, pb = _bounds(rnd.looked), _bounds(rnd.pushed)
                 for p in range(n):
                     if p == self.me:
                         continue
-                    head = torch.tensor([nxt.looked[p], nxt.pushed[p], int(done), 0], dtype=torch.int64)
-                    chunk = [_as_bytes(head), owed[p]]
-                    if lb[p] < lb[p + 1]:
-                        chunk.append(_as_bytes(announced.ids[lb[p]:lb[p + 1]]))
-                    if pb[p] < pb[p + 1]:
-                        chunk += [_as_bytes(announced.push_ids[pb[p]:pb[p + 1]]),
-                                  _as_bytes(announced.push_versions[pb[p]:pb[p + 1]]),
-                                  _as_bytes(announced.grads[pb[p]:pb[p + 1]])]
+                    chunk = [_as_bytes(heads[p]), owed[p], *self._request(rnd, p, lb, pb, cap_out[p])]
                     send.extend(chunk)
                     in_sizes[p] = sum(c.numel() for c in chunk)
                     out_sizes[p] = (8 * _HEADER + _answer_nbytes(awaiting.looked[p], awaiting.pushed[p], dim)
-                                    + _request_nbytes(*incoming[p], dim))
+                                    + _request_nbytes(*cap_in[p], dim))
                 sendbuf = torch.cat(send) if send else _EMPTY
                 recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8)
                 dist.all_to_all_single(recvbuf, sendbuf, out_sizes, in_sizes, group=self.group)
                 self.rounds += 1
                 self.bytes_sent += sendbuf.numel()
-                everyone_done, heads, answers, requests = done, [(0, 0)] * n, [], []
+                everyone_done, caps_in, answers, requests = done, [(0, 0)] * n, [], []
                 off = 0
                 for p in range(n):
                     if p == self.me:
@@ -206,23 +260,40 @@ class LookupExchange:
                     msg = recvbuf[off:off + out_sizes[p]]
                     off += out_sizes[p]
                     head = msg[:8 * _HEADER].view(torch.int64).tolist()
-                    heads[p] = (head[0], head[1])
+                    caps_in[p] = (head[0], head[1])
                     everyone_done = everyone_done and bool(head[2])
                     cut = 8 * _HEADER + _answer_nbytes(awaiting.looked[p], awaiting.pushed[p], dim)
                     answers.append((p, msg[8 * _HEADER:cut]))
-                    requests.append((p, msg[cut:]))
+                    if cap_in[p] != (0, 0):
+                        requests.append((p, *_parse_request(msg[cut:], cap_in[p], dim)))
                 self._answered(awaiting, answers)
-                owed = self._serve(requests, incoming)
-                incoming, awaiting, announced = heads, announced, nxt
+                owed = self._serve(requests)
+                awaiting, cap_out, cap_in = rnd, caps, caps_in
                 self.cpu_s += time.thread_time() - cpu0
-                # everyone said done and announced nothing: one more round carries the last answers, then stop
-                if drained:
+                if everyone_done:  # nobody sent a request this round, and every answer owed went out in it
                     return
-                drained = everyone_done
         except BaseException as e:  # noqa: BLE001 - every waiting worker gets the reason
             peers = ", ".join(f"node {p} ({self.labels[p]})" for p in range(n) if p != self.me)
             self._fail(ExchangeLost(f"the embedding lookup exchange with {peers} broke: {e}"),
-                       announced.lookups + awaiting.lookups)
+                       awaiting.lookups + rnd.lookups + [p for p in deferred if p.future is not None])
+
+    def _request(self, rnd: _Round, p: int, lb: list[int], pb: list[int], cap: tuple[int, int]) -> list[torch.Tensor]:
+        """The request to peer p, padded to the capacity it expects: [looked, pushed], ids, pushed ids, their
+        versions, gradients."""
+        if cap == (0, 0):
+            return []
+        cap_l, cap_k = cap
+        L, K = lb[p + 1] - lb[p], pb[p + 1] - pb[p]
+        out = [_as_bytes(torch.tensor([L, K], dtype=torch.int64)), _padded(rnd.ids[lb[p]:lb[p + 1]], cap_l)]
+        if cap_k:
+            if K:
+                out += [_padded(rnd.push_ids[pb[p]:pb[p + 1]], cap_k), _padded(rnd.push_versions[pb[p]:pb[p + 1]],
+                                                                               cap_k),
+                        _padded(rnd.grads[pb[p]:pb[p + 1]], cap_k)]
+            else:
+                out += [_padded(torch.empty(0, dtype=torch.int64), 2 * cap_k),
+                        _padded(torch.empty(0, self.dim), cap_k)]
+        return out
 
     def _sorted(self, parts: list[_Part]) -> _Round:
         """The round of `parts`: lookups and pushes each concatenated and sorted by node."""
@@ -266,30 +337,25 @@ class LookupExchange:
             self._pushes_answered += rnd.pushes
             self._cv.notify_all()
 
-    def _serve(self, requests: list[tuple[int, torch.Tensor]], sizes: list[tuple[int, int]]) -> list[torch.Tensor]:
-        """Apply every peer's pushes, then look up every peer's rows, on this node's shards; each peer's answer."""
-        dim, owed = self.dim, [_EMPTY] * self.n
-        ids, push_ids, push_versions, grads, who = [], [], [], [], []
-        for p, msg in requests:
-            L, K = sizes[p]
-            ids.append(msg[:8 * L].view(torch.int64))
-            push_ids.append(msg[8 * L:8 * (L + K)].view(torch.int64))
-            push_versions.append(msg[8 * (L + K):8 * (L + 2 * K)].view(torch.int64))
-            grads.append(msg[8 * (L + 2 * K):8 * (L + 2 * K) + 4 * K * dim].view(torch.float32).view(K, dim))
-            who.append(p)
-        if not any(sizes[p] != (0, 0) for p in who):
+    def _serve(self, requests: list[tuple]) -> list[torch.Tensor]:
+        """Apply every peer's pushes, then look up every peer's rows, on this node's shards; each peer's answer.
+        `requests`: (peer, ids, pushed ids, their versions, gradients)."""
+        owed = [_EMPTY] * self.n
+        requests = [r for r in requests if r[1].numel() or r[2].numel()]
+        if not requests:
             return owed
-        pushed = [sizes[p][1] for p in who]
+        who = [r[0] for r in requests]
+        pushed = [r[2].numel() for r in requests]
         stale = torch.zeros(len(who), dtype=torch.int64)
         if sum(pushed):
-            per_row = self._apply(torch.cat(push_ids), torch.cat(grads), torch.cat(push_versions))
+            per_row = self._apply(torch.cat([r[2] for r in requests]), torch.cat([r[4] for r in requests]),
+                                  torch.cat([r[3] for r in requests]))
             stale.index_add_(0, torch.repeat_interleave(torch.arange(len(who)), torch.tensor(pushed)), per_row)
-        rows, versions = self._read(torch.cat(ids))
-        lb = _bounds([sizes[p][0] for p in who])
+        rows, versions = self._read(torch.cat([r[1] for r in requests]))
+        lb = _bounds([r[1].numel() for r in requests])
         for i, p in enumerate(who):
-            if sizes[p] != (0, 0):
-                owed[p] = torch.cat([_as_bytes(stale[i:i + 1]), _as_bytes(versions[lb[i]:lb[i + 1]]),
-                                     _as_bytes(rows[lb[i]:lb[i + 1]])])
+            owed[p] = torch.cat([_as_bytes(stale[i:i + 1]), _as_bytes(versions[lb[i]:lb[i + 1]]),
+                                 _as_bytes(rows[lb[i]:lb[i + 1]])])
         return owed
 
     def _by_shard(self, rows: torch.Tensor):
