@@ -29,7 +29,7 @@ class ClusterConfig:
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
     prefetch: int | None = None
     """batches whose embedding rows are requested ahead of the one training (0: none); None: 6 with the lookup
-    exchange (its answers take 2-3 rounds), 2 with RPC."""
+    exchange (its answers come 1-2 rounds later), 2 with RPC."""
     lookup_batches: int = 1
     """batches whose embedding lookups go in one message per server (fewer messages, staler rows)."""
     max_inflight: int = 4
