@@ -116,11 +116,12 @@ def test_a_round_sends_the_parts_that_fit_in_order_and_announces_room_for_the_re
     from cocosync.shadowsync.model.exchange import _fit, _next_caps
 
     a, b, c = _part([0, 5, 1], True), _part([0, 4, 4], False), _part([0, 9, 0], True)
-    sent, rest = _fit([a, b, c], [(0, 0), (10, 4), (10, 4)])
+    sent, rest, used = _fit([a, b, c], [(0, 0), (10, 4), (10, 4)])
     assert sent == [a, b] and rest == [c]  # c's 9 lookups for node 1 exceed the 5 left; it stays after b
-    sent, rest = _fit([c, a], [(0, 0), (8, 0), (8, 0)])
-    assert sent == [] and rest == [c, a]  # nothing overtakes a part that waits
+    assert used == ([0, 5, 1], [0, 4, 4])
+    sent, rest, used = _fit([c, a], [(0, 0), (8, 0), (8, 0)])
+    assert sent == [] and rest == [c, a] and used == ([0, 0, 0], [0, 0, 0])  # nothing overtakes a part that waits
     recent = collections.deque([([0, 5, 1], [0, 4, 4]), ([0, 2, 0], [0, 0, 0])], maxlen=8)
     caps = _next_caps(recent, [c], 3)
-    assert caps == [(0, 0), (18, 8), (2, 8)]  # twice the most sent, and twice what waits (c: 9 for node 1)
+    assert caps == [(0, 0), (12, 5), (2, 5)]  # 1.25x the most sent, or what waits (c: 9 lookups for node 1)
     assert _next_caps(collections.deque([([0, 0], [0, 0])]), [], 2) == [(0, 0), (0, 0)]  # quiet: no room, no bytes

@@ -13,7 +13,7 @@ carries, and gloo loops over the peers in C++. The message from A to B in round 
 
 B serves the requests of all its peers at once right after the round, on its node's shards in place (the pushes
 first, then the lookups, as one RPC did) and answers in the next round: a lookup queued before round k is answered
-in round k+1, 1-2 intervals later, hidden by the trainer's prefetch. The room is twice the most sent over the last
+in round k+1, 1-2 intervals later, hidden by the trainer's prefetch. The room is 1.25x the most sent over the last
 rounds (so a request rarely waits; one that does not fit goes in the next round, with room announced for it: all
 gloo needs is every message's size before the all_to_all). A trainer done with its lookups keeps serving until every
 peer is done (`close`).
@@ -39,6 +39,8 @@ import torch.distributed as dist
 __all__ = ["LookupExchange", "ExchangeLost"]
 
 _HEADER = 4  # int64s: room for the next request (rows to look up, rows pushed), done, unused
+_NODE_SHIFT = 40  # a lookup's sort key: node << 40 | global row (tables up to 2^40 rows)
+_ROW_MASK = (1 << _NODE_SHIFT) - 1
 _MEMORY = 8  # rounds whose sizes set the room announced for the next request
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 
@@ -83,29 +85,37 @@ def _parse_request(msg: torch.Tensor, cap: tuple[int, int], dim: int) -> tuple[t
     return ids, push_ids, versions, grads
 
 
-def _fit(pending: list[_Part], cap: list[tuple[int, int]]) -> tuple[list[_Part], list[_Part]]:
-    """The parts, in order, that fit every peer's capacity this round, and the rest (kept in order: a push stays
-    before the lookups queued after it)."""
+def _fit(pending: list[_Part], cap: list[tuple[int, int]]) -> tuple[list[_Part], list[_Part], tuple[list, list]]:
+    """The parts, in order, that fit every peer's capacity this round, the rest (kept in order: a push stays before
+    the lookups queued after it), and the rows they use per peer (lookups before the round's deduplication)."""
     left_l, left_k = [c[0] for c in cap], [c[1] for c in cap]
+    fit = len(pending)
     for i, part in enumerate(pending):
         left = left_l if part.future is not None else left_k
         if any(c > room for c, room in zip(part.counts, left)):
-            return pending[:i], pending[i:]
+            fit = i
+            break
         for p, c in enumerate(part.counts):
             left[p] -= c
-    return pending, []
+    used = ([c[0] - x for c, x in zip(cap, left_l)], [c[1] - x for c, x in zip(cap, left_k)])
+    return pending[:fit], pending[fit:], used
 
 
 def _next_caps(recent: collections.deque, deferred: list[_Part], n: int) -> list[tuple[int, int]]:
-    """Room to announce for the next round: twice the most sent to a peer over the last rounds, and twice what
-    waits for it (a burst, or the first requests after a quiet spell, wait one round for its room)."""
+    """Room to announce for the next round: a quarter more than the most sent to a peer over the last rounds, or
+    than what waits for it (a burst, or the first requests after a quiet spell, wait one round for their room).
+    Room unused is bytes sent for nothing: ~1.25x the requests' bytes in a steady state."""
     wait_l, wait_k = [0] * n, [0] * n
     for part in deferred:
         acc = wait_l if part.future is not None else wait_k
         for p, c in enumerate(part.counts):
             acc[p] += c
-    return [(2 * max(max(r[0][p] for r in recent), wait_l[p]), 2 * max(max(r[1][p] for r in recent), wait_k[p]))
+    return [(_room(max(max(r[0][p] for r in recent), wait_l[p])), _room(max(max(r[1][p] for r in recent), wait_k[p])))
             for p in range(n)]
+
+
+def _room(rows: int) -> int:
+    return rows + (rows + 3) // 4
 
 
 def _answer_nbytes(looked: int, pushed: int, dim: int) -> int:
@@ -130,8 +140,8 @@ class _Round:
     """The parts one round's messages carry, their rows sorted by node (one slice per peer)."""
 
     lookups: list[_Part] = field(default_factory=list)
-    ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-    perm: torch.Tensor | None = None  # sorted position -> position in the concatenated lookups
+    ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # distinct, node-major
+    where: torch.Tensor | None = None  # each looked-up row (the lookups concatenated) -> its position in `ids`
     looked: list[int] = field(default_factory=list)  # rows to look up per node
     pushes: int = 0  # push parts
     push_ids: torch.Tensor | None = None
@@ -232,9 +242,9 @@ class LookupExchange:
                 with self._lock:
                     pending, self._queue = deferred + self._queue, []
                     done = self._closing and not pending
-                sent, deferred = _fit(pending, cap_out)
+                sent, deferred, used = _fit(pending, cap_out)
                 rnd = self._sorted(sent)
-                recent.append((rnd.looked, rnd.pushed))
+                recent.append(used)
                 caps = _next_caps(recent, deferred, n)
                 send, in_sizes, out_sizes = [], [0] * n, [0] * n
                 heads = torch.tensor([[*caps[p], int(done), 0] for p in range(n)], dtype=torch.int64)
@@ -302,10 +312,11 @@ class LookupExchange:
         pushes = [p for p in parts if p.future is None]
         if rnd.lookups:
             ids = torch.cat([p.ids for p in rnd.lookups])
-            node = self.node_of(ids)
-            rnd.perm = torch.argsort(node, stable=True)
-            rnd.ids = ids[rnd.perm]
-            rnd.looked = torch.bincount(node, minlength=self.n).tolist()
+            # the round's distinct rows, node-major: the batches of a round share their hot rows
+            keys, rnd.where = torch.unique(self.node_of(ids).bitwise_left_shift_(_NODE_SHIFT).bitwise_or_(ids),
+                                           return_inverse=True)
+            rnd.ids = keys.bitwise_and(_ROW_MASK)
+            rnd.looked = torch.bincount(keys.bitwise_right_shift_(_NODE_SHIFT), minlength=self.n).tolist()
         if pushes:
             ids = torch.cat([p.ids for p in pushes])
             node = self.node_of(ids)
@@ -327,11 +338,9 @@ class LookupExchange:
             versions.append(msg[8:8 + 8 * L].view(torch.int64))
             rows.append(msg[8 + 8 * L:8 + 8 * L + 4 * L * dim].view(torch.float32).view(L, dim))
         if rnd.lookups:
-            got_rows, got_versions = torch.empty(rnd.ids.numel(), dim), torch.empty(rnd.ids.numel(), dtype=torch.int64)
-            got_rows[rnd.perm], got_versions[rnd.perm] = torch.cat(rows), torch.cat(versions)
-            sizes = [p.ids.numel() for p in rnd.lookups]
-            for part, r, v in zip(rnd.lookups, got_rows.split(sizes), got_versions.split(sizes)):
-                part.future.set_result((r, v))
+            got_rows, got_versions = torch.cat(rows), torch.cat(versions)  # rnd.ids' order
+            for part, at in zip(rnd.lookups, rnd.where.split([p.ids.numel() for p in rnd.lookups])):
+                part.future.set_result((got_rows.index_select(0, at), got_versions.index_select(0, at)))
         with self._cv:
             self._stale += stale
             self._pushes_answered += rnd.pushes
