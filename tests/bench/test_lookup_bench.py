@@ -28,7 +28,11 @@ def test_lookup_bench_on_one_and_two_nodes(tmp_path):
     result = json.loads((out / "lookups.json").read_text())
     one, two = sorted(result["rows"], key=lambda r: r["nodes"])
     assert (one["transport"], two["transport"]) == ("local", "exchange")
-    assert one["cpu_us_per_example"] > 0 and two["cpu_us_per_example"] > 0
+    for key, row in (("1:exchange", one), ("2:exchange", two)):  # the difference of the two runs' own CPU
+        (sample,) = result["samples"][key]
+        (cpu_a, cpu_b), (ex_a, ex_b) = sample["job_cpu_seconds"], sample["examples_run"]
+        assert (ex_a, ex_b) == (8000, 16000) and cpu_a > 0 and cpu_b > 0
+        assert row["cpu_us_per_example"] == pytest.approx(1e6 * (cpu_b - cpu_a) / (ex_b - ex_a))
     assert two["efficiency"] == pytest.approx(one["cpu_us_per_example"] / two["cpu_us_per_example"])
     assert two["messages_per_example"] > 0 and two["network_bytes_per_example"] > 0 and two["staleness"] >= 0
     assert one["messages_per_example"] == 0 and one["staleness"] == 0  # one node: every row in place

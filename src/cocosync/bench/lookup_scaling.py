@@ -75,7 +75,9 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
                     bar.advance(task)
                 a, b = got
                 cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
-                samples[(n, t)].append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu})
+                samples[(n, t)].append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
+                                        "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
+                                        "examples_run": [a["examples"], b["examples"]]})
                 bar.console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':9s} round {rnd + 1}: "
                                   f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
                                   f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
