@@ -23,7 +23,7 @@ def test_the_fit_and_its_projection():
 def test_lookup_bench_on_one_and_two_nodes(tmp_path):
     out = tmp_path / "lk"
     res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2", "--transports", "exchange", "--repeats", "1",
-                                   "--examples", "8000,16000", "--eval-examples", "2000", "--out", str(out)])
+                                   "--examples", "4000,8000", "--eval-examples", "500", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads((out / "lookups.json").read_text())
     one, two = sorted(result["rows"], key=lambda r: r["nodes"])
@@ -31,7 +31,7 @@ def test_lookup_bench_on_one_and_two_nodes(tmp_path):
     for key, row in (("1:exchange", one), ("2:exchange", two)):  # the difference of the two runs' own CPU
         (sample,) = result["samples"][key]
         (cpu_a, cpu_b), (ex_a, ex_b) = sample["job_cpu_seconds"], sample["examples_run"]
-        assert (ex_a, ex_b) == (8000, 16000) and cpu_a > 0 and cpu_b > 0
+        assert (ex_a, ex_b) == (4000, 8000) and cpu_a > 0 and cpu_b > 0
         assert row["cpu_us_per_example"] == pytest.approx(1e6 * (cpu_b - cpu_a) / (ex_b - ex_a))
     assert two["efficiency"] == pytest.approx(one["cpu_us_per_example"] / two["cpu_us_per_example"])
     assert two["messages_per_example"] > 0 and two["network_bytes_per_example"] > 0 and two["staleness"] >= 0

@@ -4,7 +4,6 @@ a dead peer named in every waiting lookup."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from cocosync.shadowsync.model.embeddings import RowHash, ServerLost, Shard, ShardedEmbeddings, initial_rows
@@ -51,19 +50,21 @@ def _exchange_rank(optimizer: str, per_node: int, in_order: bool) -> dict:
     return stats
 
 
-@pytest.mark.parametrize("optimizer,per_node,in_order", [("adagrad", 1, True), ("sgd", 2, True),
-                                                         ("adagrad", 1, False)])
-def test_lookups_and_pushes_through_the_exchange_equal_the_shared_tables(optimizer, per_node, in_order):
-    with RankPool(2, timeout=120) as pool:
-        res = pool.run(_exchange_rank, optimizer, per_node, in_order)
-    stats = res[1]
-    assert 0 < stats["remote_rows"] < stats["rows"]  # both a local and a remote shard were used
-    assert stats["rounds"] > 0 and stats["messages"] == stats["rounds"] and stats["wire_bytes"] > 0
-    assert res[0]["rounds"] >= stats["rounds"]  # the server kept serving until the client was done
-    assert stats["stale_rows"] > 0
-    if in_order:  # every push applied before the next fetch: no update in between
-        assert stats["stale_sum"] == 0 and stats["snapshot_error"] == 0
-    assert stats["snapshot_error"] < 1e-5
+CASES = [("adagrad", 1, True), ("sgd", 2, True), ("adagrad", 1, False)]  # optimizer, servers per node, in order
+
+
+def test_lookups_and_pushes_through_the_exchange_equal_the_shared_tables():
+    with RankPool(2, timeout=120) as pool:  # one pool, the cases one after another (each its own exchange)
+        results = [pool.run(_exchange_rank, *case) for case in CASES]
+    for (optimizer, per_node, in_order), res in zip(CASES, results):
+        stats = res[1]
+        assert 0 < stats["remote_rows"] < stats["rows"]  # both a local and a remote shard were used
+        assert stats["rounds"] > 0 and stats["messages"] == stats["rounds"] and stats["wire_bytes"] > 0
+        assert res[0]["rounds"] >= stats["rounds"]  # the server kept serving until the client was done
+        assert stats["stale_rows"] > 0
+        if in_order:  # every push applied before the next fetch: no update in between
+            assert stats["stale_sum"] == 0 and stats["snapshot_error"] == 0, (optimizer, per_node)
+        assert stats["snapshot_error"] < 1e-5
 
 
 def _lost_peer_rank() -> str:

@@ -66,6 +66,9 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
     with tempfile.TemporaryDirectory(prefix="cocosync-bench-lookups-") as tmp, Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
             console=console) as bar:
+        config = Path(tmp) / "bench.toml"  # no checkpoint, no plot: the runs measure training and scoring only
+        config.write_text("checkpoint = false\nplot = false\n")
+        args = ["--config", str(config), *args]
         task = bar.add_task("lookup runs", total=2 * repeats * len(configs))
         for rnd in range(repeats):
             for n, t in configs:
