@@ -175,6 +175,15 @@ class LookupStats:
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
+    def count(self, blocked: float, rows: int, remote: int, stale: int, received: int) -> None:
+        """One lookup waited for (the caller holds the client's lock)."""
+        self.wait_s += blocked
+        self.lookups += 1
+        self.rows += rows
+        self.remote_rows += remote
+        self.stale_sum += stale
+        self.bytes_received += received
+
 
 @dataclass
 class Lookup:
@@ -285,12 +294,7 @@ class ShardedEmbeddings:
         stale = self.exchange.take_stale()
         with self._lock:
             st = self.stats
-            st.wait_s += blocked
-            st.lookups += 1
-            st.rows += lk.uniq.numel()
-            st.remote_rows += remote
-            st.stale_sum += stale
-            st.bytes_received += remote * (self.dim * 4 + 8)
+            st.count(blocked, lk.uniq.numel(), remote, stale, remote * (self.dim * 4 + 8))
             if remote:
                 st.rpc_s += (lk.answered[0] if lk.answered else time.perf_counter()) - lk.issued
                 st.rpc_calls += 1
@@ -382,12 +386,7 @@ class ShardedEmbeddings:
         lk.rows, lk.versions, lk.parts = rows, versions, []
         with self._lock:
             st = self.stats
-            st.wait_s += blocked
-            st.lookups += 1
-            st.rows += lk.uniq.numel()
-            st.remote_rows += remote
-            st.stale_sum += stale
-            st.bytes_received += received
+            st.count(blocked, lk.uniq.numel(), remote, stale, received)
             answered = list(lk.answered)[:calls]  # a callback may still be on its way: count it as answered now
             now = time.perf_counter()
             st.rpc_s += sum(t - lk.issued for t in answered) + (calls - len(answered)) * (now - lk.issued)
