@@ -1,5 +1,5 @@
-"""`cocosync bench lookups`: real torchrun runs on 1 and 2 loopback nodes, CPU per extra example recomputed from the
-runs' own summaries, the straight-line projection, and the JSON and PNG it writes."""
+"""`cocosync bench lookups`: CPU per extra example recovered from two runs of known cost, the straight-line
+projection, the verdicts, and the table, JSON and PNG it writes."""
 
 from __future__ import annotations
 
@@ -20,27 +20,42 @@ def test_the_fit_and_its_projection():
     assert projected_efficiency(10.0, 0.0, 128) == 1.0  # flat: scales
 
 
-def test_lookup_bench_on_one_and_two_nodes(tmp_path):
+def _fake_run(nodes, transport, examples, per_node, extra, out):
+    """A job whose CPU is 2 s of start-up plus (9 + 1.5 x nodes) us per example (RPC 3 us per node): what the bench
+    must recover by its difference of two runs."""
+    per_node_us = 1.5 if transport == "exchange" else 3.0
+    cpu = 2.0 + examples * (9 + per_node_us * nodes) * 1e-6
+    assert "--config" in extra and "--eval-examples" in extra  # no checkpoint/plot config, the eval size
+    return {"job_cpu_seconds": cpu, "examples": examples, "staleness": 0.0 if nodes == 1 else 2.5 * nodes,
+            "lookup_wait_fraction": 0.01 * nodes, "eval_ne": 0.7, "messages_per_example": 0.002 * (nodes - 1),
+            "network_bytes_per_example": 500.0 * (nodes - 1), "exchange_cpu_us_per_round": 0.0,
+            "rpc_round_trip_s": 0.0, "eps": 1e5, "prefetch": 6}
+
+
+def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeypatch):
+    """The bench's arithmetic on jobs of known cost (the jobs themselves: the multi-node tests in test_cluster.py)."""
+    import cocosync.bench.lookup_scaling as bench
+
+    monkeypatch.setattr(bench, "_run", _fake_run)
     out = tmp_path / "lk"
-    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2", "--transports", "exchange", "--repeats", "1",
-                                   "--examples", "4000,8000", "--eval-examples", "500", "--out", str(out)])
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2,4", "--repeats", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads((out / "lookups.json").read_text())
-    one, two = sorted(result["rows"], key=lambda r: r["nodes"])
-    assert (one["transport"], two["transport"]) == ("local", "exchange")
-    for key, row in (("1:exchange", one), ("2:exchange", two)):  # the difference of the two runs' own CPU
-        (sample,) = result["samples"][key]
-        (cpu_a, cpu_b), (ex_a, ex_b) = sample["job_cpu_seconds"], sample["examples_run"]
-        assert (ex_a, ex_b) == (4000, 8000) and cpu_a > 0 and cpu_b > 0
-        assert row["cpu_us_per_example"] == pytest.approx(1e6 * (cpu_b - cpu_a) / (ex_b - ex_a))
-    assert two["efficiency"] == pytest.approx(one["cpu_us_per_example"] / two["cpu_us_per_example"])
-    assert two["messages_per_example"] > 0 and two["network_bytes_per_example"] > 0 and two["staleness"] >= 0
-    assert one["messages_per_example"] == 0 and one["staleness"] == 0  # one node: every row in place
-    fit = result["fits"]["exchange"]  # two points: the line passes through both
-    assert fit["intercept_us"] + fit["slope_us_per_node"] == pytest.approx(one["cpu_us_per_example"])
-    assert any(v.startswith(("PASS", "MISS")) and "projected efficiency" in v for v in result["verdicts"])
+    rows = {(r["nodes"], r["transport"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "local"), (2, "exchange"), (2, "rpc"), (4, "exchange"), (4, "rpc")}
+    assert rows[(1, "local")]["cpu_us_per_example"] == pytest.approx(10.5)  # start-up cancelled
+    assert rows[(4, "exchange")]["cpu_us_per_example"] == pytest.approx(15.0)
+    assert rows[(4, "rpc")]["efficiency"] == pytest.approx(10.5 / 21.0)
+    assert rows[(2, "exchange")]["samples"] == 2 and len(result["samples"]["4:rpc"]) == 2
+    fit = result["fits"]["exchange"]  # the 1-node point is the local run (9 + 1.5 at one node)
+    assert (fit["intercept_us"], fit["slope_us_per_node"]) == pytest.approx((9.0, 1.5))
+    assert fit["efficiency_32"] == pytest.approx(10.5 / 57.0)
+    verdicts = result["verdicts"]
+    assert "MISS CPU efficiency at 4 nodes, exchange: 0.70 (target >= 0.9)" in verdicts
+    assert any(v.startswith("MISS staleness at 4 nodes, rpc: 10.00") for v in verdicts)
+    assert any(v.startswith("PASS lookup wait at 2 nodes, exchange: 2.0%") for v in verdicts)
     assert (out / "lookups.png").stat().st_size > 10_000
-    assert "| 2 | exchange |" in res.output  # the markdown row for BENCHMARKS.md
+    assert "| 4 | rpc | 21.00 | 0.50 |" in res.output  # the markdown row for BENCHMARKS.md
 
 
 def test_lookup_bench_names_bad_arguments():
