@@ -274,3 +274,11 @@ def test_a_file_with_other_columns_is_scored_on_its_rows_after_the_budget(tmp_pa
                  "--trainers", "1", "--sync", "none", "--eval-examples", "2000", "--json")
     assert res.exit_code == 0, res.output
     assert (tmp_path / "run" / "summary.json").exists() and "eval NE" in res.output
+
+
+def test_lookup_transport_options_are_checked_in_the_units_the_user_typed(tmp_path):
+    _one_error(_train(tmp_path, "--exchange-interval", "0"), "--exchange-interval 0 ms is invalid",
+               "milliseconds in (0, 1000]")
+    _one_error(_train(tmp_path, "--exchange-interval", "5000"), "--exchange-interval 5000 ms is invalid")
+    res = _train(tmp_path, "--lookup-transport", "smoke")
+    assert res.exit_code == 2 and "smoke" in res.output and "exchange" in res.output

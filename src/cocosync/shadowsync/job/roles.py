@@ -63,8 +63,10 @@ class ClusterConfig:
                 raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")
         if self.lookup_transport not in TRANSPORTS:
             raise ConfigError(f"lookup_transport={self.lookup_transport!r} is invalid: expected one of {TRANSPORTS}")
-        if not isinstance(self.exchange_interval, (int, float)) or not 0 < self.exchange_interval <= 1:
-            raise ConfigError(f"exchange_interval={self.exchange_interval!r} is invalid: expected seconds in (0, 1]")
+        v = self.exchange_interval
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+            raise ConfigError(f"--exchange-interval {shown} is invalid: expected milliseconds in (0, 1000]")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 
