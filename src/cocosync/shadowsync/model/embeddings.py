@@ -238,7 +238,8 @@ class ShardedEmbeddings:
 
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, sparse: torch.Tensor) -> Lookup:
-        """Start the lookup of a batch's ids [B, num_tables]: one message per remote server, local shards read now."""
+        """Start the lookup of a batch's ids [B, num_tables]: its remote rows as one request to the exchange, or one
+        RPC message per remote server; local shards are read at `wait`."""
         uniq, inverse = self._distinct(sparse)
         if self.exchange is not None:
             return self._fetch_exchange(uniq, inverse.view(sparse.shape))
@@ -263,14 +264,18 @@ class ShardedEmbeddings:
                 part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
         return lk
 
-    def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
-        """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
+    def _split(self, uniq: torch.Tensor) -> dict:
+        """Lookup fields of the exchange path: (server, positions, local rows) per local shard, the remote positions."""
         S = self.hash.servers
         owner = uniq % S
         local = [(s, idx, uniq[idx] // S) for s in self._local_servers
                  if (idx := (owner == s).nonzero().view(-1)).numel()]
-        remote_idx = (~self._is_local[owner]).nonzero().view(-1)
-        lk = Lookup(uniq, inverse, uniq, [], [], time.perf_counter(), local=local, remote_idx=remote_idx)
+        return {"local": local, "remote_idx": (~self._is_local[owner]).nonzero().view(-1)}
+
+    def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
+        """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
+        lk = Lookup(uniq, inverse, uniq, [], [], time.perf_counter(), **self._split(uniq))
+        remote_idx = lk.remote_idx
         if remote_idx.numel():
             with self._lock:
                 self.stats.bytes_sent += remote_idx.numel() * 8
@@ -340,16 +345,11 @@ class ShardedEmbeddings:
             return [self.fetch(sparses[0])]
         union = self.fetch(torch.cat(sparses))
         out = []
-        S = self.hash.servers
         for sparse in sparses:
             uniq, inverse = self._distinct(sparse)
             within = (union, torch.searchsorted(union.uniq, uniq))
             if self.exchange is not None:  # the batch's own local/remote split, for its push
-                owner = uniq % S
-                local = [(s, idx, uniq[idx] // S) for s in self._local_servers
-                         if (idx := (owner == s).nonzero().view(-1)).numel()]
-                out.append(Lookup(uniq, inverse, uniq, [], [], union.issued, within=within, local=local,
-                                  remote_idx=(~self._is_local[owner]).nonzero().view(-1)))
+                out.append(Lookup(uniq, inverse, uniq, [], [], union.issued, within=within, **self._split(uniq)))
                 continue
             order, bounds = self._by_server(uniq)
             out.append(Lookup(uniq, inverse, order, bounds, [], union.issued, within=within))
@@ -437,8 +437,9 @@ class ShardedEmbeddings:
 
     # -- updates ----------------------------------------------------------------------------------------
     def push(self, lk: Lookup, grads: torch.Tensor) -> None:
-        """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards now; for a remote server, queued
-        to ride on the next lookup sent to it (sent alone once `max_inflight` batches of pushes are queued)."""
+        """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards now; remote rows queued on the
+        exchange (its next round), or with RPC to ride on the next lookup sent to their server (sent alone once
+        `max_inflight` batches of pushes are queued)."""
         if self.exchange is not None:
             return self._push_exchange(lk, grads)
         stale = 0

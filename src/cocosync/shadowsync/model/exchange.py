@@ -144,9 +144,9 @@ class _Round:
     where: torch.Tensor | None = None  # each looked-up row (the lookups concatenated) -> its position in `ids`
     looked: list[int] = field(default_factory=list)  # rows to look up per node
     pushes: int = 0  # push parts
-    push_ids: torch.Tensor | None = None
-    push_versions: torch.Tensor | None = None
-    grads: torch.Tensor | None = None
+    push_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # node-major
+    push_versions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
+    grads: torch.Tensor | None = None  # [pushed rows, dim] (set by _sorted, empty without pushes)
     pushed: list[int] = field(default_factory=list)  # rows pushed per node
 
 
@@ -296,18 +296,12 @@ class LookupExchange:
         L, K = lb[p + 1] - lb[p], pb[p + 1] - pb[p]
         out = [_as_bytes(torch.tensor([L, K], dtype=torch.int64)), _padded(rnd.ids[lb[p]:lb[p + 1]], cap_l)]
         if cap_k:
-            if K:
-                out += [_padded(rnd.push_ids[pb[p]:pb[p + 1]], cap_k), _padded(rnd.push_versions[pb[p]:pb[p + 1]],
-                                                                               cap_k),
-                        _padded(rnd.grads[pb[p]:pb[p + 1]], cap_k)]
-            else:
-                out += [_padded(torch.empty(0, dtype=torch.int64), 2 * cap_k),
-                        _padded(torch.empty(0, self.dim), cap_k)]
+            out += [_padded(t[pb[p]:pb[p + 1]], cap_k) for t in (rnd.push_ids, rnd.push_versions, rnd.grads)]
         return out
 
     def _sorted(self, parts: list[_Part]) -> _Round:
         """The round of `parts`: lookups and pushes each concatenated and sorted by node."""
-        rnd = _Round(looked=[0] * self.n, pushed=[0] * self.n)
+        rnd = _Round(looked=[0] * self.n, pushed=[0] * self.n, grads=torch.empty(0, self.dim))
         rnd.lookups = [p for p in parts if p.future is not None]
         pushes = [p for p in parts if p.future is None]
         if rnd.lookups:
