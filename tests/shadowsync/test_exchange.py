@@ -4,6 +4,7 @@ a dead peer named in every waiting lookup."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cocosync.shadowsync.model.embeddings import RowHash, ServerLost, Shard, ShardedEmbeddings, initial_rows
@@ -25,7 +26,7 @@ def _shards(servers: int, optimizer: str) -> list[Shard]:
     return out
 
 
-def _exchange_rank(optimizer: str, per_node: int, in_order: bool) -> dict:
+def _exchange_rank(optimizer: str, per_node: int, in_order: bool, native: bool) -> dict:
     """Rank r is node r, holding servers r*per_node ... ; rank 1 drives a client, rank 0 only serves."""
     import torch.distributed as dist
 
@@ -36,7 +37,7 @@ def _exchange_rank(optimizer: str, per_node: int, in_order: bool) -> dict:
     shards = _shards(S, optimizer)
     mine = {s: shards[s] for s in range(rank * per_node, (rank + 1) * per_node)}
     ex = LookupExchange(dist.group.WORLD, mine, servers=S, servers_per_node=per_node, dim=DIM, interval=INTERVAL,
-                        labels=[f"node{n}" for n in range(nodes)])
+                        labels=[f"node{n}" for n in range(nodes)], native=native)
     if rank == 0:
         ex.close()  # serves rank 1 until it is done too
         return {"rounds": ex.rounds}
@@ -50,13 +51,14 @@ def _exchange_rank(optimizer: str, per_node: int, in_order: bool) -> dict:
     return stats
 
 
-CASES = [("adagrad", 1, True), ("sgd", 2, True), ("adagrad", 1, False)]  # optimizer, servers per node, in order
+# optimizer, servers per node, in order, rounds sorted in C++ (else the Python reference)
+CASES = [("adagrad", 1, True, True), ("sgd", 2, True, True), ("adagrad", 1, False, True), ("adagrad", 2, True, False)]
 
 
 def test_lookups_and_pushes_through_the_exchange_equal_the_shared_tables():
     with RankPool(2, timeout=120) as pool:  # one pool, the cases one after another (each its own exchange)
         results = [pool.run(_exchange_rank, *case) for case in CASES]
-    for (optimizer, per_node, in_order), res in zip(CASES, results):
+    for (optimizer, per_node, in_order, _), res in zip(CASES, results):
         stats = res[1]
         assert 0 < stats["remote_rows"] < stats["rows"]  # both a local and a remote shard were used
         assert stats["rounds"] > 0 and stats["messages"] == stats["rounds"] and stats["wire_bytes"] > 0
@@ -103,6 +105,28 @@ def test_a_lost_peer_fails_the_lookups_naming_it():
         pool.close(force=True)
     assert "embedding server embedding0 did not answer a lookup" in text
     assert "exchange with node 0 (trainer0 (node 0)) broke" in text
+
+
+@pytest.mark.parametrize("servers,per_node,nodes", [(2, 1, 2), (8, 2, 4), (3, 3, 1), (6, 1, 6)])
+def test_the_native_round_sort_gives_the_reference_bits(servers, per_node, nodes):
+    from cocosync.runtime.comm import native
+    from cocosync.shadowsync.model.exchange import sort_lookups, sort_pushes
+
+    module = native.one_shot()
+    if module is None:
+        pytest.skip("no native module (no compiler or ninja, or COCOSYNC_NATIVE=0): the Python path runs")
+    g = torch.Generator().manual_seed(servers)
+    rows = [torch.randint(0, 2000, (k,), generator=g) for k in (300, 0, 1, 517)]  # repeats within and across parts
+    rows.append(torch.tensor([(1 << 39) + 5, 7, (1 << 39) + 5]))  # rows up to the key's 40 bits
+    ref, got = sort_lookups(rows, servers, per_node, nodes), sort_lookups(rows, servers, per_node, nodes, native=module)
+    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1]) and ref[2] == got[2]
+    assert torch.equal(got[0][got[1]], torch.cat(rows))  # each row found at its position
+    versions = [torch.randint(0, 50, (r.numel(),), generator=g) for r in rows]
+    grads = [torch.randn(r.numel(), DIM, generator=g, dtype=torch.float64) for r in rows]  # cast to float32 on the way
+    ref = sort_pushes(rows, versions, grads, servers, per_node, nodes)
+    got = sort_pushes(rows, versions, grads, servers, per_node, nodes, native=module)
+    assert all(torch.equal(a, b) for a, b in zip(ref[:3], got[:3])) and ref[3] == got[3]
+    assert got[2].dtype == torch.float32 and sum(got[3]) == sum(r.numel() for r in rows)
 
 
 def _part(counts: list[int], lookup: bool):

@@ -156,7 +156,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             _init_rpc(cfg, roles)
         if roles.role()[0] == "trainer" and native.enabled():  # built before training, not in its first sync
             if link is not None and roles.role()[1] == 0 and not native.is_built():
-                link.set("status", "building the native shared-memory all_reduce once on this machine (~20 s)")
+                link.set("status", "building the native module once on this machine (~20 s)")
             native.one_shot()
         job = _setup(cfg, cluster, roles)
         job.link = link

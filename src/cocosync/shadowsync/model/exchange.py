@@ -21,7 +21,9 @@ peer is done (`close`).
 Why: a message costs ~100-400 us of CPU on each side in gloo's process group (~450 us in TensorPipe RPC) whatever
 its size, and row-hash sharding sends every batch's lookup to every machine (bench/server_costs.py, BENCHMARKS.md,
 issue 31). Rounds turn the cost per message into a cost per round that the batches of an interval share; the Python
-work of a round is a fixed number of tensor operations over everything it carries, not a loop over batches.
+work of a round is a fixed number of tensor operations over everything it carries, not a loop over batches. Sorting a
+round's rows by node (and deduplicating its lookups) is one C++ pass when the native module is built
+(runtime/comm/native/lookup_rounds.cpp; `sort_lookups`/`sort_pushes` here are its Python reference).
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+from cocosync.runtime.comm.native import one_shot as native_module
 
 __all__ = ["LookupExchange", "ExchangeLost"]
 
@@ -126,6 +130,43 @@ def _bounds(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts)]
 
 
+def _node_of(rows: torch.Tensor, servers: int, per_node: int) -> torch.Tensor:
+    return (rows % servers).div_(per_node, rounding_mode="floor")
+
+
+def sort_lookups(parts: list[torch.Tensor], servers: int, per_node: int, n: int, *,
+                 native: Any = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """A round's lookups (int64 global rows per part): its distinct rows node-major (ascending within a node: the
+    batches of a round share their hot rows), where each row of the parts concatenated is in them, rows per node.
+    `native`: the C++ module (runtime/comm/native, the same bits), else this Python path, its reference."""
+    parts = [p.to(torch.int64).contiguous() for p in parts]
+    if native is not None:
+        ids, where, counts = native.sort_lookups(parts, servers, per_node, n)
+        return ids, where, counts.tolist()
+    ids = torch.cat(parts)
+    keys, where = torch.unique(_node_of(ids, servers, per_node).bitwise_left_shift_(_NODE_SHIFT).bitwise_or_(ids),
+                               return_inverse=True)
+    counts = torch.bincount(keys.bitwise_right_shift(_NODE_SHIFT), minlength=n).tolist()
+    return keys.bitwise_and_(_ROW_MASK), where, counts
+
+
+def sort_pushes(rows: list[torch.Tensor], versions: list[torch.Tensor], grads: list[torch.Tensor], servers: int,
+                per_node: int, n: int, *, native: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       list[int]]:
+    """A round's pushes concatenated and stably ordered by node: rows, versions, float32 gradients, rows per node."""
+    rows = [r.to(torch.int64).contiguous() for r in rows]
+    versions = [v.to(torch.int64).contiguous() for v in versions]
+    grads = [g.to(torch.float32).contiguous() for g in grads]
+    if native is not None:
+        ids, vers, g, counts = native.sort_pushes(rows, versions, grads, servers, per_node, n, grads[0].shape[1])
+        return ids, vers, g, counts.tolist()
+    ids = torch.cat(rows)
+    node = _node_of(ids, servers, per_node)
+    perm = torch.argsort(node, stable=True)
+    counts = torch.bincount(node, minlength=n).tolist()
+    return ids[perm], torch.cat(versions)[perm], torch.cat(grads)[perm], counts
+
+
 @dataclass
 class _Part:
     ids: torch.Tensor  # global rows, none of them on this node
@@ -154,11 +195,13 @@ class LookupExchange:
     """This trainer's side of the lookup exchange (see the module doc). `group`: gloo group of one trainer per node,
     in node order (group rank = node); `shards`: this node's shards by global server index; `servers`: the job's
     server count S (global row g lives on server g % S, at its row g // S); `servers_per_node`: server s lives on node
-    s // servers_per_node; `labels[n]`: how errors name node n's peer."""
+    s // servers_per_node; `labels[n]`: how errors name node n's peer; `native`: sort each round in C++ (the
+    module of runtime/comm/native, when enabled and built) rather than in Python, the reference."""
 
     def __init__(self, group: Any, shards: Mapping[int, Any], *, servers: int, servers_per_node: int, dim: int,
-                 interval: float, labels: Sequence[str]):
+                 interval: float, labels: Sequence[str], native: bool = True):
         self.group, self.dim, self.interval = group, int(dim), float(interval)
+        self.native = native_module() if native else None
         self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
         self.shards, self.servers, self.per_node = dict(shards), int(servers), int(servers_per_node)
         self.labels = list(labels)
@@ -177,7 +220,7 @@ class LookupExchange:
 
     # -- the client side (the trainer's workers) ----------------------------------------------------------------
     def node_of(self, rows: torch.Tensor) -> torch.Tensor:
-        return (rows % self.servers).div_(self.per_node, rounding_mode="floor")
+        return _node_of(rows, self.servers, self.per_node)
 
     def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
         """Look up global rows of other nodes' shards; the future gives (rows [len, dim], their versions)."""
@@ -304,21 +347,14 @@ class LookupExchange:
         rnd = _Round(looked=[0] * self.n, pushed=[0] * self.n, grads=torch.empty(0, self.dim))
         rnd.lookups = [p for p in parts if p.future is not None]
         pushes = [p for p in parts if p.future is None]
+        where = (self.servers, self.per_node, self.n)
         if rnd.lookups:
-            ids = torch.cat([p.ids for p in rnd.lookups])
-            # the round's distinct rows, node-major: the batches of a round share their hot rows
-            keys, rnd.where = torch.unique(self.node_of(ids).bitwise_left_shift_(_NODE_SHIFT).bitwise_or_(ids),
-                                           return_inverse=True)
-            rnd.ids = keys.bitwise_and(_ROW_MASK)
-            rnd.looked = torch.bincount(keys.bitwise_right_shift_(_NODE_SHIFT), minlength=self.n).tolist()
+            rnd.ids, rnd.where, rnd.looked = sort_lookups([p.ids for p in rnd.lookups], *where, native=self.native)
         if pushes:
-            ids = torch.cat([p.ids for p in pushes])
-            node = self.node_of(ids)
-            perm = torch.argsort(node, stable=True)
-            rnd.push_ids, rnd.pushes = ids[perm], len(pushes)
-            rnd.push_versions = torch.cat([p.versions for p in pushes])[perm]
-            rnd.grads = torch.cat([p.grads for p in pushes]).to(torch.float32)[perm]
-            rnd.pushed = torch.bincount(node, minlength=self.n).tolist()
+            rnd.push_ids, rnd.push_versions, rnd.grads, rnd.pushed = sort_pushes(
+                [p.ids for p in pushes], [p.versions for p in pushes], [p.grads for p in pushes], *where,
+                native=self.native)
+            rnd.pushes = len(pushes)
         return rnd
 
     def _answered(self, rnd: _Round, answers: list[tuple[int, torch.Tensor]]) -> None:

@@ -1,8 +1,9 @@
-"""The optional native (C++) hot loops of the shared-memory all_reduce (one-shot and three-phase) and the streaming
-copies of large collectives, JIT-built once with the system compiler through torch.utils.cpp_extension (cached in
-torch's extensions directory, $TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; the first build says so on
-stderr). `$COCOSYNC_NATIVE=0` turns it off; a build that fails is reported once as a warning and the Python path,
-the reference the native one is tested against, runs."""
+"""cocosync's native (C++) module, JIT-built once with the system compiler through torch.utils.cpp_extension:
+the hot loops of the shared-memory all_reduce (one-shot and three-phase), the streaming copies of large collectives
+(one_shot.cpp), and the lookup exchange's per-round sorting (lookup_rounds.cpp). Cached in torch's extensions
+directory ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; the first build says so on stderr).
+`$COCOSYNC_NATIVE=0` turns it off; a build that fails is reported once as a warning and the Python paths, the
+references the native ones are tested against, run."""
 
 from __future__ import annotations
 
@@ -44,29 +45,38 @@ def _build_dir() -> tuple[str, Path]:
     return name, Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
+#: the module's sources, beside this file (one_shot.cpp defines the Python module)
+SOURCES = ("one_shot.cpp", "lookup_rounds.cpp")
+
+
+def _sources() -> list[Path]:
+    return [Path(__file__).with_name(name) for name in SOURCES]
+
+
 def is_built() -> bool:
-    """Whether this machine has a build of the current source (else the first `one_shot()` builds it, ~20 s)."""
+    """Whether this machine has a build of the current sources (else the first `one_shot()` builds it, ~20 s)."""
     built = sorted(_build_dir()[1].glob("*.so"))
-    return bool(built) and built[0].stat().st_mtime >= Path(__file__).with_name("one_shot.cpp").stat().st_mtime
+    return bool(built) and built[0].stat().st_mtime >= max(src.stat().st_mtime for src in _sources())
 
 
 @functools.lru_cache(maxsize=None)
 def one_shot() -> Any:
-    """The built module (publish, finish), or None (disabled, or the build failed)."""
+    """The built module (OneShot, stream copies, the exchange's sort_lookups/sort_pushes), or None (disabled, or the
+    build failed)."""
     if not enabled():
         return None
     try:
         from torch.utils import cpp_extension
 
-        src = Path(__file__).with_name("one_shot.cpp")
         name, build = _build_dir()
         clear_stale_lock(build / "lock")
         if not is_built():
-            print("cocosync: building the native shared-memory all_reduce once with the system compiler "
-                  f"(~20 s; cached in {build})", file=sys.stderr, flush=True)
-        return cpp_extension.load(name, [str(src)], extra_cflags=["-O3", "-march=native"], verbose=False)
+            print("cocosync: building the native module (shared-memory all_reduce, lookup rounds) once with the system "
+                  f"compiler (~20 s; cached in {build})", file=sys.stderr, flush=True)
+        return cpp_extension.load(name, [str(src) for src in _sources()], extra_cflags=["-O3", "-march=native"],
+                                  verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the Python path runs
-        warnings.warn(f"cocosync: the native shared-memory all_reduce did not build ({type(e).__name__}: "
+        warnings.warn(f"cocosync: the native module did not build ({type(e).__name__}: "
                       f"{str(e)[:300]}); the Python path runs", RuntimeWarning, stacklevel=2)
         return None
 
