@@ -32,6 +32,7 @@ from typing import Any, Iterable, Iterator, Sequence
 import torch
 import torch.distributed.rpc as rpc
 
+from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.served import Served
 
@@ -47,7 +48,11 @@ def rowwise_update(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.
     """Apply the gradient rows `g[i]` to the distinct rows `rows[i]` of `weight`, in place and lock-free (Hogwild):
     SGD, or row-wise Adagrad with one accumulator per row (acc += mean(g^2); w -= lr * g / (sqrt(acc) + eps)).
     weight_decay: L2 on the touched rows, g += wd * w first. `g` is consumed (scaled in place). The one
-    definition of the row update."""
+    definition of the row update: Adagrad on float32 tables is one C++ pass over the rows where the native module is
+    built (runtime/comm/native/embedding_rows.cpp), the torch operations below otherwise (its reference)."""
+    if optimizer == "adagrad" and _native_rows(weight, accumulator, rows, g):
+        native_module().rowwise_adagrad(weight, accumulator, rows, g, lr, eps, weight_decay)
+        return
     if weight_decay:
         g.add_(weight.index_select(0, rows), alpha=weight_decay)
     if optimizer == "sgd":
@@ -56,6 +61,13 @@ def rowwise_update(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.
     accumulator.index_add_(0, rows, g.pow(2).mean(1))
     scale = accumulator.index_select(0, rows).sqrt_().add_(eps).reciprocal_().mul_(-lr)
     weight.index_add_(0, rows, g.mul_(scale.unsqueeze(1)))
+
+
+def _native_rows(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.Tensor, g: torch.Tensor) -> bool:
+    """Whether the native row update takes these tensors (float32, contiguous, int64 rows) and is built."""
+    return (weight.dtype == accumulator.dtype == g.dtype == torch.float32 and rows.dtype == torch.int64
+            and weight.is_contiguous() and accumulator.is_contiguous() and g.is_contiguous() and rows.is_contiguous()
+            and native_module() is not None)
 
 
 class ServerLost(RuntimeError):

@@ -1,6 +1,7 @@
 """cocosync's native (C++) module, JIT-built once with the system compiler through torch.utils.cpp_extension:
 the hot loops of the shared-memory all_reduce (one-shot and three-phase), the streaming copies of large collectives
-(one_shot.cpp), and the lookup exchange's per-round sorting (lookup_rounds.cpp). Cached in torch's extensions
+(one_shot.cpp), the lookup exchange's per-round sorting (lookup_rounds.cpp) and row-wise Adagrad on embedding rows
+(embedding_rows.cpp). Cached in torch's extensions
 directory ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; the first build says so on stderr).
 `$COCOSYNC_NATIVE=0` turns it off; a build that fails is reported once as a warning and the Python paths, the
 references the native ones are tested against, run."""
@@ -46,7 +47,7 @@ def _build_dir() -> tuple[str, Path]:
 
 
 #: the module's sources, beside this file (one_shot.cpp defines the Python module)
-SOURCES = ("one_shot.cpp", "lookup_rounds.cpp")
+SOURCES = ("one_shot.cpp", "lookup_rounds.cpp", "embedding_rows.cpp")
 
 
 def _sources() -> list[Path]:
@@ -61,8 +62,8 @@ def is_built() -> bool:
 
 @functools.lru_cache(maxsize=None)
 def one_shot() -> Any:
-    """The built module (OneShot, stream copies, the exchange's sort_lookups/sort_pushes), or None (disabled, or the
-    build failed)."""
+    """The built module (OneShot, stream copies, the exchange's sort_lookups/sort_pushes, rowwise_adagrad), or None
+    (disabled, or the build failed)."""
     if not enabled():
         return None
     try:
@@ -71,8 +72,8 @@ def one_shot() -> Any:
         name, build = _build_dir()
         clear_stale_lock(build / "lock")
         if not is_built():
-            print("cocosync: building the native module (shared-memory all_reduce, lookup rounds) once with the system "
-                  f"compiler (~20 s; cached in {build})", file=sys.stderr, flush=True)
+            print("cocosync: building the native module (all_reduce loops, lookup rounds, embedding rows) once with "
+                  f"the system compiler (~20 s; cached in {build})", file=sys.stderr, flush=True)
         return cpp_extension.load(name, [str(src) for src in _sources()], extra_cflags=["-O3", "-march=native"],
                                   verbose=False)
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja, a failed build: the Python path runs
