@@ -150,3 +150,41 @@ def test_a_round_sends_the_parts_that_fit_in_order_and_announces_room_for_the_re
     caps = _next_caps(recent, [c], 3)
     assert caps == [(0, 0), (12, 5), (2, 5)]  # 1.25x the most sent, or what waits (c: 9 lookups for node 1)
     assert _next_caps(collections.deque([([0, 0], [0, 0])]), [], 2) == [(0, 0), (0, 0)]  # quiet: no room, no bytes
+
+
+@pytest.mark.parametrize("nodes,me", [(2, 0), (4, 2), (6, 5)])
+def test_the_native_round_packing_gives_the_reference_bytes(nodes, me):
+    from cocosync.runtime.comm import native
+    from cocosync.shadowsync.model.exchange import _Answer, _Round, pack_messages, sort_lookups, sort_pushes
+
+    module = native.one_shot()
+    if module is None:
+        pytest.skip("no native module (no compiler or ninja, or COCOSYNC_NATIVE=0): the Python path runs")
+    g = torch.Generator().manual_seed(nodes)
+    # room announced by each peer: none (odd peers: no request), for lookups only (the next peer), or for both
+    lookups_to = {p for p in range(nodes) if p != me and (p % 2 == 0 or p == (me + 1) % nodes)}
+    pushes_to = {p for p in lookups_to if p != (me + 1) % nodes}
+    rows = [torch.randint(0, 3000, (k,), generator=g) for k in (200, 31)]
+    rows = [r[torch.tensor([int(x) % nodes in lookups_to for x in r], dtype=torch.bool)] for r in rows]
+    pushed = torch.randint(0, 3000, (150,), generator=g)
+    pushed = pushed[torch.tensor([int(x) % nodes in pushes_to for x in pushed], dtype=torch.bool)]
+    rnd = _Round(grads=torch.empty(0, DIM))
+    rnd.ids, _, rnd.looked = sort_lookups(rows, nodes, 1, nodes)  # servers = nodes: row r lives on node r % nodes
+    rnd.push_ids, rnd.push_versions, rnd.grads, rnd.pushed = sort_pushes(
+        [pushed], [torch.randint(0, 9, (pushed.numel(),), generator=g)],
+        [torch.randn(pushed.numel(), DIM, generator=g)], nodes, 1, nodes)
+    heads = torch.randint(0, 100, (nodes, 4), generator=g)
+    owed = []
+    for p in range(nodes):
+        L = [0, 3, 17][p % 3]  # no answer, an answer to pushes alone (L = 0) or to lookups
+        owed.append(None if p % 3 == 0 else _Answer(p, torch.arange(L) * 7, torch.randn(L, DIM, generator=g)))
+    caps = [(rnd.looked[p] + p if p in lookups_to else 0, rnd.pushed[p] + p % 3 if p in pushes_to else 0)
+            for p in range(nodes)]
+    assert sum(rnd.looked) and (sum(rnd.pushed) or nodes == 2)  # 2 nodes: the one peer has room for lookups only
+    ref = pack_messages(me, heads, owed, rnd, caps, DIM)
+    got = pack_messages(me, heads, owed, rnd, caps, DIM, native=module)
+    assert ref[1] == got[1] and ref[1][me] == 0 and sum(ref[1]) == ref[0].numel()
+    assert torch.equal(ref[0], got[0])
+    with pytest.raises(RuntimeError, match="larger than the room"):
+        small = [(max(0, c[0] - p - 1), c[1]) if c[0] else c for p, c in enumerate(caps)]
+        pack_messages(me, heads, owed, rnd, small, DIM, native=module)

@@ -191,6 +191,56 @@ class _Round:
     pushed: list[int] = field(default_factory=list)  # rows pushed per node
 
 
+@dataclass
+class _Answer:
+    """What this trainer owes a peer after serving its request: the pushes' summed staleness, the looked-up rows'
+    versions and the rows (views into the round's served tensors)."""
+
+    stale: int
+    versions: torch.Tensor
+    rows: torch.Tensor
+
+
+def _request_bytes(rnd: _Round, p: int, lb: list[int], pb: list[int], cap: tuple[int, int]) -> list[torch.Tensor]:
+    """The request to peer p, padded to the capacity it expects: [looked, pushed], ids, pushed ids, their
+    versions, gradients."""
+    if cap == (0, 0):
+        return []
+    cap_l, cap_k = cap
+    L, K = lb[p + 1] - lb[p], pb[p + 1] - pb[p]
+    out = [_as_bytes(torch.tensor([L, K], dtype=torch.int64)), _padded(rnd.ids[lb[p]:lb[p + 1]], cap_l)]
+    if cap_k:
+        out += [_padded(t[pb[p]:pb[p + 1]], cap_k) for t in (rnd.push_ids, rnd.push_versions, rnd.grads)]
+    return out
+
+
+def pack_messages(me: int, heads: torch.Tensor, owed: list[_Answer | None], rnd: _Round,
+                  caps: list[tuple[int, int]], dim: int, *, native: Any = None) -> tuple[torch.Tensor, list[int]]:
+    """One round's send buffer and its size per peer: to each peer p != me its header `heads[p]`, the answer owed
+    to it, and this trainer's request padded to the room `caps[p]` p announced. `native`: the C++ module (one
+    pass, the same bytes), else this Python path, its reference."""
+    lb, pb = _bounds(rnd.looked), _bounds(rnd.pushed)
+    if native is not None:
+        empty = torch.empty(0)
+        buf, sizes = native.pack_messages(
+            me, heads, [a.stale if a else 0 for a in owed], [a.versions if a else empty.long() for a in owed],
+            [a.rows if a else empty for a in owed], [a is not None for a in owed], rnd.ids, lb, rnd.push_ids,
+            rnd.push_versions, rnd.grads.reshape(-1, dim), pb, [c[0] for c in caps], [c[1] for c in caps], dim)
+        return buf, list(sizes)
+    send, sizes = [], [0] * len(owed)
+    for p, answer in enumerate(owed):
+        if p == me:
+            continue
+        chunk = [_as_bytes(heads[p])]
+        if answer is not None:
+            chunk += [_as_bytes(torch.tensor([answer.stale], dtype=torch.int64)), _as_bytes(answer.versions),
+                      _as_bytes(answer.rows)]
+        chunk += _request_bytes(rnd, p, lb, pb, caps[p])
+        send.extend(chunk)
+        sizes[p] = sum(c.numel() for c in chunk)
+    return (torch.cat(send) if send else _EMPTY), sizes
+
+
 class LookupExchange:
     """This trainer's side of the lookup exchange (see the module doc). `group`: gloo group of one trainer per node,
     in node order (group rank = node); `shards`: this node's shards by global server index; `servers`: the job's
@@ -272,7 +322,7 @@ class LookupExchange:
         awaiting = _Round(looked=[0] * n, pushed=[0] * n)  # sent last round: answered this round
         cap_out = [(0, 0)] * n  # (lookups, pushed rows) this trainer may send each peer this round
         cap_in = [(0, 0)] * n  # ... each peer may send this trainer: the padded size of its request
-        owed = [_EMPTY] * n  # answers served after last round
+        owed: list[_Answer | None] = [None] * n  # answers served after last round
         deferred: list[_Part] = []
         recent: collections.deque = collections.deque(maxlen=_MEMORY)
         rnd = awaiting
@@ -289,18 +339,11 @@ class LookupExchange:
                 rnd = self._sorted(sent)
                 recent.append(used)
                 caps = _next_caps(recent, deferred, n)
-                send, in_sizes, out_sizes = [], [0] * n, [0] * n
                 heads = torch.tensor([[*caps[p], int(done), 0] for p in range(n)], dtype=torch.int64)
-                lb, pb = _bounds(rnd.looked), _bounds(rnd.pushed)
-                for p in range(n):
-                    if p == self.me:
-                        continue
-                    chunk = [_as_bytes(heads[p]), owed[p], *self._request(rnd, p, lb, pb, cap_out[p])]
-                    send.extend(chunk)
-                    in_sizes[p] = sum(c.numel() for c in chunk)
-                    out_sizes[p] = (8 * _HEADER + _answer_nbytes(awaiting.looked[p], awaiting.pushed[p], dim)
-                                    + _request_nbytes(*cap_in[p], dim))
-                sendbuf = torch.cat(send) if send else _EMPTY
+                sendbuf, in_sizes = pack_messages(self.me, heads, owed, rnd, cap_out, dim, native=self.native)
+                out_sizes = [0 if p == self.me else
+                             8 * _HEADER + _answer_nbytes(awaiting.looked[p], awaiting.pushed[p], dim)
+                             + _request_nbytes(*cap_in[p], dim) for p in range(n)]
                 recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8)
                 dist.all_to_all_single(recvbuf, sendbuf, out_sizes, in_sizes, group=self.group)
                 self.rounds += 1
@@ -329,18 +372,6 @@ class LookupExchange:
             peers = ", ".join(f"node {p} ({self.labels[p]})" for p in range(n) if p != self.me)
             self._fail(ExchangeLost(f"the embedding lookup exchange with {peers} broke: {e}"),
                        awaiting.lookups + rnd.lookups + [p for p in deferred if p.future is not None])
-
-    def _request(self, rnd: _Round, p: int, lb: list[int], pb: list[int], cap: tuple[int, int]) -> list[torch.Tensor]:
-        """The request to peer p, padded to the capacity it expects: [looked, pushed], ids, pushed ids, their
-        versions, gradients."""
-        if cap == (0, 0):
-            return []
-        cap_l, cap_k = cap
-        L, K = lb[p + 1] - lb[p], pb[p + 1] - pb[p]
-        out = [_as_bytes(torch.tensor([L, K], dtype=torch.int64)), _padded(rnd.ids[lb[p]:lb[p + 1]], cap_l)]
-        if cap_k:
-            out += [_padded(t[pb[p]:pb[p + 1]], cap_k) for t in (rnd.push_ids, rnd.push_versions, rnd.grads)]
-        return out
 
     def _sorted(self, parts: list[_Part]) -> _Round:
         """The round of `parts`: lookups and pushes each concatenated and sorted by node."""
@@ -376,25 +407,24 @@ class LookupExchange:
             self._pushes_answered += rnd.pushes
             self._cv.notify_all()
 
-    def _serve(self, requests: list[tuple]) -> list[torch.Tensor]:
+    def _serve(self, requests: list[tuple]) -> list[_Answer | None]:
         """Apply every peer's pushes, then look up every peer's rows, on this node's shards; each peer's answer.
         `requests`: (peer, ids, pushed ids, their versions, gradients)."""
-        owed = [_EMPTY] * self.n
+        owed: list[_Answer | None] = [None] * self.n
         requests = [r for r in requests if r[1].numel() or r[2].numel()]
         if not requests:
             return owed
         who = [r[0] for r in requests]
         pushed = [r[2].numel() for r in requests]
-        stale = torch.zeros(len(who), dtype=torch.int64)
+        stale = [0] * len(who)
         if sum(pushed):
             per_row = self._apply(torch.cat([r[2] for r in requests]), torch.cat([r[4] for r in requests]),
                                   torch.cat([r[3] for r in requests]))
-            stale.index_add_(0, torch.repeat_interleave(torch.arange(len(who)), torch.tensor(pushed)), per_row)
+            stale = [int(x.sum()) for x in per_row.split(pushed)]
         rows, versions = self._read(torch.cat([r[1] for r in requests]))
         lb = _bounds([r[1].numel() for r in requests])
         for i, p in enumerate(who):
-            owed[p] = torch.cat([_as_bytes(stale[i:i + 1]), _as_bytes(versions[lb[i]:lb[i + 1]]),
-                                 _as_bytes(rows[lb[i]:lb[i + 1]])])
+            owed[p] = _Answer(stale[i], versions[lb[i]:lb[i + 1]], rows[lb[i]:lb[i + 1]])
         return owed
 
     def _by_shard(self, rows: torch.Tensor):

@@ -1,12 +1,14 @@
-// The lookup exchange's per-round sorting, out of Python (shadowsync/model/exchange.py, `_sorted`): a round's
-// lookups deduplicated and ordered by node, its pushes stably ordered by node. The same bits as the Python path,
-// which stays the reference: torch.unique over (node << 40 | row) keys, a stable argsort by node. Python spent ~20
-// tensor operations (~0.5 ms per round of two batches) on what is one pass over the rows here.
+// The lookup exchange's per-round work on rows, out of Python (shadowsync/model/exchange.py): a round's lookups
+// deduplicated and ordered by node, its pushes stably ordered by node (`sort_lookups`, `sort_pushes`), and every
+// peer's message written into one send buffer (`pack_messages`). The same bits as the Python paths there, which stay
+// the references: torch.unique over (node << 40 | row) keys, a stable argsort by node, tensors concatenated. Python
+// spent ~20 tensor operations per round sorting and ~6 per peer packing.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -129,9 +131,92 @@ std::vector<torch::Tensor> sort_pushes(const std::vector<torch::Tensor>& rows, c
   return {ids, vers, g, counts};
 }
 
+
+// One round's messages, every peer's, written into one send buffer (the bytes of `pack_messages`'s Python path):
+// per peer p != me: its header (4 int64), the answer owed to it (staleness, versions, rows; absent: nothing), and
+// this trainer's request padded to the room p announced ([looked, pushed], ids, pushed ids, versions, gradients;
+// no room: nothing). Python built and concatenated ~6 tensors per peer.
+std::tuple<torch::Tensor, std::vector<int64_t>> pack_messages(
+    int64_t me, const torch::Tensor& heads, const std::vector<int64_t>& stale, const std::vector<torch::Tensor>& versions,
+    const std::vector<torch::Tensor>& rows, const std::vector<bool>& owed, const torch::Tensor& ids,
+    const std::vector<int64_t>& lb, const torch::Tensor& push_ids, const torch::Tensor& push_versions,
+    const torch::Tensor& grads, const std::vector<int64_t>& pb, const std::vector<int64_t>& cap_l,
+    const std::vector<int64_t>& cap_k, int64_t dim) {
+  const int64_t n = heads.size(0);
+  TORCH_CHECK(heads.scalar_type() == torch::kInt64 && heads.is_contiguous() && heads.size(1) == 4,
+              "pack_messages: int64 headers [nodes, 4]");
+  TORCH_CHECK(static_cast<int64_t>(stale.size()) == n && static_cast<int64_t>(versions.size()) == n &&
+                  static_cast<int64_t>(rows.size()) == n && static_cast<int64_t>(owed.size()) == n &&
+                  static_cast<int64_t>(lb.size()) == n + 1 && static_cast<int64_t>(pb.size()) == n + 1 &&
+                  static_cast<int64_t>(cap_l.size()) == n && static_cast<int64_t>(cap_k.size()) == n,
+              "pack_messages: one entry per node");
+  TORCH_CHECK(ids.scalar_type() == torch::kInt64 && ids.is_contiguous() && push_ids.scalar_type() == torch::kInt64 &&
+                  push_ids.is_contiguous() && push_versions.scalar_type() == torch::kInt64 &&
+                  push_versions.is_contiguous() && grads.scalar_type() == torch::kFloat32 && grads.is_contiguous(),
+              "pack_messages: contiguous int64 ids and versions, float32 gradients");
+  auto align = [](int64_t b) { return (b + 7) / 8 * 8; };
+  std::vector<int64_t> sizes(n, 0);
+  int64_t total = 0;
+  for (int64_t p = 0; p < n; ++p) {
+    if (p == me) continue;
+    int64_t s = 32;
+    if (owed[p]) {
+      TORCH_CHECK(versions[p].scalar_type() == torch::kInt64 && versions[p].is_contiguous() &&
+                      rows[p].scalar_type() == torch::kFloat32 && rows[p].is_contiguous() &&
+                      rows[p].numel() == versions[p].numel() * dim,
+                  "pack_messages: an answer's int64 versions and float32 rows [looked, dim]");
+      s += 8 * (1 + versions[p].numel()) + align(4 * rows[p].numel());
+    }
+    if (cap_l[p] || cap_k[p]) {
+      TORCH_CHECK(lb[p + 1] - lb[p] <= cap_l[p] && pb[p + 1] - pb[p] <= cap_k[p],
+                  "pack_messages: a request larger than the room its peer announced");
+      s += 16 + 8 * (cap_l[p] + 2 * cap_k[p]) + align(4 * cap_k[p] * dim);
+    }
+    sizes[p] = s;
+    total += s;
+  }
+  auto buf = torch::zeros({total}, torch::kUInt8);  // padding and alignment bytes are zeros, as Python's
+  char* out = reinterpret_cast<char*>(buf.data_ptr<uint8_t>());
+  auto put = [&out](const void* src, int64_t bytes) {
+    if (bytes) std::memcpy(out, src, bytes);
+    out += bytes;
+  };
+  const int64_t* h = heads.data_ptr<int64_t>();
+  for (int64_t p = 0; p < n; ++p) {
+    if (p == me) continue;
+    char* start = out;
+    put(h + 4 * p, 32);
+    if (owed[p]) {
+      put(&stale[p], 8);
+      put(versions[p].data_ptr<int64_t>(), 8 * versions[p].numel());
+      put(rows[p].data_ptr<float>(), 4 * rows[p].numel());
+      out = start + 32 + 8 * (1 + versions[p].numel()) + align(4 * rows[p].numel());
+    }
+    if (cap_l[p] || cap_k[p]) {
+      const int64_t L = lb[p + 1] - lb[p], K = pb[p + 1] - pb[p];
+      const int64_t counts[2] = {L, K};
+      char* req = out;
+      put(counts, 16);
+      put(ids.data_ptr<int64_t>() + lb[p], 8 * L);
+      out = req + 16 + 8 * cap_l[p];
+      if (cap_k[p]) {
+        put(push_ids.data_ptr<int64_t>() + pb[p], 8 * K);
+        out += 8 * (cap_k[p] - K);
+        put(push_versions.data_ptr<int64_t>() + pb[p], 8 * K);
+        out += 8 * (cap_k[p] - K);
+        put(grads.data_ptr<float>() + pb[p] * dim, 4 * K * dim);
+      }
+      out = req + 16 + 8 * (cap_l[p] + 2 * cap_k[p]) + align(4 * cap_k[p] * dim);
+    }
+    TORCH_CHECK(out - start == sizes[p], "pack_messages: internal size mismatch");
+  }
+  return {buf, sizes};
+}
+
 }  // namespace
 
 void register_lookup_rounds(pybind11::module& m) {
   m.def("sort_lookups", &sort_lookups, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sort_pushes", &sort_pushes, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("pack_messages", &pack_messages, pybind11::call_guard<pybind11::gil_scoped_release>());
 }
