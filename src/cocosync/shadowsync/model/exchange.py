@@ -22,8 +22,9 @@ Why: a message costs ~100-400 us of CPU on each side in gloo's process group (~4
 its size, and row-hash sharding sends every batch's lookup to every machine (bench/server_costs.py, BENCHMARKS.md,
 issue 31). Rounds turn the cost per message into a cost per round that the batches of an interval share; the Python
 work of a round is a fixed number of tensor operations over everything it carries, not a loop over batches. Sorting a
-round's rows by node (and deduplicating its lookups) is one C++ pass when the native module is built
-(runtime/comm/native/lookup_rounds.cpp; `sort_lookups`/`sort_pushes` here are its Python reference).
+round's rows by node (deduplicating its lookups) and writing every peer's message into the send buffer are one C++
+pass each when the native module is built (runtime/comm/native/lookup_rounds.cpp; `sort_lookups`, `sort_pushes` and
+`pack_messages` here are their Python references).
 """
 
 from __future__ import annotations
@@ -245,8 +246,8 @@ class LookupExchange:
     """This trainer's side of the lookup exchange (see the module doc). `group`: gloo group of one trainer per node,
     in node order (group rank = node); `shards`: this node's shards by global server index; `servers`: the job's
     server count S (global row g lives on server g % S, at its row g // S); `servers_per_node`: server s lives on node
-    s // servers_per_node; `labels[n]`: how errors name node n's peer; `native`: sort each round in C++ (the
-    module of runtime/comm/native, when enabled and built) rather than in Python, the reference."""
+    s // servers_per_node; `labels[n]`: how errors name node n's peer; `native`: sort and pack each round in C++
+    (the module of runtime/comm/native, when enabled and built) rather than in Python, the reference."""
 
     def __init__(self, group: Any, shards: Mapping[int, Any], *, servers: int, servers_per_node: int, dim: int,
                  interval: float, labels: Sequence[str], native: bool = True):
