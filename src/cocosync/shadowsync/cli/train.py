@@ -139,7 +139,7 @@ _CLUSTER_OPTIONS = [
     click.option("--stop-after", type=int, default=None,
                  help="stop (with a checkpoint) once the run has seen this many examples (earlier sessions "
                       "included)."),
-    click.option("--prefetch", type=int, default=None, show_default="6 with the exchange, 2 with rpc",
+    click.option("--prefetch", type=int, default=None, show_default="10 with the exchange, 2 with rpc",
                  help="multi-node: batches whose embedding rows are requested ahead of the one training (0: none)."),
     click.option("--lookup-transport", type=click.Choice(TRANSPORTS), default="exchange", show_default=True,
                  help="multi-node: how lookups reach other machines' shards: rounds of one gloo all_to_all between "

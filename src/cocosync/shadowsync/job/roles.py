@@ -28,7 +28,7 @@ class ClusterConfig:
     sync_servers: int | None = None
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
     prefetch: int | None = None
-    """batches whose embedding rows are requested ahead of the one training (0: none); None: 6 with the lookup
+    """batches whose embedding rows are requested ahead of the one training (0: none); None: 10 with the lookup
     exchange (its answers come 1-2 rounds later), 2 with RPC."""
     lookup_batches: int = 1
     """batches whose embedding lookups go in one message per server (fewer messages, staler rows)."""
@@ -54,7 +54,7 @@ class ClusterConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if self.prefetch is None:
-            self.prefetch = 6 if self.lookup_transport == "exchange" else 2
+            self.prefetch = 10 if self.lookup_transport == "exchange" else 2
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
         for name in ("stop_after", "checkpoint_every", "eval_every"):
