@@ -4,6 +4,7 @@ deadlocked before the group defined the coalesced forms (the trampoline entered 
 worker, holding its queue lock, freed a finished scatter's tensors and waited for the GIL)."""
 
 import faulthandler
+import os
 import sys
 
 import torch
@@ -60,4 +61,10 @@ for i in range(int(sys.argv[1]) if len(sys.argv) > 1 else 200):
     g = fc.all_gather_single(torch.full((2,), r + i, dtype=torch.int64), 0, world)  # an integer: through gloo
     assert g.tolist() == [k + i for k in range(P) for _ in range(2)], g
 dist.destroy_process_group()
-print(f"dispatcher clients ok on rank {r}")
+print(f"dispatcher clients ok on rank {r}", flush=True)
+# leave without C++ destructors at interpreter exit, as the product's entry points do (shadowsync/__main__.py): the
+# mesh and DTensors still hold the groups, and a torch thread object destroyed while joinable aborts the process
+# after the work is done ("terminate called without an active exception": seen once, in a clean-clone CI run, after
+# every check here had passed; teardown is not what this test checks)
+sys.stderr.flush()
+os._exit(0)
