@@ -48,6 +48,7 @@ _NODE_SHIFT = 40  # a lookup's sort key: node << 40 | global row (tables up to 2
 _ROW_MASK = (1 << _NODE_SHIFT) - 1
 _MEMORY = 8  # rounds whose sizes set the room announced for the next request
 _EMPTY = torch.empty(0, dtype=torch.uint8)
+_NO_VERSIONS, _NO_ROWS = torch.empty(0, dtype=torch.int64), torch.empty(0)  # a peer owed no answer (native packing)
 
 
 class ExchangeLost(RuntimeError):
@@ -222,10 +223,9 @@ def pack_messages(me: int, heads: torch.Tensor, owed: list[_Answer | None], rnd:
     pass, the same bytes), else this Python path, its reference."""
     lb, pb = _bounds(rnd.looked), _bounds(rnd.pushed)
     if native is not None:
-        empty = torch.empty(0)
         buf, sizes = native.pack_messages(
-            me, heads, [a.stale if a else 0 for a in owed], [a.versions if a else empty.long() for a in owed],
-            [a.rows if a else empty for a in owed], [a is not None for a in owed], rnd.ids, lb, rnd.push_ids,
+            me, heads, [a.stale if a else 0 for a in owed], [a.versions if a else _NO_VERSIONS for a in owed],
+            [a.rows if a else _NO_ROWS for a in owed], [a is not None for a in owed], rnd.ids, lb, rnd.push_ids,
             rnd.push_versions, rnd.grads.reshape(-1, dim), pb, [c[0] for c in caps], [c[1] for c in caps], dim)
         return buf, list(sizes)
     send, sizes = [], [0] * len(owed)

@@ -131,7 +131,6 @@ std::vector<torch::Tensor> sort_pushes(const std::vector<torch::Tensor>& rows, c
   return {ids, vers, g, counts};
 }
 
-
 // One round's messages, every peer's, written into one send buffer (the bytes of `pack_messages`'s Python path):
 // per peer p != me: its header (4 int64), the answer owed to it (staleness, versions, rows; absent: nothing), and
 // this trainer's request padded to the room p announced ([looked, pushed], ids, pushed ids, versions, gradients;
