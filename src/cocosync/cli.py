@@ -13,6 +13,7 @@ from cocosync.bench.dp import dp_cmd
 from cocosync.bench.lookup_scaling import lookups_cmd
 from cocosync.bench.pp import pp_cmd
 from cocosync.bench.quality import quality_cmd
+from cocosync.bench.real_data import real_data_cmd
 from cocosync.bench.shadowsync import shadowsync as shadowsync_cmd
 from cocosync.bench.sync import sync_cmd
 from cocosync.bench.tp import tp_cmd
@@ -48,7 +49,7 @@ def demo() -> None:
 for _cmd in (train, eval_checkpoint, data, show, tune_cmd):
     main.add_command(_cmd)
 for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, quality_cmd, lookups_cmd, sync_cmd,
-             data_split_cmd):
+             data_split_cmd, real_data_cmd):
     bench.add_command(_cmd)
 
 if __name__ == "__main__":

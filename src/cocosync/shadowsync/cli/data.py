@@ -90,3 +90,43 @@ def inspect(paths: tuple[str, ...], table_size: int, max_rows: int | None) -> No
     console.print(summary_table([row], title=", ".join(paths)))
     for line_no, reason in reader.bad_examples:
         console.print(f"  line {line_no}: {reason}", markup=False)
+
+
+@data.command()
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--cache", type=click.Path(file_okay=False), default=None,
+              help="where the downloaded wheel is kept.  [default: ~/.cache/cocosync]")
+@click.option("--split-seed", type=int, default=0, show_default=True, help="seed of the train/valid/test split.")
+@click.option("--rows", type=click.IntRange(min=10), default=None, help="a sample: this many ratings in all.")
+def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) -> None:
+    """Real ratings as click data: write MovieLens-100K (GroupLens; fetched from the RecBole wheel on PyPI) as
+    OUT/{train,valid,test}.tsv in the Criteo format (a click: rating >= 4; 21 integer and 8 categorical features;
+    80/10/10 split) and OUT/meta.json, and print the command that trains on it."""
+    from pathlib import Path
+
+    from rich.console import Console
+    from rich.markup import escape
+
+    from cocosync.shadowsync.data.movielens import MovieLensError, fetch_wheel, write_ctr
+    from cocosync.shadowsync.metrics import summary_table
+
+    try:
+        meta = write_ctr(Path(out), fetch_wheel(Path(cache) if cache else None), split_seed=split_seed,
+                         max_rows=rows)
+    except MovieLensError as e:
+        raise click.ClickException(str(e)) from None
+    console = Console()
+    rows_ = [{"name": name, **f} for name, f in meta["files"].items()]
+    console.print(summary_table(rows_, title=escape(meta["source"])))
+    f = meta["files"]
+    console.print("train on it (the best model on valid is kept as checkpoints/best; score it on test with "
+                  "`cocosync eval RUN/checkpoints/best --data " + escape(f["test"]["path"]) + "`):", soft_wrap=True)
+    console.print(escape(train_command(meta)), soft_wrap=True, markup=False)
+
+
+def train_command(meta: dict) -> str:
+    """The `cocosync train` line for a converted data set (its shape, valid as the eval curve's held-out set)."""
+    f = meta["files"]
+    return (f"cocosync train --data {f['train']['path']} --eval-data {f['valid']['path']} "
+            f"--num-dense {meta['num_dense']} --num-sparse {meta['num_sparse']} --eval-examples {f['valid']['rows']} "
+            f"--epochs {meta['epochs']} --eval-every {meta['eval_every']}")

@@ -400,33 +400,16 @@ def _print_result(console, result) -> None:
 def eval_checkpoint(checkpoint: str, data: str | None, examples: int | None, json_out: bool) -> None:
     """Score a checkpoint of `cocosync train` (NE, AUC, Bayes NE on synthetic data): a checkpoint directory
     (<out>/checkpoints/seen-N, <out>/checkpoints/best) or a run directory (its latest checkpoint)."""
-    from cocosync.shadowsync.checkpoint import load_weights, read_meta, resolve
-    from cocosync.shadowsync.data.sources import build_configs, eval_batches
-    from cocosync.shadowsync.metrics import evaluate, summary_table
-    from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
-    from cocosync.shadowsync.sync import FlatParams
+    from cocosync.shadowsync.job.eval_curve import score_checkpoint
+    from cocosync.shadowsync.metrics import summary_table
 
     try:
-        path = resolve(checkpoint)
-        meta = read_meta(path)
-        cfg = config_from_dict(meta["config"])
-        data_cfg, model_cfg = build_configs(cfg)
-        model = DLRM(model_cfg, data_cfg, external_embeddings=True)
-        flat = FlatParams(model.dense_parameters())
-        table, dense = load_weights(path, meta, dim=model_cfg.embedding_dim, dense_params=flat.flat.numel())
+        ev = score_checkpoint(checkpoint, data, examples)
     except ConfigError as e:  # CheckpointError: the message names the checkpoint and what is wrong with it
         if debug_mode():
             raise
         raise click.UsageError(str(e)) from None
-    flat.flat.copy_(dense)
-    if examples is not None:
-        data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)
-    if data is not None:
-        data_cfg = dataclasses.replace(data_cfg, eval_path=data, eval_rows=examples or data_cfg.eval_rows)
-    ev = evaluate(ServedModel(model, FullTable(table, data_cfg.table_sizes)), eval_batches(cfg, data_cfg))
-    ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
-    name = "best eval" if meta.get("best") else f"{cfg.sync.algorithm} T={meta['trainers']}"
-    ev = {"name": name, **ev, "trained_examples": int(meta["examples_seen"])}
+    path = ev.pop("path")
     _console().print(summary_table([ev], title=escape(f"eval {path}")))
     if json_out:
         from cocosync.shadowsync.job.trainer import json_safe

@@ -8,8 +8,10 @@ and the model to keep is the best one, not the last. `cocosync eval` scores it; 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from cocosync.shadowsync.metrics import evaluate
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.sync import FlatParams
 
-__all__ = ["score", "describe", "previous_best", "BestModel"]
+__all__ = ["score", "describe", "previous_best", "BestModel", "score_checkpoint"]
 
 
 def score(model: torch.nn.Module, batches: list, seen: int) -> dict:
@@ -65,3 +67,29 @@ class BestModel:
             self.best = rec["eval_ne"]
             save_best(self.out, {**self.meta, "examples_seen": rec["examples"], "eval": rec}, table, flat)
             rec["best"] = True
+
+
+def score_checkpoint(checkpoint: str | os.PathLike, data: str | None = None, examples: int | None = None) -> dict:
+    """A checkpoint of `cocosync train` (a checkpoint or run directory) scored on its run's held-out set, or on the
+    Criteo-format file `data`: NE, AUC, calibration (and Bayes NE on synthetic data), its name and examples trained.
+    ConfigError (CheckpointError) names the checkpoint when it cannot be read."""
+    from cocosync.shadowsync.checkpoint import load_weights, read_meta, resolve
+    from cocosync.shadowsync.data.sources import build_configs, eval_batches
+    from cocosync.shadowsync.train_config import config_from_dict
+
+    path = resolve(checkpoint)
+    meta = read_meta(path)
+    cfg = config_from_dict(meta["config"])
+    data_cfg, model_cfg = build_configs(cfg)
+    model = DLRM(model_cfg, data_cfg, external_embeddings=True)
+    flat = FlatParams(model.dense_parameters())
+    table, dense = load_weights(path, meta, dim=model_cfg.embedding_dim, dense_params=flat.flat.numel())
+    flat.flat.copy_(dense)
+    if examples is not None:
+        data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)
+    if data is not None:
+        data_cfg = dataclasses.replace(data_cfg, eval_path=data, eval_rows=examples or data_cfg.eval_rows)
+    ev = evaluate(ServedModel(model, FullTable(table, data_cfg.table_sizes)), eval_batches(cfg, data_cfg))
+    ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
+    name = "best eval" if meta.get("best") else f"{cfg.sync.algorithm} T={meta['trainers']}"
+    return {"name": name, **ev, "trained_examples": int(meta["examples_seen"]), "path": str(path)}
