@@ -97,6 +97,8 @@ def test_a_sample_of_the_real_ratings_trains_and_scores_against_the_baseline(rea
     assert 0.45 < y.mean() < 0.65  # MovieLens-100K: 55% of ratings are >= 4
     base = logistic_baseline(paths, NUM_DENSE, NUM_SPARSE, grid=(0.1, 1.0))
     assert base["test_ne"] < 0.95
-    run = _train_dlrm(train_command(meta).split(), 0, tmp_path / "runs", paths["test"], 2000)
-    assert run["best_valid_ne"] < 0.95 and run["test_ne"] < 0.97
-    assert 0 < run["best_examples"] <= run["examples"] and abs(run["examples"] - 3 * 16_000) < 100  # 3 passes
+    # one pass (the printed command's last --epochs wins): on a busy machine the eval curve of three passes over
+    # so few rows may score only overfit points (its points come as fast as scoring keeps up with training)
+    run = _train_dlrm([*train_command(meta).split(), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
+    assert run["best_valid_ne"] < 0.95 and run["test_ne"] < 0.97, run
+    assert 0 < run["best_examples"] <= run["examples"] and abs(run["examples"] - 16_000) < 100
