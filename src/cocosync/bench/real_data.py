@@ -4,9 +4,9 @@ The data: `cocosync data movielens` (train / valid / test, one fixed split). The
 regression on one-hot categoricals and standardized log(1 + x) integers (the DLRM's own dense transform), its
 regularization C picked on valid, scored on test. The DLRM: the `cocosync train` command that `cocosync data
 movielens` prints (every other setting at its --help default), one run per seed, subprocesses as a user runs them;
-its eval curve on valid keeps the best model, which is then scored on test (rows neither model was chosen on). Seeds
-alternate nothing: logistic regression is deterministic, so it runs once. PASS when the DLRM's mean test NE is at
-least 1% below the baseline's (issue 32). Written: real-data.json, the table and its markdown.
+its eval curve on valid keeps the best model, which is then scored on test (rows neither model was chosen on).
+Logistic regression (lbfgs) is deterministic, so it runs once. PASS when the DLRM's mean test NE is at least 1%
+below the baseline's (issue 32). Written: real-data.json, the table and its markdown.
 """
 
 from __future__ import annotations

@@ -116,8 +116,8 @@ def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) ->
     except MovieLensError as e:
         raise click.ClickException(str(e)) from None
     console = Console()
-    rows_ = [{"name": name, **f} for name, f in meta["files"].items()]
-    console.print(summary_table(rows_, title=escape(meta["source"])))
+    console.print(summary_table([{"name": name, **f} for name, f in meta["files"].items()],
+                                title=escape(meta["source"])))
     f = meta["files"]
     console.print("train on it (the best model on valid is kept as checkpoints/best; score it on test with "
                   "`cocosync eval RUN/checkpoints/best --data " + escape(f["test"]["path"]) + "`):", soft_wrap=True)
