@@ -8,7 +8,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from cocosync.bench.real_data import _train_dlrm, logistic_baseline, read_tsv
+from cocosync.bench.real_data import logistic_baseline, read_tsv, train_dlrm
 from cocosync.shadowsync.cli.data import train_command
 from cocosync.shadowsync.config import DataConfig
 from cocosync.shadowsync.data.criteo import CriteoReader
@@ -99,6 +99,6 @@ def test_a_sample_of_the_real_ratings_trains_and_scores_against_the_baseline(rea
     assert base["test_ne"] < 0.95
     # one pass (the printed command's last --epochs wins): on a busy machine the eval curve of three passes over
     # so few rows may score only overfit points (its points come as fast as scoring keeps up with training)
-    run = _train_dlrm([*train_command(meta).split(), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
+    run = train_dlrm([*train_command(meta).split(), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
     assert run["best_valid_ne"] < 0.95 and run["test_ne"] < 0.97, run
     assert 0 < run["best_examples"] <= run["examples"] and abs(run["examples"] - 16_000) < 100

@@ -22,7 +22,7 @@ from typing import Any
 import click
 import numpy as np
 
-__all__ = ["real_data_cmd", "logistic_baseline", "read_tsv", "MARGIN"]
+__all__ = ["real_data_cmd", "logistic_baseline", "train_dlrm", "read_tsv", "MARGIN"]
 
 MARGIN = 0.01  # the DLRM's NE must be this much lower than the baseline's (relative)
 C_GRID = (0.03, 0.1, 0.3, 1.0, 3.0)
@@ -60,7 +60,7 @@ def logistic_baseline(paths: dict[str, str], num_dense: int, num_sparse: int, gr
             "valid_ne_by_C": {str(c): v[0] for c, v in by_c.items()}}
 
 
-def _train_dlrm(command: list[str], seed: int, out: Path, test: str, test_rows: int) -> dict:
+def train_dlrm(command: list[str], seed: int, out: Path, test: str, test_rows: int) -> dict:
     from cocosync.shadowsync.job.eval_curve import score_checkpoint
 
     run = out / f"dlrm-s{seed}"
@@ -90,7 +90,7 @@ def run_real_data(*, out: Path, seeds: list[int], cache: Path | None, console: A
     console.print(f"  logistic regression: C={base['C']}, test NE {base['test_ne']:.4f}")
     runs = []
     for seed in seeds:
-        r = _train_dlrm(command.split(), seed, out / "runs", paths["test"], meta["files"]["test"]["rows"])
+        r = train_dlrm(command.split(), seed, out / "runs", paths["test"], meta["files"]["test"]["rows"])
         runs.append(r)
         console.print(f"  DLRM seed {seed}: best on valid after {r['best_examples']:,} examples, test NE "
                       f"{r['test_ne']:.4f} (last model {r['last_test_ne']:.4f})")
