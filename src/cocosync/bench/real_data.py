@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 import statistics
 import subprocess
 import sys
@@ -60,15 +61,21 @@ def logistic_baseline(paths: dict[str, str], num_dense: int, num_sparse: int, gr
             "valid_ne_by_C": {str(c): v[0] for c, v in by_c.items()}}
 
 
-def train_dlrm(command: list[str], seed: int, out: Path, test: str, test_rows: int) -> dict:
+def train_dlrm(command: list[str], seed: int, out: Path, test: str, test_rows: int, *,
+               timeout: float = 3600.0) -> dict:
+    """One seed of the DLRM: `command` (a `cocosync train` argv) run as a user runs it, into out/dlrm-s<seed>; its
+    best model on valid and its last model scored on the file `test`."""
     from cocosync.shadowsync.job.eval_curve import score_checkpoint
 
     run = out / f"dlrm-s{seed}"
     args = [sys.executable, "-m", "cocosync.cli", *command[1:], "--seed", str(seed), "--out", str(run),
             "--no-progress"]
-    done = subprocess.run(args, capture_output=True, text=True)
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise click.ClickException(f"seed {seed}: `{shlex.join(command)}` ran over {timeout:g} s") from None
     if done.returncode != 0:
-        raise click.ClickException(f"seed {seed}: `{' '.join(command)}` failed (exit {done.returncode}): "
+        raise click.ClickException(f"seed {seed}: `{shlex.join(command)}` failed (exit {done.returncode}): "
                                    f"{(done.stderr or done.stdout).strip()[-800:]}")
     summary = json.loads((run / "summary.json").read_text())
     best = score_checkpoint(run / "checkpoints" / "best", test, test_rows)
@@ -90,7 +97,7 @@ def run_real_data(*, out: Path, seeds: list[int], cache: Path | None, console: A
     console.print(f"  logistic regression: C={base['C']}, test NE {base['test_ne']:.4f}")
     runs = []
     for seed in seeds:
-        r = train_dlrm(command.split(), seed, out / "runs", paths["test"], meta["files"]["test"]["rows"])
+        r = train_dlrm(shlex.split(command), seed, out / "runs", paths["test"], meta["files"]["test"]["rows"])
         runs.append(r)
         console.print(f"  DLRM seed {seed}: best on valid after {r['best_examples']:,} examples, test NE "
                       f"{r['test_ne']:.4f} (last model {r['last_test_ne']:.4f})")

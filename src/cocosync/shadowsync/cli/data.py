@@ -126,7 +126,10 @@ def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) ->
 
 def train_command(meta: dict) -> str:
     """The `cocosync train` line for a converted data set (its shape, valid as the eval curve's held-out set)."""
+    import shlex
+
     f = meta["files"]
-    return (f"cocosync train --data {f['train']['path']} --eval-data {f['valid']['path']} "
-            f"--num-dense {meta['num_dense']} --num-sparse {meta['num_sparse']} --eval-examples {f['valid']['rows']} "
-            f"--epochs {meta['epochs']} --eval-every {meta['eval_every']}")
+    return shlex.join(["cocosync", "train", "--data", f["train"]["path"], "--eval-data", f["valid"]["path"],
+                       "--num-dense", str(meta["num_dense"]), "--num-sparse", str(meta["num_sparse"]),
+                       "--eval-examples", str(f["valid"]["rows"]), "--epochs", str(meta["epochs"]),
+                       "--eval-every", str(meta["eval_every"])])
