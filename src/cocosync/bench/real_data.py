@@ -30,13 +30,16 @@ C_GRID = (0.03, 0.1, 0.3, 1.0, 3.0)
 
 
 def read_tsv(path: str | Path, num_dense: int, num_sparse: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(labels, integer features [n, num_dense] as log(1 + max(x, 0)) with missing 0, categoricals [n, num_sparse]
-    as strings) of a Criteo-format file small enough to hold in memory."""
+    """(labels, integer features [n, num_dense] through the reader's log(1 + max(x, 0)) with missing 0, categoricals
+    [n, num_sparse] as strings: one-hot needs the raw tokens, not the reader's hashes) of a Criteo-format file small
+    enough to hold in memory."""
+    from cocosync.shadowsync.data.criteo import log_transform
+
     fields = [line.rstrip("\n").split("\t") for line in Path(path).read_text().splitlines() if line]
     y = np.array([int(f[0]) for f in fields], dtype=np.float64)
     dense = np.array([[float(x) if x else 0.0 for x in f[1:1 + num_dense]] for f in fields]).reshape(len(y), -1)
     cats = np.array([f[1 + num_dense:1 + num_dense + num_sparse] for f in fields], dtype=object)
-    return y, np.log1p(np.maximum(dense, 0.0)), cats
+    return y, log_transform(dense).astype(np.float64), cats
 
 
 def logistic_baseline(paths: dict[str, str], num_dense: int, num_sparse: int, grid=C_GRID) -> dict:

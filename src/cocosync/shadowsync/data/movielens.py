@@ -13,8 +13,8 @@ Conversion, the usual rating-to-CTR convention (a click is a rating >= 4: 55% of
   (and a baseline's regularization), test scores them, and no model sees test rows before it is scored.
 
 The real click logs a registry package ships (Open Bandit Dataset's sample in `obp`: 60,000 impressions, 287 clicks)
-carry no signal at that size (logistic regression: NE 0.995-1.0 by 5-fold cross-validation; BENCHMARKS.md), so they
-cannot tell two models apart by 1%; these ratings can.
+carry no signal at that size (logistic regression: NE 0.995-1.002 by 5-fold cross-validation; BENCHMARKS.md),
+so they cannot tell two models apart by 1%; these ratings can.
 """
 
 from __future__ import annotations
