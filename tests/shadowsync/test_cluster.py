@@ -34,8 +34,8 @@ def _summary(out: Path) -> dict:
 
 def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmuf(tmp_path):
     """1 embedding server + 2 trainers per node: BMUF is the compiled DSL program on the runtime's hierarchical
-    communicator (shared memory within a node, gloo across nodes; its state sliced over the 4 trainers); half the
-    rows come from the other node's server."""
+    communicator (shared memory within a node, gloo across nodes; its state sliced over the 4 trainers); the hottest
+    rows come from the node's replica of them, about half of the others from the other node's server."""
     out = tmp_path / "run"
     args = ["--examples", "60000", "--eval-examples", "4000"]  # 4 trainers: enough examples each to learn
     runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--sync", "shadow-bmuf", "--out", str(out)],
@@ -43,7 +43,8 @@ def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmu
     _ok(runs)
     s = _summary(out)
     assert (s["nodes"], s["T"], s["embedding_servers"], s["examples"]) == (2, 4, 2, 60000)
-    assert 0.3 < s["remote_row_fraction"] < 0.7  # row hash: about half the rows live on the other node
+    assert s["hot_rows"] == 4096 and s["hot_row_fraction"] > 0.5 and s["hot_syncs"] > 0  # the replicated rows
+    assert 0.3 < s["remote_row_fraction"] / (1 - s["hot_row_fraction"]) < 0.7  # row hash: ~half the others remote
     assert s["syncs"] > 0 and s["sparse_bytes_per_example"] > 0 and s["rpc_round_trip_s"] > 0
     assert s["sync_impl"] == "CompiledSync"
     assert s["eval_ne"] < 0.95  # it learned (a constant predictor scores 1.0)

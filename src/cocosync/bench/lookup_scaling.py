@@ -1,5 +1,6 @@
 """`cocosync bench lookups`: CPU per example of a ShadowSync job on 1, 2, 4 ... torchrun nodes (loopback), for each
-lookup transport (the exchange, RPC), and the straight-line projection to 32 and 128 machines (issue 31).
+lookup transport (the exchange, RPC; the exchange with and without replicated hot rows), and the straight-line
+projection to 32 and 128 machines (issue 31).
 
 Each node runs one embedding server and `--trainers-per-node` trainers (`--sync none`: the lookups alone). A
 configuration's **CPU per example** is the CPU-seconds of every process (set-up excluded) per *extra* example between
@@ -41,25 +42,36 @@ def projected_efficiency(a: float, b: float, nodes: int) -> float:
     return (a + b) / (a + b * nodes)
 
 
-def _run(nodes: int, transport: str, examples: int, per_node: int, extra: list[str], out: Path) -> dict:
+def variants(transports: list[str], hot_rows: list[int]) -> dict[str, list[str]]:
+    """The configurations to compare across nodes: their labels and job options (the exchange once per hot-row
+    count, labelled by it)."""
+    out = {}
+    for t in transports:
+        for h in (hot_rows if t == "exchange" else [0]):
+            label = f"exchange hot={h}" if t == "exchange" and len(hot_rows) > 1 else t
+            out[label] = ["--lookup-transport", t, "--hot-rows", str(h)]
+    return out
+
+
+def _run(nodes: int, label: str, examples: int, per_node: int, extra: list[str], out: Path) -> dict:
     from cocosync.testing.multinode import run_nodes
 
     runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--sync", "none", "--out", str(out),
-                      "--lookup-transport", transport, *extra], nnodes=nodes, nproc_per_node=1 + per_node,
-                     timeout=900)
+                      *extra], nnodes=nodes, nproc_per_node=1 + per_node, timeout=900)
     for r in runs:
         if r.returncode != 0:
-            raise click.ClickException(f"{nodes}-node {transport} run failed on node {r.node} (exit {r.returncode}):"
+            raise click.ClickException(f"{nodes}-node {label} run failed on node {r.node} (exit {r.returncode}):"
                                        f"\n{r.output[-3000:]}")
     return json.loads((out / "summary.json").read_text())
 
 
-def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int, int], per_node: int, repeats: int,
-                eval_examples: int, extra: list[str], console: Any) -> dict:
-    """Every configuration's samples (one per round) and its medians."""
+def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples: tuple[int, int], per_node: int,
+                repeats: int, eval_examples: int, extra: list[str], console: Any) -> dict:
+    """Every configuration's samples (one per round) and its medians. `transports`: label -> job options."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    configs = [(n, t) for n in nodes for t in (transports if n > 1 else transports[:1])]
+    labels = list(transports)
+    configs = [(n, t) for n in nodes for t in (labels if n > 1 else labels[:1])]
     small, big = examples
     args = ["--eval-examples", str(eval_examples), *extra]
     samples: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
@@ -74,14 +86,15 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
             for n, t in configs:
                 got = []
                 for ex in (small, big):
-                    got.append(_run(n, t, ex, per_node, args, Path(tmp) / f"{n}-{t}-{ex}-{rnd}"))
+                    got.append(_run(n, t, ex, per_node, [*args, *transports[t]],
+                                    Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}"))
                     bar.advance(task)
                 a, b = got
                 cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
                 samples[(n, t)].append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
                                         "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
                                         "examples_run": [a["examples"], b["examples"]]})
-                bar.console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':9s} round {rnd + 1}: "
+                bar.console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
                                   f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
                                   f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
     rows = [_median(n, t, v) for (n, t), v in samples.items()]
@@ -89,7 +102,7 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
     for r in rows:
         r["efficiency"] = one["cpu_us_per_example"] / r["cpu_us_per_example"]
     fits = {}
-    for t in transports:
+    for t in labels:
         pts = [(r["nodes"], r["cpu_us_per_example"]) for r in rows if r["nodes"] == 1 or r["transport"] == t]
         if len({x for x, _ in pts}) >= 2:
             a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
@@ -101,7 +114,8 @@ def run_lookups(*, nodes: list[int], transports: list[str], examples: tuple[int,
 
 
 _KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
-         "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples")
+         "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction",
+         "hot_sync_cpu_us_per_sync")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
@@ -176,6 +190,8 @@ def _plot(result: dict):
 @click.command("lookups")
 @click.option("--nodes", default="1,2,4", show_default=True, help="node counts (comma-separated; 1 is the reference).")
 @click.option("--transports", default="exchange,rpc", show_default=True, help="lookup transports to compare.")
+@click.option("--hot-rows", default="4096", show_default=True,
+              help="the exchange's replicated hot rows, one configuration per value (comma-separated; 0: none).")
 @click.option("--examples", default="100000,300000", show_default=True,
               help="the short and the long run (CPU per example is their difference over the extra examples).")
 @click.option("--trainers-per-node", type=int, default=1, show_default=True)
@@ -185,8 +201,9 @@ def _plot(result: dict):
 @click.option("--prefetch", type=int, default=None, help="batches (the transport's default if not set).")
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
-def lookups_cmd(nodes: str, transports: str, examples: str, trainers_per_node: int, repeats: int, eval_examples: int,
-                exchange_interval: float | None, prefetch: int | None, out: str, json_path: str | None) -> None:
+def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, trainers_per_node: int, repeats: int,
+                eval_examples: int, exchange_interval: float | None, prefetch: int | None, out: str,
+                json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
     from rich.console import Console
 
@@ -199,13 +216,20 @@ def lookups_cmd(nodes: str, transports: str, examples: str, trainers_per_node: i
     if bad or 1 not in node_list or len(node_list) < 2 or min(node_list) < 1:
         raise click.UsageError(f"--nodes {nodes!r} --transports {transports!r}: expected node counts including 1 and "
                                f"another, transports from {TRANSPORTS}")
+    try:
+        hot = [int(x) for x in hot_rows.split(",")]
+    except ValueError:
+        hot = [-1]
+    if min(hot) < 0:
+        raise click.UsageError(f"--hot-rows {hot_rows!r}: expected row counts >= 0, comma-separated")
     small, big = (int(x) for x in examples.split(","))
     if not 0 < small < big:
         raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
     extra = [*(["--exchange-interval", str(exchange_interval)] if exchange_interval else []),
              *(["--prefetch", str(prefetch)] if prefetch is not None else [])]
     console = Console()
-    result = run_lookups(nodes=node_list, transports=trans, examples=(small, big), per_node=trainers_per_node,
+    result = run_lookups(nodes=node_list, transports=variants(trans, hot), examples=(small, big),
+                         per_node=trainers_per_node,
                          repeats=repeats, eval_examples=eval_examples, extra=extra, console=console)
     rows = [_cells(r) for r in result["rows"]]
     print_table("bench lookups (medians; CPU per extra example of every process)", COLUMNS, rows, console=console)

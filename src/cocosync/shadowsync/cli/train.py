@@ -139,15 +139,21 @@ _CLUSTER_OPTIONS = [
     click.option("--stop-after", type=int, default=None,
                  help="stop (with a checkpoint) once the run has seen this many examples (earlier sessions "
                       "included)."),
-    click.option("--prefetch", type=int, default=None, show_default="10 with the exchange, 2 with rpc",
+    click.option("--prefetch", type=int, default=None, show_default="40 with the exchange, 2 with rpc",
                  help="multi-node: batches whose embedding rows are requested ahead of the one training (0: none)."),
     click.option("--lookup-transport", type=click.Choice(TRANSPORTS), default="exchange", show_default=True,
                  help="multi-node: how lookups reach other machines' shards: rounds of one gloo all_to_all between "
                       "the trainers of every node, or torch.distributed.rpc (a message per server and batch: the "
                       "former path)."),
-    click.option("--exchange-interval", type=float, default=10.0, show_default=True,
+    click.option("--exchange-interval", type=float, default=40.0, show_default=True,
                  help="multi-node: milliseconds between two rounds of the lookup exchange (shorter: fresher rows, "
                       "more CPU per example)."),
+    click.option("--hot-rows", type=int, default=4096, show_default=True,
+                 help="multi-node: the rows seen most often in the first training rows, replicated on every machine "
+                      "and synchronized in the background (with the exchange; 0: none)."),
+    click.option("--hot-sync-interval", type=float, default=40.0, show_default=True,
+                 help="multi-node: milliseconds between two syncs of the replicated hot rows (shorter: fresher hot "
+                      "rows, more CPU and bytes)."),
 ]
 
 
@@ -257,7 +263,7 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
           prefetch: int, stop_after: int | None, checkpoint_every: int | None, lookup_batches: int,
-          lookup_transport: str, exchange_interval: float,
+          lookup_transport: str, exchange_interval: float, hot_rows: int, hot_sync_interval: float,
           eval_every: int | None, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
@@ -282,7 +288,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     try:
         cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
                                 lookup_batches=lookup_batches, lookup_transport=lookup_transport,
-                                exchange_interval=exchange_interval / 1e3)
+                                exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
+                                hot_sync_interval=hot_sync_interval / 1e3)
         result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
                               stop_after=stop_after, eval_every=eval_every, cluster=cluster)
     except ConfigError as e:

@@ -13,7 +13,7 @@ from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_sy
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
 __all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",
-           "base_shard_rows", "trainer_source", "eval_batches"]
+           "base_shard_rows", "trainer_source", "eval_batches", "first_sparse"]
 
 
 def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
@@ -165,6 +165,16 @@ def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int, plan: DataP
                                  skip_rows=lo, max_rows=hi - lo)
         base = _passes(InMemorySource(next(iter(stream)), offset=lo, rows=cfg.examples), cfg)
     return base if plan is None else PlannedSource(base, plan.base_shards, plan.shards)
+
+
+def first_sparse(cfg: TrainConfig, data: DataConfig, rows: int) -> Any:
+    """The sparse ids [n, tables] of the first `rows` training rows (fewer if the budget or the file has fewer)."""
+    n = max(1, min(rows, cfg.examples))
+    if data.train_path is not None:
+        got = [b.sparse for b in CriteoReader(data.train_path, data, batch_size=n, max_rows=n)]
+        return got[0] if got else None
+    return next(iter(SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=n,
+                                     max_rows=n))).sparse
 
 
 def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:

@@ -10,7 +10,8 @@ takes its role (roles.py):
 * a **trainer** runs the single-node `Trainer` (W Hogwild workers and the shadow or foreground sync) on its own share
   of the data, with its embedding rows from the servers (its node's shards zero-copy, the others through the lookup
   exchange with the trainer of the same local index on every other node, which serves them from its node's shards;
-  prefetched)
+  prefetched; the hottest rows from its node's replica of them, which the node's first trainer synchronizes with the
+  other nodes' in the background, hot_rows.py)
   and its dense sync over the trainers: MA/BMUF as the compiled DSL programs on the runtime's hierarchical
   communicator (shared memory within the node, gloo across nodes; the classes over the same path with
   --no-compiled-sync); EASGD against the sync servers.
@@ -58,7 +59,14 @@ from cocosync.shadowsync.checkpoint import (
     save_job,
 )
 from cocosync.shadowsync.data.plan import DataPlan, replan
-from cocosync.shadowsync.data.sources import base_shard_rows, build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.data.sources import (
+    base_shard_rows,
+    build_configs,
+    eval_batches,
+    first_sparse,
+    trainer_source,
+    with_init_ctr,
+)
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.roles import ClusterConfig, Roles
@@ -67,6 +75,7 @@ from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_m
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.model.exchange import LookupExchange
+from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, HotSync, choose_hot_rows
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -102,6 +111,8 @@ class _Job:
     rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
     exchange_group: Any = None  # this trainer's lookup exchange: the trainer of its local index on every node
+    hot: HotRows | None = None  # the node's replica of the hot rows (multi-node, with the exchange)
+    hot_group: Any = None  # on a node's first trainer: the first trainer of every node (the replicas' sync)
     dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
     center: CenterShard | None = None  # a sync server's range of EASGD's centre
     dense_params: int = 0
@@ -172,15 +183,20 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             load_job(parts, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
                      sync_servers=roles.sync_per_node * topo.nnodes, trainers=roles.trainers)
             dist.barrier()  # every part is back before a trainer reads a row
+        if run is not None and run.hot_sync is not None:  # before the trainers' barrier: no row read before it
+            run.hot_sync.fill(job.shards, job.rowhash.servers)
+            run.hot_sync.start()
         cpu0 = time.process_time()
         if run is not None:
             _periodic_checkpoints(job, run, parts)
             summary = _run_trainer(job, run, index)
             _command(job, "end")
+            _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             while _command(job, None) == "checkpoint":
+                dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job(parts, Path(cfg.out_dir), None, writer=roles.rank_of("trainer", 0))
         dist.barrier()
         if cfg.checkpoint:
@@ -272,8 +288,10 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
+    hot = _hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
     flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
-    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel(), init_dense=flat)
+    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel(), init_dense=flat,
+               hot=hot)
     if kind == "sync":
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
         job.center = CenterShard(flat[lo:hi])
@@ -296,6 +314,10 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             g = dist.new_group(trainers[i::Tn])
             if kind == "trainer" and index % Tn == i:
                 job.exchange_group = g
+    if hot is not None:
+        g = dist.new_group(trainers[0::Tn])
+        if kind == "trainer" and index % Tn == 0:
+            job.hot_group = g
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
         # runtime's hierarchical communicator), the same fused collective as on one machine
@@ -310,6 +332,25 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
     job.hosts = [""] * topo.world_size
     dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return job
+
+
+def _hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any, arena: Arena) -> HotRows | None:
+    """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
+    choice from the first training rows, broadcast (collective over the job)."""
+    if cluster.lookup_transport != "exchange" or not cluster.hot_rows:
+        return None
+    ids = [None]
+    if dist.get_rank() == 0:
+        offsets = torch.tensor([0, *np.cumsum(data.table_sizes)[:-1].tolist()], dtype=torch.int64)
+        sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
+        ids = [choose_hot_rows(sample, offsets, cluster.hot_rows) if sample is not None else torch.empty(0)]
+    dist.broadcast_object_list(ids, src=0)
+    H, dim = ids[0].numel(), model_cfg.embedding_dim
+    if not H:
+        return None
+    shard = Shard(arena.shared_empty((H, dim)), arena.shared_empty(H), arena.shared_empty(H, torch.int64),
+                  optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
+    return HotRows(ids[0], shard)
 
 
 def _data_plan(job: _Job, path: Path, meta: dict) -> DataPlan | None:
@@ -335,6 +376,7 @@ class _TrainerRun:
     tables: ShardedEmbeddings
     center: RemoteCenter | None
     logger: MetricsLogger | None
+    hot_sync: HotSync | None = None  # on a node's first trainer
 
 
 def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
@@ -350,9 +392,15 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
         exchange = LookupExchange(job.exchange_group, job.shards, servers=E, servers_per_node=roles.embedding_per_node,
                                   dim=job.model_cfg.embedding_dim, interval=job.cluster.exchange_interval,
                                   labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
+    hot = job.hot if exchange is not None else None
+    hot_sync = None
+    if hot is not None and job.hot_group is not None:
+        firsts = roles.ranks("trainer")[0::roles.trainers_per_node]
+        hot_sync = HotSync(hot, job.hot_group, interval=job.cluster.hot_sync_interval,
+                           label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,
-                               group=job.cluster.lookup_batches, exchange=exchange)
+                               group=job.cluster.lookup_batches, exchange=exchange, hot=hot, hot_sync=hot_sync)
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
@@ -380,7 +428,7 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every)
     if on_eval is not None:
         on_eval.trainer = trainer
-    return _TrainerRun(trainer, tables, center, logger)
+    return _TrainerRun(trainer, tables, center, logger, hot_sync)
 
 
 class _eval_curve:  # noqa: N801 (a callable standing in for a closure that needs the trainer after it exists)
@@ -452,6 +500,8 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         state = trainer.checkpoint_state()
         _command(job, "checkpoint")
+        _settle_hot(job, run)
+        dist.barrier()  # every node's hot rows are back in their shards before a server saves its shard
         seen = torch.tensor([int(state["positions"].sum())])
         dist.all_reduce(seen, group=job.trainer_group)
         seen += job.examples_before
@@ -462,6 +512,14 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
 
     trainer.checkpoints = CheckpointMarks(per_trainer, int(trainer.state.positions[t].sum()), last, W, save)
+
+
+def _settle_hot(job: _Job, run: _TrainerRun, *, close: bool = False) -> None:
+    """Every trainer paused (after a `_command`): the node's first trainer makes its replica of the hot rows the
+    consensus of the nodes and writes it into the owners' shards, which the checkpoint saves."""
+    if run.hot_sync is not None:
+        run.hot_sync.settle(close=close)
+        job.hot.write_back(job.shards, job.rowhash.servers)
 
 
 def _name(cfg: TrainConfig, roles: Roles) -> str:
@@ -548,8 +606,13 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "messages_per_example": sum(x["messages"] for x in lk) / max(examples, 1),  # to other nodes, per trainer
         "exchange_rounds": sum(x["rounds"] for x in lk),
         "exchange_cpu_us_per_round": 1e6 * sum(x["exchange_cpu_s"] for x in lk) / max(sum(x["rounds"] for x in lk), 1),
-        "network_bytes_per_example": (sum(x["wire_bytes"] for x in lk) if job.exchange_group is not None
-                                      else sparse_bytes) / max(examples, 1),
+        "network_bytes_per_example": (sum(x["wire_bytes"] + x["hot_sync_bytes"] for x in lk)
+                                      if job.exchange_group is not None else sparse_bytes) / max(examples, 1),
+        "hot_rows": len(job.hot) if job.hot is not None else 0,
+        "hot_row_fraction": sum(x["hot_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
+        "hot_syncs": sum(x["hot_syncs"] for x in lk),
+        "hot_sync_cpu_us_per_sync": 1e6 * sum(x["hot_sync_cpu_s"] for x in lk) / max(sum(x["hot_syncs"] for x in lk),
+                                                                                    1),
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)

@@ -28,7 +28,7 @@ class ClusterConfig:
     sync_servers: int | None = None
     """sync parameter servers per node holding EASGD's centre; None: 1 for EASGD, 0 otherwise."""
     prefetch: int | None = None
-    """batches whose embedding rows are requested ahead of the one training (0: none); None: 10 with the lookup
+    """batches whose embedding rows are requested ahead of the one training (0: none); None: 40 with the lookup
     exchange (its answers come 1-2 rounds later), 2 with RPC."""
     lookup_batches: int = 1
     """batches whose embedding lookups go in one message per server (fewer messages, staler rows)."""
@@ -37,8 +37,14 @@ class ClusterConfig:
     lookup_transport: str = "exchange"
     """how lookups reach other machines' shards: 'exchange' (rounds of one gloo all_to_all between the trainers of
     every node, exchange.py) or 'rpc' (torch.distributed.rpc, a message per server and batch: the former path)."""
-    exchange_interval: float = 0.010
-    """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example)."""
+    exchange_interval: float = 0.040
+    """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example). 40 ms with
+    the replicated hot rows: the rows left to the exchange are cold, so a longer round costs them little staleness."""
+    hot_rows: int = 4096
+    """with the exchange: the rows seen most often in the first training rows, replicated on every node and
+    synchronized in the background (hot_rows.py); 0: none."""
+    hot_sync_interval: float = 0.040
+    """seconds between two syncs of the replicated hot rows (shorter: fresher hot rows, more CPU and bytes)."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
     eval_every: int | None = None
@@ -54,19 +60,23 @@ class ClusterConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if self.prefetch is None:
-            self.prefetch = 10 if self.lookup_transport == "exchange" else 2
+            self.prefetch = 40 if self.lookup_transport == "exchange" else 2
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
+        if not isinstance(self.hot_rows, int) or isinstance(self.hot_rows, bool) or self.hot_rows < 0:
+            raise ConfigError(f"hot_rows={self.hot_rows!r} is invalid: expected an integer >= 0 (0: no replicated "
+                              "rows)")
         for name in ("stop_after", "checkpoint_every", "eval_every"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
                 raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")
         if self.lookup_transport not in TRANSPORTS:
             raise ConfigError(f"lookup_transport={self.lookup_transport!r} is invalid: expected one of {TRANSPORTS}")
-        v = self.exchange_interval
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
-            shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
-            raise ConfigError(f"--exchange-interval {shown} is invalid: expected milliseconds in (0, 1000]")
+        for flag in ("exchange_interval", "hot_sync_interval"):
+            v = getattr(self, flag)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+                shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+                raise ConfigError(f"--{flag.replace('_', '-')} {shown} is invalid: expected milliseconds in (0, 1000]")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 

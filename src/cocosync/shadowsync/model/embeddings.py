@@ -27,7 +27,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
 import torch.distributed.rpc as rpc
@@ -35,6 +35,9 @@ import torch.distributed.rpc as rpc
 from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.served import Served
+
+if TYPE_CHECKING:
+    from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
 
 __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard", "gather_rows",
            "initial_rows", "rowwise_update", "OPTIMIZERS"]
@@ -203,6 +206,10 @@ class LookupStats:
     messages: int = 0  # messages this client's transport sent to other nodes (exchange: rounds x peers)
     wire_bytes: int = 0  # exchange: bytes of those messages (requests, answers served to peers, headers)
     exchange_cpu_s: float = 0.0  # exchange: its thread's CPU in rounds (packing, all_to_all, serving peers)
+    hot_rows: int = 0  # distinct rows read from the node's replica of the hot rows (hot_rows.py)
+    hot_syncs: int = 0  # the replica's syncs with the other nodes (on the node's first trainer)
+    hot_sync_cpu_s: float = 0.0
+    hot_sync_bytes: int = 0
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
     stale_rows: int = 0
@@ -235,8 +242,10 @@ class Lookup:
     answered: list[float] = field(default_factory=list)  # when each remote part arrived (an RPC thread notes it)
     within: tuple[Lookup, torch.Tensor] | None = None  # (the lookup of a group of batches, uniq's positions in it)
     # lookup exchange: (server, positions in uniq, local rows) per local shard; the remote rows' positions, and
-    # the Future of their (rows, versions) from the exchange (None: every row is local)
+    # the Future of their (rows, versions) from the exchange (None: every row is local); the hot rows' (positions
+    # in uniq, slots in the node's replica)
     local: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
+    hot: tuple[torch.Tensor, torch.Tensor] | None = None
     remote_idx: torch.Tensor | None = None
     remote: Any = None
 
@@ -246,10 +255,13 @@ class ShardedEmbeddings:
     memory) or the RPC worker name of the server that holds it."""
 
     def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
-                 labels: Sequence[str] | None = None, group: int = 1, exchange: LookupExchange | None = None):
+                 labels: Sequence[str] | None = None, group: int = 1, exchange: LookupExchange | None = None,
+                 hot: HotRows | None = None, hot_sync: HotSync | None = None):
         """`labels`: how errors name each server (default: its RPC name); `group`: batches whose lookups go in one
         message per server when prefetching (fewer messages, staler rows); `exchange`: the remote servers are
-        reached through it (their entries in `servers` are then labels only), else by RPC."""
+        reached through it (their entries in `servers` are then labels only), else by RPC; `hot`: with the
+        exchange, the node's replica of the hot rows, read and updated in place (hot_rows.py); `hot_sync`: its
+        sync, on the node's first trainer (its staleness and costs are reported here)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -264,6 +276,10 @@ class ShardedEmbeddings:
         if group < 1:
             raise ValueError(f"group={group!r} must be >= 1 batch per message")
         self.max_inflight, self.group, self.exchange = max_inflight, group, exchange
+        if hot is not None and exchange is None:
+            raise ValueError("replicated hot rows need the lookup exchange")
+        self.hot = hot if hot is not None and len(hot) else None
+        self.hot_sync = hot_sync
         self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
         self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
         self.stats = LookupStats()
@@ -300,12 +316,21 @@ class ShardedEmbeddings:
         return lk
 
     def _split(self, uniq: torch.Tensor) -> dict:
-        """Lookup fields of the exchange path: (server, positions, local rows) per local shard, the remote positions."""
+        """Lookup fields of the exchange path: the hot rows' (positions, slots); (server, positions, local rows) per
+        local shard and the remote positions, of the other rows."""
         S = self.hash.servers
         owner = uniq % S
+        hot = None
+        if self.hot is not None:
+            hot = self.hot.locate(uniq)
+            if hot[0].numel():
+                owner[hot[0]] = -1  # neither a local shard's nor remote
         local = [(s, idx, uniq[idx] // S) for s in self._local_servers
                  if (idx := (owner == s).nonzero().view(-1)).numel()]
-        return {"local": local, "remote_idx": (~self._is_local[owner]).nonzero().view(-1)}
+        remote = ~self._is_local[owner.clamp(min=0)]
+        if hot is not None:
+            remote[hot[0]] = False
+        return {"local": local, "remote_idx": remote.nonzero().view(-1), "hot": hot}
 
     def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
         """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
@@ -323,6 +348,8 @@ class ShardedEmbeddings:
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
         for s, idx, ids in lk.local:
             rows[idx], versions[idx] = self.servers[s].lookup(ids)
+        if lk.hot is not None:
+            rows[lk.hot[0]], versions[lk.hot[0]] = self.hot.shard.lookup(lk.hot[1])
         blocked = 0.0
         remote = lk.remote_idx.numel()
         if lk.remote is not None:
@@ -335,6 +362,7 @@ class ShardedEmbeddings:
         with self._lock:
             st = self.stats
             st.count(blocked, lk.uniq.numel(), remote, stale, remote * (self.dim * 4 + 8))
+            st.hot_rows += lk.hot[0].numel() if lk.hot is not None else 0
             if remote:
                 st.rpc_s += (lk.answered[0] if lk.answered else time.perf_counter()) - lk.issued
                 st.rpc_calls += 1
@@ -348,6 +376,9 @@ class ShardedEmbeddings:
         stale = 0
         for s, idx, ids in lk.local:
             stale += self.servers[s].apply(ids, grads.index_select(0, idx), lk.versions[idx])
+        if lk.hot is not None and lk.hot[0].numel():
+            idx, slots = lk.hot
+            stale += self.hot.shard.apply(slots, grads.index_select(0, idx), lk.versions[idx])
         r = lk.remote_idx
         if r.numel():
             self.exchange.push(lk.uniq[r], grads.index_select(0, r), lk.versions[r])
@@ -444,6 +475,8 @@ class ShardedEmbeddings:
         for s, future in zip(remote, futures):
             got = self._wait(future, s, "a snapshot of its rows")
             out[s::S] = got[0] if self.exchange is not None else got
+        if self.hot is not None:  # the owners' copies of the hot rows are not trained: the node's replica is
+            out[self.hot.ids] = self.hot.shard.weight
         return out
 
     def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
@@ -531,6 +564,10 @@ class ShardedEmbeddings:
                 st.stale_sum += ex.take_stale()
                 st.rounds, st.messages, st.wire_bytes = ex.rounds, ex.rounds * (ex.n - 1), ex.bytes_sent
                 st.exchange_cpu_s = ex.cpu_s
+                if self.hot_sync is not None:
+                    hs = self.hot_sync
+                    st.stale_sum += hs.take_stale()
+                    st.hot_syncs, st.hot_sync_cpu_s, st.hot_sync_bytes = hs.syncs, hs.cpu_s, hs.bytes_sent
             return
         with self._lock:
             queued = list(self._pending.items())

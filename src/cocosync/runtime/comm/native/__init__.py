@@ -1,8 +1,8 @@
 """cocosync's native (C++) module, JIT-built once with the system compiler through torch.utils.cpp_extension:
 the hot loops of the shared-memory all_reduce (one-shot and three-phase), the streaming copies of large collectives
-(one_shot.cpp), the lookup exchange's per-round sorting and packing (lookup_rounds.cpp) and row-wise Adagrad on
-embedding rows (embedding_rows.cpp). Cached in torch's extensions directory ($TORCH_EXTENSIONS_DIR or
-~/.cache/torch_extensions; the first build says so on stderr).
+(one_shot.cpp), the lookup exchange's per-round sorting and packing (lookup_rounds.cpp), row-wise Adagrad on
+embedding rows (embedding_rows.cpp) and the replicated hot rows' sync (hot_rows.cpp). Cached in torch's extensions
+directory ($TORCH_EXTENSIONS_DIR or ~/.cache/torch_extensions; the first build says so on stderr).
 `$COCOSYNC_NATIVE=0` turns it off; a build that fails is reported once as a warning and the Python paths, the
 references the native ones are tested against, run."""
 
@@ -47,7 +47,7 @@ def _build_dir() -> tuple[str, Path]:
 
 
 #: the module's sources, beside this file (one_shot.cpp defines the Python module)
-SOURCES = ("one_shot.cpp", "lookup_rounds.cpp", "embedding_rows.cpp")
+SOURCES = ("one_shot.cpp", "lookup_rounds.cpp", "embedding_rows.cpp", "hot_rows.cpp")
 
 
 def _sources() -> list[Path]:
@@ -63,7 +63,7 @@ def is_built() -> bool:
 @functools.lru_cache(maxsize=None)
 def one_shot() -> Any:
     """The built module (OneShot, stream copies, the exchange's sort_lookups/sort_pushes/pack_messages,
-    rowwise_adagrad), or None (disabled, or the build failed)."""
+    rowwise_adagrad, the hot rows' pack_changes/merge_changes), or None (disabled, or the build failed)."""
     if not enabled():
         return None
     try:

@@ -287,10 +287,12 @@ void stream_copy2_tensor(const torch::Tensor& dst1, const torch::Tensor& dst2, c
 
 void register_lookup_rounds(pybind11::module& m);   // lookup_rounds.cpp
 void register_embedding_rows(pybind11::module& m);  // embedding_rows.cpp
+void register_hot_rows(pybind11::module& m);        // hot_rows.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_lookup_rounds(m);
   register_embedding_rows(m);
+  register_hot_rows(m);
   m.def("stream_copy", &stream_copy_tensor);
   m.def("stream_copy2", &stream_copy2_tensor);
   pybind11::class_<OneShot>(m, "OneShot")

@@ -1,0 +1,228 @@
+"""The hottest embedding rows replicated on every node and synchronized in the background (multi-node jobs).
+
+Row-hash sharding puts (N-1)/N of a batch's rows on other nodes, and each costs a lookup and a gradient push through
+the lookup exchange (exchange.py) on both sides. Ids follow a power law: on the default synthetic data the hottest 2%
+of rows serve 90% of a batch's distinct lookups (BENCHMARKS.md). Those rows are replicated instead: every node holds
+them in its shared memory as one more shard (`HotRows`), read and updated in place by its trainers (Hogwild,
+row-wise Adagrad, exactly as a local shard), and one thread per node (`HotSync`, on the node's first trainer)
+all-reduces over the nodes, every interval, what each node changed since the last sync: the rows' deltas, their
+Adagrad accumulators' and their update counts. Each node adds the others' changes, so every replica is the consensus
+plus its own updates since (ShadowSync's shadow thread, on the sparse side: the sync never blocks a worker).
+Replicating hot embeddings and synchronizing them by all-reduce is FAE's scheme (Adnan et al., VLDB 2022); HET
+(Miao et al., VLDB 2022) caches them with bounded staleness.
+
+The hot set is chosen before training from the first rows of the training data, the same on every rank (trainer 0
+broadcasts it): the rows seen most often. While training, the owner's shard keeps its copy of a hot row untouched;
+`settle` (every node, workers paused: checkpoints, the end) makes every replica the consensus and `write_back`
+puts it into the owners' shards, so checkpoints hold the rows as one row-hash table, whatever the hot set.
+
+Staleness: a hot row read at time t misses the other nodes' updates since the last sync. A sync reports, per row,
+this node's updates u in the window and the others' o; assuming both spread evenly over it, the uses missed o / 2
+updates each on average: u * o / 2 is added to the staleness sum (`take_stale`).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Mapping
+
+import torch
+import torch.distributed as dist
+
+from cocosync.runtime.comm.native import one_shot as native_module
+from cocosync.shadowsync.model.embeddings import Shard
+
+__all__ = ["HotRows", "HotSync", "choose_hot_rows", "pack_changes", "merge_changes", "HOT_SAMPLE_ROWS"]
+
+#: training rows read to choose the hot set
+HOT_SAMPLE_ROWS = 65536
+
+
+def choose_hot_rows(sparse: torch.Tensor, offsets: torch.Tensor, k: int, *, min_count: int = 2) -> torch.Tensor:
+    """The global rows (sorted) of the `k` ids seen most often in `sparse` [rows, tables] (at least `min_count`
+    times; ties by row): a deterministic function of the sample."""
+    if k <= 0 or sparse.numel() == 0:
+        return torch.empty(0, dtype=torch.int64)
+    rows, counts = torch.unique((sparse.to(torch.int64) + offsets).reshape(-1), return_counts=True)
+    order = torch.argsort(counts, descending=True, stable=True)[:k]  # rows ascending: ties go to the lower row
+    order = order[counts[order] >= min_count]
+    return rows[order].sort().values
+
+
+class HotRows:
+    """A node's replica of the hot rows: `ids` (sorted global rows) and a `Shard` of them, slot i holding ids[i]
+    (weight, row-wise Adagrad accumulator and versions in the node's shared memory)."""
+
+    def __init__(self, ids: torch.Tensor, shard: Shard):
+        self.ids, self.shard = ids.to(torch.int64).contiguous(), shard
+
+    def __len__(self) -> int:
+        return self.ids.numel()
+
+    def locate(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(positions in `rows` of its hot rows, their slots)."""
+        if not len(self):
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty
+        slot = torch.searchsorted(self.ids, rows).clamp_(max=len(self) - 1)
+        at = (self.ids.index_select(0, slot) == rows).nonzero().view(-1)
+        return at, slot.index_select(0, at)
+
+    def owned(self, shards: Mapping[int, Shard], servers: int):
+        """(shard, slots, local rows) for each of `shards` (server index -> shard) that owns hot rows."""
+        owner = self.ids % servers
+        for server, shard in shards.items():
+            slots = (owner == server).nonzero().view(-1)
+            if slots.numel():
+                yield shard, slots, self.ids.index_select(0, slots) // servers
+
+    @torch.no_grad()
+    def write_back(self, shards: Mapping[int, Shard], servers: int) -> None:
+        """Copy the replica's rows into the owners' shards among `shards` (this node's): after `HotSync.settle`."""
+        rep = self.shard
+        for shard, slots, local in self.owned(shards, servers):
+            shard.weight[local] = rep.weight.index_select(0, slots)
+            shard.accumulator[local] = rep.accumulator.index_select(0, slots)
+            shard.versions[local] = rep.versions.index_select(0, slots)
+
+
+def pack_changes(weight: torch.Tensor, acc: torch.Tensor, versions: torch.Tensor, base_w: torch.Tensor,
+                 base_acc: torch.Tensor, base_v: torch.Tensor, out: torch.Tensor, *, native: Any = None) -> None:
+    """Write what the replica (weight [H, dim], acc [H], versions [H]) changed since the consensus (base_*) into
+    `out`: [weight deltas (H x dim) | accumulator deltas (H) | update counts (H)]. `native`: the C++ module (one pass,
+    the same bits), else this torch path, its reference."""
+    if native is not None:
+        return native.pack_changes(weight, acc, versions, base_w, base_acc, base_v, out)
+    H, dim = weight.shape
+    torch.sub(weight, base_w, out=out[:H * dim].view(H, dim))
+    torch.sub(acc, base_acc, out=out[H * dim:H * dim + H])
+    out[H * dim + H:H * (dim + 2)].copy_(versions - base_v)
+
+
+def merge_changes(weight: torch.Tensor, acc: torch.Tensor, versions: torch.Tensor, base_w: torch.Tensor,
+                  base_acc: torch.Tensor, base_v: torch.Tensor, total: torch.Tensor, mine: torch.Tensor, *,
+                  native: Any = None) -> float:
+    """After the all-reduce: add the other nodes' changes (total - mine) to the replica and the sum of every node's
+    to the consensus; returns the staleness estimate sum(mine's counts x the others') / 2 (module doc)."""
+    if native is not None:
+        return native.merge_changes(weight, acc, versions, base_w, base_acc, base_v, total, mine)
+    H, dim = weight.shape
+    n = H * dim
+    others = total[:H * (dim + 2)] - mine[:H * (dim + 2)]
+    weight.add_(others[:n].view(H, dim))
+    base_w.add_(total[:n].view(H, dim))
+    acc.add_(others[n:n + H])
+    base_acc.add_(total[n:n + H])
+    counts = others[n + H:]
+    versions.add_(counts.round().to(torch.int64))
+    base_v.add_(total[n + H:n + 2 * H].round().to(torch.int64))
+    return float((mine[n + H:n + 2 * H].double() * counts.double()).sum()) / 2
+
+
+class HotSync:
+    """The node's thread that synchronizes its `HotRows` replica with the other nodes' (one per node; `group`: gloo,
+    one process per node), every `interval` seconds. `fill` first (collective), then `start`; `settle` and `close`
+    are collective too. `native`: pack and merge in C++ (runtime/comm/native, when built), else in torch."""
+
+    def __init__(self, hot: HotRows, group: Any, *, interval: float, label: str = "the other nodes",
+                 native: bool = True):
+        self.hot, self.group, self.interval, self.label = hot, group, float(interval), label
+        self.native = native_module() if native else None
+        self.n = dist.get_world_size(group)
+        H, dim = len(hot), hot.shard.weight.shape[1]
+        self.H, self.dim = H, dim
+        self._buf = torch.zeros(H * (dim + 2) + 2)  # pack_changes' layout, then 2 flags (settle, close)
+        self._mine = torch.zeros(H * (dim + 2))
+        self._base_w, self._base_acc = torch.zeros(H, dim), torch.zeros(H)  # the consensus at the last sync
+        self._base_v = torch.zeros(H, dtype=torch.int64)
+        self.syncs, self.cpu_s, self.bytes_sent = 0, 0.0, 0
+        self._stale = 0.0
+        self._lock = threading.Condition()
+        self._want = 0  # 1: settle requested; 2: close requested
+        self._settled = 0  # syncs every node asked to settle
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="cocosync-hot-rows", daemon=True)
+
+    @torch.no_grad()
+    def fill(self, shards: Mapping[int, Shard], servers: int) -> None:
+        """Collective: every node's replica (and the consensus) from the owners' shards, each node its own rows."""
+        rep = self.hot.shard
+        w, acc, ver = torch.zeros_like(rep.weight), torch.zeros_like(rep.accumulator), torch.zeros_like(rep.versions)
+        for shard, slots, local in self.hot.owned(shards, servers):
+            w[slots] = shard.weight.index_select(0, local)
+            acc[slots] = shard.accumulator.index_select(0, local)
+            ver[slots] = shard.versions.index_select(0, local)
+        for t in (w, acc, ver):
+            dist.all_reduce(t, group=self.group)
+        for dst, src in ((rep.weight, w), (rep.accumulator, acc), (rep.versions, ver), (self._base_w, w),
+                         (self._base_acc, acc), (self._base_v, ver)):
+            dst.copy_(src)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take_stale(self) -> int:
+        """The estimated staleness of the hot rows' uses (module doc), summed since the last call."""
+        with self._lock:
+            stale, self._stale = self._stale, 0.0
+            return round(stale)
+
+    def settle(self, *, close: bool = False) -> None:
+        """Collective over the nodes, with every trainer's workers paused: returns once a sync has taken every
+        node's updates, so every replica is the consensus (then `HotRows.write_back`). `close`: and stop."""
+        with self._lock:
+            if not self._thread.is_alive() and self._error is None:
+                return
+            target = self._settled + 1
+            self._want = 2 if close else 1
+            self._lock.notify_all()
+            while self._settled < target and self._error is None:
+                self._lock.wait(1.0)
+        if close:
+            self._thread.join()
+        if self._error is not None:
+            raise RuntimeError(f"the hot rows' sync with {self.label} broke: {self._error}") from None
+
+    def close(self) -> None:
+        """The final settle; the thread stops."""
+        self.settle(close=True)
+
+    def _run(self) -> None:
+        deadline = time.monotonic()
+        try:
+            while True:
+                deadline = max(deadline + self.interval, time.monotonic())
+                with self._lock:
+                    while not self._want and (left := deadline - time.monotonic()) > 0:
+                        self._lock.wait(left)
+                    want = self._want
+                if self._sync(want):
+                    return
+        except BaseException as e:  # noqa: BLE001 - a waiting settle gets the reason
+            with self._lock:
+                self._error = e
+                self._lock.notify_all()
+
+    @torch.no_grad()
+    def _sync(self, want: int) -> bool:
+        """One sync; True once every node asked to close."""
+        cpu0 = time.thread_time()
+        rep, buf, n = self.hot.shard, self._buf, self.n
+        state = (rep.weight, rep.accumulator, rep.versions, self._base_w, self._base_acc, self._base_v)
+        pack_changes(*state, buf, native=self.native)
+        self._mine.copy_(buf[:-2])
+        buf[-2:] = torch.tensor([float(want >= 1), float(want == 2)])
+        dist.all_reduce(buf, group=self.group)
+        everyone_settles, everyone_closes = (int(x) == n for x in buf[-2:].tolist())
+        stale = merge_changes(*state, buf, self._mine, native=self.native)
+        with self._lock:
+            self._stale += stale
+            self.syncs += 1
+            self.bytes_sent += 2 * (n - 1) * buf.numel() * 4 // n  # a ring all-reduce's share per node
+            self.cpu_s += time.thread_time() - cpu0
+            if everyone_settles:
+                self._settled += 1
+                self._want = 0
+            self._lock.notify_all()
+        return everyone_closes
