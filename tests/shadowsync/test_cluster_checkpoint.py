@@ -157,7 +157,9 @@ def test_periodic_checkpoints_survive_a_killed_trainer_and_the_job_resumes_from_
     state = _load(ckpt, tmp_path)  # every rank's part is there and readable
     assert {"emb.0.weight", "emb.1.weight", "trainer.0.flat", "trainer.1.bmuf.delta"} <= state.keys()
     resumed = tmp_path / "resumed"
-    _run(resumed, "--sync", "shadow-bmuf", "--examples", "200000", "--resume", str(ckpt), nnodes=2, nproc=2)
+    # prefetched (BASE's prefetch 0 would wait a 40 ms exchange round per batch)
+    _run(resumed, "--sync", "shadow-bmuf", "--examples", "200000", "--resume", str(ckpt), "--prefetch", "40", nnodes=2,
+         nproc=2)
     s = _summary(resumed)
     assert s["resumed_from"] == meta["examples_seen"] and s["resumed_from"] + s["examples"] == 200000
     assert leftover_segments() == []
