@@ -575,6 +575,7 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
     else:
         per_sync = 0.0
     resumed = sum(r["resumed_from"] for r in results) + job.examples_before
+    hot_syncs = sum(x["hot_syncs"] for x in lk)  # counted by each node's first trainer
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
@@ -610,9 +611,8 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
                                       if job.exchange_group is not None else sparse_bytes) / max(examples, 1),
         "hot_rows": len(job.hot) if job.hot is not None else 0,
         "hot_row_fraction": sum(x["hot_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
-        "hot_syncs": sum(x["hot_syncs"] for x in lk),
-        "hot_sync_cpu_us_per_sync": 1e6 * sum(x["hot_sync_cpu_s"] for x in lk) / max(sum(x["hot_syncs"] for x in lk),
-                                                                                    1),
+        "hot_syncs": hot_syncs,
+        "hot_sync_cpu_us_per_sync": 1e6 * sum(x["hot_sync_cpu_s"] for x in lk) / max(hot_syncs, 1),
         "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
         "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)

@@ -10,9 +10,11 @@ A server's shard lives in its node's shared memory (an `Arena.shared_empty`, map
 trainers on the same node read and update it in place, zero-copy, as if it were their own;
 trainers on other nodes go through the lookup exchange (exchange.py: rounds of one gloo all_to_all between the
 trainers of every node, the default) or through torch.distributed.rpc (one message per server and batch, the former
-path, kept as the baseline `--lookup-transport rpc`). Updates are row-wise Adagrad or SGD, Hogwild, through the same
-`rowwise_update` as the local tables. Each row carries a version (its update count): a push reports how many
-updates its rows received between their fetch and its gradient (the staleness of asynchronous lookups).
+path, kept as the baseline `--lookup-transport rpc`); with the exchange, the hottest rows are replicated on every
+node instead (hot_rows.py: read and updated in place like a local shard, synchronized in the background). Updates
+are row-wise Adagrad or SGD, Hogwild, through the same `rowwise_update` as the local tables. Each row carries a
+version (its update count): a push reports how many updates its rows received between their fetch and its gradient
+(the staleness of asynchronous lookups).
 
 `ShardedEmbeddings.fetch` issues a lookup and returns at once; `prefetching(batches)` requests the next batches' rows
 while the current batch trains (ShadowSync's idea on the sparse side). `push` queues row gradients for remote servers:
