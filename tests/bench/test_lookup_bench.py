@@ -20,10 +20,14 @@ def test_the_fit_and_its_projection():
     assert projected_efficiency(10.0, 0.0, 128) == 1.0  # flat: scales
 
 
+def _fake_wave(jobs, per_node):
+    return [_fake_run(n, label, ex, per_node, extra, out) for n, label, ex, extra, out in jobs]
+
+
 def _fake_run(nodes, transport, examples, per_node, extra, out):
     """A job whose CPU is 2 s of start-up plus (9 + 1.5 x nodes) us per example (RPC 3 us per node): what the bench
     must recover by its difference of two runs."""
-    per_node_us = 1.5 if transport == "exchange" else 3.0
+    per_node_us = {"exchange": 1.5, "rpc": 3.0, "exchange hot=4096": 1.0, "exchange hot=0": 2.0}[transport]
     cpu = 2.0 + examples * (9 + per_node_us * nodes) * 1e-6
     assert "--config" in extra and "--eval-examples" in extra  # no checkpoint/plot config, the eval size
     return {"job_cpu_seconds": cpu, "examples": examples, "staleness": 0.0 if nodes == 1 else 2.5 * nodes,
@@ -36,7 +40,7 @@ def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeyp
     """The bench's arithmetic on jobs of known cost (the jobs themselves: the multi-node tests in test_cluster.py)."""
     import cocosync.bench.lookup_scaling as bench
 
-    monkeypatch.setattr(bench, "_run", _fake_run)
+    monkeypatch.setattr(bench, "_run_wave", _fake_wave)
     out = tmp_path / "lk"
     res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2,4", "--repeats", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
@@ -56,6 +60,26 @@ def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeyp
     assert any(v.startswith("PASS lookup wait at 2 nodes, exchange: 2.0%") for v in verdicts)
     assert (out / "lookups.png").stat().st_size > 10_000
     assert "| 4 | rpc | 21.00 | 0.50 |" in res.output  # the markdown row for BENCHMARKS.md
+
+
+def test_parallel_waves_are_a_latin_square_and_give_the_same_arithmetic(tmp_path, monkeypatch):
+    import cocosync.bench.lookup_scaling as bench
+
+    plan = bench.waves([1, 2, 4], ["A", "B"], parallel=True)
+    assert plan == [[(1, "A"), (2, "A"), (4, "B")], [(1, "A"), (2, "B"), (4, "A")]]  # each variant once per count
+    assert bench.waves([1, 2], ["A", "B"], parallel=False) == [[(1, "A")], [(2, "A")], [(2, "B")]]
+    started = []
+    monkeypatch.setattr(bench, "_run_wave", lambda jobs, per_node: started.append(len(jobs)) or _fake_wave(jobs, 1))
+    out = tmp_path / "lk"
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2,4", "--transports", "exchange", "--hot-rows",
+                                   "4096,0", "--repeats", "1", "--parallel", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert started == [3, 3, 3, 3]  # 2 waves x (short, long), 3 jobs side by side each
+    result = json.loads((out / "lookups.json").read_text())
+    rows = {(r["nodes"], r["transport"]): r for r in result["rows"]}
+    assert rows[(1, "local")]["samples"] == 2 and rows[(4, "exchange hot=0")]["samples"] == 1
+    assert rows[(4, "exchange hot=4096")]["cpu_us_per_example"] == pytest.approx(13.0)  # 9 + 1.0 x 4
+    assert rows[(2, "exchange hot=0")]["cpu_us_per_example"] == pytest.approx(13.0)  # 9 + 2.0 x 2
 
 
 def test_lookup_bench_names_bad_arguments():

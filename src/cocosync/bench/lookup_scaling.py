@@ -6,8 +6,10 @@ Each node runs one embedding server and `--trainers-per-node` trainers (`--sync 
 configuration's **CPU per example** is the CPU-seconds of every process (set-up excluded) per *extra* example between
 a short and a long run, so start-up and the final scoring cancel; its **efficiency** is one node's CPU per example
 over its own. Every configuration runs once per round (round-robin, both lengths back to back), medians over the
-rounds. A least-squares line through CPU per example against the node count projects the efficiency at 32 and 128
-machines: (a + b) / (a + b N). Also reported (long runs, medians): staleness (updates a pushed row received since its
+rounds; `--parallel` runs a round's jobs side by side in balanced waves instead (`waves`), for a machine with a core
+per process of a wave (the lent 16-core machine), where one job at a time would leave most cores idle. A
+least-squares line through CPU per example against the node count projects the efficiency at 32 and 128 machines:
+(a + b) / (a + b N). Also reported (long runs, medians): staleness (updates a pushed row received since its
 fetch), the share of step time trainers waited on lookups, messages and bytes per example between nodes, eval NE
 (with `--sync none` the N nodes' N trainers do not average their dense replicas: compare NE across node counts with
 a sync algorithm and as many trainers on one node, as BENCHMARKS.md does).
@@ -53,25 +55,43 @@ def variants(transports: list[str], hot_rows: list[int]) -> dict[str, list[str]]
     return out
 
 
-def _run(nodes: int, label: str, examples: int, per_node: int, extra: list[str], out: Path) -> dict:
-    from cocosync.testing.multinode import run_nodes
+def waves(nodes: list[int], labels: list[str], parallel: bool) -> list[list[tuple[int, str]]]:
+    """One round's jobs as waves run one after another, a wave's jobs side by side: one job a wave (every
+    configuration once), or with `parallel` one wave per variant, each holding the 1-node reference and, for the i-th
+    node count above 1, variant (wave + i) mod V: every variant once per node count and round, and every wave the
+    same number of processes (a Latin square), so neighbours load each variant alike."""
+    if not parallel:
+        return [[(n, t)] for n in nodes for t in (labels if n > 1 else labels[:1])]
+    multi = [n for n in nodes if n > 1]
+    return [[(1, labels[0]), *((n, labels[(w + i) % len(labels)]) for i, n in enumerate(multi))]
+            for w in range(len(labels))]
 
-    runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--sync", "none", "--out", str(out),
-                      *extra], nnodes=nodes, nproc_per_node=1 + per_node, timeout=900)
-    for r in runs:
-        if r.returncode != 0:
-            raise click.ClickException(f"{nodes}-node {label} run failed on node {r.node} (exit {r.returncode}):"
-                                       f"\n{r.output[-3000:]}")
-    return json.loads((out / "summary.json").read_text())
+
+def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) -> list[dict]:
+    """Start every job (nodes, label, examples, options, out) of a wave, then wait for each: their summaries."""
+    from cocosync.testing.multinode import start_nodes, wait_nodes
+
+    started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(out),
+                            *extra], nnodes=n, nproc_per_node=1 + per_node) for n, _, ex, extra, out in jobs]
+    out = []
+    for (n, label, _, _, path), procs in zip(jobs, started):
+        for r in wait_nodes(procs, 900):
+            if r.returncode != 0:
+                raise click.ClickException(f"{n}-node {label} run failed on node {r.node} (exit {r.returncode}):"
+                                           f"\n{r.output[-3000:]}")
+        out.append(json.loads((path / "summary.json").read_text()))
+    return out
 
 
 def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples: tuple[int, int], per_node: int,
-                repeats: int, eval_examples: int, extra: list[str], console: Any) -> dict:
-    """Every configuration's samples (one per round) and its medians. `transports`: label -> job options."""
+                repeats: int, eval_examples: int, extra: list[str], console: Any, parallel: bool = False) -> dict:
+    """Every configuration's samples (one per round, and per wave with `parallel`: see `waves`) and its medians.
+    `transports`: label -> job options."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     labels = list(transports)
     configs = [(n, t) for n in nodes for t in (labels if n > 1 else labels[:1])]
+    plan = waves(nodes, labels, parallel)
     small, big = examples
     args = ["--eval-examples", str(eval_examples), *extra]
     samples: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
@@ -81,22 +101,18 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
         config = Path(tmp) / "bench.toml"  # no checkpoint, no plot: the runs measure training and scoring only
         config.write_text("checkpoint = false\nplot = false\n")
         args = ["--config", str(config), *args]
-        task = bar.add_task("lookup runs", total=2 * repeats * len(configs))
+        task = bar.add_task("lookup runs", total=2 * repeats * sum(len(w) for w in plan))
         for rnd in range(repeats):
-            for n, t in configs:
-                got = []
+            for w, wave in enumerate(plan):
+                got: dict[tuple[int, str], list[dict]] = {}
                 for ex in (small, big):
-                    got.append(_run(n, t, ex, per_node, [*args, *transports[t]],
-                                    Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}"))
-                    bar.advance(task)
-                a, b = got
-                cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
-                samples[(n, t)].append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
-                                        "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
-                                        "examples_run": [a["examples"], b["examples"]]})
-                bar.console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
-                                  f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
-                                  f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
+                    jobs = [(n, t, ex, [*args, *transports[t]], Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}-{w}")
+                            for n, t in wave]
+                    for c, summary in zip(wave, _run_wave(jobs, per_node)):
+                        got.setdefault(c, []).append(summary)
+                    bar.advance(task, len(wave))
+                for (n, t), (a, b) in got.items():
+                    _sample(samples[(n, t)], a, b, rnd, bar.console, n, t)
     rows = [_median(n, t, v) for (n, t), v in samples.items()]
     one = next(r for r in rows if r["nodes"] == 1)
     for r in rows:
@@ -111,6 +127,17 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
     return {"rows": rows, "fits": fits, "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
             "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
                          "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
+
+
+def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, t: str) -> None:
+    """One configuration's sample from its short run `a` and long run `b`: CPU per extra example, and b's measures."""
+    cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
+    into.append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
+                 "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
+                 "examples_run": [a["examples"], b["examples"]]})
+    console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
+                  f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
+                  f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
 
 
 _KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
@@ -199,10 +226,13 @@ def _plot(result: dict):
 @click.option("--eval-examples", type=int, default=20_000, show_default=True)
 @click.option("--exchange-interval", type=float, default=None, help="milliseconds (the job's default if not set).")
 @click.option("--prefetch", type=int, default=None, help="batches (the transport's default if not set).")
+@click.option("--parallel", is_flag=True,
+              help="run each round's jobs side by side in balanced waves (one per variant; for a machine with a core "
+                   "for every process of a wave: the 1-node job and one job per larger node count).")
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
 def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, trainers_per_node: int, repeats: int,
-                eval_examples: int, exchange_interval: float | None, prefetch: int | None, out: str,
+                eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool, out: str,
                 json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
     from rich.console import Console
@@ -230,7 +260,7 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, train
     console = Console()
     result = run_lookups(nodes=node_list, transports=variants(trans, hot), examples=(small, big),
                          per_node=trainers_per_node,
-                         repeats=repeats, eval_examples=eval_examples, extra=extra, console=console)
+                         repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel)
     rows = [_cells(r) for r in result["rows"]]
     print_table("bench lookups (medians; CPU per extra example of every process)", COLUMNS, rows, console=console)
     for t, f in result["fits"].items():
