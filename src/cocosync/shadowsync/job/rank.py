@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import shutil
@@ -70,6 +69,7 @@ from cocosync.shadowsync.data.sources import (
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.roles import ClusterConfig, Roles
+from cocosync.shadowsync.job.summary import add_job_cpu, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
@@ -209,7 +209,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         cpu: list[Any] = [None] * topo.world_size
         dist.all_gather_object(cpu, (kind, time.process_time() - cpu0))
         if summary is not None:
-            _add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
+            add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":
             link.finish(index)
         if uses_rpc:
@@ -245,26 +245,6 @@ def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
                      rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
                          init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
                          _transports=["uv"], _channels=["basic"]))
-
-
-def _add_job_cpu(summary: dict, cpu: list[tuple[str, float]], out: Path) -> None:
-    """Trainers count their training window (summary['trainer_cpu_seconds']), servers the time since set-up."""
-    servers = sum(c for kind, c in cpu if kind != "trainer")
-    summary["server_cpu_seconds"] = servers
-    # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
-    summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
-    summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
-    # every process from the end of set-up to the end (trainers' lookup serving and final scoring included): the
-    # CPU per example that issue 31's scaling targets compare across node counts
-    summary["job_cpu_seconds"] = sum(c for _, c in cpu)
-    summary["job_cpu_us_per_example"] = 1e6 * summary["job_cpu_seconds"] / max(summary["examples"], 1)
-    _write_summary(summary, out)
-
-
-def _write_summary(summary: dict, out: Path) -> None:
-    tmp = out / "summary.json.tmp"  # atomic: a reader never sees half a file
-    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
-    os.replace(tmp, out / "summary.json")
 
 
 def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
@@ -566,7 +546,6 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
     gaps = [r["sync_gap"] for r in results if math.isfinite(r["sync_gap"])]
     lk = [r["lookups"] for r in results]
     step_s = sum(r["seconds"] * cfg.workers for r in results)
-    sparse_bytes = sum(x["bytes_sent"] + x["bytes_received"] for x in lk)
     N, D = roles.topo.nnodes, trainer.flat.flat.numel()
     if cfg.sync.method in ("ma", "bmuf"):  # a ring all-reduce across the nodes of each trainer's slice of D + 1
         per_sync = 2 * (N - 1) / N * (D + 1) * 4 / roles.trainers_per_node
@@ -575,7 +554,6 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
     else:
         per_sync = 0.0
     resumed = sum(r["resumed_from"] for r in results) + job.examples_before
-    hot_syncs = sum(x["hot_syncs"] for x in lk)  # counted by each node's first trainer
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
@@ -595,26 +573,10 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "syncs": int(sum(r["syncs"] for r in results)), "seconds": seconds,
         "start_skew_s": max(r["start"] for r in results) - min(r["start"] for r in results),
         "sync_impl": results[0]["sync_impl"],  # CompiledSync (the DSL program), or the class that ran
-        "lookup_wait_fraction": sum(x["wait_s"] for x in lk) / max(step_s, 1e-9),
-        "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
+        **lookup_summary(lk, examples, step_s, transport=job.cluster.lookup_transport if N > 1 else "local",
+                         exchange=job.exchange_group is not None, hot_rows=len(job.hot) if job.hot is not None else 0),
         "dense_bytes_per_example": per_sync * sum(r["syncs"] for r in results) / max(examples, 1),
-        "rows_per_example": sum(x["rows"] for x in lk) / max(examples, 1),
         "dense_params": D,
-        "remote_row_fraction": sum(x["remote_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
-        "_remote_rows": sum(x["remote_rows"] for x in lk),
-        "remote_calls": sum(x["rpc_calls"] + x["push_calls"] for x in lk),  # lookups and pushes of remote rows
-        "lookup_transport": job.cluster.lookup_transport if N > 1 else "local",
-        "messages_per_example": sum(x["messages"] for x in lk) / max(examples, 1),  # to other nodes, per trainer
-        "exchange_rounds": sum(x["rounds"] for x in lk),
-        "exchange_cpu_us_per_round": 1e6 * sum(x["exchange_cpu_s"] for x in lk) / max(sum(x["rounds"] for x in lk), 1),
-        "network_bytes_per_example": (sum(x["wire_bytes"] + x["hot_sync_bytes"] for x in lk)
-                                      if job.exchange_group is not None else sparse_bytes) / max(examples, 1),
-        "hot_rows": len(job.hot) if job.hot is not None else 0,
-        "hot_row_fraction": sum(x["hot_rows"] for x in lk) / max(sum(x["rows"] for x in lk), 1),
-        "hot_syncs": hot_syncs,
-        "hot_sync_cpu_us_per_sync": 1e6 * sum(x["hot_sync_cpu_s"] for x in lk) / max(hot_syncs, 1),
-        "rpc_round_trip_s": sum(x["rpc_s"] for x in lk) / max(sum(x["rpc_calls"] for x in lk), 1),
-        "staleness": sum(x["stale_sum"] for x in lk) / max(sum(x["stale_rows"] for x in lk), 1),
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
     }
     if curve is not None and cfg.checkpoint:  # the end beats the curve: the last model is the best
@@ -630,4 +592,4 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         run = {"name": summary["name"], "records": read_metrics(out / "metrics.jsonl"),
                "bayes_ne": ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else None}
         summary["plot"] = plot_ne([run], out / "ne.png", title=f"{summary['name']}: NE vs examples")
-    return summary  # written by _add_job_cpu once the servers' CPU time is known
+    return summary  # written by add_job_cpu once the servers' CPU time is known

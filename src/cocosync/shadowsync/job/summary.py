@@ -1,0 +1,64 @@
+"""The multi-machine job's summary.json: its embedding-lookup measures (summed over the trainers' `LookupStats`) and
+the job's CPU once every rank's is known, written atomically."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from cocosync.shadowsync.job.trainer import json_safe
+
+__all__ = ["lookup_summary", "add_job_cpu", "write_summary"]
+
+
+def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: str, exchange: bool,
+                   hot_rows: int) -> dict:
+    """The summary's lookup entries from every trainer's `LookupStats.as_dict()`: `step_s` is the workers' summed
+    step time, `exchange` whether the lookup exchange carried the remote rows (else RPC), `hot_rows` the replicated
+    rows' count."""
+    def total(key: str) -> float:
+        return sum(x[key] for x in lk)
+
+    sparse_bytes = total("bytes_sent") + total("bytes_received")
+    rows, hot_syncs = total("rows"), total("hot_syncs")  # syncs: counted by each node's first trainer
+    return {
+        "lookup_wait_fraction": total("wait_s") / max(step_s, 1e-9),
+        "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
+        "rows_per_example": rows / max(examples, 1),
+        "remote_row_fraction": total("remote_rows") / max(rows, 1),
+        "_remote_rows": total("remote_rows"),
+        "remote_calls": total("rpc_calls") + total("push_calls"),  # lookups and pushes of remote rows
+        "lookup_transport": transport,
+        "messages_per_example": total("messages") / max(examples, 1),  # to other nodes, per trainer
+        "exchange_rounds": total("rounds"),
+        "exchange_cpu_us_per_round": 1e6 * total("exchange_cpu_s") / max(total("rounds"), 1),
+        "network_bytes_per_example": ((total("wire_bytes") + total("hot_sync_bytes")) if exchange else sparse_bytes)
+        / max(examples, 1),
+        "hot_rows": hot_rows,
+        "hot_row_fraction": total("hot_rows") / max(rows, 1),
+        "hot_syncs": hot_syncs,
+        "hot_sync_cpu_us_per_sync": 1e6 * total("hot_sync_cpu_s") / max(hot_syncs, 1),
+        "rpc_round_trip_s": total("rpc_s") / max(total("rpc_calls"), 1),
+        "staleness": total("stale_sum") / max(total("stale_rows"), 1),
+    }
+
+
+def add_job_cpu(summary: dict, cpu: list[tuple[str, float]], out: Path) -> None:
+    """Trainers count their training window (summary['trainer_cpu_seconds']), servers the time since set-up."""
+    servers = sum(c for kind, c in cpu if kind != "trainer")
+    summary["server_cpu_seconds"] = servers
+    # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
+    summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
+    summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
+    # every process from the end of set-up to the end (trainers' lookup serving and final scoring included): the
+    # CPU per example that issue 31's scaling targets compare across node counts
+    summary["job_cpu_seconds"] = sum(c for _, c in cpu)
+    summary["job_cpu_us_per_example"] = 1e6 * summary["job_cpu_seconds"] / max(summary["examples"], 1)
+    write_summary(summary, out)
+
+
+def write_summary(summary: dict, out: Path) -> None:
+    tmp = out / "summary.json.tmp"  # atomic: a reader never sees half a file
+    tmp.write_text(json.dumps(json_safe(summary), indent=2, default=str) + "\n")
+    os.replace(tmp, out / "summary.json")
