@@ -48,3 +48,39 @@ def test_other_dtypes_take_the_torch_path():
     assert not embeddings._native_rows(weight, acc, rows, grads)
     embeddings.rowwise_update(weight, acc, rows, grads, "adagrad", 0.5, 1e-8)
     assert torch.allclose(weight[1], torch.full((4,), -0.5, dtype=torch.float64))  # lr * g / sqrt(mean(g^2))
+
+
+@pytest.mark.parametrize("shape", [(256, 26), (1, 1), (0, 3), (500, 2)])
+def test_native_distinct_rows_are_torch_uniques_bits(shape):
+    """A batch's deduplication (ShardedEmbeddings._distinct): the distinct global rows ascending and each id's
+    position in them, exactly torch.unique's, on Zipf-like ids with many repeats and on large row ids."""
+    module = _module()
+    g = torch.Generator().manual_seed(sum(shape))
+    B, T = shape
+    sparse = (torch.rand(B, T, generator=g) ** 8 * 5000).to(torch.int64)  # skewed: most ids repeat
+    offsets = torch.arange(T, dtype=torch.int64) * 5000 + (1 << 33) * (T > 1)  # rows past 2^32 too
+    uniq, inverse = module.distinct_rows(sparse, offsets)
+    ref_uniq, ref_inverse = torch.unique((sparse + offsets).reshape(-1), return_inverse=True)
+    assert torch.equal(uniq, ref_uniq) and torch.equal(inverse, ref_inverse.view(B, T))
+    if B * T > 100:
+        assert uniq.numel() < 0.6 * B * T  # the case deduplicates
+
+
+def test_sharded_embeddings_deduplicate_natively_as_the_reference(monkeypatch):
+    _module()
+    emb = embeddings.ShardedEmbeddings([30, 7, 100], 4, [embeddings.Shard(
+        torch.zeros(137, 4), torch.zeros(137), torch.zeros(137, dtype=torch.int64), optimizer="adagrad", lr=0.1)])
+    sparse = torch.tensor([[3, 6, 99], [3, 0, 0], [29, 6, 99]])
+    uniq, inverse = emb._distinct(sparse)
+    assert uniq.tolist() == [3, 29, 30, 36, 37, 136] and inverse.tolist() == [[0, 3, 5], [0, 2, 4], [1, 3, 5]]
+    monkeypatch.setattr(embeddings, "native_module", lambda: None)
+    ref = emb._distinct(sparse)
+    assert torch.equal(ref[0], uniq) and torch.equal(ref[1], inverse)
+
+
+def test_native_distinct_rows_refuses_bad_input():
+    module = _module()
+    with pytest.raises(RuntimeError, match="negative row"):
+        module.distinct_rows(torch.tensor([[-5, 1]]), torch.tensor([0, 2]))
+    with pytest.raises(RuntimeError, match="one per table"):
+        module.distinct_rows(torch.tensor([[5, 1]]), torch.tensor([0]))
