@@ -84,3 +84,43 @@ def test_native_distinct_rows_refuses_bad_input():
         module.distinct_rows(torch.tensor([[-5, 1]]), torch.tensor([0, 2]))
     with pytest.raises(RuntimeError, match="one per table"):
         module.distinct_rows(torch.tensor([[5, 1]]), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("hot_rows", [0, 40])
+def test_native_split_of_a_batch_is_the_references(hot_rows, monkeypatch):
+    """Where a batch's rows live with the lookup exchange (ShardedEmbeddings._split): hot (positions, slots), local
+    (server, positions, local rows) per shard, remote positions -- native and torch alike, on a node holding 2 of 6
+    servers."""
+    from cocosync.shadowsync.model.hot_rows import HotRows
+
+    _module()
+    g = torch.Generator().manual_seed(hot_rows)
+    S, total = 6, 600
+
+    def shard(n):
+        return embeddings.Shard(torch.zeros(n, 4), torch.zeros(n), torch.zeros(n, dtype=torch.int64),
+                                optimizer="adagrad", lr=0.1)
+
+    servers = ["r0", "r1", shard(100), shard(100), "r4", "r5"]
+    hot = HotRows(torch.randperm(total, generator=g)[:hot_rows].sort().values, shard(hot_rows)) if hot_rows else None
+    emb = embeddings.ShardedEmbeddings([total], 4, servers, exchange=object(), hot=hot)
+    uniq = torch.randperm(total, generator=g)[:250].sort().values
+    got = emb._split(uniq)
+    monkeypatch.setattr(embeddings, "native_module", lambda: None)
+    ref = emb._split(uniq)
+    assert [s for s, _, _ in got["local"]] == [s for s, _, _ in ref["local"]] == [2, 3]
+    for (_, pos, rows), (_, ref_pos, ref_rows) in zip(got["local"], ref["local"]):
+        assert torch.equal(pos, ref_pos) and torch.equal(rows, ref_rows)
+    assert torch.equal(got["remote_idx"], ref["remote_idx"])
+    if hot_rows:
+        assert got["hot"][0].numel() > 0 and all(torch.equal(a, b) for a, b in zip(got["hot"], ref["hot"]))
+    else:
+        assert got["hot"] is None and ref["hot"] is None
+    placed = sum(p.numel() for _, p, _ in got["local"]) + got["remote_idx"].numel()
+    assert placed + (got["hot"][0].numel() if hot_rows else 0) == uniq.numel()  # every row once
+
+
+def test_native_split_refuses_rows_out_of_order():
+    module = _module()
+    with pytest.raises(RuntimeError, match="ascending"):
+        module.split_rows(torch.tensor([5, 3]), torch.empty(0, dtype=torch.int64), torch.tensor([True, False]))

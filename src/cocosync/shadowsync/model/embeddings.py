@@ -45,6 +45,7 @@ __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "Se
            "initial_rows", "rowwise_update", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adagrad", "sgd")
+_NO_HOT = torch.empty(0, dtype=torch.int64)
 
 
 @torch.no_grad()
@@ -319,7 +320,19 @@ class ShardedEmbeddings:
 
     def _split(self, uniq: torch.Tensor) -> dict:
         """Lookup fields of the exchange path: the hot rows' (positions, slots); (server, positions, local rows) per
-        local shard and the remote positions, of the other rows."""
+        local shard and the remote positions, of the other rows. One C++ pass where the native module is built
+        (runtime/comm/native/lookup_rounds.cpp), the torch operations below otherwise (its reference, the same
+        bits)."""
+        native = native_module()
+        if native is not None and uniq.dtype == torch.int64:
+            hot_ids = self.hot.ids if self.hot is not None else _NO_HOT
+            hot_pos, hot_slot, local_pos, local_rows, counts, remote_idx = native.split_rows(
+                uniq.contiguous(), hot_ids, self._is_local)
+            bounds = [0, *itertools.accumulate(counts.tolist())]
+            local = [(s, local_pos[bounds[s]:bounds[s + 1]], local_rows[bounds[s]:bounds[s + 1]])
+                     for s in self._local_servers if bounds[s + 1] > bounds[s]]
+            hot = (hot_pos, hot_slot) if self.hot is not None else None
+            return {"local": local, "remote_idx": remote_idx, "hot": hot}
         S = self.hash.servers
         owner = uniq % S
         hot = None

@@ -3,7 +3,7 @@
 // peer's message written into one send buffer (`pack_messages`). The same bits as the Python paths there, which stay
 // the references: torch.unique over (node << 40 | row) keys, a stable argsort by node, tensors concatenated. Python
 // spent ~20 tensor operations per round sorting and ~6 per peer packing. Also the trainer's per-batch deduplication
-// (`distinct_rows`, shadowsync/model/embeddings.py), with the same hashing.
+// (`distinct_rows`, shadowsync/model/embeddings.py), with the same hashing, and where its rows live (`split_rows`).
 #include <torch/extension.h>
 
 #include <algorithm>
@@ -127,6 +127,59 @@ std::vector<torch::Tensor> distinct_rows(const torch::Tensor& sparse, const torc
   }
   for (int64_t i = 0; i < n; ++i) inv[i] = rank[inv[i]];
   return {uniq, inverse};
+}
+
+// Where a batch's distinct rows live, with the lookup exchange (ShardedEmbeddings._split, its reference): `uniq`
+// (ascending global rows) against the node's replicated `hot` rows (ascending) by one merge walk, the rest by owner
+// (row % servers): {hot positions, their slots, local positions grouped by server (ascending within it), their
+// local rows (row / servers), rows per server (local servers only), remote positions}.
+std::vector<torch::Tensor> split_rows(const torch::Tensor& uniq, const torch::Tensor& hot,
+                                      const torch::Tensor& is_local) {
+  TORCH_CHECK(uniq.scalar_type() == torch::kInt64 && uniq.is_contiguous() && uniq.dim() == 1,
+              "split_rows: contiguous int64 rows");
+  TORCH_CHECK(hot.scalar_type() == torch::kInt64 && hot.is_contiguous() && hot.dim() == 1,
+              "split_rows: contiguous int64 hot rows");
+  TORCH_CHECK(is_local.scalar_type() == torch::kBool && is_local.is_contiguous() && is_local.numel() > 0,
+              "split_rows: one bool per server");
+  const int64_t U = uniq.numel(), H = hot.numel(), S = is_local.numel();
+  const int64_t* u = uniq.data_ptr<int64_t>();
+  const int64_t* h = hot.data_ptr<int64_t>();
+  const bool* local = is_local.data_ptr<bool>();
+  std::vector<int64_t> hot_pos, hot_slot, remote_pos, owner(U, -1);
+  auto counts = torch::zeros({S}, torch::kInt64);
+  int64_t* c = counts.data_ptr<int64_t>();
+  int64_t j = 0;
+  for (int64_t i = 0; i < U; ++i) {
+    TORCH_CHECK(i == 0 || u[i] > u[i - 1], "split_rows: rows must be distinct and ascending");
+    while (j < H && h[j] < u[i]) ++j;
+    if (j < H && h[j] == u[i]) {
+      hot_pos.push_back(i), hot_slot.push_back(j);
+      continue;
+    }
+    const int64_t s = u[i] % S;
+    if (local[s]) {
+      owner[i] = s, ++c[s];
+    } else {
+      remote_pos.push_back(i);
+    }
+  }
+  std::vector<int64_t> start(S + 1, 0);
+  for (int64_t s = 0; s < S; ++s) start[s + 1] = start[s] + c[s];
+  auto local_pos = torch::empty({start[S]}, torch::kInt64), local_rows = torch::empty({start[S]}, torch::kInt64);
+  int64_t* lp = local_pos.data_ptr<int64_t>();
+  int64_t* lr = local_rows.data_ptr<int64_t>();
+  for (int64_t i = 0; i < U; ++i) {
+    if (owner[i] >= 0) {
+      const int64_t at = start[owner[i]]++;
+      lp[at] = i, lr[at] = u[i] / S;
+    }
+  }
+  auto as_tensor = [](const std::vector<int64_t>& v) {
+    auto t = torch::empty({static_cast<int64_t>(v.size())}, torch::kInt64);
+    if (!v.empty()) std::memcpy(t.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+    return t;
+  };
+  return {as_tensor(hot_pos), as_tensor(hot_slot), local_pos, local_rows, counts, as_tensor(remote_pos)};
 }
 
 // The round's pushes: rows, versions and float32 gradients of `parts` concatenated and stably ordered by node;
@@ -258,6 +311,7 @@ std::tuple<torch::Tensor, std::vector<int64_t>> pack_messages(
 
 void register_lookup_rounds(pybind11::module& m) {
   m.def("distinct_rows", &distinct_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("split_rows", &split_rows, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sort_lookups", &sort_lookups, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("sort_pushes", &sort_pushes, pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("pack_messages", &pack_messages, pybind11::call_guard<pybind11::gil_scoped_release>());
