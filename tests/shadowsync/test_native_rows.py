@@ -95,7 +95,7 @@ def test_native_split_of_a_batch_is_the_references(hot_rows, monkeypatch):
 
     _module()
     g = torch.Generator().manual_seed(hot_rows)
-    S, total = 6, 600
+    total = 600
 
     def shard(n):
         return embeddings.Shard(torch.zeros(n, 4), torch.zeros(n), torch.zeros(n, dtype=torch.int64),
