@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cocosync.runtime.comm import native
-from cocosync.shadowsync.model import embeddings
+from cocosync.shadowsync.model import batch_rows, embeddings
 
 
 def _module():
@@ -73,7 +73,7 @@ def test_sharded_embeddings_deduplicate_natively_as_the_reference(monkeypatch):
     sparse = torch.tensor([[3, 6, 99], [3, 0, 0], [29, 6, 99]])
     uniq, inverse = emb._distinct(sparse)
     assert uniq.tolist() == [3, 29, 30, 36, 37, 136] and inverse.tolist() == [[0, 3, 5], [0, 2, 4], [1, 3, 5]]
-    monkeypatch.setattr(embeddings, "native_module", lambda: None)
+    monkeypatch.setattr(batch_rows, "native_module", lambda: None)
     ref = emb._distinct(sparse)
     assert torch.equal(ref[0], uniq) and torch.equal(ref[1], inverse)
 
@@ -106,7 +106,7 @@ def test_native_split_of_a_batch_is_the_references(hot_rows, monkeypatch):
     emb = embeddings.ShardedEmbeddings([total], 4, servers, exchange=object(), hot=hot)
     uniq = torch.randperm(total, generator=g)[:250].sort().values
     got = emb._split(uniq)
-    monkeypatch.setattr(embeddings, "native_module", lambda: None)
+    monkeypatch.setattr(batch_rows, "native_module", lambda: None)
     ref = emb._split(uniq)
     assert [s for s, _, _ in got["local"]] == [s for s, _, _ in ref["local"]] == [2, 3]
     for (_, pos, rows), (_, ref_pos, ref_rows) in zip(got["local"], ref["local"]):

@@ -35,6 +35,7 @@ import torch
 import torch.distributed.rpc as rpc
 
 from cocosync.runtime.comm.native import one_shot as native_module
+from cocosync.shadowsync.model.batch_rows import distinct_rows, split_rows
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.served import Served
 
@@ -45,7 +46,6 @@ __all__ = ["RowHash", "Shard", "ShardedEmbeddings", "Lookup", "LookupStats", "Se
            "initial_rows", "rowwise_update", "OPTIMIZERS"]
 
 OPTIMIZERS = ("adagrad", "sgd")
-_NO_HOT = torch.empty(0, dtype=torch.int64)
 
 
 @torch.no_grad()
@@ -319,33 +319,8 @@ class ShardedEmbeddings:
         return lk
 
     def _split(self, uniq: torch.Tensor) -> dict:
-        """Lookup fields of the exchange path: the hot rows' (positions, slots); (server, positions, local rows) per
-        local shard and the remote positions, of the other rows. One C++ pass where the native module is built
-        (runtime/comm/native/lookup_rounds.cpp), the torch operations below otherwise (its reference, the same
-        bits)."""
-        native = native_module()
-        if native is not None and uniq.dtype == torch.int64:
-            hot_ids = self.hot.ids if self.hot is not None else _NO_HOT
-            hot_pos, hot_slot, local_pos, local_rows, counts, remote_idx = native.split_rows(
-                uniq.contiguous(), hot_ids, self._is_local)
-            bounds = [0, *itertools.accumulate(counts.tolist())]
-            local = [(s, local_pos[bounds[s]:bounds[s + 1]], local_rows[bounds[s]:bounds[s + 1]])
-                     for s in self._local_servers if bounds[s + 1] > bounds[s]]
-            hot = (hot_pos, hot_slot) if self.hot is not None else None
-            return {"local": local, "remote_idx": remote_idx, "hot": hot}
-        S = self.hash.servers
-        owner = uniq % S
-        hot = None
-        if self.hot is not None:
-            hot = self.hot.locate(uniq)
-            if hot[0].numel():
-                owner[hot[0]] = -1  # neither a local shard's nor remote
-        local = [(s, idx, uniq[idx] // S) for s in self._local_servers
-                 if (idx := (owner == s).nonzero().view(-1)).numel()]
-        remote = ~self._is_local[owner.clamp(min=0)]
-        if hot is not None:
-            remote[hot[0]] = False
-        return {"local": local, "remote_idx": remote.nonzero().view(-1), "hot": hot}
+        """Lookup fields of the exchange path: where each distinct row lives (batch_rows.split_rows)."""
+        return split_rows(uniq, self.hot, self._is_local, self._local_servers)
 
     def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
         """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
@@ -405,15 +380,7 @@ class ShardedEmbeddings:
             st.stale_rows += lk.uniq.numel()
 
     def _distinct(self, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch's distinct global rows (ascending) and each id's position in them: one C++ pass where the native
-        module is built (runtime/comm/native/lookup_rounds.cpp: ~40% of torch.unique's time), torch.unique (its
-        reference, the same bits) otherwise."""
-        native = native_module()
-        if native is not None and sparse.dtype == torch.int64 and sparse.dim() == 2:
-            uniq, inverse = native.distinct_rows(sparse.contiguous(), self.offsets)
-            return uniq, inverse
-        uniq, inverse = torch.unique((sparse + self.offsets).reshape(-1), return_inverse=True)
-        return uniq, inverse.view(sparse.shape)
+        return distinct_rows(sparse, self.offsets)
 
     def _by_server(self, uniq: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """A permutation of `uniq` grouping it by server, and each server's (server, lo, hi) range in it."""
