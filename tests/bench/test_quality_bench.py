@@ -4,10 +4,13 @@ target verdict, and the JSON and PNG it writes."""
 from __future__ import annotations
 
 import json
+import statistics
 
+import pytest
 from click.testing import CliRunner
+from scipy import stats
 
-from cocosync.bench.quality import tolerance
+from cocosync.bench.quality import change_interval, tolerance, verdict
 from cocosync.cli import main as cli
 
 
@@ -26,10 +29,32 @@ def test_quality_bench_relates_each_run_to_one_trainer_of_the_same_seed(tmp_path
         mine = [r for r in runs if r["algorithm"] == row["algorithm"] and r["T"] == row["T"]]
         change = sum(r["eval_ne"] / ref[r["seed"]] - 1 for r in mine) / len(mine)
         assert abs(row["change"] - change) < 1e-12
-        assert row["pass"] == (change <= tolerance(2))
+        changes = [r["eval_ne"] / ref[r["seed"]] - 1 for r in mine]
+        assert row["verdict"] == verdict(changes, tolerance(2))[0]
+        assert row["change_low"] <= row["change"] <= row["change_high"]
+        assert row["pass"] == (row["verdict"] == "PASS")
     assert (out / "quality.png").stat().st_size > 10_000
     assert len((out / "quality-runs.jsonl").read_text().splitlines()) == len(runs)  # written as each run ended
     assert "| shadow-ma | 2 |" in res.output  # the markdown row for BENCHMARKS.md
+    assert "90% interval" in res.output
+
+
+def test_change_interval_is_students_t_interval_of_the_mean():
+    changes = [0.012, -0.003, 0.027, 0.002, 0.007]
+    lo, hi = change_interval(changes)
+    want = stats.t.interval(0.90, len(changes) - 1, loc=statistics.fmean(changes),
+                            scale=stats.sem(changes))
+    assert lo == pytest.approx(want[0]) and hi == pytest.approx(want[1])
+
+
+def test_verdict_is_pass_fail_or_unresolved_with_the_seeds_that_would_tell():
+    assert verdict([0.001, 0.002, 0.0015, 0.0012, 0.0018], 0.005) == ("PASS", None)  # whole interval below
+    assert verdict([0.020, 0.021, 0.019, 0.022, 0.018], 0.005) == ("FAIL", None)  # whole interval above
+    word, need = verdict([0.012, -0.003, 0.027, 0.002, 0.007], 0.005)  # mean 0.9%, spread 1.2%: straddles 0.5%
+    assert word == "UNRESOLVED" and need > 5
+    sd, gap = statistics.stdev([0.012, -0.003, 0.027, 0.002, 0.007]), 0.009 - 0.005
+    assert stats.t.ppf(0.95, need - 1) * sd / need ** 0.5 < gap <= stats.t.ppf(0.95, need - 2) * sd / (need - 1) ** 0.5
+    assert verdict([0.01], 0.005) == ("UNRESOLVED", None)  # one seed: no interval
 
 
 def test_quality_bench_names_bad_arguments():
