@@ -32,8 +32,10 @@ def _fake_run(nodes, transport, examples, per_node, extra, out):
     assert "--config" in extra and "--eval-examples" in extra  # no checkpoint/plot config, the eval size
     return {"job_cpu_seconds": cpu, "examples": examples, "staleness": 0.0 if nodes == 1 else 2.5 * nodes,
             "lookup_wait_fraction": 0.01 * nodes, "eval_ne": 0.7, "messages_per_example": 0.002 * (nodes - 1),
-            "network_bytes_per_example": 500.0 * (nodes - 1), "exchange_cpu_us_per_round": 0.0,
-            "rpc_round_trip_s": 0.0, "eps": 1e5, "prefetch": 6}
+            "network_bytes_per_example": 500.0 * (nodes - 1), "exchange_cpu_us_per_round": 800.0 + 100 * nodes,
+            "rpc_round_trip_s": 0.0, "eps": 1e5, "prefetch": 6, "exchange_rounds": examples // 1000 * (nodes > 1),
+            "hot_syncs": examples // 2000 * (nodes > 1), "hot_sync_cpu_us_per_sync": 400.0,
+            "rows_per_example": 20.0, "remote_row_fraction": 0.25 * (nodes - 1) / nodes}
 
 
 def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeypatch):
@@ -54,6 +56,10 @@ def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeyp
     fit = result["fits"]["exchange"]  # the 1-node point is the local run (9 + 1.5 at one node)
     assert (fit["intercept_us"], fit["slope_us_per_node"]) == pytest.approx((9.0, 1.5))
     assert fit["efficiency_32"] == pytest.approx(10.5 / 57.0)
+    model = result["models"]["exchange"]  # exchange_model.py on these rows (its arithmetic: test_exchange_model.py)
+    assert [c["nodes"] for c in model["checks"]] == [1, 2, 4]
+    assert model["costs"]["round_us"] == pytest.approx((900.0, 100.0))  # 800 + 100 N = 900 + 100 (N - 1)
+    assert 0 < model["projections"][0]["per_trainer_exchange"] <= model["projections"][0]["per_node_exchange"] <= 1
     verdicts = result["verdicts"]
     assert "MISS CPU efficiency at 4 nodes, exchange: 0.70 (target >= 0.9)" in verdicts
     assert any(v.startswith("MISS staleness at 4 nodes, rpc: 10.00") for v in verdicts)

@@ -124,15 +124,39 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
             a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
             fits[t] = {"intercept_us": a, "slope_us_per_node": b,
                        **{f"efficiency_{m}": projected_efficiency(a, b, m) for m in (4, 8, 32, 128)}}
-    return {"rows": rows, "fits": fits, "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
+    models = {t: _model(rows, one, t, extra) for t in labels if t.startswith("exchange")}
+    return {"rows": rows, "fits": fits, "models": {t: m for t, m in models.items() if m is not None},
+            "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
             "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
                          "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
 
 
+def _model(rows: list[dict], one: dict, label: str, extra: list[str]) -> dict | None:
+    """The exchange model (exchange_model.py) fitted to one exchange variant's rows; None without a multi-node row."""
+    import dataclasses
+
+    from cocosync.bench.exchange_model import model_report
+    from cocosync.shadowsync.job.roles import ClusterConfig
+
+    mine = [one, *(r for r in rows if r["transport"] == label)]
+    if len(mine) < 2:
+        return None
+    default = {f.name: f.default for f in dataclasses.fields(ClusterConfig)}
+    interval = default["exchange_interval"]
+    if "--exchange-interval" in extra:
+        interval = float(extra[extra.index("--exchange-interval") + 1]) / 1e3
+    return model_report(mine, interval_s=interval, hot_interval_s=default["hot_sync_interval"])
+
+
 def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, t: str) -> None:
     """One configuration's sample from its short run `a` and long run `b`: CPU per extra example, and b's measures."""
-    cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / (b["examples"] - a["examples"])
+    extra = b["examples"] - a["examples"]
+    cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / extra
+    # the exchange model's counts per extra example (the rounds while scoring and closing cancel like the CPU)
+    counts = {f"{k}_per_example": (b.get(k, 0) - a.get(k, 0)) / extra for k in ("exchange_rounds", "hot_syncs")}
     into.append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
+                 "rounds_per_example": counts["exchange_rounds_per_example"],
+                 "hot_syncs_per_example": counts["hot_syncs_per_example"],
                  "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
                  "examples_run": [a["examples"], b["examples"]]})
     console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
@@ -142,12 +166,12 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
 
 _KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
          "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction",
-         "hot_sync_cpu_us_per_sync")
+         "hot_sync_cpu_us_per_sync", "rows_per_example", "remote_row_fraction")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
     out: dict = {"nodes": nodes, "transport": transport if nodes > 1 else "local", "samples": len(v)}
-    for k in ("cpu_us_per_example", *_KEYS):
+    for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", *_KEYS):
         vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
         out[k] = statistics.median(vals) if vals else float("nan")
     out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
@@ -171,6 +195,21 @@ def verdicts(result: dict) -> list[str]:
             "efficiency_128"], f"projected efficiency, {t} (straight line)", f"32 machines {f['efficiency_32']:.2f} "
             f"(target >= 0.9), 128 machines {f['efficiency_128']:.2f} (target >= 0.75)"))
     return out
+
+
+def _print_model(console: Any, label: str, m: dict) -> None:
+    c = m["costs"]
+    console.print(f"{label}, the exchange model (exchange_model.py): c(1) {c['c_one']:.2f} us, "
+                  f"k_row {c['k_row']:.3f} us per remote row, round {c['round_us'][0]:.0f} + {c['round_us'][1]:.0f} "
+                  f"x peers us, hot sync "
+                  f"{c['hot_us'][0]:.0f} + {c['hot_us'][1]:.0f} x peers us")
+    for k in m["checks"]:
+        console.print(f"  {k['nodes']} nodes: measured {k['measured_us']:.2f} us/example, "
+                      f"model {k['predicted_us']:.2f} ({k['error']:+.0%})")
+    for p in m["projections"]:
+        console.print(f"  {p['machines']:4d} machines x {p['trainers_per_node']:2d} trainers: efficiency "
+                      f"{p['per_trainer_exchange']:.2f} (an exchange per trainer), {p['per_node_exchange']:.2f} "
+                      f"(one per node)")
 
 
 def _verdict(ok: bool, what: str, detail: str) -> str:
@@ -267,6 +306,8 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, train
         console.print(f"{t}: CPU per example = {f['intercept_us']:.2f} + {f['slope_us_per_node']:.3f} x nodes us; "
                       f"projected efficiency 8: {f['efficiency_8']:.2f}, 32: {f['efficiency_32']:.2f}, "
                       f"128: {f['efficiency_128']:.2f}")
+    for t, m in result["models"].items():
+        _print_model(console, t, m)
     result["verdicts"] = verdicts(result)
     for line in result["verdicts"]:
         console.print(("[green]" if line.startswith("PASS") else "[red]") + line)

@@ -1,0 +1,121 @@
+"""A scaling model of the lookup exchange (issue 31), from what `cocosync bench lookups` measures.
+
+The exchange's costs are per *round* and per *row*, not per message (model/exchange.py): each trainer's exchange
+thread runs one gloo all_to_all with the other nodes every `interval` (packing, serving the peers' rows, unpacking),
+each node's first trainer all-reduces the hot rows' gradients every `hot_interval`, and each remote row costs the
+workers and the serving thread a little CPU. So a job's CPU per example (every process) at N nodes is
+
+    c(N) = c(1) + k_row R(N) + k_round(N) rho(N) + k_hot(N) eta(N)
+
+with R the remote rows per example, rho the exchange rounds per example, eta the hot syncs per example (all measured
+per run), k_round(N) and k_hot(N) the measured CPU of one round / one sync (a line in the peer count N - 1, fitted
+over the measured node counts), and k_row the one unknown, fitted on the smallest multi-node point. The model's check
+is its prediction of the measured c(N) at the other node counts.
+
+Projection to M machines with one core per process and t trainers per node: a trainer core spends k_round(M) / interval
+of its time on its rounds (the node's hot sync, k_hot(M) / hot_interval, is shared by its t trainers), the rest on
+examples at c(1) + k_row R(M) each, R(M) growing as (M - 1) / M. Efficiency against one node:
+
+    eff(M) = (1 - k_round(M) / interval - k_hot(M) / (t hot_interval)) * c(1) / (c(1) + k_row R(M))
+
+and with one exchange per node (its rounds shared by the node's t trainers, as the hot sync's are) the round term
+becomes k_round(M) / (t interval): what that design would buy, before the cost of handing rows between a node's
+processes, which this model does not know.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from cocosync.bench.lookup_scaling import fit_line
+
+__all__ = ["ExchangeCosts", "fit_costs", "predict_cpu", "project_efficiency", "model_report"]
+
+
+@dataclass(frozen=True)
+class ExchangeCosts:
+    """The model's inputs, fitted from bench rows (us and per-example counts)."""
+
+    c_one: float  # CPU us per example at one node (every process)
+    k_row: float  # CPU us per remote row per example (fitted)
+    round_us: tuple[float, float]  # k_round(N) = a + b (N - 1): CPU us per exchange round
+    hot_us: tuple[float, float]  # k_hot(N) = a + b (N - 1): CPU us per hot-row sync
+    remote_rows_all: float  # remote rows per example when (M - 1) / M -> 1
+    interval_s: float
+    hot_interval_s: float
+
+    def k_round(self, nodes: int) -> float:
+        return max(0.0, self.round_us[0] + self.round_us[1] * (nodes - 1))
+
+    def k_hot(self, nodes: int) -> float:
+        return max(0.0, self.hot_us[0] + self.hot_us[1] * (nodes - 1))
+
+
+def _remote_rows(row: dict) -> float:
+    return row["rows_per_example"] * row["remote_row_fraction"]
+
+
+def _fixed(row: dict, costs_round: float, costs_hot: float) -> float:
+    """Measured CPU us per example of the rounds and the hot syncs of a bench row."""
+    return costs_round * row["rounds_per_example"] + costs_hot * row["hot_syncs_per_example"]
+
+
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(a, b) of a + b (N - 1) through the points; one point: flat."""
+    if len({n for n, _ in points}) < 2:
+        return (points[0][1], 0.0)
+    a, b = fit_line([n - 1 for n, _ in points], [y for _, y in points])
+    return (a, b)
+
+
+def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float) -> ExchangeCosts:
+    """The costs from one transport's bench rows (the 1-node row and its multi-node rows): the round and sync lines
+    over every multi-node row, k_row from the smallest multi-node count (what its measured threads leave over)."""
+    one = next(r for r in rows if r["nodes"] == 1)
+    multi = sorted((r for r in rows if r["nodes"] > 1), key=lambda r: r["nodes"])
+    if not multi:
+        raise ValueError("the exchange model needs a run on more than one node")
+    round_us = _line([(r["nodes"], r["exchange_cpu_us_per_round"]) for r in multi])
+    hot = [(r["nodes"], r["hot_sync_cpu_us_per_sync"]) for r in multi if r["hot_syncs_per_example"] > 0]
+    hot_us = _line(hot) if hot else (0.0, 0.0)
+    first = multi[0]
+    remote = _remote_rows(first)
+    left = first["cpu_us_per_example"] - one["cpu_us_per_example"] - _fixed(first, first["exchange_cpu_us_per_round"],
+                                                                             first["hot_sync_cpu_us_per_sync"])
+    k_row = max(0.0, left / remote) if remote > 0 else 0.0
+    share = (first["nodes"] - 1) / first["nodes"]
+    return ExchangeCosts(c_one=one["cpu_us_per_example"], k_row=k_row, round_us=round_us, hot_us=hot_us,
+                         remote_rows_all=remote / share, interval_s=interval_s, hot_interval_s=hot_interval_s)
+
+
+def predict_cpu(costs: ExchangeCosts, row: dict) -> float:
+    """The model's CPU us per example for a measured row (its own counts of rounds, syncs and remote rows)."""
+    return (costs.c_one + costs.k_row * _remote_rows(row)
+            + _fixed(row, costs.k_round(row["nodes"]), costs.k_hot(row["nodes"])))
+
+
+def project_efficiency(costs: ExchangeCosts, machines: int, trainers_per_node: int, *, per_node: bool = False) -> float:
+    """eff(M) of the module doc, for t trainers per node; `per_node`: one exchange per node instead of per trainer."""
+    if machines == 1:
+        return 1.0
+    t = trainers_per_node
+    busy = costs.k_round(machines) * 1e-6 / (costs.interval_s * (t if per_node else 1))
+    busy += costs.k_hot(machines) * 1e-6 / (costs.hot_interval_s * t)
+    remote = costs.remote_rows_all * (machines - 1) / machines
+    return max(0.0, 1.0 - busy) * costs.c_one / (costs.c_one + costs.k_row * remote)
+
+
+def model_report(rows: list[dict], *, interval_s: float, hot_interval_s: float,
+                 machines: tuple[int, ...] = (4, 32, 128), trainers: tuple[int, ...] = (1, 15)) -> dict:
+    """The fitted costs, the prediction against each measured row, and the projections (per-trainer and per-node
+    exchange) for each trainer count per node."""
+    costs = fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s)
+    checks = []
+    for r in sorted(rows, key=lambda r: r["nodes"]):
+        predicted = predict_cpu(costs, r)
+        checks.append({"nodes": r["nodes"], "measured_us": r["cpu_us_per_example"], "predicted_us": predicted,
+                       "error": predicted / r["cpu_us_per_example"] - 1})
+    projections = [{"machines": m, "trainers_per_node": t, "per_trainer_exchange": project_efficiency(costs, m, t),
+                    "per_node_exchange": project_efficiency(costs, m, t, per_node=True)}
+                   for t in trainers for m in machines]
+    return {"costs": asdict(costs), "checks": checks, "projections": projections}
