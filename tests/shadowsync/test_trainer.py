@@ -91,6 +91,19 @@ def _cfg(tmp_path, algorithm, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+def test_replica_lr_scale_multiplies_the_dense_step(tmp_path):
+    """One trainer is deterministic: dense lr 0.1 at scale 0.5 trains the same bits as 0.05 at scale 1, and 0.1 at
+    scale 1 does not (the scale reaches the trainer's update, not only the config)."""
+    def ne(name, lr, scale):
+        cfg = _cfg(tmp_path / name, "none", trainers=1, examples=8_000, checkpoint=False, dense_lr=lr,
+                   sync={"replica_lr_scale": scale})
+        return run_training(cfg).summary["eval_ne"]
+
+    base = ne("a", 0.05, 1.0)
+    assert ne("b", 0.1, 0.5) == base
+    assert ne("c", 0.1, 1.0) != base
+
+
 def test_shadow_bmuf_learns_checkpoints_and_leaves_nothing(tmp_path):
     before = _shm()
     res = run_training(_cfg(tmp_path, "shadow-bmuf", plot=True))

@@ -79,6 +79,12 @@ class SyncConfig:
     (1 - 1/every) for fr-bmuf (a block of one iteration gets none: 1 - 1/T diverged there from T=4)."""
     block_lr: float = 1.0
     """BMUF block learning rate, > 0."""
+    replica_lr_scale: float | None = None
+    """factor on the trainers' dense learning rate while they sync, > 0; None = `lr_scale_for(T)`: 1/sqrt(T) for
+    shadow-bmuf at T >= 2 (each replica's Adagrad sees 1/T of the gradients, so its steps grow ~sqrt(T) and the
+    replicas drift apart between blocks; the block momentum, 1 - 1/sqrt(T), restores the global step; measured NE
+    against one trainer, BENCHMARKS.md: T=4 +1.02% -> +0.38%, T=8 +2.04% -> +0.69% at half the lr, T=16 +2.98% ->
+    +1.39% at 0.35), 1 for the other algorithms (model averaging lost NE with smaller replica steps)."""
     nesterov: bool = True
     """BMUF: restart trainers from x_global + block_momentum * delta (Nesterov) instead of x_global."""
     groups: int = 2
@@ -103,6 +109,8 @@ class SyncConfig:
                "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for its default, 1 - 1/sqrt(T)")
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
                "a finite number > 0")
+        _check(self.replica_lr_scale is None or _is_number(self.replica_lr_scale) and self.replica_lr_scale > 0,
+               "sync.replica_lr_scale", self.replica_lr_scale, "a number > 0, or None for its default, 1/sqrt(T)")
         _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
         _check(_is_int(self.groups) and self.groups >= 1, "sync.groups", self.groups, "an integer >= 1")
         _check(_is_int(self.shuffle_seed), "sync.shuffle_seed", self.shuffle_seed, "an integer")
@@ -116,6 +124,14 @@ class SyncConfig:
             return float(self.block_momentum)
         m = 1.0 - 1.0 / math.sqrt(trainers)
         return m * (1.0 - 1.0 / self.every) if self.mode == "foreground" else m
+
+    def lr_scale_for(self, trainers: int) -> float:
+        """The factor on the trainers' dense learning rate with `trainers` trainers (see replica_lr_scale)."""
+        if self.replica_lr_scale is not None:
+            return float(self.replica_lr_scale)
+        if self.algorithm == "shadow-bmuf" and trainers >= 2:
+            return 1.0 / math.sqrt(trainers)
+        return 1.0
 
     @property
     def mode(self) -> str:

@@ -37,6 +37,7 @@ _OPTS = {  # CLI option -> TrainConfig field
     "sync_every": "sync.every", "sync_interval": "sync.interval", "sync_groups": "sync.groups",
     "compiled_sync": "sync.compiled",
     "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
+    "replica_lr_scale": "sync.replica_lr_scale",
     "embedding_dim": "model.embedding_dim", "bottom_mlp": "model.bottom_mlp", "top_mlp": "model.top_mlp",
     "table_size": "data_options.table_size", "num_dense": "data_options.num_dense",
     "num_sparse": "data_options.num_sparse", "data_split": "data_options.split",
@@ -86,6 +87,8 @@ _TRAIN_OPTIONS = [
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
+    click.option("--replica-lr-scale", type=float, help="factor on the trainers' dense lr while they sync (default: "
+                 "1/sqrt(T) for shadow-bmuf, 1 otherwise; measured in BENCHMARKS.md)."),
     click.option("--examples", type=int, help="training examples over all trainers in one pass (the data set)."),
     click.option("--epochs", type=int, help="passes over those examples."),
     click.option("--embedding-dim", type=int, help="model: width of every embedding row."),

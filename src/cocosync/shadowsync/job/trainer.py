@@ -155,6 +155,7 @@ class Trainer:
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
+        self.dense_lr = cfg.dense_lr * cfg.sync.lr_scale_for(cfg.trainers)
         self.sync = make_sync(self.flat.flat, cfg.sync, center=center, group=group, trainers=cfg.trainers)
         self._counter = itertools.count(1)
         self._sync_lock = threading.Lock()
@@ -184,9 +185,9 @@ class Trainer:
                 g.add_(self.flat.flat, alpha=self.cfg.dense_weight_decay)
             if self.cfg.dense_optimizer == "adagrad":
                 self.accumulator.addcmul_(g, g)
-                self.flat.flat.addcdiv_(g, self.accumulator.sqrt().add_(1e-8), value=-self.cfg.dense_lr)
+                self.flat.flat.addcdiv_(g, self.accumulator.sqrt().add_(1e-8), value=-self.dense_lr)
             else:
-                self.flat.flat.add_(g, alpha=-self.cfg.dense_lr)
+                self.flat.flat.add_(g, alpha=-self.dense_lr)
         value = float(loss.detach())
         n = len(batch)
         with self._metrics_lock:
