@@ -9,6 +9,7 @@ from cocosync.bench.exchange_model import fit_costs, model_report, predict_cpu, 
 
 C1, K_ROW, ROWS, REMOTE = 8.0, 0.05, 25.0, 0.4  # us/example, us per remote row, rows/example, remote share at M -> inf
 ROUND, HOT = (900.0, 150.0), (1500.0, 400.0)  # us per round / per hot sync: a + b (N - 1)
+GLOO, GLOO_ONE = (300.0, 50.0), 0.2  # gloo's threads: us per collective; us per example at one node (barriers...)
 RHO, ETA = 1 / 1200, 1 / 2400  # rounds and hot syncs per example
 
 
@@ -16,16 +17,19 @@ def _row(n: int) -> dict:
     share = REMOTE * (n - 1) / n
     k_round, k_hot = ROUND[0] + ROUND[1] * (n - 1), HOT[0] + HOT[1] * (n - 1)
     multi = n > 1
-    cpu = C1 + K_ROW * ROWS * share + multi * (k_round * RHO + k_hot * ETA)
+    gloo = multi * (GLOO[0] + GLOO[1] * (n - 1)) * (RHO + ETA)
+    cpu = C1 + K_ROW * ROWS * share + multi * (k_round * RHO + k_hot * ETA) + gloo
     return {"nodes": n, "cpu_us_per_example": cpu, "rows_per_example": ROWS, "remote_row_fraction": share,
             "exchange_cpu_us_per_round": k_round if multi else float("nan"), "rounds_per_example": RHO * multi,
-            "hot_sync_cpu_us_per_sync": k_hot if multi else float("nan"), "hot_syncs_per_example": ETA * multi}
+            "hot_sync_cpu_us_per_sync": k_hot if multi else float("nan"), "hot_syncs_per_example": ETA * multi,
+            "gloo_cpu_us_per_example": GLOO_ONE + gloo}
 
 
 def test_costs_are_recovered_and_other_node_counts_predicted():
     costs = fit_costs([_row(1), _row(2), _row(4)], interval_s=0.04, hot_interval_s=0.04)
     assert costs.c_one == pytest.approx(C1) and costs.k_row == pytest.approx(K_ROW)
     assert costs.round_us == pytest.approx(ROUND) and costs.hot_us == pytest.approx(HOT)
+    assert costs.gloo_us == pytest.approx(GLOO)
     assert costs.remote_rows_all == pytest.approx(ROWS * REMOTE)
     for n in (2, 4, 8, 16):  # 8 and 16 were not fitted on
         assert predict_cpu(costs, _row(n)) == pytest.approx(_row(n)["cpu_us_per_example"])
@@ -41,7 +45,8 @@ def test_the_prediction_error_is_reported_against_the_measurement():
 def test_projection_formula_per_trainer_and_per_node_exchange():
     costs = fit_costs([_row(1), _row(2), _row(4)], interval_s=0.04, hot_interval_s=0.04)
     m, t = 32, 15
-    k_round, k_hot = ROUND[0] + ROUND[1] * 31, HOT[0] + HOT[1] * 31
+    gloo = GLOO[0] + GLOO[1] * 31
+    k_round, k_hot = ROUND[0] + ROUND[1] * 31 + gloo, HOT[0] + HOT[1] * 31 + gloo
     work = C1 / (C1 + K_ROW * ROWS * REMOTE * 31 / 32)
     assert project_efficiency(costs, m, 1) == pytest.approx((1 - k_round * 1e-6 / 0.04 - k_hot * 1e-6 / 0.04) * work)
     assert project_efficiency(costs, m, t) == pytest.approx((1 - k_round * 1e-6 / 0.04 - k_hot * 1e-6 / 0.6) * work)
@@ -49,6 +54,12 @@ def test_projection_formula_per_trainer_and_per_node_exchange():
         (1 - k_round * 1e-6 / 0.6 - k_hot * 1e-6 / 0.6) * work)
     assert project_efficiency(costs, 1, 1) == 1.0
     assert project_efficiency(costs, 4096, 1) == 0.0  # rounds longer than the interval: no time left to train
+
+
+def test_rows_without_gloo_measures_leave_it_out():
+    rows = [{k: v for k, v in _row(n).items() if k != "gloo_cpu_us_per_example"} for n in (1, 2, 4)]
+    costs = fit_costs(rows, interval_s=0.04, hot_interval_s=0.04)
+    assert costs.gloo_us == (0.0, 0.0) and costs.k_row > K_ROW  # gloo's share lands in the fitted rest
 
 
 def test_the_model_needs_a_multi_node_run():

@@ -5,22 +5,28 @@ thread runs one gloo all_to_all with the other nodes every `interval` (packing, 
 each node's first trainer all-reduces the hot rows' gradients every `hot_interval`, and each remote row costs the
 workers and the serving thread a little CPU. So a job's CPU per example (every process) at N nodes is
 
-    c(N) = c(1) + k_row R(N) + k_round(N) rho(N) + k_hot(N) eta(N)
+    c(N) = c(1) + k_row R(N) + k_round(N) rho(N) + k_hot(N) eta(N) + k_gloo(N) (rho(N) + eta(N))
 
 with R the remote rows per example, rho the exchange rounds per example, eta the hot syncs per example (all measured
-per run), k_round(N) and k_hot(N) the measured CPU of one round / one sync (a line in the peer count N - 1, fitted
-over the measured node counts), and k_row the one unknown, fitted on the smallest multi-node point. The model's check
-is its prediction of the measured c(N) at the other node counts.
+per run), k_round(N) and k_hot(N) the CPU of one round / one sync in the threads that run them, k_gloo(N) the CPU of
+gloo's own threads per collective (they do the all_to_all's and the all_reduce's work while those threads wait; the
+job measures them from /proc, over the 1-node run's), each a line in the peer count N - 1 fitted over the measured
+node counts, and k_row the one unknown, fitted on the smallest multi-node point: what the measured threads leave of
+its extra CPU, per remote row. That rest holds the per-row work and what no counter here sees (the kernel, the
+workers' hand-offs), so the model's check, its prediction of the measured c(N) at the other node counts, says whether
+that rest grows with the rows.
 
-Projection to M machines with one core per process and t trainers per node: a trainer core spends k_round(M) / interval
-of its time on its rounds (the node's hot sync, k_hot(M) / hot_interval, is shared by its t trainers), the rest on
-examples at c(1) + k_row R(M) each, R(M) growing as (M - 1) / M. Efficiency against one node:
+Projection to M machines with one core per process and t trainers per node: a trainer core spends k_round(M) /
+interval of its time on its rounds (the node's hot sync, k_hot(M) / hot_interval, is shared by its t trainers),
+gloo's threads add k_gloo(M) per round and per sync, the rest goes to examples at c(1) + k_row R(M) each, R(M)
+growing as (M - 1) / M. Efficiency against one node:
 
-    eff(M) = (1 - k_round(M) / interval - k_hot(M) / (t hot_interval)) * c(1) / (c(1) + k_row R(M))
+    eff(M) = (1 - (k_round(M) + k_gloo(M)) / interval - (k_hot(M) + k_gloo(M)) / (t hot_interval))
+             * c(1) / (c(1) + k_row R(M))
 
 and with one exchange per node (its rounds shared by the node's t trainers, as the hot sync's are) the round term
-becomes k_round(M) / (t interval): what that design would buy, before the cost of handing rows between a node's
-processes, which this model does not know.
+becomes (k_round(M) + k_gloo(M)) / (t interval): what that design would buy, before the cost of handing rows
+between a node's processes, which this model does not know.
 """
 
 from __future__ import annotations
@@ -37,9 +43,10 @@ class ExchangeCosts:
     """The model's inputs, fitted from bench rows (us and per-example counts)."""
 
     c_one: float  # CPU us per example at one node (every process)
-    k_row: float  # CPU us per remote row per example (fitted)
+    k_row: float  # CPU us per remote row: the rest of the smallest multi-node point's extra CPU (fitted)
     round_us: tuple[float, float]  # k_round(N) = a + b (N - 1): CPU us per exchange round
     hot_us: tuple[float, float]  # k_hot(N) = a + b (N - 1): CPU us per hot-row sync
+    gloo_us: tuple[float, float]  # k_gloo(N) = a + b (N - 1): gloo's threads' CPU us per collective
     remote_rows_all: float  # remote rows per example when (M - 1) / M -> 1
     interval_s: float
     hot_interval_s: float
@@ -50,14 +57,28 @@ class ExchangeCosts:
     def k_hot(self, nodes: int) -> float:
         return max(0.0, self.hot_us[0] + self.hot_us[1] * (nodes - 1))
 
+    def k_gloo(self, nodes: int) -> float:
+        return max(0.0, self.gloo_us[0] + self.gloo_us[1] * (nodes - 1))
+
 
 def _remote_rows(row: dict) -> float:
     return row["rows_per_example"] * row["remote_row_fraction"]
 
 
-def _fixed(row: dict, costs_round: float, costs_hot: float) -> float:
-    """Measured CPU us per example of the rounds and the hot syncs of a bench row."""
-    return costs_round * row["rounds_per_example"] + costs_hot * row["hot_syncs_per_example"]
+def _fixed(row: dict, costs_round: float, costs_hot: float, costs_gloo: float) -> float:
+    """CPU us per example of the rounds, the hot syncs and gloo's work for them, at these costs per operation."""
+    return (costs_round * row["rounds_per_example"] + costs_hot * row["hot_syncs_per_example"]
+            + costs_gloo * _collectives(row))
+
+
+def _collectives(row: dict) -> float:
+    return row["rounds_per_example"] + row["hot_syncs_per_example"]
+
+
+def _gloo(row: dict) -> float:
+    """gloo's threads' CPU us per example (0 where the job could not measure it)."""
+    v = row.get("gloo_cpu_us_per_example")
+    return v if isinstance(v, (int, float)) and v == v else 0.0
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
@@ -78,20 +99,27 @@ def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float) -> 
     round_us = _line([(r["nodes"], r["exchange_cpu_us_per_round"]) for r in multi])
     hot = [(r["nodes"], r["hot_sync_cpu_us_per_sync"]) for r in multi if r["hot_syncs_per_example"] > 0]
     hot_us = _line(hot) if hot else (0.0, 0.0)
+    gloo = [(r["nodes"], max(0.0, _gloo(r) - _gloo(one)) / _collectives(r)) for r in multi if _collectives(r) > 0]
+    gloo_us = _line(gloo) if gloo else (0.0, 0.0)
     first = multi[0]
     remote = _remote_rows(first)
-    left = first["cpu_us_per_example"] - one["cpu_us_per_example"] - _fixed(first, first["exchange_cpu_us_per_round"],
-                                                                             first["hot_sync_cpu_us_per_sync"])
+    per_op = gloo[0][1] if gloo and gloo[0][0] == first["nodes"] else 0.0
+    left = first["cpu_us_per_example"] - one["cpu_us_per_example"] - _fixed(
+        first, first["exchange_cpu_us_per_round"], first["hot_sync_cpu_us_per_sync"], per_op)
     k_row = max(0.0, left / remote) if remote > 0 else 0.0
     share = (first["nodes"] - 1) / first["nodes"]
     return ExchangeCosts(c_one=one["cpu_us_per_example"], k_row=k_row, round_us=round_us, hot_us=hot_us,
-                         remote_rows_all=remote / share, interval_s=interval_s, hot_interval_s=hot_interval_s)
+                         gloo_us=gloo_us, remote_rows_all=remote / share, interval_s=interval_s,
+                         hot_interval_s=hot_interval_s)
 
 
 def predict_cpu(costs: ExchangeCosts, row: dict) -> float:
     """The model's CPU us per example for a measured row (its own counts of rounds, syncs and remote rows)."""
-    return (costs.c_one + costs.k_row * _remote_rows(row)
-            + _fixed(row, costs.k_round(row["nodes"]), costs.k_hot(row["nodes"])))
+    n = row["nodes"]
+    if n == 1:
+        return costs.c_one
+    fixed = _fixed(row, costs.k_round(n), costs.k_hot(n), costs.k_gloo(n))
+    return costs.c_one + costs.k_row * _remote_rows(row) + fixed
 
 
 def project_efficiency(costs: ExchangeCosts, machines: int, trainers_per_node: int, *, per_node: bool = False) -> float:
@@ -99,8 +127,9 @@ def project_efficiency(costs: ExchangeCosts, machines: int, trainers_per_node: i
     if machines == 1:
         return 1.0
     t = trainers_per_node
-    busy = costs.k_round(machines) * 1e-6 / (costs.interval_s * (t if per_node else 1))
-    busy += costs.k_hot(machines) * 1e-6 / (costs.hot_interval_s * t)
+    gloo = costs.k_gloo(machines)
+    busy = (costs.k_round(machines) + gloo) * 1e-6 / (costs.interval_s * (t if per_node else 1))
+    busy += (costs.k_hot(machines) + gloo) * 1e-6 / (costs.hot_interval_s * t)
     remote = costs.remote_rows_all * (machines - 1) / machines
     return max(0.0, 1.0 - busy) * costs.c_one / (costs.c_one + costs.k_row * remote)
 

@@ -153,10 +153,12 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
     extra = b["examples"] - a["examples"]
     cpu = 1e6 * (b["job_cpu_seconds"] - a["job_cpu_seconds"]) / extra
     # the exchange model's counts per extra example (the rounds while scoring and closing cancel like the CPU)
-    counts = {f"{k}_per_example": (b.get(k, 0) - a.get(k, 0)) / extra for k in ("exchange_rounds", "hot_syncs")}
+    counts = {f"{k}_per_example": (b.get(k, 0) - a.get(k, 0)) / extra
+              for k in ("exchange_rounds", "hot_syncs", "gloo_cpu_seconds")}
     into.append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
                  "rounds_per_example": counts["exchange_rounds_per_example"],
                  "hot_syncs_per_example": counts["hot_syncs_per_example"],
+                 "gloo_cpu_us_per_example": 1e6 * counts["gloo_cpu_seconds_per_example"],
                  "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
                  "examples_run": [a["examples"], b["examples"]]})
     console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
@@ -171,7 +173,7 @@ _KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example",
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
     out: dict = {"nodes": nodes, "transport": transport if nodes > 1 else "local", "samples": len(v)}
-    for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", *_KEYS):
+    for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", "gloo_cpu_us_per_example", *_KEYS):
         vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
         out[k] = statistics.median(vals) if vals else float("nan")
     out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
@@ -200,9 +202,10 @@ def verdicts(result: dict) -> list[str]:
 def _print_model(console: Any, label: str, m: dict) -> None:
     c = m["costs"]
     console.print(f"{label}, the exchange model (exchange_model.py): c(1) {c['c_one']:.2f} us, "
-                  f"k_row {c['k_row']:.3f} us per remote row, round {c['round_us'][0]:.0f} + {c['round_us'][1]:.0f} "
+                  f"rest {c['k_row']:.3f} us per remote row, round {c['round_us'][0]:.0f} + {c['round_us'][1]:.0f} "
                   f"x peers us, hot sync "
-                  f"{c['hot_us'][0]:.0f} + {c['hot_us'][1]:.0f} x peers us")
+                  f"{c['hot_us'][0]:.0f} + {c['hot_us'][1]:.0f} x peers us, gloo's threads per collective "
+                  f"{c['gloo_us'][0]:.0f} + {c['gloo_us'][1]:.0f} x peers us")
     for k in m["checks"]:
         console.print(f"  {k['nodes']} nodes: measured {k['measured_us']:.2f} us/example, "
                       f"model {k['predicted_us']:.2f} ({k['error']:+.0%})")
