@@ -37,13 +37,10 @@ def tolerance(trainers: int) -> float:
 def change_interval(changes: list[float], level: float = 0.90) -> tuple[float, float]:
     """The two-sided `level` confidence interval of the mean of `changes` (paired per seed), Student's t; (nan, nan)
     from fewer than two."""
-    from scipy import stats
-
     n = len(changes)
     if n < 2:
         return float("nan"), float("nan")
-    mean, sd = statistics.fmean(changes), statistics.stdev(changes)
-    half = stats.t.ppf(0.5 + level / 2, n - 1) * sd / math.sqrt(n)
+    mean, half = statistics.fmean(changes), change_interval_width(statistics.stdev(changes), n, level)
     return mean - half, mean + half
 
 
