@@ -82,7 +82,7 @@ def _gloo(row: dict) -> float:
 
 
 def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """(a, b) of a + b (N - 1) through the points; one point: flat."""
+    """(a, b) of a + b (N - 1) through the points; one point: flat (a 1- and 2-node bench cannot see peers)."""
     if len({n for n, _ in points}) < 2:
         return (points[0][1], 0.0)
     a, b = fit_line([n - 1 for n, _ in points], [y for _, y in points])
