@@ -80,11 +80,10 @@ class SyncConfig:
     block_lr: float = 1.0
     """BMUF block learning rate, > 0."""
     replica_lr_scale: float | None = None
-    """factor on the trainers' dense learning rate while they sync, > 0; None = `lr_scale_for(T)`: 1/sqrt(T) for
-    shadow-bmuf at T >= 2 (each replica's Adagrad sees 1/T of the gradients, so its steps grow ~sqrt(T) and the
-    replicas drift apart between blocks; the block momentum, 1 - 1/sqrt(T), restores the global step; measured NE
-    against one trainer, BENCHMARKS.md: T=4 +1.02% -> +0.38%, T=8 +2.04% -> +0.69% at half the lr, T=16 +2.98% ->
-    +1.39% at 0.35), 1 for the other algorithms (model averaging lost NE with smaller replica steps)."""
+    """factor on the trainers' dense learning rate while they sync, > 0; None = 1. Each replica's Adagrad sees 1/T of
+    the gradients, so its steps are ~sqrt(T) longer than one trainer's; 1/sqrt(T) with shadow-bmuf measured better in
+    short runs (400,000 examples: T=8 +2.04% -> +0.94% NE) and worse in longer ones (1.6M: T=8 +0.12% -> +1.31%; 800k:
+    no gain), so it is not the default (BENCHMARKS.md)."""
     nesterov: bool = True
     """BMUF: restart trainers from x_global + block_momentum * delta (Nesterov) instead of x_global."""
     groups: int = 2
@@ -110,7 +109,7 @@ class SyncConfig:
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
                "a finite number > 0")
         _check(self.replica_lr_scale is None or _is_number(self.replica_lr_scale) and self.replica_lr_scale > 0,
-               "sync.replica_lr_scale", self.replica_lr_scale, "a number > 0, or None for its default, 1/sqrt(T)")
+               "sync.replica_lr_scale", self.replica_lr_scale, "a number > 0, or None for its default, 1")
         _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
         _check(_is_int(self.groups) and self.groups >= 1, "sync.groups", self.groups, "an integer >= 1")
         _check(_is_int(self.shuffle_seed), "sync.shuffle_seed", self.shuffle_seed, "an integer")
@@ -125,13 +124,9 @@ class SyncConfig:
         m = 1.0 - 1.0 / math.sqrt(trainers)
         return m * (1.0 - 1.0 / self.every) if self.mode == "foreground" else m
 
-    def lr_scale_for(self, trainers: int) -> float:
-        """The factor on the trainers' dense learning rate with `trainers` trainers (see replica_lr_scale)."""
-        if self.replica_lr_scale is not None:
-            return float(self.replica_lr_scale)
-        if self.algorithm == "shadow-bmuf" and trainers >= 2:
-            return 1.0 / math.sqrt(trainers)
-        return 1.0
+    def lr_scale(self) -> float:
+        """The factor on the trainers' dense learning rate (see replica_lr_scale)."""
+        return 1.0 if self.replica_lr_scale is None else float(self.replica_lr_scale)
 
     @property
     def mode(self) -> str:

@@ -87,8 +87,8 @@ _TRAIN_OPTIONS = [
     click.option("--alpha", type=float, help="EASGD elasticity."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
-    click.option("--replica-lr-scale", type=float, help="factor on the trainers' dense lr while they sync (default: "
-                 "1/sqrt(T) for shadow-bmuf, 1 otherwise; measured in BENCHMARKS.md)."),
+    click.option("--replica-lr-scale", type=float, help="factor on the trainers' dense lr while they sync (default 1; "
+                 "1/sqrt(T) helped shadow-bmuf in short runs only: BENCHMARKS.md)."),
     click.option("--examples", type=int, help="training examples over all trainers in one pass (the data set)."),
     click.option("--epochs", type=int, help="passes over those examples."),
     click.option("--embedding-dim", type=int, help="model: width of every embedding row."),
