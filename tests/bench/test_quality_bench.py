@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats
 
-from cocosync.bench.quality import change_interval, tolerance, verdict
+from cocosync.bench.quality import _target, change_interval, tolerance, verdict
 from cocosync.cli import main as cli
 
 
@@ -55,6 +55,10 @@ def test_verdict_is_pass_fail_or_unresolved_with_the_seeds_that_would_tell():
     sd, gap = statistics.stdev([0.012, -0.003, 0.027, 0.002, 0.007]), 0.009 - 0.005
     assert stats.t.ppf(0.95, need - 1) * sd / need ** 0.5 < gap <= stats.t.ppf(0.95, need - 2) * sd / (need - 1) ** 0.5
     assert verdict([0.01], 0.005) == ("UNRESOLVED", None)  # one seed: no interval
+    assert verdict([0.004, 0.006, 0.0045, 0.0055, 0.005], 0.005) == ("UNRESOLVED", None)  # mean on the line
+    row = {"verdict": "UNRESOLVED", "seeds": 5, "T": 8}
+    assert _target({**row, "seeds_to_resolve": None}) == "UNRESOLVED (0.5%, mean on the line: > 1,000 seeds to tell)"
+    assert _target({**row, "seeds_to_resolve": 17}) == "UNRESOLVED (0.5%, ~17 seeds to tell)"
 
 
 def test_quality_bench_names_bad_arguments():

@@ -176,7 +176,12 @@ def _interval(r: dict) -> str:
 
 
 def _target(r: dict) -> str:
-    need = f", ~{r['seeds_to_resolve']} seeds to tell" if r.get("seeds_to_resolve") else ""
+    if r.get("seeds_to_resolve"):
+        need = f", ~{r['seeds_to_resolve']} seeds to tell"
+    elif r["verdict"] == "UNRESOLVED" and r["seeds"] >= 2:
+        need = ", mean on the line: > 1,000 seeds to tell"
+    else:
+        need = ""
     return f"{r['verdict']} ({tolerance(r['T']):.1%}{need})"
 
 
