@@ -202,8 +202,8 @@ def test_replica_lr_scale_is_one_unless_set_and_refuses_bad_values():
     """1 by default for every algorithm (1/sqrt(T) helped shadow-bmuf at 400k examples and hurt it at 1.6M:
     BENCHMARKS.md); a value set wins; 0, a negative, a string or NaN is refused naming the field."""
     for alg in ("shadow-bmuf", "shadow-ma", "shadow-easgd", "fr-bmuf", "fr-ma", "shadow-dssync", "none"):
-        assert SyncConfig(algorithm=alg).lr_scale() == 1.0, alg
-    assert SyncConfig(algorithm="shadow-bmuf", replica_lr_scale=0.25).lr_scale() == 0.25
-    for bad in (0, -1.0, "0.5", float("nan")):
+        assert SyncConfig(algorithm=alg).replica_lr_scale == 1.0, alg
+    assert SyncConfig(algorithm="shadow-bmuf", replica_lr_scale=0.25).replica_lr_scale == 0.25
+    for bad in (0, -1.0, "0.5", float("nan"), None):
         with pytest.raises(ValueError, match="sync.replica_lr_scale"):
             SyncConfig(replica_lr_scale=bad)

@@ -79,8 +79,8 @@ class SyncConfig:
     (1 - 1/every) for fr-bmuf (a block of one iteration gets none: 1 - 1/T diverged there from T=4)."""
     block_lr: float = 1.0
     """BMUF block learning rate, > 0."""
-    replica_lr_scale: float | None = None
-    """factor on the trainers' dense learning rate while they sync, > 0; None = 1. Each replica's Adagrad sees 1/T of
+    replica_lr_scale: float = 1.0
+    """factor on the trainers' dense learning rate while they sync, > 0. Each replica's Adagrad sees 1/T of
     the gradients, so its steps are ~sqrt(T) longer than one trainer's; 1/sqrt(T) with shadow-bmuf measured better in
     short runs (400,000 examples: T=8 +2.04% -> +0.94% NE) and worse in longer ones (1.6M: T=8 +0.12% -> +1.31%; 800k:
     no gain), so it is not the default (BENCHMARKS.md)."""
@@ -108,8 +108,8 @@ class SyncConfig:
                "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for its default, 1 - 1/sqrt(T)")
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
                "a finite number > 0")
-        _check(self.replica_lr_scale is None or _is_number(self.replica_lr_scale) and self.replica_lr_scale > 0,
-               "sync.replica_lr_scale", self.replica_lr_scale, "a number > 0, or None for its default, 1")
+        _check(_is_number(self.replica_lr_scale) and self.replica_lr_scale > 0, "sync.replica_lr_scale",
+               self.replica_lr_scale, "a finite number > 0 (1: the trainers' dense lr as set)")
         _check(isinstance(self.nesterov, bool), "sync.nesterov", self.nesterov, "true or false")
         _check(_is_int(self.groups) and self.groups >= 1, "sync.groups", self.groups, "an integer >= 1")
         _check(_is_int(self.shuffle_seed), "sync.shuffle_seed", self.shuffle_seed, "an integer")
@@ -123,10 +123,6 @@ class SyncConfig:
             return float(self.block_momentum)
         m = 1.0 - 1.0 / math.sqrt(trainers)
         return m * (1.0 - 1.0 / self.every) if self.mode == "foreground" else m
-
-    def lr_scale(self) -> float:
-        """The factor on the trainers' dense learning rate (see replica_lr_scale)."""
-        return 1.0 if self.replica_lr_scale is None else float(self.replica_lr_scale)
 
     @property
     def mode(self) -> str:

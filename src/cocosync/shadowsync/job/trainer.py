@@ -155,7 +155,7 @@ class Trainer:
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
-        self.dense_lr = cfg.dense_lr * cfg.sync.lr_scale()
+        self.dense_lr = cfg.dense_lr * cfg.sync.replica_lr_scale
         self.sync = make_sync(self.flat.flat, cfg.sync, center=center, group=group, trainers=cfg.trainers)
         self._counter = itertools.count(1)
         self._sync_lock = threading.Lock()
