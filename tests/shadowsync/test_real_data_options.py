@@ -116,7 +116,9 @@ def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):
     """2 trainers x 2 workers on a plain file with held-out data given: 'auto' splits by byte ranges (said up front),
     every example is trained once and the run learns; a .gz or a missing held-out file keeps 'lines' or is refused."""
     whole, train, held = tmp_path / "all.tsv", tmp_path / "train.tsv", tmp_path / "eval.tsv"
-    write_synthetic(str(whole), 18_000, seed=4)  # one teacher: the last 2000 lines are held out
+    # one teacher, the last 2000 lines held out; clicks common and predictable enough that 12,000 examples learn far
+    # from NE 1 (the default teacher's 4% click rate left 2000 held-out rows with ~80 clicks: 0.88-1.004 run to run)
+    write_synthetic(str(whole), 18_000, seed=4, synth=SynthConfig(ctr=0.25, signal=2.0))
     lines = whole.read_bytes().splitlines(keepends=True)
     train.write_bytes(b"".join(lines[:16_000]))
     held.write_bytes(b"".join(lines[16_000:]))
@@ -128,9 +130,8 @@ def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):
     assert res.exit_code == 0, res.output
     assert "(workers read their byte ranges)" in res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
-    # 3000 of each ~4000-line range; it learns: better than predicting the click rate alone (NE 1); 0.90-0.97 seen
-    # here, once 0.991 in a CI run (two independent Hogwild trainers on 12,000 examples have a long tail)
-    assert summary["examples"] == 12_000 and summary["eval_ne"] < 1.0, summary
+    # 3000 of each ~4000-line range; it learns: 0.70-0.82 seen in 6 runs (rows read wrong would stay near NE 1)
+    assert summary["examples"] == 12_000 and summary["eval_ne"] < 0.9, summary
     data, _ = build_configs(TrainConfig(data=str(train), data_options={"eval_path": str(held)}))
     assert data.reader_split == "bytes"
     assert build_configs(TrainConfig(data=str(train)))[0].reader_split == "lines"  # held out: rows after the budget
