@@ -24,8 +24,9 @@ def one_trainer(tmp_path_factory) -> float:
 
 
 def test_eight_trainers_learn_like_one(tmp_path, one_trainer):
-    """fr-bmuf at its former default (block momentum 1 - 1/T = 0.875 on one-iteration blocks) diverged: NE +22% over
-    one trainer at these settings (0.86 vs 0.70); at the defaults the worst of 5 seeds was +5.6% (BMUF's 5-seed
-    means are BENCHMARKS.md's, `cocosync bench quality`): a bound between the two catches a divergence."""
+    """fr-bmuf at its first default (block momentum 1 - 1/T = 0.875 on one-iteration blocks) diverged: NE +22% over
+    one trainer at these settings (0.86 vs 0.70); with one-iteration blocks and no momentum the worst of 5 seeds was
+    +5.6% (the 5-seed means at today's defaults, blocks of 8, are BENCHMARKS.md's, `cocosync bench quality`): a bound
+    between the two catches a divergence."""
     ne = _eval_ne(tmp_path, "fr-bmuf", 8)
     assert ne < one_trainer * 1.10, (ne, one_trainer)

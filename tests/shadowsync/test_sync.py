@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.shadowsync.sync import BMUF, EASGD, FlatParams, ModelAveraging, NoSync, ShadowThread, make_sync
-from cocosync.shadowsync.train_config import SyncConfig
+from cocosync.shadowsync.train_config import SYNC_ALGORITHMS, ConfigError, SyncConfig
 
 
 def _x(rank: int) -> torch.Tensor:
@@ -192,10 +192,23 @@ def test_bmuf_default_block_momentum_is_measured_rule_of_trainers_and_block_leng
     assert shadow.momentum_for(1) == 0.0 and changes_nothing_alone(shadow)
     assert math.isclose(shadow.momentum_for(2), 1 - 1 / math.sqrt(2))
     assert math.isclose(shadow.momentum_for(16), 0.75)
-    assert SyncConfig(algorithm="fr-bmuf").momentum_for(8) == 0.0
+    assert SyncConfig(algorithm="fr-bmuf", every=1).momentum_for(8) == 0.0
+    assert math.isclose(SyncConfig(algorithm="fr-bmuf").momentum_for(8), (1 - 1 / math.sqrt(8)) * (1 - 1 / 8))
     assert math.isclose(SyncConfig(algorithm="fr-bmuf", every=4).momentum_for(4), 0.5 * 0.75)
     assert SyncConfig(algorithm="shadow-bmuf", block_momentum=0.9).momentum_for(8) == 0.9
     assert not changes_nothing_alone(SyncConfig(algorithm="shadow-bmuf", block_momentum=0.5))
+
+
+def test_foreground_sync_period_is_the_measured_default_unless_set():
+    """fr-bmuf syncs every 8 iterations, fr-ma and fr-easgd every 4 (T=8 measurements, BENCHMARKS.md); a value set
+    wins, for every algorithm; the shadow algorithms and none have no period (1); 0, a float or a string is refused."""
+    assert {alg: SyncConfig(algorithm=alg).iterations_per_sync for alg in SYNC_ALGORITHMS} == {
+        **{alg: 1 for alg in SYNC_ALGORITHMS}, "fr-bmuf": 8, "fr-ma": 4, "fr-easgd": 4}
+    assert SyncConfig(algorithm="fr-bmuf", every=1).iterations_per_sync == 1
+    assert SyncConfig(algorithm="fr-dssync", every=3).iterations_per_sync == 3
+    for bad in (0, -2, 2.5, "4", True):
+        with pytest.raises(ConfigError, match="sync.every"):
+            SyncConfig(algorithm="fr-ma", every=bad)
 
 
 def test_replica_lr_scale_is_one_unless_set_and_refuses_bad_values():

@@ -37,7 +37,7 @@ def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
     if res.interrupted:
         raise click.Abort()  # Ctrl-C stops the whole suite, not just this run
     s = dict(res.summary)
-    s["k"] = sync.get("every", 1) if cfg.sync.mode == "foreground" else None
+    s["k"] = cfg.sync.iterations_per_sync if cfg.sync.mode == "foreground" else None
     s["interval"] = cfg.sync.interval if cfg.sync.mode == "shadow" else None
     s["records"] = res.records
     console.print(f"  {name:28s} EPS {s['eps']:9,.0f}  eval NE {s['eval_ne']:.4f}  gap {s['sync_gap']:.2f}")

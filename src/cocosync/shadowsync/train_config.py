@@ -31,7 +31,12 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYNC_ALGORITHMS", "COLLECTIVE_METHODS",
-           "config_from_dict", "config_to_dict", "check_paths", "resume_value"]
+           "FOREGROUND_EVERY", "config_from_dict", "config_to_dict", "check_paths", "resume_value"]
+
+#: fr-*: worker iterations per sync when `every` is not set. Measured at T=8, 5 seeds, 800k and 1.6M examples
+#: (BENCHMARKS.md): syncing every iteration lost 1.2-2.7% NE; blocks of these sizes 0.4-1.5% at 800k, -0.3-0.9% at
+#: 1.6M. BMUF's block momentum grows with the block (`momentum_for`), so its best block is the longest.
+FOREGROUND_EVERY = {"fr-bmuf": 8, "fr-ma": 4, "fr-easgd": 4}
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
 SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "shadow-dssync", "fr-bmuf", "fr-ma", "fr-easgd",
@@ -67,8 +72,9 @@ class SyncConfig:
     algorithm: str = "shadow-bmuf"
     """one of SYNC_ALGORITHMS: 'shadow-*' syncs in a background thread, 'fr-*' every `every` iterations
     inside the training loop, 'none' never (independent trainers, the reference)."""
-    every: int = 1
-    """fr-* only: sync after every `every` worker iterations of the trainer (the paper's k)."""
+    every: int | None = None
+    """fr-* only: sync after every `every` worker iterations of the trainer (the paper's k); None = the algorithm's
+    measured default, `FOREGROUND_EVERY` (see `iterations_per_sync`)."""
     interval: float = 0.02
     """shadow-* only: seconds the shadow thread sleeps between two syncs (0 = back-to-back syncs)."""
     alpha: float = 0.5
@@ -100,7 +106,8 @@ class SyncConfig:
 
     def __post_init__(self) -> None:
         _check(self.algorithm in SYNC_ALGORITHMS, "sync.algorithm", self.algorithm, f"one of {SYNC_ALGORITHMS}")
-        _check(_is_int(self.every) and self.every >= 1, "sync.every", self.every, "an integer >= 1")
+        _check(self.every is None or _is_int(self.every) and self.every >= 1, "sync.every", self.every,
+               "an integer >= 1, or None for the algorithm's default")
         _check(_is_number(self.interval) and 0 <= self.interval <= 60, "sync.interval",
                self.interval, "seconds in [0, 60]")
         _check(_is_number(self.alpha) and 0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
@@ -122,7 +129,12 @@ class SyncConfig:
         if self.block_momentum is not None:
             return float(self.block_momentum)
         m = 1.0 - 1.0 / math.sqrt(trainers)
-        return m * (1.0 - 1.0 / self.every) if self.mode == "foreground" else m
+        return m * (1.0 - 1.0 / self.iterations_per_sync) if self.mode == "foreground" else m
+
+    @property
+    def iterations_per_sync(self) -> int:
+        """fr-*: worker iterations between two syncs, `every` or else the algorithm's default (1 for the others)."""
+        return self.every if self.every is not None else FOREGROUND_EVERY.get(self.algorithm, 1)
 
     @property
     def mode(self) -> str:

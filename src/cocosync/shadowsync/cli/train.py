@@ -78,7 +78,8 @@ _TRAIN_OPTIONS = [
     click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (each adds staleness: at T=1, "
                                                    "400k examples, W=2 cost 1.3% NE, W=8 12%; BENCHMARKS.md)."),
     click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm."),
-    click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations."),
+    click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations [default: fr-bmuf 8, fr-ma "
+                                                "and fr-easgd 4, measured at T=8 (BENCHMARKS.md)]."),
     click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
     click.option("--compiled-sync/--no-compiled-sync", default=None,
                  help="MA/BMUF as compiled DSL programs on shared memory and DS-Sync's groups on the cocosync "

@@ -229,7 +229,7 @@ class Trainer:
                 pos[w] += len(batch)
                 it = next(self._counter)
                 self.state.iterations[self.rank] = it
-                if fr and it % self.cfg.sync.every == 0:
+                if fr and it % self.cfg.sync.iterations_per_sync == 0:
                     self._foreground_round(pos)
                 elif self.checkpoints is not None:  # fr collective: marks open at sync rounds only
                     self.checkpoints.after_batch(None if fr and self.sync.collective else int(pos.sum()))
@@ -249,7 +249,7 @@ class Trainer:
                     self.active_syncs += 1
                     self.state.syncs[self.rank] += 1
                     if marks is not None:
-                        every, bs = self.cfg.sync.every, self.cfg.batch_size
+                        every, bs = self.cfg.sync.iterations_per_sync, self.cfg.batch_size
                         marks.open(self.mark_base + self.active_syncs * every * bs if self.sync.collective
                                    else int(pos.sum()))
                     break
