@@ -44,8 +44,7 @@ def _dssync_rank(rounds: int, compiled: bool):
         x.add_(float(k + 1) * (r + 1))  # local training between rounds
         n = algo.sync()
         out.append((x.clone(), algo.last_group, n))
-        pg = algo._groups[algo.last_group]  # the round's own group: its backend
-        out[-1] += (dist.get_backend(pg),)
+        out[-1] += (dist.get_backend(algo.round_group),)  # the group the rounds reduce on: its backend
     return out
 
 

@@ -6,15 +6,17 @@ parameters within the group only, and the membership is reshuffled every round f
     group k   = perm[k*T//G : (k+1)*T//G]
     x_local  <- mean over my group of x                  (delta write-back, as model averaging)
 
-A round moves 1/G of the bytes a full all-reduce would move per group (each group reduces only its members'
-vectors, and the G groups run at once), while the reshuffling mixes information across groups over rounds. The
-paper's claim: convergence close to full averaging at a fraction of its communication.
+In the paper a round moves 1/G of the bytes a full all-reduce would (each group reduces only its members' vectors,
+the G groups at once), while the reshuffling mixes information across groups over rounds; its claim: convergence
+close to full averaging at a fraction of the communication.
 
-Each group is a process group of its members (created once, when its membership first occurs: every trainer calls
-`new_group` for every group of the round in the same order, as torch requires). The active and hold flags, which
-must count every trainer, ride on a small all-reduce over all trainers. With `compiled` (the default) these groups
-are of the `cocosync` backend, so the averages and the flags go through the node's shared memory (the runtime's
-communicator) instead of gloo.
+All groups average in ONE all-reduce over every trainer: trainer i writes its vector into its group's row of a
+[G, D] buffer (zeros elsewhere) and the sum gives every group's total, with the active and hold flags (which must
+count every trainer) in the same buffer. A process group per group, as first built, cost a `new_group` (a collective
+of every trainer, and shared memory for the `cocosync` backend) whenever a membership first occurred: C(8, 4) = 70
+groups at T=8, so nearly every round paid one, and the shadow threads synced every 25-48 iterations against MA's 4-5
+(BENCHMARKS.md). The buffer is G times one vector, moved on one machine through shared memory (`compiled`, the
+`cocosync` backend's world group of the trainers) or gloo.
 """
 
 from __future__ import annotations
@@ -42,46 +44,36 @@ class DSSync(SyncAlgorithm):
 
     def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None,
                  backend: str | None = None):
-        """`backend` of the groups it makes: default 'cocosync' (shared memory) with cfg.compiled, else the
-        default group's (gloo)."""
+        """`backend` of the trainers' group the rounds reduce on: default 'cocosync' (shared memory) with
+        cfg.compiled, else `group` itself (gloo)."""
         super().__init__(flat, cfg, group)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise ValueError("DS-Sync runs over a flat group of trainers (one machine), not a hierarchical one")
-        self._groups: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
         self.last_group: tuple[int, ...] = ()
         self.backend = backend or (BACKEND if cfg.compiled else None)
-        self._flags_group = group
+        self.round_group = group
         if self.backend is not None and self._world() > 1:  # collective: every trainer builds its sync here
-            self._flags_group = dist.new_group(self._ranks(range(self._world())), backend=self.backend)
-
-    def _ranks(self, members) -> list[int]:
-        return [dist.get_global_rank(self.group, m) for m in members] if self.group is not None else list(members)
-
-    def _process_group(self, members: tuple[int, ...]) -> dist.ProcessGroup | None:
-        if members not in self._groups:  # collective: every trainer reaches here for every new group in order
-            self._groups[members] = (dist.new_group(self._ranks(members), backend=self.backend)
-                                     if len(members) > 1 else None)
-        return self._groups[members]
+            ranks = [dist.get_global_rank(group, m) for m in range(self._world())] if group is not None else None
+            self.round_group = dist.new_group(ranks, backend=self.backend)
+        self._buf = torch.empty(0)
 
     def _sync(self, active: bool) -> int:
         world = self._world()
-        flags = torch.tensor([1.0 if active else 0.0, 1.0 if self.holding else 0.0])
         if world == 1:
             self.holds = int(self.holding)
             return int(active)
-        me = dist.get_rank(self.group)
-        mine: tuple[int, ...] = ()
-        my_pg: dist.ProcessGroup | None = None
-        for members in partition(world, self.cfg.groups, self.cfg.shuffle_seed, self.syncs):
-            pg = self._process_group(members)
-            if me in members:
-                mine, my_pg = members, pg
-        self.last_group = mine
-        snapshot = self.flat.clone()
-        if my_pg is not None:
-            mean = snapshot.clone()
-            dist.all_reduce(mean, group=my_pg)
-            self.flat.add_(mean.div_(len(mine)).sub_(snapshot))  # delta write-back: keeps Hogwild updates
-        dist.all_reduce(flags, group=self._flags_group)
-        self.holds = int(round(flags[1].item()))
-        return int(round(flags[0].item()))
+        me, n = dist.get_rank(self.group), self.flat.numel()
+        groups = partition(world, self.cfg.groups, self.cfg.shuffle_seed, self.syncs)
+        k = next(i for i, members in enumerate(groups) if me in members)
+        self.last_group = groups[k]
+        if self._buf.numel() != len(groups) * n + 2:
+            self._buf = torch.empty(len(groups) * n + 2, dtype=self.flat.dtype)
+        buf = self._buf.zero_()
+        mine = buf[k * n:(k + 1) * n]
+        mine.copy_(self.flat)
+        snapshot = mine.clone()
+        buf[-2:] = torch.tensor([1.0 if active else 0.0, 1.0 if self.holding else 0.0])
+        dist.all_reduce(buf, group=self.round_group)
+        self.flat.add_(mine.div_(len(self.last_group)).sub_(snapshot))  # delta write-back: keeps Hogwild updates
+        self.holds = int(round(buf[-1].item()))
+        return int(round(buf[-2].item()))
