@@ -52,6 +52,23 @@ def test_easgd_two_trainers_share_one_center():
     assert a.tolist() == [1.0, 0.0] and b.tolist() == [0.5, 2.0] and c.tolist() == [0.5, 2.0]
 
 
+def test_easgd_alpha_defaults_to_two_over_t_in_the_shadow_and_reaches_the_update():
+    """shadow-easgd: min(0.5, 2/T) (0.5 up to T=4, 0.25 at 8, 0.125 at 16; BENCHMARKS.md); fr-easgd 0.5 at every T;
+    a value set wins; make_sync hands the job's T to EASGD, whose update uses it (not 0.5)."""
+    shadow, fr = SyncConfig(algorithm="shadow-easgd"), SyncConfig(algorithm="fr-easgd")
+    assert [shadow.alpha_for(t) for t in (1, 2, 4, 8, 16)] == [0.5, 0.5, 0.5, 0.25, 0.125]
+    assert [fr.alpha_for(t) for t in (2, 8, 16)] == [0.5, 0.5, 0.5]
+    assert SyncConfig(algorithm="shadow-easgd", alpha=0.9).alpha_for(16) == 0.9
+    x, c = torch.tensor([8.0, 0.0]), torch.zeros(2)
+    algo = make_sync(x, shadow, center=c, trainers=8)
+    assert isinstance(algo, EASGD) and algo.alpha == 0.25
+    algo.sync()
+    assert x.tolist() == [6.0, 0.0] and c.tolist() == [2.0, 0.0]  # a quarter of the way, each
+    for bad in (0, 1.5, "0.5", float("nan")):
+        with pytest.raises(ConfigError, match="sync.alpha"):
+            SyncConfig(algorithm="shadow-easgd", alpha=bad)
+
+
 def test_none_changes_nothing_and_make_sync_dispatches():
     x = torch.ones(3)
     assert NoSync(x, SyncConfig(algorithm="none")).sync() == 1 and x.tolist() == [1.0] * 3

@@ -54,7 +54,7 @@ def _easgd_cases(n: int, shm: Any) -> dict[str, Any]:
         centres.append(shm.arena.peer_view(mine, 0))
     shm.barrier()
     ours, ref_x = EASGD(torch.randn(n), cfg, center=centres[0]), torch.randn(n)
-    return {"ours": lambda: ours.sync(True), "baseline": lambda: _easgd_by_hand(ref_x, centres[1], cfg.alpha)}
+    return {"ours": lambda: ours.sync(True), "baseline": lambda: _easgd_by_hand(ref_x, centres[1], ours.alpha)}
 
 
 def _bench_rank(params: list[int], repeats: int) -> dict:

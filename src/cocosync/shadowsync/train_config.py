@@ -77,8 +77,11 @@ class SyncConfig:
     measured default, `FOREGROUND_EVERY` (see `iterations_per_sync`)."""
     interval: float = 0.02
     """shadow-* only: seconds the shadow thread sleeps between two syncs (0 = back-to-back syncs)."""
-    alpha: float = 0.5
-    """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]."""
+    alpha: float | None = None
+    """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]; None =
+    `alpha_for(T)`: min(0.5, 2/T) for shadow-easgd (0.25 at T=8, 0.125 at T=16: 0.5-0.7 points of NE better than 0.5
+    at 800k and 1.6M, BENCHMARKS.md), 0.5 for fr-easgd (at T=8: 0.11 no better, 0.25 by 0.2-0.3 points; not
+    measured beyond T=8)."""
     block_momentum: float | None = None
     """BMUF block momentum, in [0, 1); None = `momentum_for(T)`: 1 - 1/sqrt(T) for shadow-bmuf (0.29 at T=2, 0.65 at
     T=8; Chen & Huo's 1 - 1/T lost 0.6% NE at T=2 and 0.4% at T=8, measured in BENCHMARKS.md), scaled by
@@ -110,7 +113,8 @@ class SyncConfig:
                "an integer >= 1, or None for the algorithm's default")
         _check(_is_number(self.interval) and 0 <= self.interval <= 60, "sync.interval",
                self.interval, "seconds in [0, 60]")
-        _check(_is_number(self.alpha) and 0 < self.alpha <= 1, "sync.alpha", self.alpha, "a number in (0, 1]")
+        _check(self.alpha is None or _is_number(self.alpha) and 0 < self.alpha <= 1, "sync.alpha", self.alpha,
+               "a number in (0, 1], or None for its default")
         _check(self.block_momentum is None or _is_number(self.block_momentum) and 0 <= self.block_momentum < 1,
                "sync.block_momentum", self.block_momentum, "a number in [0, 1), or None for its default, 1 - 1/sqrt(T)")
         _check(_is_number(self.block_lr) and self.block_lr > 0, "sync.block_lr", self.block_lr,
@@ -130,6 +134,15 @@ class SyncConfig:
             return float(self.block_momentum)
         m = 1.0 - 1.0 / math.sqrt(trainers)
         return m * (1.0 - 1.0 / self.iterations_per_sync) if self.mode == "foreground" else m
+
+    def alpha_for(self, trainers: int) -> float:
+        """EASGD's elasticity with `trainers` trainers: the one set, else the measured default (see alpha). Why smaller
+        with T in the shadow: each trainer's sync pulls the scored centre `alpha` of the way to that one replica, so at
+        0.5 the centre is mostly the last two replicas it met; the EASGD paper keeps T x alpha near 0.9 (0.11 at T=8:
+        no better than 0.5 here), 2/T measured best between the two."""
+        if self.alpha is not None:
+            return float(self.alpha)
+        return min(0.5, 2.0 / trainers) if self.mode == "shadow" else 0.5
 
     @property
     def iterations_per_sync(self) -> int:

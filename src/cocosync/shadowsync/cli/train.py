@@ -85,7 +85,8 @@ _TRAIN_OPTIONS = [
                  help="MA/BMUF as compiled DSL programs on shared memory and DS-Sync's groups on the cocosync "
                       "backend, or the classes on gloo."),
     click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
-    click.option("--alpha", type=float, help="EASGD elasticity."),
+    click.option("--alpha", type=float, help="EASGD elasticity [default: min(0.5, 2/T) for shadow-easgd, 0.5 for "
+                                           "fr-easgd; measured, BENCHMARKS.md]."),
     click.option("--block-momentum", type=float, help="BMUF block momentum."),
     click.option("--block-lr", type=float, help="BMUF block learning rate."),
     click.option("--replica-lr-scale", type=float, help="factor on the trainers' dense lr while they sync (default 1; "

@@ -27,8 +27,10 @@ __all__ = ["EASGD"]
 class EASGD(SyncAlgorithm):
     name = "easgd"
 
-    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | RemoteCenter):
+    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | RemoteCenter, trainers: int = 1):
+        """`trainers`: the job's T, which sets alpha unless cfg.alpha is set (`SyncConfig.alpha_for`)."""
         super().__init__(flat, cfg)
+        self.alpha = cfg.alpha_for(trainers)
         if isinstance(center, RemoteCenter):
             if center.numel != flat.numel():
                 raise ValueError(f"EASGD remote center has {center.numel} elements, the dense buffer {flat.numel()}")
@@ -42,8 +44,8 @@ class EASGD(SyncAlgorithm):
     def _sync(self, active: bool) -> int:
         if isinstance(self.center, RemoteCenter):
             snapshot = self.flat.clone()
-            moved = self.center.exchange(snapshot, self.cfg.alpha)  # x - d (it sends copies of the ranges)
+            moved = self.center.exchange(snapshot, self.alpha)  # x - d (it sends copies of the ranges)
             self.flat.add_(moved.sub_(snapshot))  # delta write-back
         else:
-            self._step(x=self.flat, c=self.center, alpha=self.cfg.alpha)
+            self._step(x=self.flat, c=self.center, alpha=self.alpha)
         return int(active)

@@ -35,7 +35,7 @@ def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | Non
     if cfg.method == "easgd":
         if center is None:
             raise ValueError("EASGD needs the shared central copy (center=...)")
-        return EASGD(flat, cfg, center=center)
+        return EASGD(flat, cfg, center=center, trainers=trainers or 1)
     if cfg.method in ("ma", "bmuf"):
         plain = cfg.compiled and not isinstance(group, HierarchicalGroup) and dist.is_initialized()
         if plain and dist.get_world_size(group) > 1:
