@@ -34,8 +34,8 @@ __all__ = ["ConfigError", "SyncConfig", "TrainConfig", "load_train_config", "SYN
            "FOREGROUND_EVERY", "config_from_dict", "config_to_dict", "check_paths", "resume_value"]
 
 #: fr-*: worker iterations per sync when `every` is not set. Measured at T=8, 5 seeds, 800k and 1.6M examples
-#: (BENCHMARKS.md): syncing every iteration lost 1.2-2.7% NE; blocks of these sizes 0.4-1.5% at 800k, -0.3-0.9% at
-#: 1.6M. BMUF's block momentum grows with the block (`momentum_for`), so its best block is the longest.
+#: (BENCHMARKS.md): syncing every iteration lost 1.2-1.9% NE; blocks of these sizes 0.4-1.5% at 800k, -0.3 to +1.0%
+#: at 1.6M. BMUF's block momentum grows with the block (`momentum_for`), so its best block is the longest.
 FOREGROUND_EVERY = {"fr-bmuf": 8, "fr-ma": 4, "fr-easgd": 4}
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
@@ -79,7 +79,7 @@ class SyncConfig:
     """shadow-* only: seconds the shadow thread sleeps between two syncs (0 = back-to-back syncs)."""
     alpha: float | None = None
     """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]; None =
-    `alpha_for(T)`: min(0.5, 2/T) for shadow-easgd (0.25 at T=8, 0.125 at T=16: 0.5-0.7 points of NE better than 0.5
+    `alpha_for(T)`: min(0.5, 2/T) for shadow-easgd (0.25 at T=8, 0.125 at T=16: 0.3-0.6 points of NE better than 0.5
     at 800k and 1.6M, BENCHMARKS.md), 0.5 for fr-easgd (at T=8: 0.11 no better, 0.25 by 0.2-0.3 points; not
     measured beyond T=8)."""
     block_momentum: float | None = None
