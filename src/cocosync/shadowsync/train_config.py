@@ -80,8 +80,8 @@ class SyncConfig:
     alpha: float | None = None
     """EASGD elasticity: how far local and central copies move toward each other per sync, in (0, 1]; None =
     `alpha_for(T)`: min(0.5, 2/T) for shadow-easgd (0.25 at T=8, 0.125 at T=16: 0.3-0.6 points of NE better than 0.5
-    at 800k and 1.6M, BENCHMARKS.md), 0.5 for fr-easgd (at T=8: 0.11 no better, 0.25 by 0.2-0.3 points; not
-    measured beyond T=8)."""
+    at 800k and 1.6M, BENCHMARKS.md), 0.5 for fr-easgd (at T=8 0.25 was 0.2-0.3 points better, at T=16 0.125
+    1.3 points worse at 1.6M)."""
     block_momentum: float | None = None
     """BMUF block momentum, in [0, 1); None = `momentum_for(T)`: 1 - 1/sqrt(T) for shadow-bmuf (0.29 at T=2, 0.65 at
     T=8; Chen & Huo's 1 - 1/T lost 0.6% NE at T=2 and 0.4% at T=8, measured in BENCHMARKS.md), scaled by
