@@ -47,10 +47,12 @@ def projected_efficiency(a: float, b: float, nodes: int) -> float:
 def variants(transports: list[str], hot_rows: list[int]) -> dict[str, list[str]]:
     """The configurations to compare across nodes: their labels and job options (the exchange once per hot-row
     count, labelled by it)."""
+    from cocosync.shadowsync.job.roles import EXCHANGES
+
     out = {}
     for t in transports:
-        for h in (hot_rows if t == "exchange" else [0]):
-            label = f"exchange hot={h}" if t == "exchange" and len(hot_rows) > 1 else t
+        for h in (hot_rows if t in EXCHANGES else [0]):
+            label = f"{t} hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else t
             out[label] = ["--lookup-transport", t, "--hot-rows", str(h)]
     return out
 

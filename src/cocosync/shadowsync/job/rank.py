@@ -68,7 +68,7 @@ from cocosync.shadowsync.data.sources import (
 )
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.link import Link
-from cocosync.shadowsync.job.roles import ClusterConfig, Roles
+from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
 from cocosync.shadowsync.job.summary import add_job_cpu, gloo_cpu_since, lookup_summary, native_thread_cpu
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
@@ -76,6 +76,7 @@ from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, HotSync, choose_hot_rows
+from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -90,6 +91,7 @@ from cocosync.shadowsync.train_config import (
 __all__ = ["run_cluster"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
+_RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
 
 def _loopback_interfaces() -> None:
@@ -111,6 +113,7 @@ class _Job:
     rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
     exchange_group: Any = None  # this trainer's lookup exchange: the trainer of its local index on every node
+    mailboxes: list[Mailbox] = dataclasses.field(default_factory=list)  # node-exchange: local trainers 1.. (shm)
     hot: HotRows | None = None  # the node's replica of the hot rows (multi-node, with the exchange)
     hot_group: Any = None  # on a node's first trainer: the first trainer of every node (the replicas' sync)
     dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
@@ -294,6 +297,13 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             g = dist.new_group(trainers[i::Tn])
             if kind == "trainer" and index % Tn == i:
                 job.exchange_group = g
+    if nnodes > 1 and cluster.lookup_transport == "node-exchange":  # the nodes' first trainers, and mailboxes
+        g = dist.new_group(trainers[0::Tn])
+        if kind == "trainer" and index % Tn == 0:
+            job.exchange_group = g
+        slot = mailbox_nbytes(_RELAY_BATCHES * cfg.batch_size * len(data.table_sizes), model_cfg.embedding_dim)
+        job.mailboxes = [Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot)
+                         for _ in range(Tn - 1)]
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
         if kind == "trainer" and index % Tn == 0:
@@ -317,7 +327,7 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
 def _hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any, arena: Arena) -> HotRows | None:
     """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
     choice from the first training rows, broadcast (collective over the job)."""
-    if cluster.lookup_transport != "exchange" or not cluster.hot_rows:
+    if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
         return None
     ids = [None]
     if dist.get_rank() == 0:
@@ -365,13 +375,20 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
     labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)}, host {job.hosts[r]})"
               for r in roles.ranks("embedding")]
-    exchange = None
+    exchange: LookupExchange | RelayClient | None = None
+    Tn, dim = roles.trainers_per_node, job.model_cfg.embedding_dim
     if job.exchange_group is not None:
-        Tn = roles.trainers_per_node
         peers = roles.ranks("trainer")[t % Tn::Tn]
+        relays = RelayHost(job.mailboxes, dim) if job.mailboxes else None
         exchange = LookupExchange(job.exchange_group, job.shards, servers=E, servers_per_node=roles.embedding_per_node,
-                                  dim=job.model_cfg.embedding_dim, interval=job.cluster.exchange_interval,
+                                  dim=dim, interval=job.cluster.exchange_interval, relays=relays,
                                   labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
+    elif job.mailboxes:  # node-exchange: this node's first trainer carries this one's remote rows
+        leader = roles.ranks("trainer")[t - t % Tn]
+        exchange = RelayClient(job.mailboxes[t % Tn - 1], lambda rows: rows % E // roles.embedding_per_node,
+                               n=roles.topo.nnodes, dim=dim, interval=job.cluster.exchange_interval,
+                               leader=f"{roles.rpc_name(leader)} (rank {leader}, host {job.hosts[leader]})",
+                               timeout=max(30.0, cfg.heartbeat_timeout))
     hot = job.hot if exchange is not None else None
     hot_sync = None
     if hot is not None and job.hot_group is not None:
@@ -574,7 +591,8 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "start_skew_s": max(r["start"] for r in results) - min(r["start"] for r in results),
         "sync_impl": results[0]["sync_impl"],  # CompiledSync (the DSL program), or the class that ran
         **lookup_summary(lk, examples, step_s, transport=job.cluster.lookup_transport if N > 1 else "local",
-                         exchange=job.exchange_group is not None, hot_rows=len(job.hot) if job.hot is not None else 0),
+                         exchange=job.cluster.lookup_transport in EXCHANGES and N > 1,
+                         hot_rows=len(job.hot) if job.hot is not None else 0),
         "dense_bytes_per_example": per_sync * sum(r["syncs"] for r in results) / max(examples, 1),
         "dense_params": D,
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)

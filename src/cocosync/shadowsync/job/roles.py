@@ -14,9 +14,10 @@ from dataclasses import dataclass
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.train_config import ConfigError
 
-__all__ = ["ClusterConfig", "Roles", "TRANSPORTS"]
+__all__ = ["ClusterConfig", "Roles", "TRANSPORTS", "EXCHANGES"]
 
-TRANSPORTS = ("exchange", "rpc")
+EXCHANGES = ("exchange", "node-exchange")  # the lookup exchange per trainer, per node
+TRANSPORTS = (*EXCHANGES, "rpc")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -36,7 +37,9 @@ class ClusterConfig:
     """row-gradient pushes a trainer may have outstanding before it waits for the oldest."""
     lookup_transport: str = "exchange"
     """how lookups reach other machines' shards: 'exchange' (rounds of one gloo all_to_all between the trainers of
-    every node, exchange.py) or 'rpc' (torch.distributed.rpc, a message per server and batch: the former path)."""
+    every node, exchange.py), 'node-exchange' (the same rounds between the first trainers of every node, which carry
+    their node's other trainers' lookups through shared memory: node_relay.py) or 'rpc' (torch.distributed.rpc, a
+    message per server and batch: the former path)."""
     exchange_interval: float = 0.040
     """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example). 40 ms with
     the replicated hot rows: the rows left to the exchange are cold, so a longer round costs them little staleness."""
@@ -60,7 +63,7 @@ class ClusterConfig:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name}={v!r} is invalid: expected an integer >= 1")
         if self.prefetch is None:
-            self.prefetch = 40 if self.lookup_transport == "exchange" else 2
+            self.prefetch = 40 if self.lookup_transport in EXCHANGES else 2
         if not isinstance(self.prefetch, int) or isinstance(self.prefetch, bool) or not 0 <= self.prefetch <= 64:
             raise ConfigError(f"prefetch={self.prefetch!r} is invalid: expected an integer in [0, 64]")
         if not isinstance(self.hot_rows, int) or isinstance(self.hot_rows, bool) or self.hot_rows < 0:

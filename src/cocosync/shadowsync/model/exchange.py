@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
+from cocosync.shadowsync.model.node_relay import RelayHost
 
 __all__ = ["LookupExchange", "ExchangeLost"]
 
@@ -176,6 +177,7 @@ class _Part:
     versions: torch.Tensor | None = None  # a push: the rows' versions when fetched
     grads: torch.Tensor | None = None
     counts: list[int] = field(default_factory=list)  # rows per node
+    owner: int = -1  # a part relayed for another trainer of this node: its mailbox (node_relay.py); -1: this one's
 
 
 @dataclass
@@ -186,7 +188,8 @@ class _Round:
     ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # distinct, node-major
     where: torch.Tensor | None = None  # each looked-up row (the lookups concatenated) -> its position in `ids`
     looked: list[int] = field(default_factory=list)  # rows to look up per node
-    pushes: int = 0  # push parts
+    pushes: int = 0  # push parts of this trainer
+    relayed_pushes: dict = field(default_factory=dict)  # push parts relayed for the node's other trainers, per one
     push_ids: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))  # node-major
     push_versions: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
     grads: torch.Tensor | None = None  # [pushed rows, dim] (set by _sorted, empty without pushes)
@@ -250,12 +253,13 @@ class LookupExchange:
     (the module of runtime/comm/native, when enabled and built) rather than in Python, the reference."""
 
     def __init__(self, group: Any, shards: Mapping[int, Any], *, servers: int, servers_per_node: int, dim: int,
-                 interval: float, labels: Sequence[str], native: bool = True):
+                 interval: float, labels: Sequence[str], native: bool = True, relays: RelayHost | None = None):
         self.group, self.dim, self.interval = group, int(dim), float(interval)
         self.native = native_module() if native else None
         self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
         self.shards, self.servers, self.per_node = dict(shards), int(servers), int(servers_per_node)
         self.labels = list(labels)
+        self.relays = relays  # the node's other trainers' mailboxes when this trainer carries their lookups
         self.rounds = 0
         self.bytes_sent = 0  # every message of every round, headers and answers included
         self.cpu_s = 0.0  # this thread's CPU in its rounds (packing, the all_to_all, serving the peers)
@@ -335,7 +339,10 @@ class LookupExchange:
                 cpu0 = time.thread_time()
                 with self._lock:
                     pending, self._queue = deferred + self._queue, []
-                    done = self._closing and not pending
+                    closing = self._closing
+                if self.relays is not None:
+                    pending += self.relays.take(self._relayed_part)
+                done = closing and not pending and (self.relays is None or self.relays.idle())
                 sent, deferred, used = _fit(pending, cap_out)
                 rnd = self._sorted(sent)
                 recent.append(used)
@@ -364,6 +371,8 @@ class LookupExchange:
                     if cap_in[p] != (0, 0):
                         requests.append((p, *_parse_request(msg[cut:], cap_in[p], dim)))
                 self._answered(awaiting, answers)
+                if self.relays is not None:
+                    self.relays.deliver()
                 owed = self._serve(requests)
                 awaiting, cap_out, cap_in = rnd, caps, caps_in
                 self.cpu_s += time.thread_time() - cpu0
@@ -386,8 +395,14 @@ class LookupExchange:
             rnd.push_ids, rnd.push_versions, rnd.grads, rnd.pushed = sort_pushes(
                 [p.ids for p in pushes], [p.versions for p in pushes], [p.grads for p in pushes], *where,
                 native=self.native)
-            rnd.pushes = len(pushes)
+            rnd.pushes = sum(p.owner < 0 for p in pushes)
+            rnd.relayed_pushes = collections.Counter(p.owner for p in pushes if p.owner >= 0)
         return rnd
+
+    def _relayed_part(self, ids: torch.Tensor, future: Any, versions: torch.Tensor | None,
+                      grads: torch.Tensor | None, owner: int) -> _Part:
+        counts = torch.bincount(self.node_of(ids), minlength=self.n).tolist()
+        return _Part(ids, future, versions, grads, counts, owner)
 
     def _answered(self, rnd: _Round, answers: list[tuple[int, torch.Tensor]]) -> None:
         """Hand each lookup of `rnd` its rows from the peers' answers (in node order, as `rnd.ids` is sorted)."""
@@ -403,8 +418,10 @@ class LookupExchange:
             got_rows, got_versions = torch.cat(rows), torch.cat(versions)  # rnd.ids' order
             for part, at in zip(rnd.lookups, rnd.where.split([p.ids.numel() for p in rnd.lookups])):
                 part.future.set_result((got_rows.index_select(0, at), got_versions.index_select(0, at)))
+        for owner, k in rnd.relayed_pushes.items():
+            self.relays.applied(owner, k)
         with self._cv:
-            self._stale += stale
+            self._stale += stale  # the node's: a peer answers one sum per request, whoever's parts it carried
             self._pushes_answered += rnd.pushes
             self._cv.notify_all()
 
@@ -460,6 +477,8 @@ class LookupExchange:
         return out, versions
 
     def _fail(self, err: ExchangeLost, lookups: list[_Part]) -> None:
+        if self.relays is not None:
+            self.relays.fail()
         with self._cv:
             self._error = err
             lookups = lookups + [p for p in self._queue if p.future is not None]

@@ -1,0 +1,327 @@
+"""One lookup exchange per node: a node's other trainers hand their remote lookups and pushes to its first trainer
+through shared memory, and only that trainer talks to the other nodes.
+
+With an exchange per trainer, every trainer of a node runs its own rounds: a node of Tn trainers sends Tn x (N - 1)
+messages a round, each paying gloo's fixed cost (~450 us + ~130 us per peer of CPU in its threads, BENCHMARKS.md), and
+the same cold row is looked up once per trainer that needs it. Here trainer 0 of the node (the leader) runs the one
+`LookupExchange`; each other trainer (a client) owns a `Mailbox` in the node's shared memory:
+
+- every poll (a quarter of the exchange interval) the client's relay thread writes what its workers queued (lookups,
+  and pushes with their versions and gradients) into the next free slot of its request ring;
+- at the start of each round the leader takes every client's published slots, their parts joining its own in the
+  round (their rows deduplicated with the node's other lookups by the round's sort);
+- once a round has answered them, the leader writes each client's rows, versions and pushes applied into the next
+  free slots of its answer ring, which the client reads at its next poll.
+
+Rings of `SLOTS` slots, so a client publishes at every poll of a round without waiting for the leader to take the
+last one (one slot made a part queued after the round's first poll wait a second round). A client's lookup waits
+~half a poll longer than the leader's; what it saves is the Tn - 1 exchanges of the node. Each control word is written
+by one side only and counts up (x86 stores are not reordered with each other: a slot is written before the count
+that publishes it, as shm.py's flags rely on).
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["Mailbox", "RelayClient", "RelayHost", "mailbox_nbytes"]
+
+# control words: request published / taken, answer published / taken, client closed, leader failed, leader rounds
+_REQ, _REQ_TAKEN, _ANS, _ANS_TAKEN, _CLOSED, _FAILED, _BEAT = range(7)
+_CONTROL = 8
+SLOTS = 4  # slots of each ring: the client polls 4 times a round, the leader takes them all once a round
+
+
+def mailbox_nbytes(rows: int, dim: int) -> int:
+    """Bytes of one slot for `rows` rows a message (ids, versions and fp32 vectors) and up to 1024 parts."""
+    return 64 + rows * (24 + 4 * dim) + 8 * 3 * 1024
+
+
+@dataclass
+class Mailbox:
+    """A client's two rings of slots and its control words: views into the node's shared memory (or any memory two
+    processes map)."""
+
+    control: torch.Tensor  # int64 [_CONTROL]
+    request: torch.Tensor  # uint8 [SLOTS, slot bytes]
+    answer: torch.Tensor  # uint8 [SLOTS, slot bytes]
+
+    @classmethod
+    def of(cls, buf: torch.Tensor, slot: int) -> Mailbox:
+        """Carve a mailbox of `slot`-byte slots out of a uint8 buffer of `Mailbox.nbytes(slot)` bytes."""
+        ring = SLOTS * slot
+        return cls(buf[:8 * _CONTROL].view(torch.int64), buf[8 * _CONTROL:8 * _CONTROL + ring].view(SLOTS, slot),
+                   buf[8 * _CONTROL + ring:8 * _CONTROL + 2 * ring].view(SLOTS, slot))
+
+    @staticmethod
+    def nbytes(slot: int) -> int:
+        return 8 * _CONTROL + 2 * SLOTS * slot
+
+
+def _write(region: torch.Tensor, tensors: list[torch.Tensor]) -> int:
+    """Tensors one after another into `region` as bytes (each 8-aligned); the bytes used."""
+    off = 0
+    for t in tensors:
+        b = t.contiguous().view(-1).view(torch.uint8)
+        region[off:off + b.numel()].copy_(b)
+        off += (b.numel() + 7) // 8 * 8
+    return off
+
+
+class _Reader:
+    """Reads back what `_write` wrote, in order."""
+
+    def __init__(self, region: torch.Tensor):
+        self.region, self.off = region, 0
+
+    def take(self, n: int, dtype: torch.dtype, cols: int = 1) -> torch.Tensor:
+        size = n * cols * (8 if dtype == torch.int64 else 4)
+        t = self.region[self.off:self.off + size].view(dtype).clone()
+        self.off += (size + 7) // 8 * 8
+        return t.view(n, cols) if cols > 1 or dtype != torch.int64 else t
+
+
+def _request_bytes(lookups: list, pushes: list, dim: int) -> int:
+    """A request's bytes, its lookups counted at the size of their answer (rows and versions), so that the answers
+    to one request always fit one answer region of the same size."""
+    rows_l, rows_p = sum(p[2].numel() for p in lookups), sum(p[0].numel() for p in pushes)
+    return 64 + 24 * len(lookups) + 8 * len(pushes) + (16 + 4 * dim) * rows_l + 16 * rows_p + 4 * rows_p * dim
+
+
+class RelayClient:
+    """A non-leading trainer's exchange: the `LookupExchange` interface the tables use (lookup, push, flush,
+    take_stale, close and the counters), carried by the node's leader. `leader`: how errors name it; `timeout`:
+    seconds without a round of the leader before the lookups fail."""
+
+    def __init__(self, box: Mailbox, node_of: Any, *, n: int, dim: int, interval: float, leader: str,
+                 timeout: float = 60.0):
+        from cocosync.shadowsync.model.exchange import ExchangeLost
+
+        self._lost = ExchangeLost
+        self.box, self.node_of, self.n, self.dim = box, node_of, int(n), int(dim)
+        self.poll, self.leader, self.timeout = max(interval / SLOTS, 5e-4), leader, float(timeout)
+        self.rounds = self.bytes_sent = 0  # this trainer sends nothing to other nodes: its leader does
+        self.cpu_s = 0.0  # the relay thread's CPU (copies in and out of the mailbox)
+        self.relayed_bytes = 0
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._queue: collections.deque = collections.deque()  # ('l', id, rows, future) | ('p', rows, versions, grads)
+        self._futures: dict[int, torch.futures.Future] = {}
+        self._next_id = 0
+        self._pushes_queued = self._pushes_answered = 0
+        self._closing = False
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name="cocosync-relay", daemon=True)
+        self._thread.start()
+
+    def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
+        fut: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            self._check()
+            self._queue.append(("l", self._next_id, rows.to(torch.int64), fut))
+            self._futures[self._next_id] = fut
+            self._next_id += 1
+        return fut
+
+    def push(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> None:
+        with self._lock:
+            self._check()
+            self._queue.append(("p", rows.to(torch.int64), versions.to(torch.int64), grads.to(torch.float32)))
+            self._pushes_queued += 1
+
+    def _check(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closing:
+            raise RuntimeError("the lookup exchange is closed")
+
+    def take_stale(self) -> int:
+        return 0  # the leader counts the node's staleness (its peers answer it per request, not per part)
+
+    def flush(self) -> None:
+        with self._cv:
+            target = self._pushes_queued
+            while self._pushes_answered < target and self._error is None:
+                self._cv.wait(1.0)
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        with self._lock:
+            self._closing = True
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+
+    def _run(self) -> None:
+        c = self.box.control
+        last_beat, beat_at = int(c[_BEAT]), time.monotonic()
+        try:
+            while True:
+                time.sleep(self.poll)
+                cpu0 = time.thread_time()
+                if int(c[_FAILED]):
+                    raise self._lost(f"the node's lookup exchange on {self.leader} broke")
+                beat = int(c[_BEAT])
+                if beat != last_beat:
+                    last_beat, beat_at = beat, time.monotonic()
+                elif time.monotonic() - beat_at > self.timeout:
+                    raise self._lost(f"{self.leader}, which runs this node's lookup exchange, ran no round in "
+                                     f"{self.timeout:g} s")
+                for seq in range(int(c[_ANS_TAKEN]), int(c[_ANS])):
+                    self._read_answer(self.box.answer[seq % SLOTS])
+                    c[_ANS_TAKEN] = seq + 1
+                if int(c[_REQ]) - int(c[_REQ_TAKEN]) < SLOTS:
+                    self._send_request(self.box.request[int(c[_REQ]) % SLOTS])
+                with self._lock:
+                    idle = (self._closing and not self._queue and not self._futures
+                            and self._pushes_answered == self._pushes_queued and int(c[_REQ]) == int(c[_REQ_TAKEN]))
+                self.cpu_s += time.thread_time() - cpu0
+                if idle:
+                    c[_CLOSED] = 1
+                    return
+        except BaseException as e:  # noqa: BLE001 - every waiting worker gets the reason
+            err = e if isinstance(e, self._lost) else self._lost(f"the relay to {self.leader} broke: {e!r}")
+            with self._cv:
+                self._error = err
+                futures, self._futures = list(self._futures.values()), {}
+                self._queue.clear()
+                self._cv.notify_all()
+            for f in futures:
+                if not f.done():
+                    f.set_exception(err)
+
+    def _send_request(self, slot: torch.Tensor) -> None:
+        room = slot.numel()
+        lookups, pushes = [], []
+        with self._lock:
+            while self._queue:
+                part = self._queue[0]
+                trial = (lookups + [part], pushes) if part[0] == "l" else (lookups, pushes + [part[1:]])
+                if _request_bytes(trial[0], trial[1], self.dim) > room:
+                    if not lookups and not pushes:
+                        raise ValueError(f"a lookup or push of {part[2 if part[0] == 'l' else 1].numel()} rows does "
+                                         f"not fit the relay's {room} bytes (mailbox_nbytes sizes it for a batch)")
+                    break
+                self._queue.popleft()
+                lookups, pushes = trial
+        if not lookups and not pushes:
+            return
+        head = torch.tensor([len(lookups), len(pushes), 0, 0], dtype=torch.int64)
+        ids = torch.tensor([p[1] for p in lookups], dtype=torch.int64)  # (the answer's bound: _request_bytes)
+        lens = torch.tensor([p[2].numel() for p in lookups], dtype=torch.int64)
+        plens = torch.tensor([p[0].numel() for p in pushes], dtype=torch.int64)
+        parts = [head, ids, lens, plens]
+        if lookups:
+            parts.append(torch.cat([p[2] for p in lookups]))
+        if pushes:
+            parts += [torch.cat([p[0] for p in pushes]), torch.cat([p[1] for p in pushes]),
+                      torch.cat([p[2].reshape(-1, self.dim) for p in pushes])]
+        self.relayed_bytes += _write(slot, parts)
+        self.box.control[_REQ] += 1
+
+    def _read_answer(self, slot: torch.Tensor) -> None:
+        r = _Reader(slot)
+        n, pushes, rows, _ = r.take(4, torch.int64).tolist()
+        ids, lens = r.take(n, torch.int64).tolist(), r.take(n, torch.int64).tolist()
+        versions, vectors = r.take(rows, torch.int64), r.take(rows, torch.float32, self.dim)
+        self.relayed_bytes += r.off
+        with self._cv:
+            futures = [self._futures.pop(i) for i in ids]
+            self._pushes_answered += pushes
+            self._cv.notify_all()
+        for fut, v, x in zip(futures, versions.split(lens), vectors.split(lens)):
+            fut.set_result((x, v))
+
+
+class _Relayed:
+    """Stands in for a relayed lookup's future in the leader's round: its result goes to the client's outbox."""
+
+    def __init__(self, outbox: list, part_id: int):
+        self.outbox, self.part_id, self._done = outbox, part_id, False
+
+    def done(self) -> bool:
+        return self._done
+
+    def set_result(self, result: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self._done = True
+        self.outbox.append((self.part_id, *result))
+
+    def set_exception(self, err: BaseException) -> None:
+        self._done = True  # the clients learn it from the failed flag
+
+
+class RelayHost:
+    """The leader's side: takes its clients' requests into its rounds and writes their answers back."""
+
+    def __init__(self, boxes: list[Mailbox], dim: int):
+        self.boxes, self.dim = list(boxes), int(dim)
+        self.outboxes: list[list] = [[] for _ in self.boxes]
+        self.pushes_applied = [0] * len(self.boxes)  # not yet reported to the client
+        self.relayed_bytes = 0
+
+    def take(self, make_part: Any) -> list:
+        """Every client's new request as the leader's parts: pushes first, then lookups (`make_part(ids, future,
+        versions, grads, owner)` builds one)."""
+        out = []
+        for owner, box in enumerate(self.boxes):
+            c = box.control
+            c[_BEAT] += 1
+            for seq in range(int(c[_REQ_TAKEN]), int(c[_REQ])):
+                out += self._parse(box.request[seq % SLOTS], owner, make_part)
+                c[_REQ_TAKEN] = seq + 1
+        return out
+
+    def _parse(self, slot: torch.Tensor, owner: int, make_part: Any) -> list:
+        r = _Reader(slot)
+        nl, np_, _, _ = r.take(4, torch.int64).tolist()
+        ids, lens, plens = (r.take(nl, torch.int64).tolist(), r.take(nl, torch.int64).tolist(),
+                            r.take(np_, torch.int64).tolist())
+        rows, prow, pver = r.take(sum(lens), torch.int64), r.take(sum(plens), torch.int64), r.take(sum(plens),
+                                                                                                   torch.int64)
+        pgrad = r.take(sum(plens), torch.float32, self.dim)
+        self.relayed_bytes += r.off
+        out = [make_part(pr, None, pv, pg, owner)
+               for pr, pv, pg in zip(prow.split(plens), pver.split(plens), pgrad.split(plens))]
+        return out + [make_part(lk, _Relayed(self.outboxes[owner], i), None, None, owner)
+                      for i, lk in zip(ids, rows.split(lens))]
+
+    def applied(self, owner: int, pushes: int) -> None:
+        self.pushes_applied[owner] += pushes
+
+    def deliver(self) -> None:
+        """Each client's answers so far into its free answer slots (what finds none waits for the next round)."""
+        for owner, box in enumerate(self.boxes):
+            c, out = box.control, self.outboxes[owner]
+            while (out or self.pushes_applied[owner]) and int(c[_ANS]) - int(c[_ANS_TAKEN]) < SLOTS:
+                slot = box.answer[int(c[_ANS]) % SLOTS]
+                used, take = 64 + 16 * len(out), 0
+                for _, x, _v in out:  # a part always fits alone: its request was bounded by its answer's size
+                    used += x.shape[0] * (8 + 4 * self.dim) + 16
+                    if used > slot.numel() and take:
+                        break
+                    take += 1
+                sent, out[:] = out[:take], out[take:]
+                parts = [torch.tensor([take, self.pushes_applied[owner], sum(x.shape[0] for _, x, _v in sent), 0],
+                                      dtype=torch.int64),
+                         torch.tensor([i for i, _x, _v in sent], dtype=torch.int64),
+                         torch.tensor([x.shape[0] for _, x, _v in sent], dtype=torch.int64)]
+                if sent:
+                    parts += [torch.cat([v for _, _x, v in sent]), torch.cat([x for _, x, _v in sent])]
+                self.relayed_bytes += _write(slot, parts)
+                self.pushes_applied[owner] = 0
+                c[_ANS] += 1
+
+    def idle(self) -> bool:
+        """Every client closed (it closes once answered in full) and nothing left to deliver."""
+        return all(int(b.control[_CLOSED]) for b in self.boxes) and not any(self.outboxes)
+
+    def fail(self) -> None:
+        for b in self.boxes:
+            b.control[_FAILED] = 1
