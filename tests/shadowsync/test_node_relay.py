@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import time
+
+import pytest
 import torch
 
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows
@@ -77,3 +80,71 @@ def test_a_second_trainer_of_a_node_looks_up_and_pushes_through_its_leader(tmp_p
         if in_order:
             assert stats["snapshot_error"] == 0, optimizer
         assert stats["snapshot_error"] < 1e-5
+
+
+def _box(slot: int):
+    from cocosync.shadowsync.model.node_relay import Mailbox
+
+    return Mailbox.of(torch.zeros(Mailbox.nbytes(slot), dtype=torch.uint8), slot)
+
+
+def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup():
+    """In one process: a client queues 40 lookups and 10 pushes across several polls; the host takes them a round at
+    a time (more requests than slots wait for room), answers each lookup with rows derived from its ids, and every
+    future gets its own rows; pushes applied are counted back so flush returns."""
+    from cocosync.shadowsync.model.node_relay import SLOTS, RelayClient, RelayHost
+
+    dim, box = 3, _box(1024)  # ~5 parts a request: 40 lookups take more requests than the ring has slots
+    host = RelayHost([box], dim)
+    client = RelayClient(box, lambda r: r % 2, n=2, dim=dim, interval=0.004, leader="trainer0", timeout=10)
+    futures, pushed = [], []
+    for i in range(40):
+        futures.append(client.lookup(torch.arange(i, i + 5)))
+        if i % 4 == 0:
+            client.push(torch.tensor([i]), torch.full((1, dim), float(i)), torch.tensor([7]))
+    got_parts = []
+
+    def make_part(ids, future, versions, grads, owner):
+        got_parts.append((ids.clone(), future, versions, grads, owner))
+        return got_parts[-1]
+
+    start = time.monotonic()
+    while not all(f.done() for f in futures) and time.monotonic() - start < 20:
+        time.sleep(0.004)
+        parts = host.take(make_part)
+        for ids, future, versions, grads, owner in parts:
+            assert owner == 0
+            if future is None:
+                pushed.append((int(ids[0]), float(grads[0, 0]), int(versions[0])))
+                host.applied(owner, 1)
+            else:
+                future.set_result((ids.double().unsqueeze(1).expand(-1, dim).float() * 2, ids + 100))
+        host.deliver()
+    client.flush()
+    for i, f in enumerate(futures):
+        rows, versions = f.wait()
+        assert torch.equal(versions, torch.arange(i, i + 5) + 100)
+        assert torch.equal(rows, (torch.arange(i, i + 5).float() * 2).unsqueeze(1).expand(-1, dim))
+    assert pushed == [(i, float(i), 7) for i in range(0, 40, 4)]
+    client.close()  # idle: closes at its next poll
+    assert host.idle() and int(box.words[0]) > SLOTS  # requests published: the ring wrapped
+
+
+def test_a_client_learns_when_its_leader_fails_or_stops_running_rounds():
+    from cocosync.shadowsync.model.exchange import ExchangeLost
+    from cocosync.shadowsync.model.node_relay import RelayClient, RelayHost, mailbox_nbytes
+
+    box = _box(mailbox_nbytes(16, 2))
+    client = RelayClient(box, lambda r: r % 2, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=0.3)
+    with pytest.raises(ExchangeLost, match=r"trainer4 \(rank 4\), which runs this node's lookup exchange, ran no "
+                                           r"round in 0.3 s"):
+        client.lookup(torch.arange(3)).wait()
+    with pytest.raises(ExchangeLost):
+        client.lookup(torch.arange(3))  # later calls fail at once
+
+    box = _box(mailbox_nbytes(16, 2))
+    client = RelayClient(box, lambda r: r % 2, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=30)
+    fut = client.lookup(torch.arange(3))
+    RelayHost([box], 2).fail()  # the leader's exchange with the other nodes broke
+    with pytest.raises(ExchangeLost, match=r"the node's lookup exchange on trainer4 \(rank 4\) broke"):
+        fut.wait()
