@@ -89,9 +89,9 @@ def _box(slot: int):
 
 
 def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup():
-    """In one process: a client queues 40 lookups and 10 pushes across several polls; the host takes them a round at
-    a time (more requests than slots wait for room), answers each lookup with rows derived from its ids, and every
-    future gets its own rows; pushes applied are counted back so flush returns."""
+    """In one process: a client queues 40 lookups, 10 pushes and a lookup larger than a slot; the host takes them a
+    round at a time (more requests than slots wait for room), answers each lookup with rows derived from its ids, and
+    every future gets its own rows; pushes applied are counted back so flush returns."""
     from cocosync.shadowsync.model.node_relay import SLOTS, RelayClient, RelayHost
 
     dim, box = 3, _box(1024)  # ~5 parts a request: 40 lookups take more requests than the ring has slots
@@ -102,6 +102,7 @@ def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup()
         futures.append(client.lookup(torch.arange(i, i + 5)))
         if i % 4 == 0:
             client.push(torch.tensor([i]), torch.full((1, dim), float(i)), torch.tensor([7]))
+    big = client.lookup(torch.arange(1000, 1200))  # more rows than a slot holds: sent in pieces, answered as one
     got_parts = []
 
     def make_part(ids, future, versions, grads, owner):
@@ -109,7 +110,7 @@ def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup()
         return got_parts[-1]
 
     start = time.monotonic()
-    while not all(f.done() for f in futures) and time.monotonic() - start < 20:
+    while not all(f.done() for f in [*futures, big]) and time.monotonic() - start < 20:
         time.sleep(0.004)
         parts = host.take(make_part)
         for ids, future, versions, grads, owner in parts:
@@ -125,6 +126,8 @@ def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup()
         rows, versions = f.wait()
         assert torch.equal(versions, torch.arange(i, i + 5) + 100)
         assert torch.equal(rows, (torch.arange(i, i + 5).float() * 2).unsqueeze(1).expand(-1, dim))
+    rows, versions = big.wait()
+    assert torch.equal(versions, torch.arange(1000, 1200) + 100) and rows.shape == (200, dim)
     assert pushed == [(i, float(i), 7) for i in range(0, 40, 4)]
     client.close()  # idle: closes at its next poll
     assert host.idle() and int(box.words[0]) > SLOTS  # requests published: the ring wrapped

@@ -112,8 +112,9 @@ class _Job:
     shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
     rowhash: RowHash
     trainer_group: Any = None  # gloo group of the trainers (results)
-    exchange_group: Any = None  # this trainer's lookup exchange: the trainer of its local index on every node
-    mailboxes: list[Mailbox] = dataclasses.field(default_factory=list)  # node-exchange: local trainers 1.. (shm)
+    exchange_group: Any = None  # the lookup exchange of this trainer (the trainer of its local index on every
+    # node) or, with node-exchange, of this node's first embedding server (the first server of every node)
+    mailboxes: list[Mailbox] = dataclasses.field(default_factory=list)  # node-exchange: one per local trainer (shm)
     hot: HotRows | None = None  # the node's replica of the hot rows (multi-node, with the exchange)
     hot_group: Any = None  # on a node's first trainer: the first trainer of every node (the replicas' sync)
     dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
@@ -168,7 +169,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     try:
         if uses_rpc:
             _init_rpc(cfg, roles)
-        if roles.role()[0] == "trainer" and native.enabled():  # built before training, not in its first sync
+        if (roles.role()[0] == "trainer" or _hosts_exchange(cluster, roles)) and native.enabled():
+            # built before training, not in its first sync
             if link is not None and roles.role()[1] == 0 and not native.is_built():
                 link.set("status", "building the native module once on this machine (~20 s)")
             native.one_shot()
@@ -178,6 +180,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         if meta is not None:
             job.plan = _data_plan(job, resume, meta)
         kind, index = roles.role()
+        exchanged = None  # node-exchange: what this server's exchange did (the summary's exchange counters)
         parts = CheckpointParts(kind, index, shard=job.shards.get(index) if kind == "embedding" else None,
                                 center=job.center.values if job.center is not None else None)
         run = _make_trainer(job, index, console) if kind == "trainer" else None
@@ -198,9 +201,14 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
+            node_exchange = _node_exchange(job) if job.exchange_group is not None else None
             while _command(job, None) == "checkpoint":
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job(parts, Path(cfg.out_dir), None, writer=roles.rank_of("trainer", 0))
+            if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
+                node_exchange.close()
+                exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
+                             "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s}
         dist.barrier()
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
@@ -210,7 +218,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
         cpu: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, gloo_cpu_since(threads0)))
+        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, gloo_cpu_since(threads0), exchanged))
         if summary is not None:
             add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":
@@ -235,6 +243,23 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         os._exit(1)
     dist.destroy_process_group()
     return summary
+
+
+def _hosts_exchange(cluster: ClusterConfig, roles: Roles) -> bool:
+    """Whether this rank runs its node's lookup exchange (node-exchange: the node's first embedding server)."""
+    kind, index = roles.role()
+    return (cluster.lookup_transport == "node-exchange" and roles.topo.nnodes > 1 and kind == "embedding"
+            and index % roles.embedding_per_node == 0)
+
+
+def _node_exchange(job: _Job) -> LookupExchange:
+    """The node's lookup exchange on its first embedding server: every trainer of the node relays through it."""
+    roles = job.roles
+    E, peers = roles.embedding_per_node, roles.ranks("embedding")[0::roles.embedding_per_node]
+    return LookupExchange(job.exchange_group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
+                          dim=job.model_cfg.embedding_dim, interval=job.cluster.exchange_interval,
+                          relays=RelayHost(job.mailboxes, job.model_cfg.embedding_dim),
+                          labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
 
 
 def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
@@ -297,13 +322,13 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
             g = dist.new_group(trainers[i::Tn])
             if kind == "trainer" and index % Tn == i:
                 job.exchange_group = g
-    if nnodes > 1 and cluster.lookup_transport == "node-exchange":  # the nodes' first trainers, and mailboxes
-        g = dist.new_group(trainers[0::Tn])
-        if kind == "trainer" and index % Tn == 0:
+    if nnodes > 1 and cluster.lookup_transport == "node-exchange":  # the nodes' first servers, and mailboxes
+        g = dist.new_group(roles.ranks("embedding")[0::E])
+        if kind == "embedding" and index % E == 0:
             job.exchange_group = g
         slot = mailbox_nbytes(_RELAY_BATCHES * cfg.batch_size * len(data.table_sizes), model_cfg.embedding_dim)
         job.mailboxes = [Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot)
-                         for _ in range(Tn - 1)]
+                         for _ in range(Tn)]
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
         if kind == "trainer" and index % Tn == 0:
@@ -379,15 +404,14 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     Tn, dim = roles.trainers_per_node, job.model_cfg.embedding_dim
     if job.exchange_group is not None:
         peers = roles.ranks("trainer")[t % Tn::Tn]
-        relays = RelayHost(job.mailboxes, dim) if job.mailboxes else None
         exchange = LookupExchange(job.exchange_group, job.shards, servers=E, servers_per_node=roles.embedding_per_node,
-                                  dim=dim, interval=job.cluster.exchange_interval, relays=relays,
+                                  dim=dim, interval=job.cluster.exchange_interval,
                                   labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
-    elif job.mailboxes:  # node-exchange: this node's first trainer carries this one's remote rows
-        leader = roles.ranks("trainer")[t - t % Tn]
-        exchange = RelayClient(job.mailboxes[t % Tn - 1], lambda rows: rows % E // roles.embedding_per_node,
+    elif job.mailboxes:  # node-exchange: this node's first embedding server carries this trainer's remote rows
+        host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
+        exchange = RelayClient(job.mailboxes[t % Tn], lambda rows: rows % E // roles.embedding_per_node,
                                n=roles.topo.nnodes, dim=dim, interval=job.cluster.exchange_interval,
-                               leader=f"{roles.rpc_name(leader)} (rank {leader}, host {job.hosts[leader]})",
+                               leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
                                timeout=max(30.0, cfg.heartbeat_timeout))
     hot = job.hot if exchange is not None else None
     hot_sync = None

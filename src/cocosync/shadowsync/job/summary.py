@@ -62,6 +62,7 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "messages_per_example": total("messages") / max(examples, 1),  # to other nodes, per trainer
         "exchange_rounds": total("rounds"),
         "exchange_cpu_us_per_round": 1e6 * total("exchange_cpu_s") / max(total("rounds"), 1),
+        "_exchange_cpu_s": total("exchange_cpu_s"),  # (with node-exchange, the trainers' relays: add_job_cpu)
         "network_bytes_per_example": ((total("wire_bytes") + total("hot_sync_bytes")) if exchange else sparse_bytes)
         / max(examples, 1),
         "hot_rows": hot_rows,
@@ -73,9 +74,11 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
     }
 
 
-def add_job_cpu(summary: dict, cpu: list[tuple[str, float, float]], out: Path) -> None:
+def add_job_cpu(summary: dict, cpu: list[tuple[str, float, float, dict | None]], out: Path) -> None:
     """Trainers count their training window (summary['trainer_cpu_seconds']), servers the time since set-up; each
-    rank's (kind, CPU seconds, of which gloo's threads) since set-up."""
+    rank's (kind, CPU seconds, of which gloo's threads, its node's lookup exchange if it ran it) since set-up."""
+    _add_node_exchanges(summary, [x[3] for x in cpu if x[3] is not None])
+    cpu = [x[:3] for x in cpu]
     servers = sum(c for kind, c, _ in cpu if kind != "trainer")
     summary["server_cpu_seconds"] = servers
     # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
@@ -87,6 +90,21 @@ def add_job_cpu(summary: dict, cpu: list[tuple[str, float, float]], out: Path) -
     summary["gloo_cpu_seconds"] = sum(g for _, _, g in cpu)  # of which gloo's threads (Linux; 0 elsewhere)
     summary["job_cpu_us_per_example"] = 1e6 * summary["job_cpu_seconds"] / max(summary["examples"], 1)
     write_summary(summary, out)
+
+
+def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:
+    """node-exchange: the rounds run by the nodes' servers join the trainers' counters (the trainers' relays' CPU
+    counts in the round's cost: it is the node's price of one exchange)."""
+    relay_cpu_s = summary.pop("_exchange_cpu_s", 0.0)
+    if not exchanges:
+        return
+    examples = max(summary["examples"], 1)
+    rounds = sum(x["rounds"] for x in exchanges)
+    summary["exchange_rounds"] = summary["exchange_rounds"] + rounds
+    summary["messages_per_example"] += sum(x["messages"] for x in exchanges) / examples
+    summary["network_bytes_per_example"] += sum(x["wire_bytes"] for x in exchanges) / examples
+    summary["exchange_cpu_us_per_round"] = 1e6 * (relay_cpu_s + sum(x["exchange_cpu_s"] for x in exchanges)) / max(
+        summary["exchange_rounds"], 1)
 
 
 def write_summary(summary: dict, out: Path) -> None:

@@ -1,23 +1,25 @@
-"""One lookup exchange per node: a node's other trainers hand their remote lookups and pushes to its first trainer
-through shared memory, and only that trainer talks to the other nodes.
+"""One lookup exchange per node: a node's trainers hand their remote lookups and pushes to the node's first
+embedding server through shared memory, and only that server talks to the other nodes (`--lookup-transport
+node-exchange`).
 
 With an exchange per trainer, every trainer of a node runs its own rounds: a node of Tn trainers sends Tn x (N - 1)
 messages a round, each paying gloo's fixed cost (~450 us + ~130 us per peer of CPU in its threads, BENCHMARKS.md), and
-the same cold row is looked up once per trainer that needs it. Here trainer 0 of the node (the leader) runs the one
-`LookupExchange`; each other trainer (a client) owns a `Mailbox` in the node's shared memory:
+the same cold row is looked up once per trainer that needs it. Here the node's first embedding server (a process
+with no workers: on a machine with a core per process its core is otherwise idle) runs the node's one
+`LookupExchange`, and each trainer owns a `Mailbox` in the node's shared memory:
 
-- every poll (a quarter of the exchange interval) the client's relay thread writes what its workers queued (lookups,
-  and pushes with their versions and gradients) into the next free slot of its request ring;
-- at the start of each round the leader takes every client's published slots, their parts joining its own in the
-  round (their rows deduplicated with the node's other lookups by the round's sort);
-- once a round has answered them, the leader writes each client's rows, versions and pushes applied into the next
-  free slots of its answer ring, which the client reads at its next poll.
+- every poll (a quarter of the exchange interval) the trainer's relay thread writes what its workers queued
+  (lookups, and pushes with their versions and gradients) into the next free slot of its request ring;
+- at the start of each round the server takes every trainer's published slots as the round's parts (their rows
+  deduplicated across the node's trainers by the round's sort);
+- once a round has answered them, the server writes each trainer's rows, versions and pushes applied into the next
+  free slots of its answer ring, which the trainer reads at its next poll.
 
-Rings of `SLOTS` slots, so a client publishes at every poll of a round without waiting for the leader to take the
-last one (one slot made a part queued after the round's first poll wait a second round). A client's lookup waits
-~half a poll longer than the leader's; what it saves is the Tn - 1 exchanges of the node. Each control word is written
-by one side only and counts up (x86 stores are not reordered with each other: a slot is written before the count
-that publishes it, as shm.py's flags rely on).
+Rings of `SLOTS` slots, so a trainer publishes at every poll of a round without waiting for the server to take the
+last one (one slot made a part queued after the round's first poll wait a second round). A lookup waits ~half a poll
+longer than with an exchange of its own; the node saves Tn - 1 exchanges a round and the trainers' processes run no
+rounds. Each control word is written by one side only and counts up (x86 stores are not reordered with each other: a
+slot is written before the count that publishes it, as shm.py's flags rely on).
 """
 
 from __future__ import annotations
@@ -91,9 +93,9 @@ class _Reader:
 
 
 class RelayClient:
-    """A non-leading trainer's exchange: the `LookupExchange` interface the tables use (lookup, push, flush,
-    take_stale, close and the counters), carried by the node's leader. `leader`: how errors name it; `timeout`:
-    seconds without a round of the leader before the lookups fail."""
+    """A trainer's side: the `LookupExchange` interface the tables use (lookup, push, flush, take_stale, close and
+    the counters), carried by the node's exchange (the `leader`: how errors name it); `timeout`: seconds without a
+    round of the leader before the lookups fail."""
 
     def __init__(self, box: Mailbox, node_of: Any, *, n: int, dim: int, interval: float, leader: str,
                  timeout: float = 60.0):
@@ -105,6 +107,7 @@ class RelayClient:
         self.rounds = self.bytes_sent = 0  # this trainer sends nothing to other nodes: its leader does
         self.cpu_s = 0.0  # the relay thread's CPU (copies in and out of the mailbox)
         self.relayed_bytes = 0
+        self._max_rows = (box.request.shape[1] - 64 - 24) // (16 + 4 * self.dim)  # of one part, as sized below
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()  # ('l', id, rows, future) | ('p', rows, versions, grads)
@@ -117,19 +120,28 @@ class RelayClient:
         self._thread.start()
 
     def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
+        """A lookup larger than a slot (a snapshot of a whole shard) goes in slot-sized pieces, answered as one."""
+        rows = rows.to(torch.int64)
+        if rows.numel() > self._max_rows:
+            pieces = [self.lookup(p) for p in rows.split(self._max_rows)]
+            return torch.futures.collect_all(pieces).then(
+                lambda f: tuple(torch.cat(t) for t in zip(*(p.wait() for p in f.wait()))))
         fut: torch.futures.Future = torch.futures.Future()
         with self._lock:
             self._check()
-            self._queue.append(("l", self._next_id, rows.to(torch.int64), fut))
+            self._queue.append(("l", self._next_id, rows, fut))
             self._futures[self._next_id] = fut
             self._next_id += 1
         return fut
 
     def push(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> None:
+        k = self._max_rows
         with self._lock:
             self._check()
-            self._queue.append(("p", rows.to(torch.int64), versions.to(torch.int64), grads.to(torch.float32)))
-            self._pushes_queued += 1
+            for i in range(0, max(rows.numel(), 1), k):
+                self._queue.append(("p", rows[i:i + k].to(torch.int64), versions[i:i + k].to(torch.int64),
+                                    grads[i:i + k].to(torch.float32)))
+                self._pushes_queued += 1
 
     def _check(self) -> None:
         if self._error is not None:
@@ -202,10 +214,7 @@ class RelayClient:
                 rows = part[2 if part[0] == "l" else 1].numel()
                 size = 24 + (16 + 4 * self.dim) * rows if part[0] == "l" else 8 + (16 + 4 * self.dim) * rows
                 if used + size > room:  # (lookups counted at their answer's size: it fits one answer slot)
-                    if not lookups and not pushes:
-                        raise ValueError(f"a lookup or push of {rows} rows does not fit the relay's {room}-byte "
-                                         "slot (mailbox_nbytes sizes it for a batch)")
-                    break
+                    break  # (a part alone always fits: lookup and push cut bigger ones)
                 used += size
                 self._queue.popleft()
                 if part[0] == "l":
@@ -259,7 +268,7 @@ class _Relayed:
 
 
 class RelayHost:
-    """The leader's side: takes its clients' requests into its rounds and writes their answers back."""
+    """The node exchange's side (the leader): takes its trainers' requests into its rounds, writes the answers back."""
 
     def __init__(self, boxes: list[Mailbox], dim: int):
         self.boxes, self.dim = list(boxes), int(dim)
