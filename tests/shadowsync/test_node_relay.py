@@ -29,8 +29,8 @@ def _node_shard(d: str, rowhash: RowHash, server: int, optimizer: str) -> Shard:
 
 
 def _relay_rank(d: str, optimizer: str, in_order: bool) -> dict:
-    """Rank 0: node 0 (server 0). Ranks 1 and 2: node 1 (server 1); rank 1 leads its exchange, rank 2 drives a
-    client whose remote rows go through rank 1."""
+    """Rank 0: node 0 (server 0). Ranks 1 and 2: node 1 (server 1); rank 1 runs the node's exchange (as a node's
+    first embedding server does), rank 2 drives a trainer's tables whose remote rows go through rank 1."""
     import torch.distributed as dist
 
     from cocosync.shadowsync.model.exchange import LookupExchange
@@ -139,6 +139,7 @@ def test_a_client_learns_when_its_leader_fails_or_stops_running_rounds():
 
     box = _box(mailbox_nbytes(16, 2))
     client = RelayClient(box, lambda r: r % 2, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=0.3)
+    time.sleep(0.5)  # no round yet, but nothing waits for one: not late
     with pytest.raises(ExchangeLost, match=r"trainer4 \(rank 4\), which runs this node's lookup exchange, ran no "
                                            r"round in 0.3 s"):
         client.lookup(torch.arange(3)).wait()

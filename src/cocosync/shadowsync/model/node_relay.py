@@ -177,7 +177,7 @@ class RelayClient:
                 if int(c[_FAILED]):
                     raise self._lost(f"the node's lookup exchange on {self.leader} broke")
                 beat = int(c[_BEAT])
-                if beat != last_beat:
+                if beat != last_beat or not (self._queue or self._futures):  # (waiting for nothing: not late)
                     last_beat, beat_at = beat, time.monotonic()
                 elif time.monotonic() - beat_at > self.timeout:
                     raise self._lost(f"{self.leader}, which runs this node's lookup exchange, ran no round in "
