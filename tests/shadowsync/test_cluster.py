@@ -32,16 +32,23 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
-def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmuf(tmp_path):
+@pytest.mark.parametrize("transport", ["exchange", "node-exchange"])
+def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmuf(tmp_path, transport):
     """1 embedding server + 2 trainers per node: BMUF is the compiled DSL program on the runtime's hierarchical
     communicator (shared memory within a node, gloo across nodes; its state sliced over the 4 trainers); the hottest
-    rows come from the node's replica of them, about half of the others from the other node's server."""
+    rows come from the node's replica of them, about half of the others from the other node's server, through an
+    exchange per trainer or one per node (the node's server, which its trainers relay through)."""
     out = tmp_path / "run"
     args = ["--examples", "60000", "--eval-examples", "4000"]  # 4 trainers: enough examples each to learn
-    runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--sync", "shadow-bmuf", "--out", str(out)],
-                     nproc_per_node=3, timeout=240)
+    runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--sync", "shadow-bmuf", "--lookup-transport", transport,
+                      "--out", str(out)], nproc_per_node=3, timeout=240)
     _ok(runs)
     s = _summary(out)
+    assert s["lookup_transport"] == transport and s["exchange_rounds"] > 0
+    assert s["exchange_processes"] == (4 if transport == "exchange" else 2)  # the trainers, or the nodes' servers
+    # one message to the other node per round of each exchange: 2 exchanges a node per trainer, 1 per node
+    per_round = s["messages_per_example"] * s["examples"] / s["exchange_rounds"]
+    assert per_round == pytest.approx(1.0) and s["network_bytes_per_example"] > 0
     assert (s["nodes"], s["T"], s["embedding_servers"], s["examples"]) == (2, 4, 2, 60000)
     assert s["hot_rows"] == 4096 and s["hot_row_fraction"] > 0.5 and s["hot_syncs"] > 0  # the replicated rows
     # gloo's threads (the exchange's and the hot rows' collectives across nodes) counted within the job's CPU

@@ -61,6 +61,7 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "lookup_transport": transport,
         "messages_per_example": total("messages") / max(examples, 1),  # to other nodes, per trainer
         "exchange_rounds": total("rounds"),
+        "exchange_processes": sum(1 for x in lk if x["rounds"] > 0),  # that ran rounds (node-exchange: add_job_cpu)
         "exchange_cpu_us_per_round": 1e6 * total("exchange_cpu_s") / max(total("rounds"), 1),
         "_exchange_cpu_s": total("exchange_cpu_s"),  # (with node-exchange, the trainers' relays: add_job_cpu)
         "network_bytes_per_example": ((total("wire_bytes") + total("hot_sync_bytes")) if exchange else sparse_bytes)
@@ -101,6 +102,7 @@ def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:
     examples = max(summary["examples"], 1)
     rounds = sum(x["rounds"] for x in exchanges)
     summary["exchange_rounds"] = summary["exchange_rounds"] + rounds
+    summary["exchange_processes"] += sum(1 for x in exchanges if x["rounds"] > 0)
     summary["messages_per_example"] += sum(x["messages"] for x in exchanges) / examples
     summary["network_bytes_per_example"] += sum(x["wire_bytes"] for x in exchanges) / examples
     summary["exchange_cpu_us_per_round"] = 1e6 * (relay_cpu_s + sum(x["exchange_cpu_s"] for x in exchanges)) / max(
