@@ -150,8 +150,10 @@ _CLUSTER_OPTIONS = [
                  help="multi-node: batches whose embedding rows are requested ahead of the one training (0: none)."),
     click.option("--lookup-transport", type=click.Choice(TRANSPORTS), default="exchange", show_default=True,
                  help="multi-node: how lookups reach other machines' shards: rounds of one gloo all_to_all between "
-                      "the trainers of every node, or torch.distributed.rpc (a message per server and batch: the "
-                      "former path)."),
+                      "the trainers of every node; the same rounds between the nodes' first embedding servers, "
+                      "which carry their trainers' rows through shared memory (node-exchange: one exchange per "
+                      "node, for nodes with many trainers); or torch.distributed.rpc (a message per server and "
+                      "batch: the former path)."),
     click.option("--exchange-interval", type=float, default=40.0, show_default=True,
                  help="multi-node: milliseconds between two rounds of the lookup exchange (shorter: fresher rows, "
                       "more CPU per example)."),
