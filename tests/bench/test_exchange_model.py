@@ -56,6 +56,21 @@ def test_projection_formula_per_trainer_and_per_node_exchange():
     assert project_efficiency(costs, 4096, 1) == 0.0  # rounds longer than the interval: no time left to train
 
 
+def test_a_measured_relay_cost_replaces_the_shared_rounds_and_the_server_load_is_reported():
+    """With k_relay from a node-exchange run, a trainer core pays its relay, not a share of the rounds (they run on
+    the node's server, whose load is t rounds merged plus gloo's per interval)."""
+    rows = [_row(1), _row(2), _row(4)]
+    report = model_report(rows, interval_s=0.04, hot_interval_s=0.04, relay_us=400.0)
+    p = next(p for p in report["projections"] if (p["machines"], p["trainers_per_node"]) == (32, 15))
+    gloo = GLOO[0] + GLOO[1] * 31
+    k_hot = HOT[0] + HOT[1] * 31 + gloo
+    work = C1 / (C1 + K_ROW * ROWS * REMOTE * 31 / 32)
+    assert p["per_node_exchange"] == pytest.approx((1 - 400e-6 / 0.04 - k_hot * 1e-6 / 0.6) * work)
+    assert p["server_load"] == pytest.approx((15 * (ROUND[0] + ROUND[1] * 31) + gloo) * 1e-6 / 0.04)
+    without = model_report(rows, interval_s=0.04, hot_interval_s=0.04)["projections"]
+    assert all(q["server_load"] is None for q in without)  # unknown relay: the former per-node estimate
+
+
 def test_rows_without_gloo_measures_leave_it_out():
     rows = [{k: v for k, v in _row(n).items() if k != "gloo_cpu_us_per_example"} for n in (1, 2, 4)]
     costs = fit_costs(rows, interval_s=0.04, hot_interval_s=0.04)

@@ -24,18 +24,22 @@ growing as (M - 1) / M. Efficiency against one node:
     eff(M) = (1 - (k_round(M) + k_gloo(M)) / interval - (k_hot(M) + k_gloo(M)) / (t hot_interval))
              * c(1) / (c(1) + k_row R(M))
 
-and with one exchange per node (its rounds shared by the node's t trainers, as the hot sync's are) the round term
-becomes (k_round(M) + k_gloo(M)) / (t interval): what that design would buy, before the cost of handing rows
-between a node's processes, which this model does not know.
+and with one exchange per node (`--lookup-transport node-exchange`: the node's server runs the rounds, on its own
+core) a trainer core pays only its relay, k_relay / interval (k_relay: a trainer's relay CPU per round, measured
+by a node-exchange run of the same bench), in place of the round term; the server keeps up while
+(t k_round(M) + k_gloo(M)) / interval < 1 (every trainer's round merged: an upper bound, deduplication ignored),
+reported as its load. Without a node-exchange run k_relay is unknown, and the per-node column falls back to the
+rounds shared by the t trainers with no relay cost (the optimistic estimate this model gave before it was built).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 
 from cocosync.bench.lookup_scaling import fit_line
 
-__all__ = ["ExchangeCosts", "fit_costs", "predict_cpu", "project_efficiency", "model_report"]
+__all__ = ["ExchangeCosts", "fit_costs", "predict_cpu", "project_efficiency", "server_load", "model_report"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,7 @@ class ExchangeCosts:
     remote_rows_all: float  # remote rows per example when (M - 1) / M -> 1
     interval_s: float
     hot_interval_s: float
+    relay_us: float | None = None  # k_relay: a trainer's relay CPU us per round of its node's exchange (measured)
 
     def k_round(self, nodes: int) -> float:
         return max(0.0, self.round_us[0] + self.round_us[1] * (nodes - 1))
@@ -128,23 +133,34 @@ def project_efficiency(costs: ExchangeCosts, machines: int, trainers_per_node: i
         return 1.0
     t = trainers_per_node
     gloo = costs.k_gloo(machines)
-    busy = (costs.k_round(machines) + gloo) * 1e-6 / (costs.interval_s * (t if per_node else 1))
+    if per_node and costs.relay_us is not None:
+        busy = costs.relay_us * 1e-6 / costs.interval_s
+    else:
+        busy = (costs.k_round(machines) + gloo) * 1e-6 / (costs.interval_s * (t if per_node else 1))
     busy += (costs.k_hot(machines) + gloo) * 1e-6 / (costs.hot_interval_s * t)
     remote = costs.remote_rows_all * (machines - 1) / machines
     return max(0.0, 1.0 - busy) * costs.c_one / (costs.c_one + costs.k_row * remote)
 
 
+def server_load(costs: ExchangeCosts, machines: int, trainers_per_node: int) -> float:
+    """The node-exchange server's busy fraction at M machines and t trainers per node (module doc)."""
+    return (trainers_per_node * costs.k_round(machines) + costs.k_gloo(machines)) * 1e-6 / costs.interval_s
+
+
 def model_report(rows: list[dict], *, interval_s: float, hot_interval_s: float,
-                 machines: tuple[int, ...] = (4, 32, 128), trainers: tuple[int, ...] = (1, 15)) -> dict:
+                 machines: tuple[int, ...] = (4, 32, 128), trainers: tuple[int, ...] = (1, 15),
+                 relay_us: float | None = None) -> dict:
     """The fitted costs, the prediction against each measured row, and the projections (per-trainer and per-node
-    exchange) for each trainer count per node."""
-    costs = fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s)
+    exchange) for each trainer count per node; `relay_us`: k_relay, from a node-exchange run."""
+    costs = dataclasses.replace(fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s),
+                                relay_us=relay_us)
     checks = []
     for r in sorted(rows, key=lambda r: r["nodes"]):
         predicted = predict_cpu(costs, r)
         checks.append({"nodes": r["nodes"], "measured_us": r["cpu_us_per_example"], "predicted_us": predicted,
                        "error": predicted / r["cpu_us_per_example"] - 1})
     projections = [{"machines": m, "trainers_per_node": t, "per_trainer_exchange": project_efficiency(costs, m, t),
-                    "per_node_exchange": project_efficiency(costs, m, t, per_node=True)}
+                    "per_node_exchange": project_efficiency(costs, m, t, per_node=True),
+                    "server_load": server_load(costs, m, t) if relay_us is not None else None}
                    for t in trainers for m in machines]
     return {"costs": asdict(costs), "checks": checks, "projections": projections}

@@ -126,14 +126,22 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
             a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
             fits[t] = {"intercept_us": a, "slope_us_per_node": b,
                        **{f"efficiency_{m}": projected_efficiency(a, b, m) for m in (4, 8, 32, 128)}}
-    models = {t: _model(rows, one, t, extra) for t in labels if t.startswith("exchange")}
+    relay = _relay_us(rows, per_node)
+    models = {t: _model(rows, one, t, extra, relay) for t in labels if t.startswith("exchange")}
     return {"rows": rows, "fits": fits, "models": {t: m for t, m in models.items() if m is not None},
             "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
             "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
                          "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
 
 
-def _model(rows: list[dict], one: dict, label: str, extra: list[str]) -> dict | None:
+def _relay_us(rows: list[dict], per_node: int) -> float | None:
+    """k_relay: a trainer's relay CPU us per round, the median over the node-exchange multi-node rows (None: none)."""
+    vals = [r["relay_cpu_us_per_round"] / per_node for r in rows if r["nodes"] > 1
+            and r["transport"].startswith("node-exchange") and r.get("relay_cpu_us_per_round", 0) > 0]
+    return statistics.median(vals) if vals else None
+
+
+def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: float | None = None) -> dict | None:
     """The exchange model (exchange_model.py) fitted to one exchange variant's rows; None without a multi-node row."""
     import dataclasses
 
@@ -147,7 +155,7 @@ def _model(rows: list[dict], one: dict, label: str, extra: list[str]) -> dict | 
     interval = default["exchange_interval"]
     if "--exchange-interval" in extra:
         interval = float(extra[extra.index("--exchange-interval") + 1]) / 1e3
-    return model_report(mine, interval_s=interval, hot_interval_s=default["hot_sync_interval"])
+    return model_report(mine, interval_s=interval, hot_interval_s=default["hot_sync_interval"], relay_us=relay_us)
 
 
 def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, t: str) -> None:
@@ -170,7 +178,7 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
 
 _KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
          "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction",
-         "hot_sync_cpu_us_per_sync", "rows_per_example", "remote_row_fraction")
+         "hot_sync_cpu_us_per_sync", "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
@@ -211,10 +219,14 @@ def _print_model(console: Any, label: str, m: dict) -> None:
     for k in m["checks"]:
         console.print(f"  {k['nodes']} nodes: measured {k['measured_us']:.2f} us/example, "
                       f"model {k['predicted_us']:.2f} ({k['error']:+.0%})")
+    relay = c.get("relay_us")
+    console.print("  one exchange per node: " + (f"a trainer's relay {relay:.0f} us per round (measured)" if relay
+                                                  is not None else "relay cost unknown (no node-exchange run)"))
     for p in m["projections"]:
+        load = f", its server {p['server_load']:.0%} busy" if p.get("server_load") is not None else ""
         console.print(f"  {p['machines']:4d} machines x {p['trainers_per_node']:2d} trainers: efficiency "
                       f"{p['per_trainer_exchange']:.2f} (an exchange per trainer), {p['per_node_exchange']:.2f} "
-                      f"(one per node)")
+                      f"(one per node{load})")
 
 
 def _verdict(ok: bool, what: str, detail: str) -> str:

@@ -64,6 +64,7 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "exchange_processes": sum(1 for x in lk if x["rounds"] > 0),  # that ran rounds (node-exchange: add_job_cpu)
         "exchange_cpu_us_per_round": 1e6 * total("exchange_cpu_s") / max(total("rounds"), 1),
         "_exchange_cpu_s": total("exchange_cpu_s"),  # (with node-exchange, the trainers' relays: add_job_cpu)
+        "relay_cpu_us_per_round": 0.0,
         "network_bytes_per_example": ((total("wire_bytes") + total("hot_sync_bytes")) if exchange else sparse_bytes)
         / max(examples, 1),
         "hot_rows": hot_rows,
@@ -94,8 +95,8 @@ def add_job_cpu(summary: dict, cpu: list[tuple[str, float, float, dict | None]],
 
 
 def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:
-    """node-exchange: the rounds run by the nodes' servers join the trainers' counters (the trainers' relays' CPU
-    counts in the round's cost: it is the node's price of one exchange)."""
+    """node-exchange: the rounds run by the nodes' servers join the trainers' counters; the trainers' relays' CPU is
+    its own entry, per round of their node's exchange."""
     relay_cpu_s = summary.pop("_exchange_cpu_s", 0.0)
     if not exchanges:
         return
@@ -105,8 +106,9 @@ def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:
     summary["exchange_processes"] += sum(1 for x in exchanges if x["rounds"] > 0)
     summary["messages_per_example"] += sum(x["messages"] for x in exchanges) / examples
     summary["network_bytes_per_example"] += sum(x["wire_bytes"] for x in exchanges) / examples
-    summary["exchange_cpu_us_per_round"] = 1e6 * (relay_cpu_s + sum(x["exchange_cpu_s"] for x in exchanges)) / max(
-        summary["exchange_rounds"], 1)
+    total = max(summary["exchange_rounds"], 1)
+    summary["exchange_cpu_us_per_round"] = 1e6 * sum(x["exchange_cpu_s"] for x in exchanges) / total  # the servers'
+    summary["relay_cpu_us_per_round"] = 1e6 * relay_cpu_s / total  # a node's trainers' relays, per round of its own
 
 
 def write_summary(summary: dict, out: Path) -> None:
