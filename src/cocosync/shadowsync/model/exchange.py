@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
+from cocosync.shadowsync.model.lookup_thread import ExchangeLost, LookupThread
 from cocosync.shadowsync.model.node_relay import RelayHost
 
 __all__ = ["LookupExchange", "ExchangeLost"]
@@ -50,10 +50,6 @@ _ROW_MASK = (1 << _NODE_SHIFT) - 1
 _MEMORY = 8  # rounds whose sizes set the room announced for the next request
 _EMPTY = torch.empty(0, dtype=torch.uint8)
 _NO_VERSIONS, _NO_ROWS = torch.empty(0, dtype=torch.int64), torch.empty(0)  # a peer owed no answer (native packing)
-
-
-class ExchangeLost(RuntimeError):
-    """The exchange with the other nodes broke (a peer died or its machine is unreachable); the message names them."""
 
 
 def _align(n: int) -> int:
@@ -245,12 +241,13 @@ def pack_messages(me: int, heads: torch.Tensor, owed: list[_Answer | None], rnd:
     return (torch.cat(send) if send else _EMPTY), sizes
 
 
-class LookupExchange:
+class LookupExchange(LookupThread):
     """This trainer's side of the lookup exchange (see the module doc). `group`: gloo group of one trainer per node,
     in node order (group rank = node); `shards`: this node's shards by global server index; `servers`: the job's
     server count S (global row g lives on server g % S, at its row g // S); `servers_per_node`: server s lives on node
     s // servers_per_node; `labels[n]`: how errors name node n's peer; `native`: sort and pack each round in C++
-    (the module of runtime/comm/native, when enabled and built) rather than in Python, the reference."""
+    (the module of runtime/comm/native, when enabled and built) rather than in Python, the reference; `relays`: the
+    trainers whose rows this exchange also carries (node-exchange: it runs on the node's first server)."""
 
     def __init__(self, group: Any, shards: Mapping[int, Any], *, servers: int, servers_per_node: int, dim: int,
                  interval: float, labels: Sequence[str], native: bool = True, relays: RelayHost | None = None):
@@ -259,19 +256,13 @@ class LookupExchange:
         self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
         self.shards, self.servers, self.per_node = dict(shards), int(servers), int(servers_per_node)
         self.labels = list(labels)
-        self.relays = relays  # the node's other trainers' mailboxes when this trainer carries their lookups
+        self.relays = relays  # node-exchange: the node's trainers' mailboxes, whose lookups this exchange carries
         self.rounds = 0
         self.bytes_sent = 0  # every message of every round, headers and answers included
         self.cpu_s = 0.0  # this thread's CPU in its rounds (packing, the all_to_all, serving the peers)
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         self._queue: list[_Part] = []
-        self._pushes_queued = self._pushes_answered = 0
         self._stale = 0
-        self._closing = False
-        self._error: ExchangeLost | None = None
-        self._thread = threading.Thread(target=self._run, name="cocosync-lookups", daemon=True)
-        self._thread.start()
+        self._start("cocosync-lookups")
 
     # -- the client side (the trainer's workers) ----------------------------------------------------------------
     def node_of(self, rows: torch.Tensor) -> torch.Tensor:
@@ -303,23 +294,6 @@ class LookupExchange:
         with self._lock:
             stale, self._stale = self._stale, 0
             return stale
-
-    def flush(self) -> None:
-        """Wait until every push queued so far is applied on its server."""
-        with self._cv:
-            target = self._pushes_queued
-            while self._pushes_answered < target and self._error is None:
-                self._cv.wait(1.0)
-            if self._error is not None:
-                raise self._error
-
-    def close(self) -> None:
-        """No more lookups from this trainer; serve the peers until every one of them is done too, then stop."""
-        with self._lock:
-            self._closing = True
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
 
     # -- the rounds ----------------------------------------------------------------------------------------------
     def _run(self) -> None:

@@ -25,12 +25,13 @@ slot is written before the count that publishes it, as shm.py's flags rely on).
 from __future__ import annotations
 
 import collections
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+
+from cocosync.shadowsync.model.lookup_thread import ExchangeLost, LookupThread
 
 __all__ = ["Mailbox", "RelayClient", "RelayHost", "SLOTS", "mailbox_nbytes"]
 
@@ -92,32 +93,23 @@ class _Reader:
         return t.view(n, cols) if cols > 1 or dtype != torch.int64 else t
 
 
-class RelayClient:
+class RelayClient(LookupThread):
     """A trainer's side: the `LookupExchange` interface the tables use (lookup, push, flush, take_stale, close and
     the counters), carried by the node's exchange (the `leader`: how errors name it); `timeout`: seconds without a
     round of the leader before the lookups fail."""
 
     def __init__(self, box: Mailbox, node_of: Any, *, n: int, dim: int, interval: float, leader: str,
                  timeout: float = 60.0):
-        from cocosync.shadowsync.model.exchange import ExchangeLost
-
-        self._lost = ExchangeLost
         self.box, self.node_of, self.n, self.dim = box, node_of, int(n), int(dim)
         self.poll, self.leader, self.timeout = max(interval / SLOTS, 5e-4), leader, float(timeout)
         self.rounds = self.bytes_sent = 0  # this trainer sends nothing to other nodes: its leader does
         self.cpu_s = 0.0  # the relay thread's CPU (copies in and out of the mailbox)
         self.relayed_bytes = 0
         self._max_rows = (box.request.shape[1] - 64 - 24) // (16 + 4 * self.dim)  # of one part, as sized below
-        self._lock = threading.Lock()
-        self._cv = threading.Condition(self._lock)
         self._queue: collections.deque = collections.deque()  # ('l', id, rows, future) | ('p', rows, versions, grads)
         self._futures: dict[int, torch.futures.Future] = {}
         self._next_id = 0
-        self._pushes_queued = self._pushes_answered = 0
-        self._closing = False
-        self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name="cocosync-relay", daemon=True)
-        self._thread.start()
+        self._start("cocosync-relay")
 
     def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
         """A lookup larger than a slot (a snapshot of a whole shard) goes in slot-sized pieces, answered as one."""
@@ -152,21 +144,6 @@ class RelayClient:
     def take_stale(self) -> int:
         return 0  # the leader counts the node's staleness (its peers answer it per request, not per part)
 
-    def flush(self) -> None:
-        with self._cv:
-            target = self._pushes_queued
-            while self._pushes_answered < target and self._error is None:
-                self._cv.wait(1.0)
-            if self._error is not None:
-                raise self._error
-
-    def close(self) -> None:
-        with self._lock:
-            self._closing = True
-        self._thread.join()
-        if self._error is not None:
-            raise self._error
-
     def _run(self) -> None:
         c = self.box.words
         last_beat, beat_at = int(c[_BEAT]), time.monotonic()
@@ -175,12 +152,12 @@ class RelayClient:
                 time.sleep(self.poll)
                 cpu0 = time.thread_time()
                 if int(c[_FAILED]):
-                    raise self._lost(f"the node's lookup exchange on {self.leader} broke")
+                    raise ExchangeLost(f"the node's lookup exchange on {self.leader} broke")
                 beat = int(c[_BEAT])
                 if beat != last_beat or not (self._queue or self._futures):  # (waiting for nothing: not late)
                     last_beat, beat_at = beat, time.monotonic()
                 elif time.monotonic() - beat_at > self.timeout:
-                    raise self._lost(f"{self.leader}, which runs this node's lookup exchange, ran no round in "
+                    raise ExchangeLost(f"{self.leader}, which runs this node's lookup exchange, ran no round in "
                                      f"{self.timeout:g} s")
                 for seq in range(int(c[_ANS_TAKEN]), int(c[_ANS])):
                     self._read_answer(self.box.answer[seq % SLOTS])
@@ -195,7 +172,7 @@ class RelayClient:
                     c[_CLOSED] = 1
                     return
         except BaseException as e:  # noqa: BLE001 - every waiting worker gets the reason
-            err = e if isinstance(e, self._lost) else self._lost(f"the relay to {self.leader} broke: {e!r}")
+            err = e if isinstance(e, ExchangeLost) else ExchangeLost(f"the relay to {self.leader} broke: {e!r}")
             with self._cv:
                 self._error = err
                 futures, self._futures = list(self._futures.values()), {}

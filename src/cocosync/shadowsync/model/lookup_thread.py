@@ -1,0 +1,47 @@
+"""What the trainers' tables see of a lookup transport that runs in a background thread of its own (the exchange's
+rounds, a trainer's relay to its node's exchange): pushes counted until applied, `flush`, `close`, and the error that
+every waiting worker gets when the transport breaks."""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["ExchangeLost", "LookupThread"]
+
+
+class ExchangeLost(RuntimeError):
+    """The exchange with the other nodes broke (a peer died or its machine is unreachable); the message names them."""
+
+
+class LookupThread:
+    """Subclasses implement `_run` (the thread) and call `_start(name)` once their state is set."""
+
+    def _start(self, name: str) -> None:
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._pushes_queued = self._pushes_answered = 0
+        self._closing = False
+        self._error: Exception | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        raise NotImplementedError
+
+    def flush(self) -> None:
+        """Wait until every push queued so far is applied on its server."""
+        with self._cv:
+            target = self._pushes_queued
+            while self._pushes_answered < target and self._error is None:
+                self._cv.wait(1.0)
+            if self._error is not None:
+                raise self._error
+
+    def close(self) -> None:
+        """No more lookups from this trainer: the thread finishes what it owes (an exchange: serves its peers until
+        every one of them is done too), then stops."""
+        with self._lock:
+            self._closing = True
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
