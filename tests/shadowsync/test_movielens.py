@@ -117,4 +117,6 @@ def test_a_sample_of_the_real_ratings_trains_and_scores_against_the_baseline(rea
     # so few rows may score only overfit points (its points come as fast as scoring keeps up with training)
     run = train_dlrm([*shlex.split(train_command(meta)), "--epochs", "1"], 0, tmp_path / "runs", paths["test"], 2000)
     assert run["best_valid_ne"] < 0.95 and run["test_ne"] < 0.97, run
-    assert 0 < run["best_examples"] <= run["examples"] and abs(run["examples"] - 16_000) < 100
+    # a curve point's examples are trainer 0's reader position x T (the trainers' shares differ by a row or two: a
+    # point at the very end read 16,000 for a 15,998-example run once in CI), so within the same 100 as the total
+    assert 0 < run["best_examples"] <= run["examples"] + 100 and abs(run["examples"] - 16_000) < 100
