@@ -53,7 +53,7 @@ def _relay_rank(d: str, optimizer: str, in_order: bool) -> dict:
                             labels=["node0", "node1"], relays=RelayHost([box], DIM) if rank == 1 else None)
         ex.close()  # serves until every peer (and the client relaying through it) is done
         return {"rounds": ex.rounds, "relayed": ex.relays.relayed_bytes if ex.relays else 0}
-    relay = RelayClient(box, lambda rows: rows % 2, n=2, dim=DIM, interval=INTERVAL, leader="trainer1")
+    relay = RelayClient(box, n=2, dim=DIM, interval=INTERVAL, leader="trainer1")
     client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shard], exchange=relay)
     local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
     _drive(client, local, steps=8, in_order=in_order)
@@ -96,7 +96,7 @@ def test_the_rings_carry_more_parts_than_slots_in_order_and_answer_each_lookup()
 
     dim, box = 3, _box(1024)  # ~5 parts a request: 40 lookups take more requests than the ring has slots
     host = RelayHost([box], dim)
-    client = RelayClient(box, lambda r: r % 2, n=2, dim=dim, interval=0.004, leader="trainer0", timeout=10)
+    client = RelayClient(box, n=2, dim=dim, interval=0.004, leader="trainer0", timeout=10)
     futures, pushed = [], []
     for i in range(40):
         futures.append(client.lookup(torch.arange(i, i + 5)))
@@ -138,7 +138,7 @@ def test_a_client_learns_when_its_leader_fails_or_stops_running_rounds():
     from cocosync.shadowsync.model.node_relay import RelayClient, RelayHost, mailbox_nbytes
 
     box = _box(mailbox_nbytes(16, 2))
-    client = RelayClient(box, lambda r: r % 2, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=0.3)
+    client = RelayClient(box, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=0.3)
     time.sleep(0.5)  # no round yet, but nothing waits for one: not late
     with pytest.raises(ExchangeLost, match=r"trainer4 \(rank 4\), which runs this node's lookup exchange, ran no "
                                            r"round in 0.3 s"):
@@ -147,7 +147,7 @@ def test_a_client_learns_when_its_leader_fails_or_stops_running_rounds():
         client.lookup(torch.arange(3))  # later calls fail at once
 
     box = _box(mailbox_nbytes(16, 2))
-    client = RelayClient(box, lambda r: r % 2, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=30)
+    client = RelayClient(box, n=2, dim=2, interval=0.004, leader="trainer4 (rank 4)", timeout=30)
     fut = client.lookup(torch.arange(3))
     RelayHost([box], 2).fail()  # the leader's exchange with the other nodes broke
     with pytest.raises(ExchangeLost, match=r"the node's lookup exchange on trainer4 \(rank 4\) broke"):

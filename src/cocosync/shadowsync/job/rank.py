@@ -62,21 +62,21 @@ from cocosync.shadowsync.data.sources import (
     base_shard_rows,
     build_configs,
     eval_batches,
-    first_sparse,
     trainer_source,
     with_init_ctr,
 )
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.link import Link
+from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
+from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
 from cocosync.shadowsync.job.summary import add_job_cpu, gloo_cpu_since, lookup_summary, native_thread_cpu
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
-from cocosync.shadowsync.model.exchange import LookupExchange
-from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, HotSync, choose_hot_rows
-from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
+from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
+from cocosync.shadowsync.model.node_relay import Mailbox
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -91,7 +91,6 @@ from cocosync.shadowsync.train_config import (
 __all__ = ["run_cluster"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
-_RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
 
 def _loopback_interfaces() -> None:
@@ -169,7 +168,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     try:
         if uses_rpc:
             _init_rpc(cfg, roles)
-        if (roles.role()[0] == "trainer" or _hosts_exchange(cluster, roles)) and native.enabled():
+        if (roles.role()[0] == "trainer" or hosts_exchange(cluster, roles)) and native.enabled():
             # built before training, not in its first sync
             if link is not None and roles.role()[1] == 0 and not native.is_built():
                 link.set("status", "building the native module once on this machine (~20 s)")
@@ -201,7 +200,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
-            node_exchange = _node_exchange(job) if job.exchange_group is not None else None
+            node_exchange = make_node_exchange(job) if job.exchange_group is not None else None
             while _command(job, None) == "checkpoint":
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job(parts, Path(cfg.out_dir), None, writer=roles.rank_of("trainer", 0))
@@ -245,23 +244,6 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     return summary
 
 
-def _hosts_exchange(cluster: ClusterConfig, roles: Roles) -> bool:
-    """Whether this rank runs its node's lookup exchange (node-exchange: the node's first embedding server)."""
-    kind, index = roles.role()
-    return (cluster.lookup_transport == "node-exchange" and roles.topo.nnodes > 1 and kind == "embedding"
-            and index % roles.embedding_per_node == 0)
-
-
-def _node_exchange(job: _Job) -> LookupExchange:
-    """The node's lookup exchange on its first embedding server: every trainer of the node relays through it."""
-    roles = job.roles
-    E, peers = roles.embedding_per_node, roles.ranks("embedding")[0::roles.embedding_per_node]
-    return LookupExchange(job.exchange_group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
-                          dim=job.model_cfg.embedding_dim, interval=job.cluster.exchange_interval,
-                          relays=RelayHost(job.mailboxes, job.model_cfg.embedding_dim),
-                          labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
-
-
 def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
     topo = roles.topo
     with warnings.catch_warnings():  # torch's own RPC init passes its gloo Backend as a group (deprecated use)
@@ -296,7 +278,7 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
-    hot = _hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
+    hot = hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
     flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
     job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel(), init_dense=flat,
                hot=hot)
@@ -317,18 +299,7 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
         if kind == "trainer" and index % Tn == i:
             inter = g
-    if nnodes > 1 and cluster.lookup_transport == "exchange":  # its own groups: a thread of its own uses them
-        for i in range(Tn):
-            g = dist.new_group(trainers[i::Tn])
-            if kind == "trainer" and index % Tn == i:
-                job.exchange_group = g
-    if nnodes > 1 and cluster.lookup_transport == "node-exchange":  # the nodes' first servers, and mailboxes
-        g = dist.new_group(roles.ranks("embedding")[0::E])
-        if kind == "embedding" and index % E == 0:
-            job.exchange_group = g
-        slot = mailbox_nbytes(_RELAY_BATCHES * cfg.batch_size * len(data.table_sizes), model_cfg.embedding_dim)
-        job.mailboxes = [Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot)
-                         for _ in range(Tn)]
+    exchange_groups(job, arena)
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
         if kind == "trainer" and index % Tn == 0:
@@ -347,25 +318,6 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
     job.hosts = [""] * topo.world_size
     dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return job
-
-
-def _hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any, arena: Arena) -> HotRows | None:
-    """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
-    choice from the first training rows, broadcast (collective over the job)."""
-    if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
-        return None
-    ids = [None]
-    if dist.get_rank() == 0:
-        offsets = torch.tensor([0, *np.cumsum(data.table_sizes)[:-1].tolist()], dtype=torch.int64)
-        sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
-        ids = [choose_hot_rows(sample, offsets, cluster.hot_rows) if sample is not None else torch.empty(0)]
-    dist.broadcast_object_list(ids, src=0)
-    H, dim = ids[0].numel(), model_cfg.embedding_dim
-    if not H:
-        return None
-    shard = Shard(arena.shared_empty((H, dim)), arena.shared_empty(H), arena.shared_empty(H, torch.int64),
-                  optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
-    return HotRows(ids[0], shard)
 
 
 def _data_plan(job: _Job, path: Path, meta: dict) -> DataPlan | None:
@@ -400,19 +352,7 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
     labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)}, host {job.hosts[r]})"
               for r in roles.ranks("embedding")]
-    exchange: LookupExchange | RelayClient | None = None
-    Tn, dim = roles.trainers_per_node, job.model_cfg.embedding_dim
-    if job.exchange_group is not None:
-        peers = roles.ranks("trainer")[t % Tn::Tn]
-        exchange = LookupExchange(job.exchange_group, job.shards, servers=E, servers_per_node=roles.embedding_per_node,
-                                  dim=dim, interval=job.cluster.exchange_interval,
-                                  labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers])
-    elif job.mailboxes:  # node-exchange: this node's first embedding server carries this trainer's remote rows
-        host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
-        exchange = RelayClient(job.mailboxes[t % Tn], lambda rows: rows % E // roles.embedding_per_node,
-                               n=roles.topo.nnodes, dim=dim, interval=job.cluster.exchange_interval,
-                               leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
-                               timeout=max(30.0, cfg.heartbeat_timeout))
+    exchange = trainer_exchange(job, t)
     hot = job.hot if exchange is not None else None
     hot_sync = None
     if hot is not None and job.hot_group is not None:

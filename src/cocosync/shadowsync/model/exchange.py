@@ -282,10 +282,7 @@ class LookupExchange(LookupThread):
     def _put(self, part: _Part) -> None:
         part.counts = torch.bincount(self.node_of(part.ids), minlength=self.n).tolist()
         with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._closing:
-                raise RuntimeError("the lookup exchange is closed")
+            self._check()
             self._queue.append(part)
             self._pushes_queued += part.future is None
 

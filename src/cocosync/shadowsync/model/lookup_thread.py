@@ -28,6 +28,13 @@ class LookupThread:
     def _run(self) -> None:
         raise NotImplementedError
 
+    def _check(self) -> None:
+        """Under the lock, before queueing: the transport's error, or its end."""
+        if self._error is not None:
+            raise self._error
+        if self._closing:
+            raise RuntimeError("the lookup exchange is closed")
+
     def flush(self) -> None:
         """Wait until every push queued so far is applied on its server."""
         with self._cv:

@@ -113,9 +113,8 @@ class RelayClient(LookupThread):
     the counters), carried by the node's exchange (the `leader`: how errors name it); `timeout`: seconds without a
     round of the leader before the lookups fail."""
 
-    def __init__(self, box: Mailbox, node_of: Any, *, n: int, dim: int, interval: float, leader: str,
-                 timeout: float = 60.0):
-        self.box, self.node_of, self.n, self.dim = box, node_of, int(n), int(dim)
+    def __init__(self, box: Mailbox, *, n: int, dim: int, interval: float, leader: str, timeout: float = 60.0):
+        self.box, self.n, self.dim = box, int(n), int(dim)
         self.poll, self.leader, self.timeout = max(interval / SLOTS, 5e-4), leader, float(timeout)
         self.rounds = self.bytes_sent = 0  # this trainer sends nothing to other nodes: its leader does
         self.cpu_s = 0.0  # the relay thread's CPU (copies in and out of the mailbox)
@@ -149,12 +148,6 @@ class RelayClient(LookupThread):
                 self._queue.append(("p", rows[i:i + k].to(torch.int64), versions[i:i + k].to(torch.int64),
                                     grads[i:i + k].detach().to(torch.float32)))
                 self._pushes_queued += 1
-
-    def _check(self) -> None:
-        if self._error is not None:
-            raise self._error
-        if self._closing:
-            raise RuntimeError("the lookup exchange is closed")
 
     def take_stale(self) -> int:
         return 0  # the leader counts the node's staleness (its peers answer it per request, not per part)

@@ -1,0 +1,102 @@
+"""How a job's ranks reach other nodes' embedding rows (multi-node): the node's replica of the hot rows, the lookup
+exchange's process groups and mailboxes (collective: every rank calls these in the same order), and the exchange a
+trainer uses (its own, or its relay to the node's server) or a server runs for its node (node-exchange)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from cocosync.runtime.comm.shm import Arena
+from cocosync.shadowsync.data.sources import first_sparse
+from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
+from cocosync.shadowsync.model.embeddings import Shard
+from cocosync.shadowsync.model.exchange import LookupExchange
+from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, choose_hot_rows
+from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
+from cocosync.shadowsync.train_config import TrainConfig
+
+__all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_exchange"]
+
+RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
+
+
+def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any, arena: Arena) -> HotRows | None:
+    """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
+    choice from the first training rows, broadcast (collective over the job)."""
+    if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
+        return None
+    ids = [None]
+    if dist.get_rank() == 0:
+        offsets = torch.tensor([0, *np.cumsum(data.table_sizes)[:-1].tolist()], dtype=torch.int64)
+        sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
+        ids = [choose_hot_rows(sample, offsets, cluster.hot_rows) if sample is not None else torch.empty(0)]
+    dist.broadcast_object_list(ids, src=0)
+    H, dim = ids[0].numel(), model_cfg.embedding_dim
+    if not H:
+        return None
+    shard = Shard(arena.shared_empty((H, dim)), arena.shared_empty(H), arena.shared_empty(H, torch.int64),
+                  optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
+    return HotRows(ids[0], shard)
+
+
+def exchange_groups(job: Any, arena: Arena) -> None:
+    """The exchange's own groups (a thread of its own uses them): trainer i of every node, or the nodes' first
+    servers and a mailbox per local trainer (node-exchange). Sets job.exchange_group where this rank joins one."""
+    cfg, cluster, roles = job.cfg, job.cluster, job.roles
+    if roles.topo.nnodes == 1 or cluster.lookup_transport not in EXCHANGES:
+        return
+    kind, index = roles.role()
+    trainers, Tn, E = roles.ranks("trainer"), roles.trainers_per_node, roles.embedding_per_node
+    if cluster.lookup_transport == "exchange":
+        for i in range(Tn):
+            g = dist.new_group(trainers[i::Tn])
+            if kind == "trainer" and index % Tn == i:
+                job.exchange_group = g
+        return
+    g = dist.new_group(roles.ranks("embedding")[0::E])
+    if hosts_exchange(cluster, roles):
+        job.exchange_group = g
+    slot = mailbox_nbytes(RELAY_BATCHES * cfg.batch_size * len(job.data.table_sizes), job.model_cfg.embedding_dim)
+    job.mailboxes = [Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot) for _ in range(Tn)]
+
+
+def hosts_exchange(cluster: ClusterConfig, roles: Roles) -> bool:
+    """Whether this rank runs its node's lookup exchange (node-exchange: the node's first embedding server)."""
+    kind, index = roles.role()
+    return (cluster.lookup_transport == "node-exchange" and roles.topo.nnodes > 1 and kind == "embedding"
+            and index % roles.embedding_per_node == 0)
+
+
+def _label(job: Any, r: int) -> str:
+    return f"{job.roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}"
+
+
+def node_exchange(job: Any) -> LookupExchange:
+    """The node's lookup exchange on its first embedding server: every trainer of the node relays through it."""
+    roles, dim = job.roles, job.model_cfg.embedding_dim
+    E = roles.embedding_per_node
+    return LookupExchange(job.exchange_group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
+                          dim=dim, interval=job.cluster.exchange_interval, relays=RelayHost(job.mailboxes, dim),
+                          labels=[_label(job, r) for r in roles.ranks("embedding")[0::E]])
+
+
+def trainer_exchange(job: Any, t: int) -> LookupExchange | RelayClient | None:
+    """Trainer t's way to other nodes' rows: its own exchange (with trainer t's peers on every node), its relay to
+    the node's server (node-exchange), or None (one node, or RPC)."""
+    roles, dim, Tn = job.roles, job.model_cfg.embedding_dim, job.roles.trainers_per_node
+    if job.exchange_group is not None:
+        return LookupExchange(job.exchange_group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
+                              servers_per_node=roles.embedding_per_node, dim=dim,
+                              interval=job.cluster.exchange_interval,
+                              labels=[_label(job, r) for r in roles.ranks("trainer")[t % Tn::Tn]])
+    if job.mailboxes:
+        host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
+        return RelayClient(job.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
+                           interval=job.cluster.exchange_interval,
+                           leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
+                           timeout=max(30.0, job.cfg.heartbeat_timeout))
+    return None
