@@ -172,3 +172,54 @@ def test_a_two_node_checkpoint_holds_the_trained_hot_rows(tmp_path):
     for server in range(2):
         versions[server::2] = state[f"emb.{server}.versions"]
     assert (versions[hot] >= 1).all() and versions[hot].sum() > versions.sum() / 2  # most updates went to them
+
+
+def test_the_staleness_bound_scales_the_interval_between_its_limits():
+    from cocosync.shadowsync.model.hot_rows import MIN_INTERVAL, next_interval
+
+    assert next_interval(0.04, 16.0, 4.0, 0.04) == pytest.approx(0.02)  # 4x the bound: half the interval a sync
+    assert next_interval(0.01, 1.0, 4.0, 0.04) == pytest.approx(0.02)  # under it: longer again
+    assert next_interval(0.03, 1.0, 4.0, 0.04) == 0.04  # never past the configured interval
+    assert next_interval(0.003, 1e6, 4.0, 0.04) == MIN_INTERVAL  # nor under the shortest
+    assert next_interval(0.01, 0.0, 4.0, 0.04) == pytest.approx(0.02)  # nothing missed: back off
+
+
+def _bound_rank(bound: float, seconds: float) -> dict:
+    """Both nodes update every hot row every millisecond while the replicas sync with a staleness bound."""
+    import time
+
+    import torch.distributed as dist
+
+    from cocosync.shadowsync.model.hot_rows import HotSync
+
+    hot_group = dist.new_group([0, 1])
+    H = HOT.numel()
+    hot = HotRows(HOT, Shard(torch.zeros(H, DIM), torch.zeros(H), torch.zeros(H, dtype=torch.int64),
+                             optimizer="sgd", lr=0.1))
+    sync = HotSync(hot, hot_group, interval=0.02, staleness=bound)
+    sync.fill({dist.get_rank(): _shards(2, "sgd")[dist.get_rank()]}, 2)
+    sync.start()
+    slots, updates, end = torch.arange(H), 0, time.monotonic() + seconds
+    while time.monotonic() < end:
+        hot.shard.apply(slots, torch.full((H, DIM), 1e-3), hot.shard.versions.clone())
+        updates += 1
+        time.sleep(0.001)
+    sync.settle()
+    versions = hot.shard.versions.clone()
+    sync.close()
+    return {"interval": sync.interval, "interval_sum": sync.interval_sum, "syncs": sync.syncs, "updates": updates,
+            "versions": versions}
+
+
+@pytest.mark.parametrize("bound", [0.0, 0.5])
+def test_a_staleness_bound_syncs_more_often_the_same_on_every_node(bound):
+    with RankPool(2, timeout=120) as pool:
+        res = pool.run(_bound_rank, bound, 0.6)
+    a, b = res
+    assert a["syncs"] == b["syncs"] and a["interval_sum"] == b["interval_sum"]  # one schedule for both nodes
+    for r in res:  # every node's updates counted on every replica
+        assert torch.equal(r["versions"], torch.full_like(r["versions"], a["updates"] + b["updates"]))
+    if bound == 0:
+        assert a["interval"] == 0.02 and a["interval_sum"] == pytest.approx(0.02 * a["syncs"])
+    else:  # each sync misses dozens of the other node's updates per row: the interval shrinks towards 2 ms
+        assert a["interval"] < 0.006 and a["syncs"] > 0.6 / 0.02 * 2

@@ -44,16 +44,20 @@ def projected_efficiency(a: float, b: float, nodes: int) -> float:
     return (a + b) / (a + b * nodes)
 
 
-def variants(transports: list[str], hot_rows: list[int]) -> dict[str, list[str]]:
-    """The configurations to compare across nodes: their labels and job options (the exchange once per hot-row
-    count, labelled by it)."""
+def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[float] | None = None
+             ) -> dict[str, list[str]]:
+    """The configurations to compare across nodes: their labels and job options (the exchanges once per hot-row
+    count and hot-row staleness bound, labelled by those that vary)."""
     from cocosync.shadowsync.job.roles import EXCHANGES
 
+    bounds = hot_staleness or [0.0]
     out = {}
     for t in transports:
         for h in (hot_rows if t in EXCHANGES else [0]):
-            label = f"{t} hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else t
-            out[label] = ["--lookup-transport", t, "--hot-rows", str(h)]
+            for b in (bounds if t in EXCHANGES and h > 0 else [0.0]):
+                label = t + (f" hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else "") \
+                    + (f" bound={b:g}" if t in EXCHANGES and h > 0 and len(bounds) > 1 else "")
+                out[label] = ["--lookup-transport", t, "--hot-rows", str(h), "--hot-staleness", str(b)]
     return out
 
 
@@ -155,7 +159,9 @@ def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: 
     interval = default["exchange_interval"]
     if "--exchange-interval" in extra:
         interval = float(extra[extra.index("--exchange-interval") + 1]) / 1e3
-    return model_report(mine, interval_s=interval, hot_interval_s=default["hot_sync_interval"], relay_us=relay_us)
+    hot = [r["hot_sync_interval_ms"] / 1e3 for r in mine[1:] if r.get("hot_sync_interval_ms", 0) > 0]
+    hot_interval = statistics.median(hot) if hot else default["hot_sync_interval"]  # a bound sets it: measured
+    return model_report(mine, interval_s=interval, hot_interval_s=hot_interval, relay_us=relay_us)
 
 
 def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, t: str) -> None:
@@ -172,13 +178,16 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
                  "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
                  "examples_run": [a["examples"], b["examples"]]})
     console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
-                  f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f}, "
+                  f"{cpu:6.2f} us CPU per extra example, staleness {b['staleness']:.2f} (other nodes' rows "
+                  f"{b.get('staleness_remote', 0):.2f}, hot rows' syncs {b.get('staleness_hot_sync', 0):.2f}"
+                  + (f" every {b['hot_sync_interval_ms']:.1f} ms" if b.get("hot_sync_interval_ms") else "") + "), "
                   f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
 
 
-_KEYS = ("eval_ne", "staleness", "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example",
-         "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction",
-         "hot_sync_cpu_us_per_sync", "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round")
+_KEYS = ("eval_ne", "staleness", "staleness_remote", "staleness_hot_sync", "hot_sync_interval_ms",
+         "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example", "exchange_cpu_us_per_round",
+         "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction", "hot_sync_cpu_us_per_sync",
+         "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
@@ -277,6 +286,9 @@ def _plot(result: dict):
               help="the exchange's replicated hot rows, one configuration per value (comma-separated; 0: none).")
 @click.option("--examples", default="100000,300000", show_default=True,
               help="the short and the long run (CPU per example is their difference over the extra examples).")
+@click.option("--hot-staleness", default="0", show_default=True,
+              help="the hot rows' staleness bound, one configuration per value (comma-separated; 0: the fixed "
+                   "interval).")
 @click.option("--trainers-per-node", type=int, default=1, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="rounds (medians over them).")
 @click.option("--eval-examples", type=int, default=20_000, show_default=True)
@@ -287,7 +299,8 @@ def _plot(result: dict):
                    "for every process of a wave: the 1-node job and one job per larger node count).")
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
-def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, trainers_per_node: int, repeats: int,
+def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str,
+                trainers_per_node: int, repeats: int,
                 eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool, out: str,
                 json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
@@ -308,13 +321,19 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, examples: str, train
         hot = [-1]
     if min(hot) < 0:
         raise click.UsageError(f"--hot-rows {hot_rows!r}: expected row counts >= 0, comma-separated")
+    try:
+        bounds = [float(x) for x in hot_staleness.split(",")]
+    except ValueError:
+        bounds = [-1.0]
+    if min(bounds) < 0:
+        raise click.UsageError(f"--hot-staleness {hot_staleness!r}: expected updates per use >= 0, comma-separated")
     small, big = (int(x) for x in examples.split(","))
     if not 0 < small < big:
         raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
     extra = [*(["--exchange-interval", str(exchange_interval)] if exchange_interval else []),
              *(["--prefetch", str(prefetch)] if prefetch is not None else [])]
     console = Console()
-    result = run_lookups(nodes=node_list, transports=variants(trans, hot), examples=(small, big),
+    result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds), examples=(small, big),
                          per_node=trainers_per_node,
                          repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel)
     rows = [_cells(r) for r in result["rows"]]

@@ -54,7 +54,8 @@ def _die_with_parent() -> None:
 def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
          stop_after: int | None, checkpoint_every: int | None, lookup_batches: int, eval_every: int | None,
          max_inflight: int, lookup_transport: str, exchange_interval: float, hot_rows: int,
-         hot_sync_interval: float, resume: str | None, json_out: bool, job_file: str | None, **opts) -> None:
+         hot_sync_interval: float, hot_staleness: float, resume: str | None, json_out: bool, job_file: str | None,
+         **opts) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     from rich.console import Console
 
@@ -79,7 +80,7 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
                                     checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
                                     eval_every=eval_every, lookup_transport=lookup_transport,
                                     exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
-                                    hot_sync_interval=hot_sync_interval / 1e3)
+                                    hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():

@@ -162,7 +162,10 @@ _CLUSTER_OPTIONS = [
                       "and synchronized in the background (with the exchange; 0: none)."),
     click.option("--hot-sync-interval", type=float, default=40.0, show_default=True,
                  help="multi-node: milliseconds between two syncs of the replicated hot rows (shorter: fresher hot "
-                      "rows, more CPU and bytes)."),
+                      "rows, more CPU and bytes); with --hot-staleness, the longest."),
+    click.option("--hot-staleness", type=float, default=0.0, show_default=True,
+                 help="multi-node: sync the hot rows as often as it takes (down to every 2 ms) to keep the other "
+                      "nodes' updates a use misses near this many (0: every --hot-sync-interval)."),
 ]
 
 
@@ -273,7 +276,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
           prefetch: int, stop_after: int | None, checkpoint_every: int | None, lookup_batches: int,
           lookup_transport: str, exchange_interval: float, hot_rows: int, hot_sync_interval: float,
-          eval_every: int | None, **opts) -> None:
+          hot_staleness: float, eval_every: int | None, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
@@ -298,7 +301,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
                                 lookup_batches=lookup_batches, lookup_transport=lookup_transport,
                                 exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
-                                hot_sync_interval=hot_sync_interval / 1e3)
+                                hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
         result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
                               stop_after=stop_after, eval_every=eval_every, cluster=cluster)
     except ConfigError as e:

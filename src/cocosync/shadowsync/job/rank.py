@@ -207,7 +207,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
                 node_exchange.close()
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
-                             "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s}
+                             "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s,
+                             "stale_sum": node_exchange.take_stale()}
         dist.barrier()
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
@@ -358,6 +359,7 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     if hot is not None and job.hot_group is not None:
         firsts = roles.ranks("trainer")[0::roles.trainers_per_node]
         hot_sync = HotSync(hot, job.hot_group, interval=job.cluster.hot_sync_interval,
+                           staleness=job.cluster.hot_staleness,
                            label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,

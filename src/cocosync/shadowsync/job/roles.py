@@ -47,7 +47,12 @@ class ClusterConfig:
     """with the exchange: the rows seen most often in the first training rows, replicated on every node and
     synchronized in the background (hot_rows.py); 0: none."""
     hot_sync_interval: float = 0.040
-    """seconds between two syncs of the replicated hot rows (shorter: fresher hot rows, more CPU and bytes)."""
+    """seconds between two syncs of the replicated hot rows (shorter: fresher hot rows, more CPU and bytes); with
+    `hot_staleness`, the longest."""
+    hot_staleness: float = 0.0
+    """> 0: the hot rows' missed updates per use the syncs aim at (hot_rows.py): the interval shrinks from
+    `hot_sync_interval` (down to 2 ms) while the other nodes' updates between two syncs exceed it; 0: a fixed
+    interval."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
     eval_every: int | None = None
@@ -80,6 +85,10 @@ class ClusterConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
                 raise ConfigError(f"--{flag.replace('_', '-')} {shown} is invalid: expected milliseconds in (0, 1000]")
+        v = self.hot_staleness
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1000:
+            raise ConfigError(f"--hot-staleness {v!r} is invalid: expected updates per use in [0, 1000] (0: sync "
+                              "every --hot-sync-interval)")
         if self.sync_servers is not None and (not isinstance(self.sync_servers, int) or self.sync_servers < 0):
             raise ConfigError(f"sync_servers={self.sync_servers!r} is invalid: expected an integer >= 0")
 

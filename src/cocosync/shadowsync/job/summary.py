@@ -71,8 +71,14 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "hot_row_fraction": total("hot_rows") / max(rows, 1),
         "hot_syncs": hot_syncs,
         "hot_sync_cpu_us_per_sync": 1e6 * total("hot_sync_cpu_s") / max(hot_syncs, 1),
+        "hot_sync_interval_ms": 1e3 * total("hot_sync_interval_s") / max(hot_syncs, 1),  # the mean set
         "rpc_round_trip_s": total("rpc_s") / max(total("rpc_calls"), 1),
         "staleness": total("stale_sum") / max(total("stale_rows"), 1),
+        # its parts, per row like it: other nodes' rows (exchange / RPC answers) and the hot rows' unsynced updates
+        # on other nodes; the rest is this node's (Hogwild on its shards and its hot-row replica)
+        "staleness_remote": total("stale_remote") / max(total("stale_rows"), 1),
+        "staleness_hot_sync": total("stale_hot_sync") / max(total("stale_rows"), 1),
+        "_stale_rows": total("stale_rows"),  # (node-exchange: the servers' exchanges count the remote rows' part)
     }
 
 
@@ -98,9 +104,13 @@ def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:
     """node-exchange: the rounds run by the nodes' servers join the trainers' counters; the trainers' relays' CPU is
     its own entry, per round of their node's exchange."""
     relay_cpu_s = summary.pop("_exchange_cpu_s", 0.0)
+    stale_rows = max(summary.pop("_stale_rows", 0), 1)
     if not exchanges:
         return
     examples = max(summary["examples"], 1)
+    stale = sum(x.get("stale_sum", 0) for x in exchanges) / stale_rows
+    summary["staleness"] += stale
+    summary["staleness_remote"] += stale
     rounds = sum(x["rounds"] for x in exchanges)
     summary["exchange_rounds"] = summary["exchange_rounds"] + rounds
     summary["exchange_processes"] += sum(1 for x in exchanges if x["rounds"] > 0)

@@ -213,9 +213,12 @@ class LookupStats:
     hot_syncs: int = 0  # the replica's syncs with the other nodes (on the node's first trainer)
     hot_sync_cpu_s: float = 0.0
     hot_sync_bytes: int = 0
+    hot_sync_interval_s: float = 0.0  # the intervals its syncs set, summed (their mean: / hot_syncs)
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
     stale_rows: int = 0
+    stale_remote: int = 0  # of stale_sum: other nodes' rows (the exchange's or the servers' answers)
+    stale_hot_sync: int = 0  # of stale_sum: the hot rows' updates on other nodes not yet synced (estimated)
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -352,6 +355,7 @@ class ShardedEmbeddings:
         with self._lock:
             st = self.stats
             st.count(blocked, lk.uniq.numel(), remote, stale, remote * (self.dim * 4 + 8))
+            st.stale_remote += stale
             st.hot_rows += lk.hot[0].numel() if lk.hot is not None else 0
             if remote:
                 st.rpc_s += (lk.answered[0] if lk.answered else time.perf_counter()) - lk.issued
@@ -442,6 +446,7 @@ class ShardedEmbeddings:
         with self._lock:
             st = self.stats
             st.count(blocked, lk.uniq.numel(), remote, stale, received)
+            st.stale_remote += stale
             answered = list(lk.answered)[:calls]  # a callback may still be on its way: count it as answered now
             now = time.perf_counter()
             st.rpc_s += sum(t - lk.issued for t in answered) + (calls - len(answered)) * (now - lk.issued)
@@ -542,6 +547,7 @@ class ShardedEmbeddings:
         stale = sum(int(self._wait(f, s, "a gradient push")) for s, f in futures)
         with self._lock:
             self.stats.stale_sum += stale
+            self.stats.stale_remote += stale
 
     def flush(self) -> None:
         """Send every queued push and wait for all of them (before reading the tables or reporting)."""
@@ -550,13 +556,18 @@ class ShardedEmbeddings:
             ex.flush()
             with self._lock:
                 st = self.stats
-                st.stale_sum += ex.take_stale()
+                stale = ex.take_stale()
+                st.stale_sum += stale
+                st.stale_remote += stale
                 st.rounds, st.messages, st.wire_bytes = ex.rounds, ex.rounds * (ex.n - 1), ex.bytes_sent
                 st.exchange_cpu_s = ex.cpu_s
                 if self.hot_sync is not None:
                     hs = self.hot_sync
-                    st.stale_sum += hs.take_stale()
+                    stale = hs.take_stale()
+                    st.stale_sum += stale
+                    st.stale_hot_sync += stale
                     st.hot_syncs, st.hot_sync_cpu_s, st.hot_sync_bytes = hs.syncs, hs.cpu_s, hs.bytes_sent
+                    st.hot_sync_interval_s = hs.interval_sum
             return
         with self._lock:
             queued = list(self._pending.items())

@@ -19,6 +19,13 @@ puts it into the owners' shards, so checkpoints hold the rows as one row-hash ta
 Staleness: a hot row read at time t misses the other nodes' updates since the last sync. A sync reports, per row,
 this node's updates u in the window and the others' o; assuming both spread evenly over it, the uses missed o / 2
 updates each on average: u * o / 2 is added to the staleness sum (`take_stale`).
+
+The interval that keeps it there: the missed updates grow with the interval and with how fast the other nodes train
+(their trainers, their cores), so a fixed interval gives 2 updates per use on a slow machine and 20 on a fast one
+(BENCHMARKS.md). With a bound B, every sync also all-reduces the previous sync's staleness sum and uses, and every
+node sets the next interval from that same global mean s: interval x sqrt(B / s), between `MIN_INTERVAL` and the
+configured interval (the longest). The same inputs on every node give the same interval everywhere; the all-reduce
+keeps the nodes in step anyway (a node that syncs sooner waits in it for the others).
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ __all__ = ["HotRows", "HotSync", "choose_hot_rows", "pack_changes", "merge_chang
 
 #: training rows read to choose the hot set
 HOT_SAMPLE_ROWS = 65536
+#: the shortest interval a staleness bound may set (seconds): a sync costs ~0.6 ms of one thread's CPU on 2 nodes
+MIN_INTERVAL = 0.002
 
 
 def choose_hot_rows(sparse: torch.Tensor, offsets: torch.Tensor, k: int, *, min_count: int = 2) -> torch.Tensor:
@@ -120,24 +129,39 @@ def merge_changes(weight: torch.Tensor, acc: torch.Tensor, versions: torch.Tenso
     return float((mine[n + H:n + 2 * H].double() * counts.double()).sum()) / 2
 
 
+def next_interval(interval: float, staleness: float, bound: float, longest: float) -> float:
+    """The next sync's interval from the last one's and the staleness per use it gave: the missed updates grow with
+    the interval, so scale it by sqrt(bound / staleness) (half the correction a sync: the measure is noisy), between
+    MIN_INTERVAL and `longest`."""
+    factor = (bound / staleness) ** 0.5 if staleness > 0 else 2.0
+    return min(longest, max(MIN_INTERVAL, interval * factor))
+
+
 class HotSync:
     """The node's thread that synchronizes its `HotRows` replica with the other nodes' (one per node; `group`: gloo,
     one process per node), every `interval` seconds. `fill` first (collective), then `start`; `settle` and `close`
     are collective too. `native`: pack and merge in C++ (runtime/comm/native, when built), else in torch."""
 
-    def __init__(self, hot: HotRows, group: Any, *, interval: float, label: str = "the other nodes",
-                 native: bool = True):
-        self.hot, self.group, self.interval, self.label = hot, group, float(interval), label
+    def __init__(self, hot: HotRows, group: Any, *, interval: float, staleness: float = 0.0,
+                 label: str = "the other nodes", native: bool = True):
+        """`interval`: seconds between two syncs, the longest with a `staleness` bound (> 0: the hot rows' missed
+        updates per use the interval aims at, module doc)."""
+        self.hot, self.group, self.label = hot, group, label
+        self.longest, self.bound = float(interval), float(staleness)
+        self.interval = self.longest  # the next sync's (the same on every node)
         self.native = native_module() if native else None
         self.n = dist.get_world_size(group)
         H, dim = len(hot), hot.shard.weight.shape[1]
         self.H, self.dim = H, dim
-        self._buf = torch.zeros(H * (dim + 2) + 2)  # pack_changes' layout, then 2 flags (settle, close)
+        # pack_changes' layout, then 2 flags (settle, close) and the previous sync's staleness sum and uses
+        self._buf = torch.zeros(H * (dim + 2) + 4, dtype=torch.float32)
         self._mine = torch.zeros(H * (dim + 2))
         self._base_w, self._base_acc = torch.zeros(H, dim), torch.zeros(H)  # the consensus at the last sync
         self._base_v = torch.zeros(H, dtype=torch.int64)
         self.syncs, self.cpu_s, self.bytes_sent = 0, 0.0, 0
+        self.interval_sum = 0.0  # the intervals set, summed over the syncs (their mean: interval_sum / syncs)
         self._stale = 0.0
+        self._last = (0.0, 0.0)  # this node's staleness sum and hot-row uses at its last sync
         self._lock = threading.Condition()
         self._want = 0  # 1: settle requested; 2: close requested
         self._settled = 0  # syncs every node asked to settle
@@ -211,14 +235,20 @@ class HotSync:
         rep, buf, n = self.hot.shard, self._buf, self.n
         state = (rep.weight, rep.accumulator, rep.versions, self._base_w, self._base_acc, self._base_v)
         pack_changes(*state, buf, native=self.native)
-        self._mine.copy_(buf[:-2])
-        buf[-2:] = torch.tensor([float(want >= 1), float(want == 2)])
+        self._mine.copy_(buf[:-4])
+        buf[-4:] = torch.tensor([float(want >= 1), float(want == 2), *self._last])
         dist.all_reduce(buf, group=self.group)
-        everyone_settles, everyone_closes = (int(x) == n for x in buf[-2:].tolist())
+        settles, closes, stale_sum, uses = buf[-4:].tolist()
+        everyone_settles, everyone_closes = int(settles) == n, int(closes) == n
         stale = merge_changes(*state, buf, self._mine, native=self.native)
+        H, dim = self.H, self.dim
+        self._last = (stale, float(self._mine[H * (dim + 1):].sum()))
         with self._lock:
             self._stale += stale
             self.syncs += 1
+            self.interval_sum += self.interval
+            if self.bound > 0 and uses > 0:
+                self.interval = next_interval(self.interval, stale_sum / uses, self.bound, self.longest)
             self.bytes_sent += 2 * (n - 1) * buf.numel() * 4 // n  # a ring all-reduce's share per node
             self.cpu_s += time.thread_time() - cpu0
             if everyone_settles:
