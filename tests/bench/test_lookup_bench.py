@@ -93,3 +93,15 @@ def test_lookup_bench_names_bad_arguments():
     assert res.exit_code == 2 and "carrier-pigeon" in res.output
     res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "2,4"])
     assert res.exit_code == 2 and "including 1" in res.output
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--hot-staleness", "2,-1"])
+    assert res.exit_code == 2 and "--hot-staleness '2,-1'" in res.output
+
+
+def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
+    from cocosync.bench.lookup_scaling import variants
+
+    got = variants(["exchange", "rpc"], [4096, 0], [0.0, 2.0])
+    assert list(got) == ["exchange hot=4096 bound=0", "exchange hot=4096 bound=2", "exchange hot=0", "rpc"]
+    assert got["exchange hot=4096 bound=2"][-2:] == ["--hot-staleness", "2.0"]
+    assert got["rpc"] == ["--lookup-transport", "rpc", "--hot-rows", "0", "--hot-staleness", "0.0"]
+    assert list(variants(["exchange"], [4096])) == ["exchange"]  # one configuration: the plain label

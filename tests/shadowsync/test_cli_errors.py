@@ -282,5 +282,6 @@ def test_lookup_transport_options_are_checked_in_the_units_the_user_typed(tmp_pa
     _one_error(_train(tmp_path, "--exchange-interval", "5000"), "--exchange-interval 5000 ms is invalid")
     _one_error(_train(tmp_path, "--hot-sync-interval", "0"), "--hot-sync-interval 0 ms is invalid")
     _one_error(_train(tmp_path, "--hot-rows", "-1"), "hot_rows=-1 is invalid", "integer >= 0")
+    _one_error(_train(tmp_path, "--hot-staleness", "-2"), "--hot-staleness -2.0 is invalid", "updates per use")
     res = _train(tmp_path, "--lookup-transport", "smoke")
     assert res.exit_code == 2 and "smoke" in res.output and "exchange" in res.output

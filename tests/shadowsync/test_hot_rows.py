@@ -141,7 +141,8 @@ def test_the_native_pack_and_merge_give_the_reference_bits():
 
 def test_a_two_node_checkpoint_holds_the_trained_hot_rows(tmp_path):
     """End to end: 2 loopback nodes train with the default hot set; the checkpoint's tables (the owners' shards, as
-    saved) hold every hot row trained and counted, i.e. the replicas' consensus was written back before saving."""
+    saved) hold every hot row trained and counted, i.e. the replicas' consensus was written back before saving. With
+    a tiny staleness bound the syncs come faster than the configured interval, and the summary splits staleness."""
     from pathlib import Path
 
     from cocosync.shadowsync.data.sources import build_configs, first_sparse
@@ -153,10 +154,12 @@ def test_a_two_node_checkpoint_holds_the_trained_hot_rows(tmp_path):
 
     out = tmp_path / "run"
     runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", "20000", "--eval-examples", "2000", "--sync", "none",
-                      "--out", str(out)], nproc_per_node=2, timeout=240)
+                      "--hot-staleness", "0.01", "--out", str(out)], nproc_per_node=2, timeout=240)
     assert all(r.returncode == 0 for r in runs), runs[0].output[-4000:]
     s = _summary(out)
     assert s["hot_rows"] == 4096 and s["hot_row_fraction"] > 0.5
+    assert s["hot_syncs"] >= 3 and s["hot_sync_interval_ms"] < 40  # the bound shortened the interval
+    assert 0 < s["staleness_hot_sync"] and s["staleness_hot_sync"] + s["staleness_remote"] <= s["staleness"] + 1e-9
     cfg = TrainConfig(examples=20000, eval_examples=2000)
     data, model = build_configs(cfg)
     total = sum(data.table_sizes)

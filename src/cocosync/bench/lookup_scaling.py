@@ -242,13 +242,14 @@ def _verdict(ok: bool, what: str, detail: str) -> str:
     return f"{'PASS' if ok else 'MISS'} {what}: {detail}"
 
 
-COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "staleness", "lookup wait", "messages/example",
-           "net B/example", "eval NE", "samples"]
+COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "staleness", "of it: hot syncs / remote",
+           "lookup wait", "messages/example", "net B/example", "eval NE", "samples"]
 
 
 def _cells(r: dict) -> list[str]:
+    parts = f"{r.get('staleness_hot_sync', 0):.2f} / {r.get('staleness_remote', 0):.2f}"
     return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}",
-            f"{r['staleness']:.2f}", f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
+            f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
             f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
 
