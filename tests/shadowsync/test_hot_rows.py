@@ -159,6 +159,7 @@ def test_a_two_node_checkpoint_holds_the_trained_hot_rows(tmp_path):
     s = _summary(out)
     assert s["hot_rows"] == 4096 and s["hot_row_fraction"] > 0.5
     assert s["hot_syncs"] >= 3 and s["hot_sync_interval_ms"] < 40  # the bound shortened the interval
+    assert 0 < s["hot_sync_longest_gap_ms"] < 60_000
     assert 0 < s["staleness_hot_sync"] and s["staleness_hot_sync"] + s["staleness_remote"] <= s["staleness"] + 1e-9
     cfg = TrainConfig(examples=20000, eval_examples=2000)
     data, model = build_configs(cfg)

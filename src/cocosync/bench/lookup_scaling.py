@@ -187,7 +187,7 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
 _KEYS = ("eval_ne", "staleness", "staleness_remote", "staleness_hot_sync", "hot_sync_interval_ms",
          "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example", "exchange_cpu_us_per_round",
          "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction", "hot_sync_cpu_us_per_sync",
-         "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round")
+         "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round", "hot_sync_longest_gap_ms")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:

@@ -72,6 +72,9 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "hot_syncs": hot_syncs,
         "hot_sync_cpu_us_per_sync": 1e6 * total("hot_sync_cpu_s") / max(hot_syncs, 1),
         "hot_sync_interval_ms": 1e3 * total("hot_sync_interval_s") / max(hot_syncs, 1),  # the mean set
+        # the longest time between two syncs: one stalled sync holds most of a run's hot-row staleness (its
+        # window's updates all missed), so a run whose staleness jumps shows it here
+        "hot_sync_longest_gap_ms": 1e3 * max((x.get("hot_sync_longest_gap_s", 0.0) for x in lk), default=0.0),
         "rpc_round_trip_s": total("rpc_s") / max(total("rpc_calls"), 1),
         "staleness": total("stale_sum") / max(total("stale_rows"), 1),
         # its parts, per row like it: other nodes' rows (exchange / RPC answers) and the hot rows' unsynced updates

@@ -214,6 +214,7 @@ class LookupStats:
     hot_sync_cpu_s: float = 0.0
     hot_sync_bytes: int = 0
     hot_sync_interval_s: float = 0.0  # the intervals its syncs set, summed (their mean: / hot_syncs)
+    hot_sync_longest_gap_s: float = 0.0  # the longest time between two of its syncs
     pushes: int = 0
     stale_sum: int = 0  # updates the pushed rows received between their fetch and their gradient
     stale_rows: int = 0
@@ -567,7 +568,7 @@ class ShardedEmbeddings:
                     st.stale_sum += stale
                     st.stale_hot_sync += stale
                     st.hot_syncs, st.hot_sync_cpu_s, st.hot_sync_bytes = hs.syncs, hs.cpu_s, hs.bytes_sent
-                    st.hot_sync_interval_s = hs.interval_sum
+                    st.hot_sync_interval_s, st.hot_sync_longest_gap_s = hs.interval_sum, hs.longest_gap
             return
         with self._lock:
             queued = list(self._pending.items())

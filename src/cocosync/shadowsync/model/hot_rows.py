@@ -160,6 +160,8 @@ class HotSync:
         self._base_v = torch.zeros(H, dtype=torch.int64)
         self.syncs, self.cpu_s, self.bytes_sent = 0, 0.0, 0
         self.interval_sum = 0.0  # the intervals set, summed over the syncs (their mean: interval_sum / syncs)
+        self.longest_gap = 0.0  # seconds: the longest time between two syncs' ends (a stalled node shows here)
+        self._ended: float | None = None
         self._stale = 0.0
         self._last = (0.0, 0.0)  # this node's staleness sum and hot-row uses at its last sync
         self._lock = threading.Condition()
@@ -243,7 +245,11 @@ class HotSync:
         stale = merge_changes(*state, buf, self._mine, native=self.native)
         H, dim = self.H, self.dim
         self._last = (stale, float(self._mine[H * (dim + 1):].sum()))
+        now = time.monotonic()
         with self._lock:
+            if self._ended is not None and not want:  # a settle's sync follows a pause: not a stall
+                self.longest_gap = max(self.longest_gap, now - self._ended)
+            self._ended = now
             self._stale += stale
             self.syncs += 1
             self.interval_sum += self.interval
