@@ -238,6 +238,17 @@ def _print_model(console: Any, label: str, m: dict) -> None:
                       f"(one per node{load})")
 
 
+def _numbers(text: str, kind: type, flag: str, what: str) -> list:
+    """A comma-separated list of numbers >= 0, or a usage error naming the flag and its value."""
+    try:
+        values = [kind(x) for x in text.split(",")]
+    except ValueError:
+        values = [-1]
+    if min(values) < 0:
+        raise click.UsageError(f"{flag} {text!r}: expected {what} >= 0, comma-separated")
+    return values
+
+
 def _verdict(ok: bool, what: str, detail: str) -> str:
     return f"{'PASS' if ok else 'MISS'} {what}: {detail}"
 
@@ -316,18 +327,8 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     if bad or 1 not in node_list or len(node_list) < 2 or min(node_list) < 1:
         raise click.UsageError(f"--nodes {nodes!r} --transports {transports!r}: expected node counts including 1 and "
                                f"another, transports from {TRANSPORTS}")
-    try:
-        hot = [int(x) for x in hot_rows.split(",")]
-    except ValueError:
-        hot = [-1]
-    if min(hot) < 0:
-        raise click.UsageError(f"--hot-rows {hot_rows!r}: expected row counts >= 0, comma-separated")
-    try:
-        bounds = [float(x) for x in hot_staleness.split(",")]
-    except ValueError:
-        bounds = [-1.0]
-    if min(bounds) < 0:
-        raise click.UsageError(f"--hot-staleness {hot_staleness!r}: expected updates per use >= 0, comma-separated")
+    hot = _numbers(hot_rows, int, "--hot-rows", "row counts")
+    bounds = _numbers(hot_staleness, float, "--hot-staleness", "updates per use")
     small, big = (int(x) for x in examples.split(","))
     if not 0 < small < big:
         raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
