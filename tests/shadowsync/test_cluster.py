@@ -49,6 +49,8 @@ def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmu
     # one message to the other node per round of each exchange: 2 exchanges a node per trainer, 1 per node
     per_round = s["messages_per_example"] * s["examples"] / s["exchange_rounds"]
     assert per_round == pytest.approx(1.0) and s["network_bytes_per_example"] > 0
+    # the remote rows' staleness, counted where the rounds ran (the servers' exchanges with node-exchange)
+    assert 0 < s["staleness_remote"] and s["staleness_remote"] + s["staleness_hot_sync"] <= s["staleness"] + 1e-9
     assert (s["nodes"], s["T"], s["embedding_servers"], s["examples"]) == (2, 4, 2, 60000)
     assert s["hot_rows"] == 4096 and s["hot_row_fraction"] > 0.5 and s["hot_syncs"] > 0  # the replicated rows
     # gloo's threads (the exchange's and the hot rows' collectives across nodes) counted within the job's CPU
