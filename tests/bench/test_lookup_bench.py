@@ -95,6 +95,8 @@ def test_lookup_bench_names_bad_arguments():
     assert res.exit_code == 2 and "including 1" in res.output
     res = CliRunner().invoke(cli, ["bench", "lookups", "--hot-staleness", "2,-1"])
     assert res.exit_code == 2 and "--hot-staleness '2,-1'" in res.output
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--gloo-device", "shared,one"])
+    assert res.exit_code == 2 and "--gloo-device 'shared,one'" in res.output
 
 
 def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
@@ -105,3 +107,6 @@ def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
     assert got["exchange hot=4096 bound=2"][-2:] == ["--hot-staleness", "2.0"]
     assert got["rpc"] == ["--lookup-transport", "rpc", "--hot-rows", "0", "--hot-staleness", "0.0"]
     assert list(variants(["exchange"], [4096])) == ["exchange"]  # one configuration: the plain label
+    got = variants(["exchange"], [4096], None, ["shared", "per-group"])  # the device mode rides as the job's env
+    assert list(got) == ["exchange dev=shared", "exchange dev=per-group"]
+    assert got["exchange dev=per-group"][-1] == "env:COCOSYNC_GLOO_DEVICE=per-group"

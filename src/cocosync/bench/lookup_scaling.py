@@ -44,20 +44,24 @@ def projected_efficiency(a: float, b: float, nodes: int) -> float:
     return (a + b) / (a + b * nodes)
 
 
-def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[float] | None = None
-             ) -> dict[str, list[str]]:
+def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[float] | None = None,
+             gloo_devices: list[str] | None = None) -> dict[str, list[str]]:
     """The configurations to compare across nodes: their labels and job options (the exchanges once per hot-row
-    count and hot-row staleness bound, labelled by those that vary)."""
+    count and hot-row staleness bound, every configuration once per gloo device mode; labelled by those that vary).
+    A device mode is an `env:` option, which the bench hands to the job's environment (runtime/comm/gloo_device.py)."""
     from cocosync.shadowsync.job.roles import EXCHANGES
 
-    bounds = hot_staleness or [0.0]
+    bounds, devices = hot_staleness or [0.0], gloo_devices or ["shared"]
     out = {}
     for t in transports:
         for h in (hot_rows if t in EXCHANGES else [0]):
             for b in (bounds if t in EXCHANGES and h > 0 else [0.0]):
-                label = t + (f" hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else "") \
-                    + (f" bound={b:g}" if t in EXCHANGES and h > 0 and len(bounds) > 1 else "")
-                out[label] = ["--lookup-transport", t, "--hot-rows", str(h), "--hot-staleness", str(b)]
+                for d in devices:
+                    label = t + (f" hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else "") \
+                        + (f" bound={b:g}" if t in EXCHANGES and h > 0 and len(bounds) > 1 else "") \
+                        + (f" dev={d}" if len(devices) > 1 else "")
+                    out[label] = ["--lookup-transport", t, "--hot-rows", str(h), "--hot-staleness", str(b),
+                                  *([f"env:COCOSYNC_GLOO_DEVICE={d}"] if len(devices) > 1 else [])]
     return out
 
 
@@ -78,7 +82,9 @@ def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) 
     from cocosync.testing.multinode import start_nodes, wait_nodes
 
     started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(out),
-                            *extra], nnodes=n, nproc_per_node=1 + per_node) for n, _, ex, extra, out in jobs]
+                            *(x for x in extra if not x.startswith("env:"))], nnodes=n, nproc_per_node=1 + per_node,
+                           env=dict(x[4:].split("=", 1) for x in extra if x.startswith("env:")))
+               for n, _, ex, extra, out in jobs]
     out = []
     for (n, label, _, _, path), procs in zip(jobs, started):
         for r in wait_nodes(procs, 900):
@@ -301,6 +307,9 @@ def _plot(result: dict):
 @click.option("--hot-staleness", default="0", show_default=True,
               help="the hot rows' staleness bound, one configuration per value (comma-separated; 0: the fixed "
                    "interval).")
+@click.option("--gloo-device", default="shared", show_default=True,
+              help="gloo devices: 'shared' (one per process, the job's), 'per-group' (torch's default), or both "
+                   "comma-separated to compare them (the 1-node reference runs the first).")
 @click.option("--trainers-per-node", type=int, default=1, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="rounds (medians over them).")
 @click.option("--eval-examples", type=int, default=20_000, show_default=True)
@@ -311,7 +320,7 @@ def _plot(result: dict):
                    "for every process of a wave: the 1-node job and one job per larger node count).")
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
-def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str,
+def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str, gloo_device: str,
                 trainers_per_node: int, repeats: int,
                 eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool, out: str,
                 json_path: str | None) -> None:
@@ -329,13 +338,16 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
                                f"another, transports from {TRANSPORTS}")
     hot = _numbers(hot_rows, int, "--hot-rows", "row counts")
     bounds = _numbers(hot_staleness, float, "--hot-staleness", "updates per use")
+    devices = [d.strip() for d in gloo_device.split(",")]
+    if not devices or any(d not in ("shared", "per-group") for d in devices) or len(set(devices)) < len(devices):
+        raise click.UsageError(f"--gloo-device {gloo_device!r}: expected 'shared', 'per-group' or both")
     small, big = (int(x) for x in examples.split(","))
     if not 0 < small < big:
         raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
     extra = [*(["--exchange-interval", str(exchange_interval)] if exchange_interval else []),
              *(["--prefetch", str(prefetch)] if prefetch is not None else [])]
     console = Console()
-    result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds), examples=(small, big),
+    result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds, devices), examples=(small, big),
                          per_node=trainers_per_node,
                          repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel)
     rows = [_cells(r) for r in result["rows"]]

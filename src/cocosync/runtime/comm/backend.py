@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cocosync.runtime.comm import gloo_device
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.comm.reduction import SUPPORTED_DTYPES
 from cocosync.runtime.comm.topology import NodeGroups, Topology, machine_id, topology_from_env
@@ -75,7 +76,7 @@ class CocosyncProcessGroup(dist.ProcessGroup):
 
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta):
         super().__init__(rank, size)
-        self._gloo = dist.ProcessGroupGloo(dist.PrefixStore("cocosync/gloo", store), rank, size, timeout)
+        self._gloo = gloo_device.gloo_backend(dist.PrefixStore("cocosync/gloo", store), rank, size, timeout)
         # the C++ side of the group: torch keeps the group's name on its backend. The dispatcher-based APIs
         # (functional collectives, hence FSDP2 and DTensor) call the group's methods, which land in this class
         self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self._gloo)
@@ -268,7 +269,7 @@ def _gloo_group(store: dist.Store, name: str, rank: int, size: int,
                 timeout: datetime.timedelta) -> dist.ProcessGroup:
     """A gloo process group on a prefix of `store` (collective over its members), usable with torch.distributed's
     functions (group_src / group_dst for roots: it is not registered in the world's group table)."""
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore(f"cocosync/{name}", store), rank, size, timeout)
+    gloo = gloo_device.gloo_backend(dist.PrefixStore(f"cocosync/{name}", store), rank, size, timeout)
     pg = dist.ProcessGroup(rank, size)
     pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
     pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
@@ -280,6 +281,8 @@ def _create(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
 
 
 def register() -> None:
-    """Make `init_process_group("cocosync")` available (done when cocosync is imported; idempotent)."""
+    """Make `init_process_group("cocosync")` and `"gloo-shared"` available (done when cocosync is imported;
+    idempotent)."""
+    gloo_device.register()
     if BACKEND.upper() not in dist.Backend.backend_list and BACKEND not in dist.Backend.backend_list:
         dist.Backend.register_backend(BACKEND, _create, devices=["cpu"])

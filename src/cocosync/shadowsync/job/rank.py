@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.distributed.rpc as rpc
 from rich.console import Console
 
-from cocosync.runtime.comm import native
+from cocosync.runtime.comm import gloo_device, native
 from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena, ArenaFull, unlink_pending
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
@@ -161,7 +161,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     # (without a --timeout: torch's default, a hung peer fails the job after it; the launcher's heartbeats sooner)
     timeout = datetime.timedelta(seconds=(cfg.timeout or UNLIMITED_WAIT) + (300 if link is not None else 0))
     torch.set_num_threads(cfg.threads)
-    dist.init_process_group("gloo", timeout=timeout)
+    # every group of the job on the process's one gloo device: one I/O thread, not one per group (gloo_device.py)
+    dist.init_process_group(gloo_device.BACKEND, timeout=timeout)
     # RPC carries lookups to other machines' shards and EASGD's exchanges with its sync servers: a one-node job
     # without EASGD has none (its trainers use the node's shards in place) and starts no RPC agent
     uses_rpc = (topo.nnodes > 1 and cluster.lookup_transport == "rpc") or cfg.sync.method == "easgd"
