@@ -4,10 +4,11 @@ torch.distributed gives every gloo group a transport device of its own, and ever
 (`gloo_tcp_loop`) that wakes every 10 ms even when idle. A ShadowSync trainer on several nodes uses 8-9 groups
 (the world, the trainers, the lookup exchange, the hot rows' sync, the dense sync's levels...), since every thread that
 issues collectives needs groups of its own: 8-9 I/O threads per process, ~900 wake-ups a second doing nothing. On a
-VM a wake-up costs tens of microseconds (BENCHMARKS.md), so the idle threads alone cost a few percent of a core per
-process. Gloo's device is built to carry many contexts (every pair has its own connection, the device's one epoll
-loop serves them all), so this backend builds every group on the process's one device. Collectives, their order and
-their results are gloo's; a group's operations still run on its own worker threads.
+VM a wake-up costs tens of microseconds: ~1.3 ms of CPU a second per idle device here, ~1% of a core per trainer,
+and on an oversubscribed machine those threads delay the ones that sync (BENCHMARKS.md). Gloo's device is built to
+carry many contexts (every pair has its own connection, the device's one epoll loop serves them all), so this
+backend builds every group on the process's one device. Collectives, their order and their results are gloo's;
+a group's operations still run on its own worker threads.
 
 `COCOSYNC_GLOO_DEVICE=per-group` makes the backend build a device per group again (torch's default), to compare.
 """
