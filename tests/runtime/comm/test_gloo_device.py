@@ -9,14 +9,14 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm import gloo_device
+from cocosync.shadowsync.job.summary import native_thread_cpu
 from cocosync.testing.launch import RankPool
 
 GROUPS = 4
 
 
 def _io_threads() -> int:
-    tasks = os.listdir("/proc/self/task")
-    return sum(open(f"/proc/self/task/{t}/comm").read().strip() == "gloo_tcp_loop" for t in tasks)
+    return sum(name == "gloo_tcp_loop" for name, _ in native_thread_cpu().values())
 
 
 def _groups_in_threads(mode: str) -> dict:
@@ -54,6 +54,7 @@ def _groups_in_threads(mode: str) -> dict:
         t.start()
     for t in threads:
         t.join(60)
+    errors += [f"{t.name}: still running after 60 s" for t in threads if t.is_alive()]  # a hang fails too
     for g in groups:
         dist.destroy_process_group(g)
     return {"added": added, "errors": errors}
