@@ -35,7 +35,10 @@ def _fake_run(nodes, transport, examples, per_node, extra, out):
             "network_bytes_per_example": 500.0 * (nodes - 1), "exchange_cpu_us_per_round": 800.0 + 100 * nodes,
             "rpc_round_trip_s": 0.0, "eps": 1e5, "prefetch": 6, "exchange_rounds": examples // 1000 * (nodes > 1),
             "hot_syncs": examples // 2000 * (nodes > 1), "hot_sync_cpu_us_per_sync": 400.0,
-            "rows_per_example": 20.0, "remote_row_fraction": 0.25 * (nodes - 1) / nodes}
+            "rows_per_example": 20.0, "remote_row_fraction": 0.25 * (nodes - 1) / nodes,
+            # the workers' share grows by 0.5 us per example per node, the exchange's is 1 us from 2 nodes on
+            "cpu_seconds_by_thread": {"trainer/worker": 1.0 + examples * (6 + 0.5 * nodes) * 1e-6,
+                                      "trainer/exchange": examples * 1e-6 * (nodes > 1)}}
 
 
 def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeypatch):
@@ -66,6 +69,11 @@ def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeyp
     assert any(v.startswith("PASS lookup wait at 2 nodes, exchange: 2.0%") for v in verdicts)
     assert (out / "lookups.png").stat().st_size > 10_000
     assert "| 4 | rpc | 21.00 | 0.50 |" in res.output  # the markdown row for BENCHMARKS.md
+    # the CPU by thread, recovered per extra example like the total
+    assert rows[(4, "exchange")]["cpu_us_per_example_by_thread"] == pytest.approx(
+        {"trainer/worker": 8.0, "trainer/exchange": 1.0})
+    assert rows[(1, "local")]["cpu_us_per_example_by_thread"]["trainer/exchange"] == 0.0
+    assert "| trainer/worker | 6.50 | 7.00 | 7.00 | 8.00 | 8.00 |" in res.output
 
 
 def test_parallel_waves_are_a_latin_square_and_give_the_same_arithmetic(tmp_path, monkeypatch):

@@ -26,7 +26,7 @@ from typing import Any
 
 import click
 
-__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency"]
+__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency", "thread_rows"]
 
 TARGETS = {"efficiency_4": 0.9, "efficiency_32": 0.9, "efficiency_128": 0.75, "staleness": 4.0, "wait": 0.05}
 
@@ -181,6 +181,7 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
                  "rounds_per_example": counts["exchange_rounds_per_example"],
                  "hot_syncs_per_example": counts["hot_syncs_per_example"],
                  "gloo_cpu_us_per_example": 1e6 * counts["gloo_cpu_seconds_per_example"],
+                 "cpu_us_per_example_by_thread": _by_thread(a, b, extra),
                  "job_cpu_seconds": [a["job_cpu_seconds"], b["job_cpu_seconds"]],
                  "examples_run": [a["examples"], b["examples"]]})
     console.print(f"  {n} node{'s' if n > 1 else ' '} {t if n > 1 else 'local':16s} round {rnd + 1}: "
@@ -188,6 +189,12 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
                   f"{b.get('staleness_remote', 0):.2f}, hot rows' syncs {b.get('staleness_hot_sync', 0):.2f}"
                   + (f" every {b['hot_sync_interval_ms']:.1f} ms" if b.get("hot_sync_interval_ms") else "") + "), "
                   f"lookup wait {b['lookup_wait_fraction']:.1%}, eval NE {b['eval_ne']:.4f}")
+
+
+def _by_thread(a: dict, b: dict, extra: int) -> dict[str, float]:
+    """CPU us per extra example of each '<process kind>/<thread role>' (the summary's cpu_seconds_by_thread)."""
+    ta, tb = a.get("cpu_seconds_by_thread", {}), b.get("cpu_seconds_by_thread", {})
+    return {k: 1e6 * (tb.get(k, 0.0) - ta.get(k, 0.0)) / extra for k in {*ta, *tb}}
 
 
 _KEYS = ("eval_ne", "staleness", "staleness_remote", "staleness_hot_sync", "hot_sync_interval_ms",
@@ -202,6 +209,9 @@ def _median(nodes: int, transport: str, v: list[dict]) -> dict:
         vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
         out[k] = statistics.median(vals) if vals else float("nan")
     out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
+    threads = {k for s in v for k in s.get("cpu_us_per_example_by_thread", {})}
+    out["cpu_us_per_example_by_thread"] = {
+        k: statistics.median(s.get("cpu_us_per_example_by_thread", {}).get(k, 0.0) for s in v) for k in threads}
     return out
 
 
@@ -269,6 +279,24 @@ def _cells(r: dict) -> list[str]:
             f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
             f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
+
+
+def thread_rows(rows: list[dict]) -> list[list[str]]:
+    """A table of CPU us per example by '<kind>/<role>' (rows, largest in the last configuration first) against the
+    configurations (columns), and their sums: its header first; [] without the summaries' split."""
+    rows = [r for r in rows if r.get("cpu_us_per_example_by_thread")]
+    if not rows:
+        return []
+    keys = sorted({k for r in rows for k in r["cpu_us_per_example_by_thread"]},
+                  key=lambda k: -rows[-1]["cpu_us_per_example_by_thread"].get(k, 0.0))
+    header = ["process / thread", *(f"{r['nodes']} {r['transport']}" for r in rows)]
+    table = [header]
+    for k in keys:
+        vals = [r["cpu_us_per_example_by_thread"].get(k, 0.0) for r in rows]
+        if max(abs(v) for v in vals) >= 0.005:
+            table.append([k, *(f"{v:.2f}" for v in vals)])
+    table.append(["all", *(f"{sum(r['cpu_us_per_example_by_thread'].values()):.2f}" for r in rows)])
+    return table
 
 
 def _plot(result: dict):
@@ -356,12 +384,18 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
         console.print(f"{t}: CPU per example = {f['intercept_us']:.2f} + {f['slope_us_per_node']:.3f} x nodes us; "
                       f"projected efficiency 8: {f['efficiency_8']:.2f}, 32: {f['efficiency_32']:.2f}, "
                       f"128: {f['efficiency_128']:.2f}")
+    threads = thread_rows(result["rows"])
+    if threads:
+        print_table("where the CPU goes: us per extra example by process kind / thread role (medians)",
+                    threads[0], threads[1:], console=console)
     for t, m in result["models"].items():
         _print_model(console, t, m)
     result["verdicts"] = verdicts(result)
     for line in result["verdicts"]:
         console.print(("[green]" if line.startswith("PASS") else "[red]") + line)
     console.print(markdown_table(COLUMNS, rows), markup=False, highlight=False, soft_wrap=True)
+    if threads:
+        console.print(markdown_table(threads[0], threads[1:]), markup=False, highlight=False, soft_wrap=True)
     path = Path(out)
     path.mkdir(parents=True, exist_ok=True)
     console.print(f"plot: {save_figure(_plot(result), path / 'lookups.png')}")

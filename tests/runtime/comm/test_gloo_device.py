@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm import gloo_device
-from cocosync.shadowsync.job.summary import native_thread_cpu
+from cocosync.shadowsync.thread_cpu import native_thread_cpu
 from cocosync.testing.launch import RankPool
 
 GROUPS = 4

@@ -18,6 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cocosync.shadowsync.thread_cpu import in_role
+
 __all__ = ["Link", "MONITOR_PORT_ENV", "PREFIX"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
@@ -70,7 +72,7 @@ class Link:
                     stop[0] = 1
                 self._closed.wait(interval)
 
-        self._beats = threading.Thread(target=run, name="cocosync-heartbeat", daemon=True)
+        self._beats = threading.Thread(target=in_role("heartbeat", run), name="cocosync-heartbeat", daemon=True)
         self._beats.start()
 
     def finish(self, trainer: int) -> None:

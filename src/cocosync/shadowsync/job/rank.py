@@ -46,6 +46,7 @@ from cocosync.runtime.comm import gloo_device, native
 from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena, ArenaFull, unlink_pending
 from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
+from cocosync.shadowsync import thread_cpu
 from cocosync.shadowsync.checkpoint import (
     BEST,
     CheckpointParts,
@@ -70,7 +71,7 @@ from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
-from cocosync.shadowsync.job.summary import add_job_cpu, gloo_cpu_since, lookup_summary, native_thread_cpu
+from cocosync.shadowsync.job.summary import add_job_cpu, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
@@ -192,7 +193,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         if run is not None and run.hot_sync is not None:  # before the trainers' barrier: no row read before it
             run.hot_sync.fill(job.shards, job.rowhash.servers)
             run.hot_sync.start()
-        cpu0, threads0 = time.process_time(), native_thread_cpu()
+        cpu0, threads0 = time.process_time(), thread_cpu.snapshot()
         if run is not None:
             _periodic_checkpoints(job, run, parts)
             summary = _run_trainer(job, run, index)
@@ -219,7 +220,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
         cpu: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, gloo_cpu_since(threads0), exchanged))
+        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, thread_cpu.role_cpu_since(threads0), exchanged))
         if summary is not None:
             add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":

@@ -6,39 +6,11 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from cocosync.shadowsync.job.trainer import json_safe
 
-__all__ = ["lookup_summary", "add_job_cpu", "write_summary", "native_thread_cpu", "gloo_cpu_since"]
-
-GLOO_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop")  # torch's gloo process-group workers, gloo's socket loop
-
-
-def native_thread_cpu() -> dict[int, tuple[str, float]]:
-    """CPU seconds of each live thread of this process by thread id, with its OS name (/proc/self/task; {} where
-    there is none). Threads torch and gloo start in C++ carry names; Python's threads are all 'python'."""
-    out: dict[int, tuple[str, float]] = {}
-    try:
-        tick = os.sysconf("SC_CLK_TCK")
-        tasks = os.listdir("/proc/self/task")
-    except (OSError, ValueError, AttributeError):
-        return out
-    for tid in tasks:
-        try:
-            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
-        except OSError:  # the thread ended meanwhile
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()  # from field 3 (state) on: utime, stime are fields 14, 15
-        out[int(tid)] = (name, (int(fields[11]) + int(fields[12])) / tick)
-    return out
-
-
-def gloo_cpu_since(before: dict[int, tuple[str, float]]) -> float:
-    """CPU seconds gloo's threads of this process used since `before` (a `native_thread_cpu()`): the collectives'
-    work, which the threads that wait on them (the exchange, the hot sync) do not see in their own CPU time."""
-    now = native_thread_cpu()
-    return sum(cpu - before.get(tid, (name, 0.0))[1] for tid, (name, cpu) in now.items() if name in GLOO_THREADS)
+__all__ = ["lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary"]
 
 
 def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: str, exchange: bool,
@@ -85,22 +57,35 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
     }
 
 
-def add_job_cpu(summary: dict, cpu: list[tuple[str, float, float, dict | None]], out: Path) -> None:
+def add_job_cpu(summary: dict, cpu: list[tuple[str, float, dict[str, float], dict | None]], out: Path) -> None:
     """Trainers count their training window (summary['trainer_cpu_seconds']), servers the time since set-up; each
-    rank's (kind, CPU seconds, of which gloo's threads, its node's lookup exchange if it ran it) since set-up."""
+    rank's (kind, CPU seconds, those seconds by thread role (thread_cpu.py), its node's lookup exchange if it ran it)
+    since set-up."""
     _add_node_exchanges(summary, [x[3] for x in cpu if x[3] is not None])
-    cpu = [x[:3] for x in cpu]
-    servers = sum(c for kind, c, _ in cpu if kind != "trainer")
+    servers = sum(c for kind, c, _, _ in cpu if kind != "trainer")
     summary["server_cpu_seconds"] = servers
     # remote rows served (a lookup and a gradient each) per server CPU-second, RPC handling included
     summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
     summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
     # every process from the end of set-up to the end (trainers' lookup serving and final scoring included): the
     # CPU per example that issue 31's scaling targets compare across node counts
-    summary["job_cpu_seconds"] = sum(c for _, c, _ in cpu)
-    summary["gloo_cpu_seconds"] = sum(g for _, _, g in cpu)  # of which gloo's threads (Linux; 0 elsewhere)
+    summary["job_cpu_seconds"] = sum(c for _, c, _, _ in cpu)
+    summary["cpu_seconds_by_thread"] = by_thread = thread_cpu_by_kind(cpu)
+    # of which gloo's threads (Linux; 0 elsewhere)
+    summary["gloo_cpu_seconds"] = sum(s for k, s in by_thread.items() if k.endswith("/gloo"))
     summary["job_cpu_us_per_example"] = 1e6 * summary["job_cpu_seconds"] / max(summary["examples"], 1)
     write_summary(summary, out)
+
+
+def thread_cpu_by_kind(cpu: list[tuple[str, float, dict[str, float], Any]]) -> dict[str, float]:
+    """Every rank's CPU seconds by thread role summed as '<kind>/<role>' (largest first); '<kind>/rest' is what no
+    thread accounted for (thread_cpu.py), so the values add up to the ranks' CPU (or a little over it, by /proc's
+    10 ms ticks, where the rest is 0)."""
+    out: dict[str, float] = {}
+    for kind, total, roles, *_ in cpu:
+        for role, s in {**roles, "rest": max(0.0, total - sum(roles.values()))}.items():
+            out[f"{kind}/{role}"] = out.get(f"{kind}/{role}", 0.0) + s
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
 
 
 def _add_node_exchanges(summary: dict, exchanges: list[dict]) -> None:

@@ -28,6 +28,7 @@ from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.model.dlrm import DLRM
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings, gather_rows
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
+from cocosync.shadowsync.thread_cpu import in_role
 from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks", "json_safe"]
@@ -263,7 +264,8 @@ class Trainer:
         W = self.cfg.workers
         if self.mark_base is None:
             self.mark_base = int(self.state.positions[self.rank].sum())
-        workers = [threading.Thread(target=self._worker, args=(w,), name=f"worker{w}", daemon=True) for w in range(W)]
+        workers = [threading.Thread(target=in_role("worker", self._worker), args=(w,), name=f"worker{w}",
+                                    daemon=True) for w in range(W)]
         done = threading.Event()
         shadow = None
         if self.cfg.sync.mode == "shadow" and not isinstance(self.sync, NoSync):  # (T=1: nothing to sync)

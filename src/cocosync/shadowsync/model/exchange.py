@@ -262,7 +262,7 @@ class LookupExchange(LookupThread):
         self.cpu_s = 0.0  # this thread's CPU in its rounds (packing, the all_to_all, serving the peers)
         self._queue: list[_Part] = []
         self._stale = 0
-        self._start("cocosync-lookups")
+        self._start("cocosync-lookups", "exchange")
 
     # -- the client side (the trainer's workers) ----------------------------------------------------------------
     def node_of(self, rows: torch.Tensor) -> torch.Tensor:

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.embeddings import Shard
+from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["HotRows", "HotSync", "choose_hot_rows", "pack_changes", "merge_changes", "HOT_SAMPLE_ROWS"]
 
@@ -168,7 +169,8 @@ class HotSync:
         self._want = 0  # 1: settle requested; 2: close requested
         self._settled = 0  # syncs every node asked to settle
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="cocosync-hot-rows", daemon=True)
+        self._thread = threading.Thread(target=in_role("hot-sync", self._run), name="cocosync-hot-rows",
+                                        daemon=True)
 
     @torch.no_grad()
     def fill(self, shards: Mapping[int, Shard], servers: int) -> None:

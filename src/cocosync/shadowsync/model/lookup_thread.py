@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import threading
 
+from cocosync.shadowsync.thread_cpu import in_role
+
 __all__ = ["ExchangeLost", "LookupThread"]
 
 
@@ -14,15 +16,16 @@ class ExchangeLost(RuntimeError):
 
 
 class LookupThread:
-    """Subclasses implement `_run` (the thread) and call `_start(name)` once their state is set."""
+    """Subclasses implement `_run` (the thread) and call `_start(name, role)` once their state is set (`role`: its
+    CPU's in the job summary, thread_cpu.py)."""
 
-    def _start(self, name: str) -> None:
+    def _start(self, name: str, role: str) -> None:
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._pushes_queued = self._pushes_answered = 0
         self._closing = False
         self._error: Exception | None = None
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread = threading.Thread(target=in_role(role, self._run), name=name, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:

@@ -123,7 +123,7 @@ class RelayClient(LookupThread):
         self._queue: collections.deque = collections.deque()  # ('l', id, rows, future) | ('p', rows, versions, grads)
         self._futures: dict[int, torch.futures.Future] = {}
         self._next_id = 0
-        self._start("cocosync-relay")
+        self._start("cocosync-relay", "relay")
 
     def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
         """A lookup larger than a slot (a snapshot of a whole shard) goes in slot-sized pieces, answered as one."""

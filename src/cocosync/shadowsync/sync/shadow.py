@@ -18,6 +18,7 @@ import time
 from typing import Callable, Iterator
 
 from cocosync.shadowsync.sync.base import SyncAlgorithm
+from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["ShadowThread"]
 
@@ -39,7 +40,7 @@ class ShadowThread:
         self.gate = threading.Lock()  # held during each round: a checkpoint reads a state between two rounds
         self._abort = threading.Event()
         self._parked = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread = threading.Thread(target=in_role("shadow-sync", self._loop), name=name, daemon=True)
 
     def start(self) -> "ShadowThread":
         self._thread.start()
