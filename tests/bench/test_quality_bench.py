@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 from scipy import stats
 
-from cocosync.bench.quality import _target, change_interval, tolerance, verdict
+from cocosync.bench.quality import _reference, _target, change_interval, tolerance, verdict
 from cocosync.cli import main as cli
 
 
@@ -18,7 +18,7 @@ def test_quality_bench_relates_each_run_to_one_trainer_of_the_same_seed(tmp_path
     out = tmp_path / "q"
     res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "2", "--algorithms", "shadow-ma",
                                    "--seeds", "2", "--examples", "20000", "--eval-examples", "2000",
-                                   "--out", str(out)])
+                                   "--reference-jobs", "2", "--out", str(out)])
     assert res.exit_code == 0, res.output
     result = json.loads((out / "quality.json").read_text())
     runs = result["runs"]
@@ -37,6 +37,9 @@ def test_quality_bench_relates_each_run_to_one_trainer_of_the_same_seed(tmp_path
     assert len((out / "quality-runs.jsonl").read_text().splitlines()) == len(runs)  # written as each run ended
     assert "| shadow-ma | 2 |" in res.output  # the markdown row for BENCHMARKS.md
     assert "90% interval" in res.output
+    # the references ran side by side: the same bits as a T=1 run alone
+    base = dict(examples=20000, eval_examples=2000, progress=False, plot=False, checkpoint=False)
+    assert _reference(1, base, tmp_path / "alone")["eval_ne"] == ref[1]
 
 
 def test_change_interval_is_students_t_interval_of_the_mean():

@@ -1,7 +1,9 @@
 """`cocosync bench quality`: eval NE against the trainer count, every sync algorithm at its defaults, equal examples.
 
-Per seed (the outer loop: every configuration once per seed, so load drift hits all alike) it trains T=1 `none` (one
-trainer that sees every example: the reference) and each algorithm at each T on the same data and total examples.
+It trains T=1 `none` per seed (one trainer that sees every example: the reference; deterministic, so
+`--reference-jobs N` runs N of them side by side, the same bits as one at a time), then per seed (the outer loop:
+every configuration once per seed, so load drift hits all alike) each algorithm at each T on the same data and total
+examples, one run at a time (a T >= 2 run's timing shapes its result).
 Reported per (algorithm, T): mean eval NE over the seeds, the spread, and the change against T=1 of the same seed
 (paired, then averaged) with its 90% confidence interval over the seeds (Student's t). A T >= 2 run is not
 reproducible (its shadow thread's timing differs run to run) and a final model's eval NE moves ~1% between nearby
@@ -88,10 +90,29 @@ def _train(alg: str, T: int, seed: int, base: dict, out: Path, console: Any) -> 
             "sync_gap": s["sync_gap"], "max_train_ne": max(curve, default=float("nan"))}
 
 
+def _reference(seed: int, base: dict, out: Path) -> dict:
+    """T=1 `none` of `seed` (a process pool's task: its own quiet console)."""
+    return _train("none", 1, seed, base, out, _quiet())
+
+
+def _references(seeds: list[int], base: dict, out: Path, jobs: int, done: Any) -> None:
+    """The T=1 reference of every seed, `jobs` at a time (fresh processes: each run starts its own launcher)."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    if jobs <= 1:
+        for seed in seeds:
+            done(_reference(seed, base, out))
+        return
+    with ProcessPoolExecutor(min(jobs, len(seeds)), mp_context=multiprocessing.get_context("spawn")) as pool:
+        for f in as_completed([pool.submit(_reference, seed, base, out) for seed in seeds]):
+            done(f.result())
+
+
 def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int], examples: int, eval_examples: int,
-                out: Path, console: Any, log: Path | None = None) -> dict:
+                out: Path, console: Any, log: Path | None = None, reference_jobs: int = 1) -> dict:
     """Every run (a list of dicts) and the per-(algorithm, T) rows; `log`: each run appended there as a JSON line as
-    it ends (a long bench stopped early keeps what it measured)."""
+    it ends (a long bench stopped early keeps what it measured); `reference_jobs`: T=1 runs side by side."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -105,25 +126,24 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
     plan = [(seed, alg, T) for seed in seeds for T in trainers for alg in algorithms if T > 1]
     runs: list[dict] = []
 
-    def done(r: dict) -> dict:
+    def done(r: dict) -> None:
         runs.append(r)
         if log is not None:
             with open(log, "a") as f:
                 f.write(json.dumps(r) + "\n")
-        return r
 
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("left"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as bar:
         task = bar.add_task("quality runs", total=len(plan) + len(seeds))
-        for seed in seeds:
-            done(_train("none", 1, seed, base, out, _quiet()))
+        def ended(r: dict) -> None:
+            done(r)
             bar.advance(task)
-            for s, alg, T in plan:
-                if s == seed:
-                    r = done(_train(alg, T, seed, base, out, _quiet()))
-                    bar.advance(task)
-                    bar.console.print(f"  {alg:14s} T={T:<3d} seed {seed}: eval NE {r['eval_ne']:.4f}")
+            bar.console.print(f"  {r['algorithm']:14s} T={r['T']:<3d} seed {r['seed']}: eval NE {r['eval_ne']:.4f}")
+
+        _references(seeds, base, out, reference_jobs, ended)
+        for seed, alg, T in plan:  # seed-major
+            ended(_train(alg, T, seed, base, out, _quiet()))
     ref = {r["seed"]: r["eval_ne"] for r in runs if r["algorithm"] == "none"}
     rows = []
     for alg in algorithms:
@@ -237,8 +257,12 @@ def _reach(mid: float, end: float) -> float:
 @click.option("--seeds", type=int, default=5, show_default=True, help="seeds 0..N-1 (model and data).")
 @click.option("--examples", type=int, default=800_000, show_default=True, help="total training examples per run.")
 @click.option("--eval-examples", type=int, default=50_000, show_default=True, help="held-out examples.")
+@click.option("--reference-jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="T=1 reference runs side by side (deterministic: the same NE as one at a time); e.g. the seeds "
+                   "count on a machine with 2 cores per seed.")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-quality", show_default=True)
-def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_examples: int, out: str) -> None:
+def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_examples: int, reference_jobs: int,
+                out: str) -> None:
     """Eval NE vs trainer count for every sync algorithm at equal total examples (issue 32's quality targets)."""
     from rich.console import Console
 
@@ -259,7 +283,7 @@ def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_
     (root / "quality-runs.jsonl").unlink(missing_ok=True)
     result = run_quality(trainers=ts, algorithms=algs, seeds=list(range(seeds)), examples=examples,
                          eval_examples=eval_examples, out=root / "runs", console=console,
-                         log=root / "quality-runs.jsonl")
+                         log=root / "quality-runs.jsonl", reference_jobs=reference_jobs)
     console.print(_table(result))
     console.print(_markdown(result), markup=False)
     (root / "quality.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
