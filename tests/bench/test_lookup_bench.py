@@ -118,3 +118,33 @@ def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
     got = variants(["exchange"], [4096], None, ["shared", "per-group"])  # the device mode rides as the job's env
     assert list(got) == ["exchange dev=shared", "exchange dev=per-group"]
     assert got["exchange dev=per-group"][-1] == "env:COCOSYNC_GLOO_DEVICE=per-group"
+
+
+def test_a_time_limit_keeps_the_rounds_that_finished(tmp_path, monkeypatch):
+    """Under --time-limit the bench starts no wave that would end after it (by the slowest wave so far) and reports
+    what finished; too short for a comparison, it says so."""
+    import time
+
+    import cocosync.bench.lookup_scaling as bench
+
+    clock = [0.0]
+
+    def wave(jobs, per_node):  # every job of a wave takes 10 s of the fake clock
+        clock[0] += 10.0
+        return _fake_wave(jobs, per_node)
+
+    monkeypatch.setattr(bench, "_run_wave", wave)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    out = tmp_path / "lk"
+    # 5 waves a round (1 node, then 2 and 4 nodes x 2 transports), 20 s each (a short and a long run)
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2,4", "--repeats", "2", "--time-limit", "70",
+                                   "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "stopped after 3 of 10 samples" in res.output
+    result = json.loads((out / "lookups.json").read_text())
+    assert [(r["nodes"], r["transport"], r["samples"]) for r in result["rows"]] == [
+        (1, "local", 1), (2, "exchange", 1), (2, "rpc", 1)]
+    assert result["rows"][1]["cpu_us_per_example"] == pytest.approx(12.0)  # the finished samples' arithmetic
+    clock[0] = 0.0
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2", "--time-limit", "10", "--out", str(out)])
+    assert res.exit_code == 1 and "--time-limit 10 s: too short" in res.output

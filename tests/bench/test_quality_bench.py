@@ -69,3 +69,32 @@ def test_quality_bench_names_bad_arguments():
     assert res.exit_code == 2 and "shadow-foo" in res.output
     res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "2,x"])
     assert res.exit_code == 2 and "2,x" in res.output
+
+
+def test_a_time_limit_keeps_the_runs_that_finished(tmp_path, monkeypatch):
+    """Under --time-limit no run starts that would end after it (by the slowest so far); the rows are the finished
+    runs' (runs of known NE here: the bench's arithmetic, not training)."""
+    import time
+
+    import cocosync.bench.quality as bench
+
+    clock = [0.0]
+
+    def train(alg, T, seed, base, out, console):  # each run takes 10 s of the fake clock
+        clock[0] += 10.0
+        return {"algorithm": alg, "T": T, "seed": seed, "eval_ne": 0.70 + 0.01 * (T > 1) + 0.001 * seed,
+                "eps": 1e5, "sync_gap": 2.0 if T > 1 else float("nan"), "max_train_ne": 0.8}
+
+    monkeypatch.setattr(bench, "_train", train)
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    out = tmp_path / "q"
+    # 2 references (20 s), then seed 0's T=2 and T=4 (to 40 s); seed 1's T=2 would end at 50 s
+    res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "2,4", "--algorithms", "shadow-ma", "--seeds", "2",
+                                   "--time-limit", "45", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "stopped after 2 of 4 runs" in res.output
+    result = json.loads((out / "quality.json").read_text())
+    assert [(r["T"], r["seeds"]) for r in result["rows"]] == [(2, 1), (4, 1)]
+    assert result["rows"][0]["change"] == pytest.approx(0.01 / 0.70)
+    assert result["rows"][0]["verdict"] == "UNRESOLVED"  # one seed decides nothing
+    assert len((out / "quality-runs.jsonl").read_text().splitlines()) == 4

@@ -96,9 +96,14 @@ def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) 
 
 
 def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples: tuple[int, int], per_node: int,
-                repeats: int, eval_examples: int, extra: list[str], console: Any, parallel: bool = False) -> dict:
+                repeats: int, eval_examples: int, extra: list[str], console: Any, parallel: bool = False,
+                time_limit: float | None = None) -> dict:
     """Every configuration's samples (one per round, and per wave with `parallel`: see `waves`) and its medians.
-    `transports`: label -> job options."""
+    `transports`: label -> job options. `time_limit` (seconds): start no wave after it (one that would not finish
+    by it, judged by the slowest wave so far) and report the rounds that finished, so a bench under a machine's time
+    limit keeps what it measured."""
+    import time
+
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     labels = list(transports)
@@ -114,8 +119,13 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
         config.write_text("checkpoint = false\nplot = false\n")
         args = ["--config", str(config), *args]
         task = bar.add_task("lookup runs", total=2 * repeats * sum(len(w) for w in plan))
+        t0, slowest, stopped = time.monotonic(), 0.0, False
         for rnd in range(repeats):
             for w, wave in enumerate(plan):
+                if time_limit is not None and time.monotonic() - t0 + slowest > time_limit:
+                    stopped = True
+                    break
+                started = time.monotonic()
                 got: dict[tuple[int, str], list[dict]] = {}
                 for ex in (small, big):
                     jobs = [(n, t, ex, [*args, *transports[t]], Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}-{w}")
@@ -125,6 +135,16 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
                     bar.advance(task, len(wave))
                 for (n, t), (a, b) in got.items():
                     _sample(samples[(n, t)], a, b, rnd, bar.console, n, t)
+                slowest = max(slowest, time.monotonic() - started)
+            if stopped:
+                break
+    if stopped:
+        console.print(f"[yellow]--time-limit {time_limit:g} s: stopped after {sum(map(len, samples.values()))} "
+                      f"of {repeats * len(configs)} samples; the medians below are of those that finished")
+    samples = {c: v for c, v in samples.items() if v}
+    if stopped and (not any(n == 1 for n, _ in samples) or len(samples) < 2):
+        raise click.ClickException(f"--time-limit {time_limit:g} s: too short for the 1-node reference and one more "
+                                   f"node count ({sum(map(len, samples.values()))} samples finished)")
     rows = [_median(n, t, v) for (n, t), v in samples.items()]
     one = next(r for r in rows if r["nodes"] == 1)
     for r in rows:
@@ -346,12 +366,15 @@ def _plot(result: dict):
 @click.option("--parallel", is_flag=True,
               help="run each round's jobs side by side in balanced waves (one per variant; for a machine with a core "
                    "for every process of a wave: the 1-node job and one job per larger node count).")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="seconds: start no job wave that would end after it (judged by the slowest so far) and report the "
+                   "rounds that finished (a machine lent for minutes).")
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
 def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str, gloo_device: str,
                 trainers_per_node: int, repeats: int,
-                eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool, out: str,
-                json_path: str | None) -> None:
+                eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool,
+                time_limit: float | None, out: str, json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
     from rich.console import Console
 
@@ -377,7 +400,8 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     console = Console()
     result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds, devices), examples=(small, big),
                          per_node=trainers_per_node,
-                         repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel)
+                         repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel,
+                         time_limit=time_limit)
     rows = [_cells(r) for r in result["rows"]]
     print_table("bench lookups (medians; CPU per extra example of every process)", COLUMNS, rows, console=console)
     for t, f in result["fits"].items():

@@ -110,9 +110,14 @@ def _references(seeds: list[int], base: dict, out: Path, jobs: int, done: Any) -
 
 
 def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int], examples: int, eval_examples: int,
-                out: Path, console: Any, log: Path | None = None, reference_jobs: int = 1) -> dict:
+                out: Path, console: Any, log: Path | None = None, reference_jobs: int = 1,
+                time_limit: float | None = None) -> dict:
     """Every run (a list of dicts) and the per-(algorithm, T) rows; `log`: each run appended there as a JSON line as
-    it ends (a long bench stopped early keeps what it measured); `reference_jobs`: T=1 runs side by side."""
+    it ends (a long bench stopped early keeps what it measured); `reference_jobs`: T=1 runs side by side;
+    `time_limit` (seconds): start no T >= 2 run that would end after it (by the slowest so far), and report the
+    runs that finished."""
+    import time
+
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -141,9 +146,16 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
             bar.advance(task)
             bar.console.print(f"  {r['algorithm']:14s} T={r['T']:<3d} seed {r['seed']}: eval NE {r['eval_ne']:.4f}")
 
+        t0, slowest = time.monotonic(), 0.0
         _references(seeds, base, out, reference_jobs, ended)
-        for seed, alg, T in plan:  # seed-major
+        for i, (seed, alg, T) in enumerate(plan):  # seed-major
+            if time_limit is not None and time.monotonic() - t0 + slowest > time_limit:
+                bar.console.print(f"[yellow]--time-limit {time_limit:g} s: stopped after {i} of {len(plan)} runs "
+                                  "(and the T=1 references); the rows below are of those that finished")
+                break
+            started = time.monotonic()
             ended(_train(alg, T, seed, base, out, _quiet()))
+            slowest = max(slowest, time.monotonic() - started)
     ref = {r["seed"]: r["eval_ne"] for r in runs if r["algorithm"] == "none"}
     rows = []
     for alg in algorithms:
@@ -151,6 +163,8 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
             if T == 1:
                 continue
             mine = [r for r in runs if r["algorithm"] == alg and r["T"] == T]
+            if not mine:  # stopped by the time limit before its first seed
+                continue
             change = [r["eval_ne"] / ref[r["seed"]] - 1 for r in mine]
             ne = [r["eval_ne"] for r in mine]
             mean_change = statistics.fmean(change)
@@ -260,9 +274,12 @@ def _reach(mid: float, end: float) -> float:
 @click.option("--reference-jobs", type=click.IntRange(min=1), default=1, show_default=True,
               help="T=1 reference runs side by side (deterministic: the same NE as one at a time); e.g. the seeds "
                    "count on a machine with 2 cores per seed.")
+@click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="seconds: start no run that would end after it (judged by the slowest so far) and report the runs "
+                   "that finished (a machine lent for minutes).")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-quality", show_default=True)
 def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_examples: int, reference_jobs: int,
-                out: str) -> None:
+                time_limit: float | None, out: str) -> None:
     """Eval NE vs trainer count for every sync algorithm at equal total examples (issue 32's quality targets)."""
     from rich.console import Console
 
@@ -283,7 +300,7 @@ def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: int, eval_
     (root / "quality-runs.jsonl").unlink(missing_ok=True)
     result = run_quality(trainers=ts, algorithms=algs, seeds=list(range(seeds)), examples=examples,
                          eval_examples=eval_examples, out=root / "runs", console=console,
-                         log=root / "quality-runs.jsonl", reference_jobs=reference_jobs)
+                         log=root / "quality-runs.jsonl", reference_jobs=reference_jobs, time_limit=time_limit)
     console.print(_table(result))
     console.print(_markdown(result), markup=False)
     (root / "quality.json").write_text(json.dumps(result, indent=1, default=float) + "\n")
