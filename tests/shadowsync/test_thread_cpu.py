@@ -63,6 +63,8 @@ def test_role_names_and_errors():
     assert thread_cpu.role_of("python") == "other" and thread_cpu.role_of("python", main=True) == "main"
     with pytest.raises(ValueError, match="'worker0'"):
         thread_cpu.in_role("worker0", print)  # the digits are the thread's index, not its role
+    with pytest.raises(ValueError, match="'a-very-long-role'"):
+        thread_cpu.in_role("a-very-long-role", print)  # its OS name would be cut, and read back as another role
 
 
 def test_cpu_by_kind_adds_up_to_every_rank():

@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "parse_shapes", "fmt_bytes",
            "fmt_seconds", "fmt_ratio", "copy_bandwidth", "bound_seconds", "machine_info", "print_table",
-           "markdown_table", "write_json"]
+           "markdown_table", "write_json", "TimeBudget"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,3 +233,26 @@ def save_figure(fig, path: str | os.PathLike) -> Path:
     fig.savefig(p, dpi=110)
     plt.close(fig)
     return p
+
+
+class TimeBudget:
+    """A bench's `--time-limit` (seconds; None: none): `allows()` says whether one more step, judged by the slowest
+    `step()` so far, would end within it, so a bench on a machine lent for minutes reports what finished."""
+
+    def __init__(self, limit: float | None):
+        self.limit, self.t0, self.slowest = limit, time.monotonic(), 0.0
+
+    def allows(self) -> bool:
+        return self.limit is None or time.monotonic() - self.t0 + self.slowest <= self.limit
+
+    def step(self) -> Any:
+        """A context timing one step."""
+        import contextlib
+
+        @contextlib.contextmanager
+        def timed():
+            started = time.monotonic()
+            yield
+            self.slowest = max(self.slowest, time.monotonic() - started)
+
+        return timed()

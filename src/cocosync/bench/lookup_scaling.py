@@ -26,6 +26,8 @@ from typing import Any
 
 import click
 
+from cocosync.bench.common import TimeBudget
+
 __all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency", "thread_rows"]
 
 TARGETS = {"efficiency_4": 0.9, "efficiency_32": 0.9, "efficiency_128": 0.75, "staleness": 4.0, "wait": 0.05}
@@ -102,8 +104,6 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
     `transports`: label -> job options. `time_limit` (seconds): start no wave after it (one that would not finish
     by it, judged by the slowest wave so far) and report the rounds that finished, so a bench under a machine's time
     limit keeps what it measured."""
-    import time
-
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     labels = list(transports)
@@ -119,23 +119,22 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
         config.write_text("checkpoint = false\nplot = false\n")
         args = ["--config", str(config), *args]
         task = bar.add_task("lookup runs", total=2 * repeats * sum(len(w) for w in plan))
-        t0, slowest, stopped = time.monotonic(), 0.0, False
+        budget, stopped = TimeBudget(time_limit), False
         for rnd in range(repeats):
             for w, wave in enumerate(plan):
-                if time_limit is not None and time.monotonic() - t0 + slowest > time_limit:
+                if not budget.allows():
                     stopped = True
                     break
-                started = time.monotonic()
                 got: dict[tuple[int, str], list[dict]] = {}
-                for ex in (small, big):
-                    jobs = [(n, t, ex, [*args, *transports[t]], Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}-{w}")
-                            for n, t in wave]
-                    for c, summary in zip(wave, _run_wave(jobs, per_node)):
-                        got.setdefault(c, []).append(summary)
-                    bar.advance(task, len(wave))
+                with budget.step():
+                    for ex in (small, big):
+                        jobs = [(n, t, ex, [*args, *transports[t]],
+                                 Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}-{w}") for n, t in wave]
+                        for c, summary in zip(wave, _run_wave(jobs, per_node)):
+                            got.setdefault(c, []).append(summary)
+                        bar.advance(task, len(wave))
                 for (n, t), (a, b) in got.items():
                     _sample(samples[(n, t)], a, b, rnd, bar.console, n, t)
-                slowest = max(slowest, time.monotonic() - started)
             if stopped:
                 break
     if stopped:

@@ -23,6 +23,7 @@ from typing import Any
 
 import click
 
+from cocosync.bench.common import TimeBudget
 from cocosync.shadowsync.train_config import SYNC_ALGORITHMS
 
 __all__ = ["quality_cmd", "run_quality", "tolerance", "change_interval", "verdict"]
@@ -116,8 +117,6 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
     it ends (a long bench stopped early keeps what it measured); `reference_jobs`: T=1 runs side by side;
     `time_limit` (seconds): start no T >= 2 run that would end after it (by the slowest so far), and report the
     runs that finished."""
-    import time
-
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -146,16 +145,15 @@ def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int],
             bar.advance(task)
             bar.console.print(f"  {r['algorithm']:14s} T={r['T']:<3d} seed {r['seed']}: eval NE {r['eval_ne']:.4f}")
 
-        t0, slowest = time.monotonic(), 0.0
+        budget = TimeBudget(time_limit)
         _references(seeds, base, out, reference_jobs, ended)
         for i, (seed, alg, T) in enumerate(plan):  # seed-major
-            if time_limit is not None and time.monotonic() - t0 + slowest > time_limit:
+            if not budget.allows():
                 bar.console.print(f"[yellow]--time-limit {time_limit:g} s: stopped after {i} of {len(plan)} runs "
                                   "(and the T=1 references); the rows below are of those that finished")
                 break
-            started = time.monotonic()
-            ended(_train(alg, T, seed, base, out, _quiet()))
-            slowest = max(slowest, time.monotonic() - started)
+            with budget.step():
+                ended(_train(alg, T, seed, base, out, _quiet()))
     ref = {r["seed"]: r["eval_ne"] for r in runs if r["algorithm"] == "none"}
     rows = []
     for alg in algorithms:

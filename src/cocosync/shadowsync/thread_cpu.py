@@ -13,6 +13,7 @@ by a worker count as the worker's), gloo's threads carry gloo's names. What no t
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import sys
 import threading
@@ -53,20 +54,25 @@ def native_thread_cpu() -> dict[int, tuple[str, float]]:
     return out
 
 
+@functools.cache
+def _libc() -> Any:
+    return ctypes.CDLL(None, use_errno=True)
+
+
 def _name_os_thread(name: str) -> None:
     if not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
+        _libc().prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()), 0, 0, 0)
     except (OSError, AttributeError):  # no prctl here: the thread keeps its name, its CPU counts as the rest
         pass
 
 
 def in_role(role: str, fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` as a thread target that runs in `role` (a short name, no digits at its end: 'worker', 'exchange')."""
-    if not role or role[-1].isdigit():
-        raise ValueError(f"thread role {role!r}: expected a non-empty name that does not end in a digit")
+    if not role or role[-1].isdigit() or len(PREFIX + role) > 15:
+        raise ValueError(f"thread role {role!r}: expected a name of 1-{15 - len(PREFIX)} characters that does not end "
+                         "in a digit (Linux keeps 15 characters of a thread's name)")
 
     @wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
