@@ -4,6 +4,7 @@ projection, the verdicts, and the table, JSON and PNG it writes."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
@@ -148,3 +149,80 @@ def test_a_time_limit_keeps_the_rounds_that_finished(tmp_path, monkeypatch):
     clock[0] = 0.0
     res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2", "--time-limit", "10", "--out", str(out)])
     assert res.exit_code == 1 and "--time-limit 10 s: too short" in res.output
+
+
+def test_side_by_side_references_take_the_machines_load_out(tmp_path, monkeypatch):
+    """--side-by-side: N one-node jobs of examples / N each, started together through torchrun's launcher, as the
+    N-node rows' reference. A fake machine whose every process costs more per example the more processes share it
+    (+0.5 us per node's worth of jobs) must show the N-node job's own cost apart from that load."""
+    import cocosync.bench.lookup_scaling as bench
+    import cocosync.testing.multinode as multinode
+
+    started: list[tuple[int, int, int]] = []  # (nnodes, examples, wave) of every torchrun start
+
+    def start(args, *, nnodes, nproc_per_node, env):
+        started.append((nnodes, int(args[args.index("--examples") + 1]), len(waits)))
+        return (nnodes, args)
+
+    waits: list[int] = []
+
+    def wait(job, timeout):
+        nnodes, args = job
+        load = sum(n for n, _, w in started if w == len(waits))  # nodes' worth of jobs started in this wave
+        ex = int(args[args.index("--examples") + 1])
+        out = Path(args[args.index("--out") + 1])
+        out.mkdir(parents=True, exist_ok=True)
+        run = _fake_run(nnodes, "exchange", ex, 1, ["--config", "--eval-examples"], out)
+        run["job_cpu_seconds"] += ex * 0.5 * (load - 1) * 1e-6
+        run["cpu_seconds_by_thread"]["trainer/worker"] += ex * 0.5 * (load - 1) * 1e-6
+        (out / "summary.json").write_text(json.dumps(run))
+        return [multinode.NodeRun(0, 0, "")]
+
+    real_wave = bench._run_wave
+
+    def wave(jobs, per_node):
+        got = real_wave(jobs, per_node)
+        waits.append(1)
+        return got
+
+    monkeypatch.setattr(multinode, "start_nodes", start)
+    monkeypatch.setattr(multinode, "wait_nodes", wait)
+    monkeypatch.setattr(bench, "_run_wave", wave)
+    out = tmp_path / "lk"
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--nodes", "1,2,4", "--transports", "exchange", "--repeats", "1",
+                                   "--examples", "100000,300000", "--side-by-side", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    # the 4-node reference: 4 one-node jobs of 25,000 and of 75,000 examples, each wave's started together
+    assert started.count((1, 25_000, 8)) == 4 and started.count((1, 75_000, 9)) == 4
+    result = json.loads((out / "lookups.json").read_text())
+    rows = {(r["nodes"], r["transport"]): r for r in result["rows"]}
+    assert set(rows) == {(1, "local"), (2, "exchange"), (2, "side by side"), (4, "exchange"), (4, "side by side")}
+    assert rows[(4, "side by side")]["cpu_us_per_example"] == pytest.approx(10.5 + 1.5)  # one node's + the load
+    assert rows[(4, "exchange")]["cpu_us_per_example"] == pytest.approx(15.0 + 1.5)  # 9 + 1.5 x 4, + the load
+    assert rows[(4, "exchange")]["efficiency"] == pytest.approx(10.5 / 16.5)
+    assert rows[(4, "exchange")]["efficiency_side_by_side"] == pytest.approx(12.0 / 16.5)
+    assert "efficiency_side_by_side" not in rows[(4, "side by side")]
+    assert rows[(4, "side by side")]["cpu_us_per_example_by_thread"]["trainer/worker"] == pytest.approx(6.5 + 1.5)
+    side = result["fits_side_by_side"]["exchange"]  # through 10.5, 10.5 x 12.5 / 11, 10.5 x 16.5 / 12
+    a, b = fit_line([1, 2, 4], [10.5, 10.5 * 12.5 / 11.0, 10.5 * 16.5 / 12.0])
+    assert (side["intercept_us"], side["slope_us_per_node"]) == pytest.approx((a, b))
+    assert side["efficiency_32"] > result["fits"]["exchange"]["efficiency_32"]
+    assert any(v.startswith("MISS CPU efficiency at 4 nodes against 4 one-node jobs side by side, exchange: 0.73")
+               for v in result["verdicts"])
+    assert "| 4 | exchange | 16.50 | 0.64 | 0.73 |" in res.output
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--side-by-side", "--parallel"])
+    assert res.exit_code == 2 and "not with --parallel" in res.output
+
+
+def test_side_by_side_summaries_add_up():
+    from cocosync.bench.lookup_scaling import combined
+
+    a = {"job_cpu_seconds": 2.0, "examples": 100, "hot_syncs": 3, "staleness": 1.0, "eval_ne": 0.70,
+         "cpu_seconds_by_thread": {"trainer/worker": 1.5, "embedding/main": 0.5}}
+    b = {"job_cpu_seconds": 4.0, "examples": 100, "hot_syncs": 5, "staleness": 3.0, "eval_ne": 0.72,
+         "cpu_seconds_by_thread": {"trainer/worker": 3.0, "trainer/gloo": 1.0}}
+    got = combined([a, b])
+    assert (got["job_cpu_seconds"], got["examples"], got["hot_syncs"]) == (6.0, 200, 8)
+    assert got["staleness"] == 2.0 and got["eval_ne"] == pytest.approx(0.71)
+    assert got["cpu_seconds_by_thread"] == {"trainer/worker": 4.5, "embedding/main": 0.5, "trainer/gloo": 1.0}
+    assert combined([a]) is a

@@ -9,10 +9,14 @@ over its own. Every configuration runs once per round (round-robin, both lengths
 rounds; `--parallel` runs a round's jobs side by side in balanced waves instead (`waves`), for a machine with a core
 per process of a wave (the lent 16-core machine), where one job at a time would leave most cores idle. A
 least-squares line through CPU per example against the node count projects the efficiency at 32 and 128 machines:
-(a + b) / (a + b N). Also reported (long runs, medians): staleness (updates a pushed row received since its
-fetch), the share of step time trainers waited on lookups, messages and bytes per example between nodes, eval NE
-(with `--sync none` the N nodes' N trainers do not average their dense replicas: compare NE across node counts with
-a sync algorithm and as many trainers on one node, as BENCHMARKS.md does).
+(a + b) / (a + b N). Loopback nodes share one machine's cores, caches and clock, which N machines do not: with
+`--side-by-side` each node count N > 1 also gets N one-node jobs run side by side as its reference (the same
+processes on the machine and examples per trainer), and every N-node row reports its efficiency against them too
+("vs side by side"), with a second projection through those ratios. Also reported (long runs, medians): staleness
+(updates a pushed row received since its fetch), the share of step time trainers waited on lookups, messages and
+bytes per example between nodes, eval NE (with `--sync none` the N nodes' N trainers do not average their dense
+replicas: compare NE across node counts with a sync algorithm and as many trainers on one node, as BENCHMARKS.md
+does).
 Written: the table (and markdown), lookups.json and lookups.png (CPU per example vs nodes, measured and fitted).
 """
 
@@ -28,7 +32,9 @@ import click
 
 from cocosync.bench.common import TimeBudget
 
-__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency", "thread_rows"]
+__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency", "thread_rows", "SIDE_BY_SIDE"]
+
+SIDE_BY_SIDE = "side by side"  # the label of N one-node jobs run at once: an N-node job's machine-load reference
 
 TARGETS = {"efficiency_4": 0.9, "efficiency_32": 0.9, "efficiency_128": 0.75, "staleness": 4.0, "wait": 0.05}
 
@@ -67,48 +73,74 @@ def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[flo
     return out
 
 
-def waves(nodes: list[int], labels: list[str], parallel: bool) -> list[list[tuple[int, str]]]:
+def waves(nodes: list[int], labels: list[str], parallel: bool,
+          side_by_side: bool = False) -> list[list[tuple[int, str]]]:
     """One round's jobs as waves run one after another, a wave's jobs side by side: one job a wave (every
     configuration once), or with `parallel` one wave per variant, each holding the 1-node reference and, for the i-th
     node count above 1, variant (wave + i) mod V: every variant once per node count and round, and every wave the
     same number of processes (a Latin square), so neighbours load each variant alike."""
-    if not parallel:
-        return [[(n, t)] for n in nodes for t in (labels if n > 1 else labels[:1])]
+    if parallel and side_by_side:
+        raise ValueError("side-by-side references run their own waves: not with parallel waves")
+    if not parallel:  # (`side_by_side`: after each node count's variants, its one-node jobs side by side)
+        more = [*labels, *([SIDE_BY_SIDE] if side_by_side else [])]
+        return [[(n, t)] for n in nodes for t in (more if n > 1 else labels[:1])]
     multi = [n for n in nodes if n > 1]
     return [[(1, labels[0]), *((n, labels[(w + i) % len(labels)]) for i, n in enumerate(multi))]
             for w in range(len(labels))]
 
 
 def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) -> list[dict]:
-    """Start every job (nodes, label, examples, options, out) of a wave, then wait for each: their summaries."""
+    """Start every job (nodes, label, examples, options, out) of a wave, then wait for each: their summaries. A
+    SIDE_BY_SIDE job of N nodes is N one-node jobs of examples / N each, started together (one summary: `combined`)."""
     from cocosync.testing.multinode import start_nodes, wait_nodes
 
+    runs = [(n, label, 1 if label == SIDE_BY_SIDE else n, ex // n if label == SIDE_BY_SIDE else ex, extra,
+             out / f"copy-{i}" if label == SIDE_BY_SIDE else out)
+            for n, label, ex, extra, out in jobs for i in range(n if label == SIDE_BY_SIDE else 1)]
     started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(out),
-                            *(x for x in extra if not x.startswith("env:"))], nnodes=n, nproc_per_node=1 + per_node,
+                            *(x for x in extra if not x.startswith("env:"))], nnodes=nn, nproc_per_node=1 + per_node,
                            env=dict(x[4:].split("=", 1) for x in extra if x.startswith("env:")))
-               for n, _, ex, extra, out in jobs]
-    out = []
-    for (n, label, _, _, path), procs in zip(jobs, started):
+               for _, _, nn, ex, extra, out in runs]
+    got: dict[Path, list[dict]] = {}
+    for (n, label, _, _, _, path), procs in zip(runs, started):
         for r in wait_nodes(procs, 900):
             if r.returncode != 0:
                 raise click.ClickException(f"{n}-node {label} run failed on node {r.node} (exit {r.returncode}):"
                                            f"\n{r.output[-3000:]}")
-        out.append(json.loads((path / "summary.json").read_text()))
+        got.setdefault(path.parent if label == SIDE_BY_SIDE else path, []).append(
+            json.loads((path / "summary.json").read_text()))
+    return [combined(got[out]) for *_, out in jobs]
+
+
+def combined(summaries: list[dict]) -> dict:
+    """One summary of jobs run side by side: their CPU, examples, counts and CPU by thread summed, the rest (NE,
+    staleness, rates) the median of theirs."""
+    if len(summaries) == 1:
+        return summaries[0]
+    out = {k: statistics.median(s[k] for s in summaries) for k in _KEYS
+           if all(isinstance(s.get(k), (int, float)) for s in summaries)}
+    for k in ("job_cpu_seconds", "examples", "exchange_rounds", "hot_syncs", "gloo_cpu_seconds"):
+        out[k] = sum(s.get(k, 0) for s in summaries)
+    out["cpu_seconds_by_thread"] = {}
+    for s in summaries:
+        for k, v in s.get("cpu_seconds_by_thread", {}).items():
+            out["cpu_seconds_by_thread"][k] = out["cpu_seconds_by_thread"].get(k, 0.0) + v
     return out
 
 
 def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples: tuple[int, int], per_node: int,
                 repeats: int, eval_examples: int, extra: list[str], console: Any, parallel: bool = False,
-                time_limit: float | None = None) -> dict:
+                time_limit: float | None = None, side_by_side: bool = False) -> dict:
     """Every configuration's samples (one per round, and per wave with `parallel`: see `waves`) and its medians.
     `transports`: label -> job options. `time_limit` (seconds): start no wave after it (one that would not finish
     by it, judged by the slowest wave so far) and report the rounds that finished, so a bench under a machine's time
-    limit keeps what it measured."""
+    limit keeps what it measured. `side_by_side`: also N one-node jobs at once per node count N > 1 (the N-node
+    rows' machine-load reference: see the module doc)."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     labels = list(transports)
-    configs = [(n, t) for n in nodes for t in (labels if n > 1 else labels[:1])]
-    plan = waves(nodes, labels, parallel)
+    plan = waves(nodes, labels, parallel, side_by_side)
+    configs = list(dict.fromkeys(c for wave in plan for c in wave))
     small, big = examples
     args = ["--eval-examples", str(eval_examples), *extra]
     samples: dict[tuple[int, str], list[dict]] = {c: [] for c in configs}
@@ -128,7 +160,7 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
                 got: dict[tuple[int, str], list[dict]] = {}
                 with budget.step():
                     for ex in (small, big):
-                        jobs = [(n, t, ex, [*args, *transports[t]],
+                        jobs = [(n, t, ex, [*args, *transports.get(t, transports[labels[0]])],
                                  Path(tmp) / f"{n}-{t.replace(' ', '-')}-{ex}-{rnd}-{w}") for n, t in wave]
                         for c, summary in zip(wave, _run_wave(jobs, per_node)):
                             got.setdefault(c, []).append(summary)
@@ -146,21 +178,39 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
                                    f"node count ({sum(map(len, samples.values()))} samples finished)")
     rows = [_median(n, t, v) for (n, t), v in samples.items()]
     one = next(r for r in rows if r["nodes"] == 1)
+    side = {r["nodes"]: r["cpu_us_per_example"] for r in rows if r["transport"] == SIDE_BY_SIDE}
     for r in rows:
         r["efficiency"] = one["cpu_us_per_example"] / r["cpu_us_per_example"]
-    fits = {}
+        if r["nodes"] > 1 and r["transport"] != SIDE_BY_SIDE and r["nodes"] in side:
+            r["efficiency_side_by_side"] = side[r["nodes"]] / r["cpu_us_per_example"]
+    fits, fits_side = {}, {}
     for t in labels:
-        pts = [(r["nodes"], r["cpu_us_per_example"]) for r in rows if r["nodes"] == 1 or r["transport"] == t]
-        if len({x for x, _ in pts}) >= 2:
-            a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
-            fits[t] = {"intercept_us": a, "slope_us_per_node": b,
-                       **{f"efficiency_{m}": projected_efficiency(a, b, m) for m in (4, 8, 32, 128)}}
+        mine = [r for r in rows if r["nodes"] == 1 or r["transport"] == t]
+        fit = _fit(mine, lambda r: r["cpu_us_per_example"])
+        if fit:
+            fits[t] = fit
+        # the same line through CPU per example with the machine's load taken out: c(1) / efficiency vs side by side
+        fit = _fit([r for r in mine if r["nodes"] == 1 or "efficiency_side_by_side" in r],
+                   lambda r: one["cpu_us_per_example"] / r.get("efficiency_side_by_side", 1.0))
+        if fit and side:
+            fits_side[t] = fit
     relay = _relay_us(rows, per_node)
     models = {t: _model(rows, one, t, extra, relay) for t in labels if t.startswith("exchange")}
-    return {"rows": rows, "fits": fits, "models": {t: m for t, m in models.items() if m is not None},
+    return {"rows": rows, "fits": fits, "fits_side_by_side": fits_side,
+            "models": {t: m for t, m in models.items() if m is not None},
             "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
             "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
                          "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
+
+
+def _fit(rows: list[dict], cost: Any) -> dict | None:
+    """The straight line of `cost(row)` against nodes and its projected efficiencies; None with one node count."""
+    pts = [(r["nodes"], cost(r)) for r in rows]
+    if len({x for x, _ in pts}) < 2:
+        return None
+    a, b = fit_line([x for x, _ in pts], [y for _, y in pts])
+    return {"intercept_us": a, "slope_us_per_node": b,
+            **{f"efficiency_{m}": projected_efficiency(a, b, m) for m in (4, 8, 32, 128)}}
 
 
 def _relay_us(rows: list[dict], per_node: int) -> float | None:
@@ -246,10 +296,15 @@ def verdicts(result: dict) -> list[str]:
                                 f"{r['transport']}", f"{r['staleness']:.2f} updates per row (target <= 4)"))
             out.append(_verdict(r["lookup_wait_fraction"] < TARGETS["wait"], f"lookup wait at {r['nodes']} nodes, "
                                 f"{r['transport']}", f"{r['lookup_wait_fraction']:.1%} of step time (target < 5%)"))
-    for t, f in result["fits"].items():
-        out.append(_verdict(f["efficiency_32"] >= TARGETS["efficiency_32"] and f["efficiency_128"] >= TARGETS[
-            "efficiency_128"], f"projected efficiency, {t} (straight line)", f"32 machines {f['efficiency_32']:.2f} "
-            f"(target >= 0.9), 128 machines {f['efficiency_128']:.2f} (target >= 0.75)"))
+        if r["nodes"] == 4 and "efficiency_side_by_side" in r:
+            out.append(_verdict(r["efficiency_side_by_side"] >= TARGETS["efficiency_4"],
+                                f"CPU efficiency at 4 nodes against 4 one-node jobs side by side, {r['transport']}",
+                                f"{r['efficiency_side_by_side']:.2f} (target >= 0.9)"))
+    for key, how in (("fits", "straight line"), ("fits_side_by_side", "straight line, load matched")):
+        for t, f in result.get(key, {}).items():
+            out.append(_verdict(f["efficiency_32"] >= TARGETS["efficiency_32"] and f["efficiency_128"] >= TARGETS[
+                "efficiency_128"], f"projected efficiency, {t} ({how})", f"32 machines {f['efficiency_32']:.2f} "
+                f"(target >= 0.9), 128 machines {f['efficiency_128']:.2f} (target >= 0.75)"))
     return out
 
 
@@ -288,13 +343,14 @@ def _verdict(ok: bool, what: str, detail: str) -> str:
     return f"{'PASS' if ok else 'MISS'} {what}: {detail}"
 
 
-COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "staleness", "of it: hot syncs / remote",
-           "lookup wait", "messages/example", "net B/example", "eval NE", "samples"]
+COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "vs side by side", "staleness",
+           "of it: hot syncs / remote", "lookup wait", "messages/example", "net B/example", "eval NE", "samples"]
 
 
 def _cells(r: dict) -> list[str]:
     parts = f"{r.get('staleness_hot_sync', 0):.2f} / {r.get('staleness_remote', 0):.2f}"
-    return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}",
+    side = f"{r['efficiency_side_by_side']:.2f}" if "efficiency_side_by_side" in r else "-"
+    return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}", side,
             f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
             f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
@@ -335,6 +391,10 @@ def _plot(result: dict):
         xs = [1, max(r["nodes"] for r in pts) * 2]
         ax.plot(xs, [f["intercept_us"] + f["slope_us_per_node"] * x for x in xs], "--", color=line[0].get_color(),
                 label=f"{t} fit: 32 machines {f['efficiency_32']:.0%}")
+    side = sorted((r for r in result["rows"] if r["transport"] == SIDE_BY_SIDE), key=lambda r: r["nodes"])
+    if side:
+        ax.plot([1, *(r["nodes"] for r in side)], [one[0]["cpu_us_per_example"], *(r["cpu_us_per_example"]
+                for r in side)], "x:", color="gray", label="N one-node jobs side by side (the machine's load)")
     ax.set_xlabel("torchrun nodes (loopback)")
     ax.set_ylabel("CPU us per extra example (all processes)")
     ax.grid(alpha=0.3)
@@ -365,6 +425,10 @@ def _plot(result: dict):
 @click.option("--parallel", is_flag=True,
               help="run each round's jobs side by side in balanced waves (one per variant; for a machine with a core "
                    "for every process of a wave: the 1-node job and one job per larger node count).")
+@click.option("--side-by-side", is_flag=True,
+              help="also run N one-node jobs side by side for each node count N > 1 (the same processes on the "
+                   "machine as the N-node job, the same examples per trainer), and report each N-node row's "
+                   "efficiency against them: loopback nodes share one machine's cores, caches and clock.")
 @click.option("--time-limit", type=click.FloatRange(min=0, min_open=True), default=None,
               help="seconds: start no job wave that would end after it (judged by the slowest so far) and report the "
                    "rounds that finished (a machine lent for minutes).")
@@ -373,7 +437,7 @@ def _plot(result: dict):
 def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str, gloo_device: str,
                 trainers_per_node: int, repeats: int,
                 eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool,
-                time_limit: float | None, out: str, json_path: str | None) -> None:
+                side_by_side: bool, time_limit: float | None, out: str, json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
     from rich.console import Console
 
@@ -391,6 +455,8 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     devices = [d.strip() for d in gloo_device.split(",")]
     if not devices or any(d not in ("shared", "per-group") for d in devices) or len(set(devices)) < len(devices):
         raise click.UsageError(f"--gloo-device {gloo_device!r}: expected 'shared', 'per-group' or both")
+    if parallel and side_by_side:
+        raise click.UsageError("--side-by-side runs its own one-node jobs at once: not with --parallel")
     small, big = (int(x) for x in examples.split(","))
     if not 0 < small < big:
         raise click.UsageError(f"--examples {examples!r}: expected SHORT,LONG with 0 < SHORT < LONG")
@@ -400,13 +466,17 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds, devices), examples=(small, big),
                          per_node=trainers_per_node,
                          repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel,
-                         time_limit=time_limit)
+                         time_limit=time_limit, side_by_side=side_by_side)
     rows = [_cells(r) for r in result["rows"]]
     print_table("bench lookups (medians; CPU per extra example of every process)", COLUMNS, rows, console=console)
     for t, f in result["fits"].items():
         console.print(f"{t}: CPU per example = {f['intercept_us']:.2f} + {f['slope_us_per_node']:.3f} x nodes us; "
                       f"projected efficiency 8: {f['efficiency_8']:.2f}, 32: {f['efficiency_32']:.2f}, "
                       f"128: {f['efficiency_128']:.2f}")
+    for t, f in result["fits_side_by_side"].items():
+        console.print(f"{t}, the machine's load taken out (one node's CPU / efficiency vs side by side): "
+                      f"{f['intercept_us']:.2f} + {f['slope_us_per_node']:.3f} x nodes us; projected efficiency 32: "
+                      f"{f['efficiency_32']:.2f}, 128: {f['efficiency_128']:.2f}")
     threads = thread_rows(result["rows"])
     if threads:
         print_table("where the CPU goes: us per extra example by process kind / thread role (medians)",
