@@ -33,6 +33,8 @@ def test_quality_bench_relates_each_run_to_one_trainer_of_the_same_seed(tmp_path
         assert row["verdict"] == verdict(changes, tolerance(2))[0]
         assert row["change_low"] <= row["change"] <= row["change_high"]
         assert row["pass"] == (row["verdict"] == "PASS")
+        # the embedding rows' staleness (updates a pushed row received since its fetch): the runs' median
+        assert row["row_staleness"] == statistics.median(r["row_staleness"] for r in mine) >= 0
     assert (out / "quality.png").stat().st_size > 10_000
     assert len((out / "quality-runs.jsonl").read_text().splitlines()) == len(runs)  # written as each run ended
     assert "| shadow-ma | 2 |" in res.output  # the markdown row for BENCHMARKS.md
