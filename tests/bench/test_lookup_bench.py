@@ -209,6 +209,7 @@ def test_side_by_side_references_take_the_machines_load_out(tmp_path, monkeypatc
     assert side["efficiency_32"] > result["fits"]["exchange"]["efficiency_32"]
     assert any(v.startswith("MISS CPU efficiency at 4 nodes against 4 one-node jobs side by side, exchange: 0.73")
                for v in result["verdicts"])
+    assert not any("side by side:" in v for v in result["verdicts"])  # the reference gets no verdict of its own
     assert "| 4 | exchange | 16.50 | 0.64 | 0.73 |" in res.output
     res = CliRunner().invoke(cli, ["bench", "lookups", "--side-by-side", "--parallel"])
     assert res.exit_code == 2 and "not with --parallel" in res.output
