@@ -130,8 +130,10 @@ def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):
     assert res.exit_code == 0, res.output
     assert "(workers read their byte ranges)" in res.output
     summary = json.loads(res.output.strip().splitlines()[-1])
-    # 3000 of each ~4000-line range; it learns: 0.70-0.82 seen in 6 runs (rows read wrong would stay near NE 1)
-    assert summary["examples"] == 12_000 and summary["eval_ne"] < 0.9, summary
+    # 3000 of each ~4000-line range, and it learns from rows that match their labels: AUC 0.75-0.87 over 8 runs here
+    # (rows read wrong rank at chance, 0.5). Not NE: ~94 Hogwild steps per replica leave its calibration anywhere in
+    # 0.63-1.54, so NE spread 0.68-0.96 over 16 runs (CI failed one at 0.92 against a 0.9 bound).
+    assert summary["examples"] == 12_000 and summary["auc"] > 0.65, summary
     data, _ = build_configs(TrainConfig(data=str(train), data_options={"eval_path": str(held)}))
     assert data.reader_split == "bytes"
     assert build_configs(TrainConfig(data=str(train)))[0].reader_split == "lines"  # held out: rows after the budget
