@@ -89,26 +89,31 @@ def waves(nodes: list[int], labels: list[str], parallel: bool,
             for w in range(len(labels))]
 
 
+def _starts(nodes: int, label: str, examples: int, out: Path) -> list[tuple[int, int, Path]]:
+    """The torchrun starts (nnodes, examples, out) of one bench job: itself, or for SIDE_BY_SIDE N one-node jobs of
+    examples / N each (an N-node job's machine-load reference)."""
+    if label != SIDE_BY_SIDE:
+        return [(nodes, examples, out)]
+    return [(1, examples // nodes, out / f"copy-{i}") for i in range(nodes)]
+
+
 def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) -> list[dict]:
-    """Start every job (nodes, label, examples, options, out) of a wave, then wait for each: their summaries. A
-    SIDE_BY_SIDE job of N nodes is N one-node jobs of examples / N each, started together (one summary: `combined`)."""
+    """Start every job (nodes, label, examples, options, out) of a wave, then wait for each: their summaries (a
+    SIDE_BY_SIDE job's copies, started together, as one: `combined`)."""
     from cocosync.testing.multinode import start_nodes, wait_nodes
 
-    runs = [(n, label, 1 if label == SIDE_BY_SIDE else n, ex // n if label == SIDE_BY_SIDE else ex, extra,
-             out / f"copy-{i}" if label == SIDE_BY_SIDE else out)
-            for n, label, ex, extra, out in jobs for i in range(n if label == SIDE_BY_SIDE else 1)]
-    started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(out),
+    runs = [(n, label, extra, out, start) for n, label, ex, extra, out in jobs for start in _starts(n, label, ex, out)]
+    started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(path),
                             *(x for x in extra if not x.startswith("env:"))], nnodes=nn, nproc_per_node=1 + per_node,
                            env=dict(x[4:].split("=", 1) for x in extra if x.startswith("env:")))
-               for _, _, nn, ex, extra, out in runs]
+               for *_, extra, _, (nn, ex, path) in runs]
     got: dict[Path, list[dict]] = {}
-    for (n, label, _, _, _, path), procs in zip(runs, started):
+    for (n, label, _, out, (_, _, path)), procs in zip(runs, started):
         for r in wait_nodes(procs, 900):
             if r.returncode != 0:
                 raise click.ClickException(f"{n}-node {label} run failed on node {r.node} (exit {r.returncode}):"
                                            f"\n{r.output[-3000:]}")
-        got.setdefault(path.parent if label == SIDE_BY_SIDE else path, []).append(
-            json.loads((path / "summary.json").read_text()))
+        got.setdefault(out, []).append(json.loads((path / "summary.json").read_text()))
     return [combined(got[out]) for *_, out in jobs]
 
 
