@@ -54,7 +54,8 @@ def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, args):
 def test_a_real_checkpoint_still_loads_and_a_damaged_one_is_named(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    from cocosync.shadowsync.checkpoint import CheckpointError, SafeReader
+    from cocosync.shadowsync.checkpoint import CheckpointError
+    from cocosync.shadowsync.safe_reader import SafeReader
 
     good = tmp_path / "good"
     dcp.save({"w": torch.ones(2), "i": torch.zeros(3, dtype=torch.int64)}, checkpoint_id=str(good), no_dist=True)

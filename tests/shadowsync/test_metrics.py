@@ -48,6 +48,22 @@ def test_auc():
     assert auc([0, 0, 1, 1], [0.1, 0.4, 0.35, 0.8]) == pytest.approx(0.75)
     assert auc([0, 1], [0.2, 0.9]) == 1.0
     assert math.isnan(auc([1, 1], [0.2, 0.9]))
+    assert auc([0, 1, 0, 1], [0.5, 0.5, 0.5, 0.5]) == 0.5  # all tied: no ordering
+
+
+@pytest.mark.parametrize("n,decimals", [(3, None), (50, 1), (1000, None), (20_000, 2)])
+def test_auc_equals_sklearns_with_and_without_ties(n, decimals):
+    from sklearn.metrics import roc_auc_score
+
+    rng = np.random.default_rng(n)
+    for _ in range(5):
+        y = rng.integers(0, 2, n)
+        p = rng.random(n).astype(np.float32)
+        if decimals is not None:  # runs of equal scores across both classes
+            p = np.round(p, decimals)
+        if y.min() == y.max():
+            continue
+        assert auc(torch.from_numpy(y), torch.from_numpy(p)) == pytest.approx(roc_auc_score(y, p), abs=1e-12)
 
 
 def test_sliding_window_ne_forgets_old_examples():

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import pickle
 import shutil
 import warnings
 import zlib
@@ -35,8 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 
 from cocosync.shadowsync.model.embeddings import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
@@ -51,52 +48,6 @@ BEST = "best"  # checkpoints/best: the best-eval model
 
 class CheckpointError(ConfigError):
     """A checkpoint is missing, damaged, of another format, or holds something other than data."""
-
-
-# ---------------------------------------------------------------------------------------------- safe reading
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
-_ALLOWED = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-            ("collections", "OrderedDict")}
-
-
-class _Refused(pickle.UnpicklingError):
-    """The metadata names a global outside DCP's metadata classes."""
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _METADATA_MODULES and not name.startswith("__"):
-            obj = super().find_class(module, name)
-            if isinstance(obj, type) or name == "_MEM_FORMAT_ENCODING":  # classes (dataclasses, enums) only
-                return obj
-        elif (module, name) in _ALLOWED:
-            return super().find_class(module, name)
-        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise _Refused(f"{module}.{name}")
-
-
-class SafeReader(FileSystemReader):
-    """DCP's file reader whose metadata cannot run code (a crafted .metadata is refused naming what it holds)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-        path = Path(self.path) / ".metadata"
-        try:
-            with open(path, "rb") as f:
-                metadata = _MetadataUnpickler(f).load()
-        except _Refused as e:
-            raise CheckpointError(f"refused to load {str(self.path)!r}: its .metadata holds an object ({e}) that "
-                                  "loading would have to call; a checkpoint holds only tensors and DCP's metadata") \
-                from None
-        except Exception as e:  # noqa: BLE001 - a damaged or cut file
-            raise CheckpointError(f"cannot read checkpoint {str(self.path)!r}: damaged .metadata "
-                                  f"({type(e).__name__}: {str(e)[:200]})") from None
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
 
 
 _ONE_PROCESS = "torch.distributed is disabled"  # DCP's warning when one process reads or writes a checkpoint alone
@@ -131,13 +82,23 @@ def _verify(state: dict[str, torch.Tensor], path: Path) -> None:
                                   "inf): the run that saved it diverged, or the file was altered")
 
 
+def _dcp() -> Any:
+    """torch.distributed.checkpoint, imported when a checkpoint is first saved or read: ~1.5 s of a process's CPU
+    that a launcher and a rank that never touch one need not pay (BENCHMARKS.md, "A job's fixed cost")."""
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
 def _load(state: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) -> None:
+    from cocosync.shadowsync.safe_reader import SafeReader
+
     reader = SafeReader(str(path))
     reader.read_metadata()  # a crafted or damaged .metadata is named here (DCP would wrap the error in its own)
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_ONE_PROCESS)
-            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+            _dcp().load(state, storage_reader=reader, no_dist=no_dist)
     except Exception as e:  # noqa: BLE001 - a missing key, a damaged data file
         raise CheckpointError(f"cannot read checkpoint {str(path)!r}: {type(e).__name__}: {str(e)[:300]}") from None
     _verify(state, path)
@@ -198,7 +159,7 @@ def save_job(parts: CheckpointParts, root: Path, meta: dict | None, *, writer: i
     dist.broadcast_object_list(seen, src=writer)
     path = root / "checkpoints" / f"seen-{seen[0]}"
     state = _state_dict(parts)
-    dcp.save(state, checkpoint_id=str(path))
+    _dcp().save(state, checkpoint_id=str(path))
     _write_checksums(path, f"{parts.kind}{parts.index}", state)
     dist.barrier()  # every rank's files are written before `latest` points here
     if meta is not None:
@@ -214,7 +175,7 @@ def save_best(root: Path, meta: dict, table: torch.Tensor, flat: torch.Tensor) -
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_ONE_PROCESS)
         state = {"emb.0.weight": table, "trainer.0.flat": flat}
-        dcp.save(state, checkpoint_id=str(tmp), no_dist=True)
+        _dcp().save(state, checkpoint_id=str(tmp), no_dist=True)
     _write_checksums(tmp, BEST, state)
     (tmp / "meta.json").write_text(json.dumps({**meta, "best": True, "embedding_servers": 1, "sync_servers": 0,
                                                "trainers": 1}, indent=2, default=str) + "\n")
@@ -374,6 +335,8 @@ def load_weights(path: Path, meta: dict, *, dim: int, dense_params: int) -> tupl
 
 def read_tensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint directory by key, from one process (inspection, tests, comparisons)."""
+    from cocosync.shadowsync.safe_reader import SafeReader
+
     p = resolve(path)
     metadata = SafeReader(str(p)).read_metadata()
     state = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()

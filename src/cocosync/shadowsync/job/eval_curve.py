@@ -50,10 +50,6 @@ class BestModel:
     """Scores snapshots of (dense parameters, tables) and keeps the best as checkpoints/best (when `out` is set)."""
 
     def __init__(self, model_cfg: Any, data: Any, batches: list, out: Path | None, meta: dict):
-        # AUC's import here, before training: on the first point it took ~1 s (more under the workers' GIL) while
-        # the job trained on, and the curve's first two points were ~100k examples apart (MovieLens, BENCHMARKS.md)
-        import sklearn.metrics  # noqa: F401
-
         self.model = DLRM(model_cfg, data, external_embeddings=True)
         self.flat = FlatParams(self.model.dense_parameters())
         self.table_rows, self.batches, self.out, self.meta = list(data.table_sizes), batches, out, meta

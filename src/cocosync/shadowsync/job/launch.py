@@ -36,7 +36,7 @@ from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
 from cocosync.runtime.comm.shm import SHM_DIR, format_size, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
-from cocosync.shadowsync.checkpoint import SafeReader, check_resumable, read_meta, resolve
+from cocosync.shadowsync.checkpoint import check_resumable, read_meta, resolve
 from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
@@ -176,6 +176,8 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     check_paths(cfg)  # everything a rank reads is checked before a process starts
     if cluster.resume is not None:
         path = resolve(cluster.resume)
+        from cocosync.shadowsync.safe_reader import SafeReader
+
         SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
         meta = read_meta(path)
         check_resumable(meta, cfg, path)
