@@ -66,21 +66,20 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
                                "`torchrun --nnodes N --nproc-per-node K --rdzv-backend c10d --rdzv-endpoint HOST:PORT "
                                "-m cocosync.shadowsync ...`, or use `cocosync train --nnodes N ...` (`cocosync train` "
                                "alone trains on this machine)")
+    if job_file is not None:  # (what `cocosync train` ran before its ranks were forked warm: rank_start.py)
+        run_job(job_file, json_out)
+        _leave()
     _die_with_parent()
     console = Console(stderr=True)
+    opts["progress"] = False
     try:
-        if job_file is not None:  # launched by `cocosync train` on this machine (launch.py)
-            job = json.loads(Path(job_file).read_text())
-            cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
-        else:
-            opts["progress"] = False
-            cfg = config_from_options(config_path, None, opts)
-            cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
-                                    max_inflight=max_inflight, resume=resume, stop_after=stop_after,
-                                    checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
-                                    eval_every=eval_every, lookup_transport=lookup_transport,
-                                    exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
-                                    hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
+        cfg = config_from_options(config_path, None, opts)
+        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
+                                max_inflight=max_inflight, resume=resume, stop_after=stop_after,
+                                checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
+                                eval_every=eval_every, lookup_transport=lookup_transport,
+                                exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
+                                hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():
@@ -88,8 +87,37 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
         raise click.UsageError(str(e)) from None
     if summary is not None:
         _report(summary, cfg.out_dir, json_out, console)
-    # the job's work is done and its groups destroyed: leave without running C++ destructors at interpreter exit
-    # (a torch thread object destroyed while joinable aborts the process: seen as SIGABRT after a complete job)
+    _leave()
+
+
+def run_job(job_file: str, json_out: bool = False) -> None:
+    """One rank of the job `cocosync train` wrote to `job_file` (config and cluster options), on this machine."""
+    from rich.console import Console
+
+    from cocosync.shadowsync.job.rank import run_cluster
+
+    _die_with_parent()
+    console = Console(stderr=True)
+    job = json.loads(Path(job_file).read_text())
+    cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+    try:
+        summary = run_cluster(cfg, cluster, console=console)
+    except ConfigError as e:  # (the launcher checked everything it could before a rank started)
+        if debug_mode():
+            raise
+        console.print(f"Error: {escape(str(e))}", soft_wrap=True)
+        sys.exit(2)
+    if summary is not None:
+        _report(summary, cfg.out_dir, json_out, console)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    unlink_pending()
+
+
+def _leave() -> None:
+    """The job's work is done and its groups destroyed: leave without running C++ destructors at interpreter exit
+    (a torch thread object destroyed while joinable aborts the process: seen as SIGABRT after a complete job). A
+    rank forked warm ends the same way: multiprocessing's children leave through os._exit."""
     sys.stdout.flush()
     sys.stderr.flush()
     unlink_pending()

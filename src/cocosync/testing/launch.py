@@ -1,8 +1,9 @@
 """Start P local ranks (real processes, gloo at 127.0.0.1) and run functions on all of them.
 
-`RankPool` keeps the ranks alive between calls, so tests and benchmarks pay the torch import and the
-process-group rendezvous once; `spawn` is the one-shot form. Every call has a deadline: a rank that
-hangs or dies makes the call raise (naming the ranks) and the pool is torn down, never a stalled run.
+`RankPool` keeps the ranks alive between calls, so tests and benchmarks pay the process-group rendezvous once (and
+no torch import: ranks fork from the warm server, runtime/warm_start.py); `spawn` is the one-shot form. Every call
+has a deadline: a rank that hangs or dies makes the call raise (naming the ranks) and the pool is torn down, never a
+stalled run.
 
 The environment each rank sees is the one torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR/PORT, TORCHELASTIC_RUN_ID), so code under test is launched
@@ -12,7 +13,6 @@ exactly as in production. `nnodes > 1` simulates several nodes on this machine (
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -23,6 +23,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from cocosync.runtime.comm.store import LoopbackStore
+from cocosync.runtime.warm_start import adopt_environment, context, main_not_rerun
 
 __all__ = ["RankPool", "RankFailure", "spawn", "free_port"]
 
@@ -38,7 +39,7 @@ def free_port() -> int:
 
 
 def _rank_main(rank: int, env: dict, threads: int, init_timeout: float, tasks, results) -> None:
-    os.environ.update(env)
+    adopt_environment(env)  # (the warm fork server's own environment may be an earlier pool's)
     os.environ["RANK"] = str(rank)
     local = int(env["LOCAL_WORLD_SIZE"])
     os.environ["LOCAL_RANK"] = str(rank % local)
@@ -74,7 +75,8 @@ def _rank_main(rank: int, env: dict, threads: int, init_timeout: float, tasks, r
 class RankPool:
     """`world_size` live ranks on gloo; `pool.run(fn, *args)` runs `fn` on every rank, returns the list of results.
 
-    fn must be importable by name (a module-level function), as with any spawned process.
+    fn must be importable by name (a module-level function of a module other than __main__: the ranks do not run
+    the main module again).
     """
 
     def __init__(self, world_size: int, *, nnodes: int = 1, threads: int = 1, timeout: float = 120.0,
@@ -84,11 +86,12 @@ class RankPool:
         if nnodes < 1 or world_size % nnodes:
             raise ValueError(f"nnodes={nnodes} must divide world_size={world_size}")
         self.world_size, self.nnodes, self.timeout = world_size, nnodes, timeout
-        ctx = mp.get_context("spawn")
+        ctx = context()  # ranks fork from the warm server: no import of torch per rank (runtime/warm_start.py)
         # the rendezvous store is ours, on loopback only (TCPStore's own server would listen on every interface);
         # every rank connects to it as a client, as under torchrun, and gloo stays on the loopback interface
         self._store = LoopbackStore(timeout=max(timeout, 60.0))
         rank_env = {
+            **os.environ,
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self._store.port), "WORLD_SIZE": str(world_size),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             "LOCAL_WORLD_SIZE": str(world_size // nnodes), "NNODES": str(nnodes),
@@ -102,8 +105,9 @@ class RankPool:
                         daemon=True, name=f"cocosync-rank{r}")
             for r in range(world_size)
         ]
-        for p in self._procs:
-            p.start()
+        with main_not_rerun():
+            for p in self._procs:
+                p.start()
         self.closed = False
         try:
             self._collect("start-up", timeout)

@@ -8,6 +8,8 @@ import socket
 import struct
 from pathlib import Path
 
+from cocosync.shadowsync.job.rank_start import parse_title
+
 __all__ = ["process_tree", "listening_sockets", "job_ranks"]
 
 
@@ -72,8 +74,9 @@ def listening_sockets(pids: list[int]) -> list[tuple[int, str, int]]:
 
 
 def job_ranks(pid: int) -> dict[int, int]:
-    """local rank -> pid of the ranks of the ShadowSync job under process `pid` (`cocosync train`, torchrun):
-    the processes of its tree running `-m cocosync.shadowsync`, numbered by their LOCAL_RANK."""
+    """local rank -> pid of the ranks of the ShadowSync job under process `pid` (`cocosync train`, torchrun): the
+    processes of its tree running `-m cocosync.shadowsync`, numbered by their LOCAL_RANK, or, forked warm from the
+    fork server, titled so (shadowsync/job/rank_start.py)."""
     out = {}
     for p in process_tree(pid)[1:]:
         try:
@@ -81,9 +84,11 @@ def job_ranks(pid: int) -> dict[int, int]:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"cocosync.shadowsync" not in cmd:
-            continue
-        for var in env:
-            if var.startswith(b"LOCAL_RANK="):
-                out[int(var.split(b"=", 1)[1])] = p
+        local = parse_title(cmd[0].decode(errors="replace"))
+        if local is not None:
+            out[local] = p
+        elif b"cocosync.shadowsync" in cmd:
+            for var in env:
+                if var.startswith(b"LOCAL_RANK="):
+                    out[int(var.split(b"=", 1)[1])] = p
     return out

@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRen
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
+from cocosync.runtime import warm_start
 from cocosync.runtime.comm.shm import SHM_DIR, format_size, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import check_resumable, read_meta, resolve
@@ -41,6 +42,7 @@ from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
+from cocosync.shadowsync.job.rank_start import RANK_KEYS_ENV, run_rank
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
@@ -57,6 +59,9 @@ __all__ = ["RunResult", "run_training", "OutputLock"]
 
 _BACKEND = "cocosync-loopback"
 _STORES: dict[int, LoopbackStore] = {}  # port -> the store a run in this process owns
+#: "0": start each rank as a fresh `python -m cocosync.shadowsync --job` (~4 s of imports each) instead of forking it
+#: from the warm fork server (runtime/warm_start.py)
+WARM_START_ENV = "COCOSYNC_WARM_START"
 
 
 class _LoopbackRendezvous(DynamicRendezvousHandler):
@@ -109,6 +114,7 @@ class _RankLogs(LogsSpecs):
             dest.stdouts[r], dest.stderrs[r] = str(self.dir / f"rank{r}.out"), str(self.dir / f"rank{r}.err")
             dest.error_files[r] = str(self.dir / f"rank{r}.error.json")
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[r]
+            env[RANK_KEYS_ENV] = ",".join(sorted(env))  # what a forked rank keeps over its launcher's environment
             Path(dest.error_files[r]).unlink(missing_ok=True)
         return dest
 
@@ -164,6 +170,8 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     this many examples; `eval_every`: score trainer 0's replica on the held-out set every this many examples (an eval
     curve; the best model is kept as checkpoints/best). `cluster` sets the rest (servers, prefetch, ...)."""
     console = console or Console(stderr=True)
+    if _warm():
+        warm_start.start()  # its imports overlap the checks below
     cluster = cluster or ClusterConfig()
     for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after), ("eval_every", eval_every)):
         if v is not None:
@@ -196,6 +204,10 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def _warm() -> bool:
+    return os.environ.get(WARM_START_ENV, "1") != "0"
 
 
 def _check_work_left(seen: int, cfg: TrainConfig, stop_after: int | None, path: Path) -> None:
@@ -295,15 +307,22 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     console.print(f"starting {nproc} processes on this machine ({servers}, "
                   + (f"{sync} sync server, " if sync else "") + f"{cfg.trainers} trainer"
                   + ("s" if cfg.trainers > 1 else "") + f"; their output: {escape(str(out))}/logs/) ...")
+    warm = _warm()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"cocosync-{uuid.uuid4().hex[:8]}",
                           rdzv_backend=_BACKEND, rdzv_endpoint=f"{LOOPBACK}:{store.port}", max_restarts=0,
-                          monitor_interval=0.1, local_addr=LOOPBACK, logs_specs=_RankLogs(out / "logs"))
+                          monitor_interval=0.1, local_addr=LOOPBACK, logs_specs=_RankLogs(out / "logs"),
+                          start_method="forkserver")
     outcome: dict[str, Any] = {}
 
-    def agent() -> None:
+    def agent(launcher_env: dict[str, str]) -> None:
         try:
-            outcome["returns"] = launch_agent(config, sys.executable, ["-u", "-m", "cocosync.shadowsync", "--job",
-                                                                       str(job)])
+            if warm:  # the ranks fork from the warm server, handed this environment (the server's is older)
+                warm_start.context()
+                with warm_start.main_not_rerun():
+                    outcome["returns"] = launch_agent(config, run_rank, [str(job), launcher_env])
+            else:
+                outcome["returns"] = launch_agent(config, sys.executable, ["-u", "-m", "cocosync.shadowsync", "--job",
+                                                                           str(job)])
         except ChildFailedError as e:
             outcome["failures"] = e.failures
         except BaseException as e:  # noqa: BLE001 - reported by the monitor
@@ -313,11 +332,15 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     os.environ[MONITOR_PORT_ENV] = str(store.port)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-    quiet = [logging.getLogger(name) for name in ("torch.distributed.elastic", "torchelastic-events-null")]
+    # the agent's own logging (a thread cannot take signals, rendezvous rounds, worker events, a failed rank's
+    # traceback as the agent saw it, the others stopped): the monitor says what failed, naming the rank
+    quiet = {logging.getLogger(name): level for name, level in (("torch.distributed.elastic", logging.CRITICAL),
+                                                                ("torch.multiprocessing.spawn", logging.ERROR),
+                                                                ("torchelastic-events-null", logging.ERROR))}
     levels = [q.level for q in quiet]
-    for q in quiet:  # the agent's own logging (a thread cannot take signals, rendezvous rounds, worker events)
-        q.setLevel(logging.ERROR)
-    thread = threading.Thread(target=agent, name="cocosync-elastic-agent", daemon=True)
+    for q, level in quiet.items():
+        q.setLevel(level)
+    thread = threading.Thread(target=agent, args=(dict(os.environ),), name="cocosync-elastic-agent", daemon=True)
     monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store, nproc, cluster, console)
     try:
         thread.start()

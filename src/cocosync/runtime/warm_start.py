@@ -1,0 +1,80 @@
+"""Ranks started warm: a fork server that imported torch once forks every rank this process starts on this machine.
+
+A fresh Python process spends ~3.5-4.5 s of CPU importing torch and cocosync, more than a small job trains. The
+ranks that `cocosync train` starts on one machine, and the test pools' ranks (testing/launch.py), come instead from
+multiprocessing's fork server: a process started once (from a clean exec, so no thread of this one is forked) that
+imports WARM_MODULES and then forks a child per rank, for every job this process launches. A fork is ~10 ms.
+
+What a fork takes from the server rather than from its launcher is the environment (the server's is the launcher's
+when the server started) and any state a preloaded module computed at import. So a rank is handed its launcher's
+environment at launch time (`adopt_environment`), and preloaded modules read the environment when called, not at
+import. Children of the server outlive no launcher: the server exits when the process that started it
+does, and a rank asks to be killed when its parent exits (shadowsync/__main__.py).
+
+Unlike other multiprocessing children, ours do not run the launcher's main module again (`main_not_rerun`): a rank
+needs nothing from it, a script that calls `run_training` needs no `if __name__ == "__main__"` guard, and a child
+does not import what the main module imports (the `cocosync` command imports every subcommand).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from multiprocessing import forkserver, spawn
+
+__all__ = ["WARM_MODULES", "context", "start", "main_not_rerun", "adopt_environment"]
+
+#: imported once by the fork server: torch, and what a rank of `cocosync train` imports (the pools' ranks import less)
+WARM_MODULES = ("torch", "torch.distributed", "numpy", "cocosync.shadowsync.job.rank",
+                "cocosync.shadowsync.job.rank_start", "torch.distributed.checkpoint", "matplotlib.pyplot")
+
+
+def context() -> multiprocessing.context.BaseContext:
+    """multiprocessing's fork-server context, its server preloading WARM_MODULES (set before the server starts; a server
+    already running keeps its list)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(WARM_MODULES))
+    return ctx
+
+
+def start() -> None:
+    """Start the fork server now, so that it imports while this process does other work (its first child waits for
+    the imports). Idempotent: one server per process."""
+    context()
+    forkserver.ensure_running()
+
+
+_starts = threading.local()
+_preparation_data = spawn.get_preparation_data
+
+
+def _without_main(name: str) -> dict:
+    data = _preparation_data(name)
+    if getattr(_starts, "skip_main", False):
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+    return data
+
+
+@contextmanager
+def main_not_rerun() -> Iterator[None]:
+    """Processes this thread starts in the block skip the step where a multiprocessing child imports its parent's
+    main module again (their targets must live in importable modules, as ours do); other threads' are unchanged."""
+    spawn.get_preparation_data = _without_main
+    _starts.skip_main = True
+    try:
+        yield
+    finally:
+        _starts.skip_main = False
+
+
+def adopt_environment(launcher_env: dict[str, str], rank_keys: Iterable[str] = ()) -> None:
+    """In a forked rank: make os.environ its launcher's `launcher_env`, keeping the `rank_keys` already set here (the
+    server's environment, inherited, may be an earlier job's)."""
+    keep = {k: os.environ[k] for k in rank_keys if k in os.environ}
+    os.environ.clear()
+    os.environ.update(launcher_env)
+    os.environ.update(keep)

@@ -1,0 +1,84 @@
+"""Ranks forked from the warm fork server (runtime/warm_start.py): preloaded, handed their launcher's environment of
+the moment (not the server's, which is the first launch's), and started without running the launcher's main module."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from multiprocessing import forkserver
+
+import pytest
+
+from cocosync.runtime.warm_start import WARM_MODULES, adopt_environment
+from cocosync.testing.launch import RankPool
+
+_PROBE = "COCOSYNC_WARM_PROBE"
+
+
+def _what_a_rank_sees():
+    return {"probe": os.environ.get(_PROBE), "gone": os.environ.get(_PROBE + "_GONE"), "parent": os.getppid(),
+            "rank": os.environ["RANK"], "preloaded": [m for m in WARM_MODULES if m not in sys.modules]}
+
+
+def test_pool_ranks_fork_from_one_preloaded_server_with_the_environment_of_their_start(monkeypatch):
+    seen = []
+    for value in ("first", "second"):
+        monkeypatch.setenv(_PROBE, value)
+        if value == "first":
+            monkeypatch.setenv(_PROBE + "_GONE", "set before the first pool only")
+        else:
+            monkeypatch.delenv(_PROBE + "_GONE")
+        with RankPool(2, timeout=60) as pool:
+            seen.append(pool.run(_what_a_rank_sees))
+    server = forkserver._forkserver._forkserver_pid
+    for value, ranks in zip(("first", "second"), seen):
+        assert [r["probe"] for r in ranks] == [value, value]
+        assert [r["rank"] for r in ranks] == ["0", "1"]  # the pool's own keys win over the launcher's
+        assert all(r["parent"] == server != os.getpid() for r in ranks)  # forked by the one server, not spawned
+        assert all(r["preloaded"] == [] for r in ranks), "a warm module failed to import in the server"
+    assert [r["gone"] for r in seen[0]] == ["set before the first pool only"] * 2
+    assert [r["gone"] for r in seen[1]] == [None, None]  # removed since the server started: gone in the rank too
+
+
+def test_adopt_environment_takes_the_launchers_and_keeps_the_ranks_own_keys(monkeypatch):
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv(_PROBE, "the server's stale value")
+    monkeypatch.setenv(_PROBE + "_GONE", "only in the server")
+    saved = dict(os.environ)
+    try:
+        launcher = {k: v for k, v in saved.items() if k != _PROBE + "_GONE"} | {"RANK": "0", _PROBE: "the launcher's"}
+        adopt_environment(launcher, ["RANK", "NOT_SET_HERE"])
+        assert os.environ["RANK"] == "3"  # a rank key: kept
+        assert os.environ[_PROBE] == "the launcher's"
+        assert _PROBE + "_GONE" not in os.environ
+        assert "NOT_SET_HERE" not in os.environ
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.mark.timeout(240)
+def test_a_script_without_a_main_guard_trains_on_warm_ranks(tmp_path):
+    """A user's script calls run_training at its top level: its ranks must not run the script again (a
+    multiprocessing child would, and start the job once more from inside a rank)."""
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, sys
+        from multiprocessing import forkserver
+        from cocosync.shadowsync.job.launch import run_training
+        from cocosync.shadowsync.train_config import TrainConfig
+
+        print("script body ran", file=sys.stderr)
+        result = run_training(TrainConfig(examples=3000, eval_examples=1000, trainers=2, progress=False,
+                                          out_dir={str(tmp_path / "run")!r}))
+        print(json.dumps({{"examples": result.summary["examples"], "server": forkserver._forkserver._forkserver_pid}}))
+    """))
+    env = {**os.environ, "COCOSYNC_WARM_START": "1"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=200, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stderr.count("script body ran") == 1, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["examples"] == 3000 and out["server"] is not None
+    logs = sorted((tmp_path / "run" / "logs").glob("rank*.err"))
+    assert len(logs) == 3 and not any("script body ran" in p.read_text() for p in logs)
