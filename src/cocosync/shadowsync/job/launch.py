@@ -170,8 +170,6 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     this many examples; `eval_every`: score trainer 0's replica on the held-out set every this many examples (an eval
     curve; the best model is kept as checkpoints/best). `cluster` sets the rest (servers, prefetch, ...)."""
     console = console or Console(stderr=True)
-    if _warm():
-        warm_start.start()  # its imports overlap the checks below
     cluster = cluster or ClusterConfig()
     for key, v in (("checkpoint_every", checkpoint_every), ("stop_after", stop_after), ("eval_every", eval_every)):
         if v is not None:
@@ -195,6 +193,8 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     cfg = _fit_examples_to_data(cfg, console)
     _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
+    if _warm():  # (not before the checks: a refused run starts no process)
+        warm_start.start()  # the server imports while the rendezvous is set up
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
