@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 from multiprocessing import forkserver
 
 import pytest
@@ -82,3 +83,36 @@ def test_a_script_without_a_main_guard_trains_on_warm_ranks(tmp_path):
     assert out["examples"] == 3000 and out["server"] is not None
     logs = sorted((tmp_path / "run" / "logs").glob("rank*.err"))
     assert len(logs) == 3 and not any("script body ran" in p.read_text() for p in logs)
+
+
+def _watch(pid):
+    from cocosync.runtime.warm_start import die_with
+
+    die_with(pid)
+    return os.getpid()
+
+
+def test_a_forked_rank_dies_with_the_process_it_watches():
+    """die_with: the fork server, a warm rank's parent, outlives a killed launcher (each rank holds its liveness
+    pipe), so the rank itself watches its launcher."""
+    launcher = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    pool = RankPool(2, timeout=60)
+    try:
+        ranks = pool.run_per_rank(_watch, [(launcher.pid,), (os.getpid(),)])
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and _alive(ranks[0]):
+            time.sleep(0.05)
+        assert not _alive(ranks[0])  # watched the killed process: gone
+        assert _alive(ranks[1])  # watches this one: still there
+    finally:
+        pool.close(force=True)
+        launcher.kill()
+
+
+def _alive(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -17,7 +17,7 @@ import torch
 from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
-from cocosync.testing.sockets import job_ranks
+from cocosync.testing.sockets import job_ranks, process_tree
 
 SMALL = {"table_size": 2000}
 MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}
@@ -93,12 +93,14 @@ def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp
     rec = _wait_for_checkpoint(proc, out)
     ranks = list(job_ranks(proc.pid).values())
     assert len(ranks) == 2, ranks  # an embedding server and the trainer
+    tree = process_tree(proc.pid)[1:]  # the ranks, the warm fork server, multiprocessing's resource tracker
     os.kill(proc.pid, signal.SIGKILL)  # no chance to write anything more
-    proc.communicate(timeout=30)
-    deadline = time.monotonic() + 10  # the ranks die with their launcher (PDEATHSIG)
-    while time.monotonic() < deadline and any(_alive(t) for t in ranks):
+    deadline = time.monotonic() + 5  # the ranks die with their launcher, then the helpers (the server lives as long
+    proc.communicate(timeout=30)     # as any rank: each holds its liveness pipe, and it holds the launcher's stdout)
+    while time.monotonic() < deadline and any(_alive(t) for t in tree):
         time.sleep(0.1)
-    assert not any(_alive(t) for t in ranks)
+    left = [t for t in tree if _alive(t)]
+    assert not left, [Path(f"/proc/{t}/cmdline").read_bytes()[:100] for t in left]
     seen = _seen(out)  # its latest checkpoint
     assert seen % 6000 < 64 and 6000 <= seen < 60_000 and rec["examples"] <= seen  # a mark, not the end
     resumed = run_training(_cfg(out, "none", examples=60_000), resume=out)

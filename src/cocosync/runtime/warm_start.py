@@ -8,8 +8,8 @@ imports WARM_MODULES and then forks a child per rank, for every job this process
 What a fork takes from the server rather than from its launcher is the environment (the server's is the launcher's
 when the server started) and any state a preloaded module computed at import. So a rank is handed its launcher's
 environment at launch time (`adopt_environment`), and preloaded modules read the environment when called, not at
-import. Children of the server outlive no launcher: the server exits when the process that started it
-does, and a rank asks to be killed when its parent exits (shadowsync/__main__.py).
+import. A rank outlives no launcher (`die_with`): the server, its parent, lives as long as any of its children
+does, so the kernel's parent-death signal that a cold rank asks for would not come when the launcher dies.
 
 Unlike other multiprocessing children, ours do not run the launcher's main module again (`main_not_rerun`): a rank
 needs nothing from it, a script that calls `run_training` needs no `if __name__ == "__main__"` guard, and a child
@@ -20,12 +20,15 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import select
+import signal
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from multiprocessing import forkserver, spawn
 
-__all__ = ["WARM_MODULES", "context", "start", "main_not_rerun", "adopt_environment"]
+__all__ = ["WARM_MODULES", "context", "start", "main_not_rerun", "adopt_environment", "die_with"]
 
 #: imported once by the fork server: torch, and what a rank of `cocosync train` imports (the pools' ranks import less)
 WARM_MODULES = ("torch", "torch.distributed", "numpy", "cocosync.shadowsync.job.rank",
@@ -78,3 +81,35 @@ def adopt_environment(launcher_env: dict[str, str], rank_keys: Iterable[str] = (
     os.environ.clear()
     os.environ.update(launcher_env)
     os.environ.update(keep)
+
+
+def die_with(pid: int) -> None:
+    """In a forked rank: SIGKILL this process as soon as process `pid` (its launcher) exits, as PR_SET_PDEATHSIG does
+    for a direct child (a daemon thread waiting on a pidfd; polling where there is none)."""
+    try:
+        fd: int | None = os.pidfd_open(pid)
+    except ProcessLookupError:
+        fd = None
+        os.kill(os.getpid(), signal.SIGKILL)
+    except (AttributeError, OSError):  # no pidfd_open (Linux < 5.3, other systems)
+        fd = None
+
+    def watch() -> None:
+        if fd is not None:
+            select.select([fd], [], [])
+        else:
+            while _exists(pid):
+                time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="cocosync-launcher-watch", daemon=True).start()
+
+
+def _exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -23,7 +23,7 @@ import uuid
 from typing import Any, Callable, Sequence
 
 from cocosync.runtime.comm.store import LoopbackStore
-from cocosync.runtime.warm_start import adopt_environment, context, main_not_rerun
+from cocosync.runtime.warm_start import adopt_environment, context, die_with, main_not_rerun
 
 __all__ = ["RankPool", "RankFailure", "spawn", "free_port"]
 
@@ -38,7 +38,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_main(rank: int, env: dict, threads: int, init_timeout: float, tasks, results) -> None:
+def _rank_main(rank: int, env: dict, owner: int, threads: int, init_timeout: float, tasks, results) -> None:
+    die_with(owner)  # the pool's process: the warm fork server, this rank's parent, may outlive it
     adopt_environment(env)  # (the warm fork server's own environment may be an earlier pool's)
     os.environ["RANK"] = str(rank)
     local = int(env["LOCAL_WORLD_SIZE"])
@@ -101,8 +102,8 @@ class RankPool:
         self._results = ctx.Queue()
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._procs = [
-            ctx.Process(target=_rank_main, args=(r, rank_env, threads, timeout, self._tasks[r], self._results),
-                        daemon=True, name=f"cocosync-rank{r}")
+            ctx.Process(target=_rank_main, daemon=True, name=f"cocosync-rank{r}",
+                        args=(r, rank_env, os.getpid(), threads, timeout, self._tasks[r], self._results))
             for r in range(world_size)
         ]
         with main_not_rerun():

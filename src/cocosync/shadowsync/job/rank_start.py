@@ -10,7 +10,7 @@ import sys
 
 from setproctitle import setproctitle
 
-from cocosync.runtime.warm_start import adopt_environment
+from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.__main__ import run_job
 
 __all__ = ["RANK_KEYS_ENV", "run_rank", "title", "parse_title"]
@@ -20,11 +20,13 @@ __all__ = ["RANK_KEYS_ENV", "run_rank", "title", "parse_title"]
 RANK_KEYS_ENV = "COCOSYNC_RANK_ENV_KEYS"
 
 
-def run_rank(job_file: str, launcher_env: dict[str, str]) -> None:
-    """One rank, set up as the agent would start its command: its own session (a terminal's Ctrl-C reaches the
-    launcher, which stops the job, not every rank), its launcher's environment (not the fork server's, which may be an
-    earlier job's) with the agent's keys for this rank, output line by line (the agent points stdout at
-    <out>/logs/rank<R>.out), and a process title that says what it is (`title`); then the job."""
+def run_rank(job_file: str, launcher_env: dict[str, str], launcher_pid: int) -> None:
+    """One rank, set up as the agent would start its command: killed when its launcher dies, its own session (a
+    terminal's Ctrl-C reaches the launcher, which stops the job, not every rank), its launcher's environment (not
+    the fork server's, which may be an earlier job's) with the agent's keys for this rank, output line by line (the
+    agent points stdout at <out>/logs/rank<R>.out), and a process title that says what it is (`title`); then the
+    job."""
+    die_with(launcher_pid)
     os.setsid()
     # (before the environment changes: setproctitle finds the memory it rewrites next to the original environment)
     setproctitle(title(job_file, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])))
