@@ -317,7 +317,6 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     def agent(launcher_env: dict[str, str]) -> None:
         try:
             if warm:  # the ranks fork from the warm server, handed this environment (the server's is older)
-                warm_start.context()
                 with warm_start.main_not_rerun():
                     outcome["returns"] = launch_agent(config, run_rank, [str(job), launcher_env, os.getpid()])
             else:
