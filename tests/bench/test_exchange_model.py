@@ -80,3 +80,29 @@ def test_rows_without_gloo_measures_leave_it_out():
 def test_the_model_needs_a_multi_node_run():
     with pytest.raises(ValueError, match="more than one node"):
         fit_costs([_row(1)], interval_s=0.04, hot_interval_s=0.04)
+
+
+def _loaded(n: int, slope: float = 0.15) -> float:
+    """What N one-node jobs side by side cost per example on a machine that slows every process as more run."""
+    return C1 * (1 + slope * (n - 1))
+
+
+def test_load_matched_costs_take_the_machines_load_out_of_the_per_row_rest():
+    """Loopback nodes share one machine: rows whose every process costs more the more of them run. Against c(1)
+    alone the load lands in k_row and the 4-node point is under-predicted; against each node count's side-by-side
+    reference the true costs come back, the other node counts are predicted, and the projection (a machine per
+    node) is the load-free one."""
+    rows = [{**_row(n), "cpu_us_per_example": _row(n)["cpu_us_per_example"] + _loaded(n) - C1} for n in (1, 2, 4)]
+    plain = model_report(rows, interval_s=0.04, hot_interval_s=0.04)
+    assert plain["costs"]["k_row"] > 2 * K_ROW  # the 2-node load, taken for a cost per remote row
+    assert {c["nodes"]: c for c in plain["checks"]}[4]["error"] < -0.02  # under-predicts the loaded 4-node point
+    load = {n: _loaded(n) for n in (2, 4)}
+    matched = fit_costs(rows, interval_s=0.04, hot_interval_s=0.04, load=load)
+    assert matched.k_row == pytest.approx(K_ROW) and matched.c_one == pytest.approx(C1)
+    assert matched.round_us == pytest.approx(ROUND) and matched.gloo_us == pytest.approx(GLOO)
+    report = model_report(rows, interval_s=0.04, hot_interval_s=0.04, load=load)
+    assert all(c["error"] == pytest.approx(0.0, abs=1e-12) for c in report["checks"])
+    clean = fit_costs([_row(n) for n in (1, 2, 4)], interval_s=0.04, hot_interval_s=0.04)  # a machine per node
+    assert project_efficiency(matched, 32, 15) == pytest.approx(project_efficiency(clean, 32, 15))
+    assert project_efficiency(matched, 32, 15) > project_efficiency(fit_costs(rows, interval_s=0.04,
+                                                                               hot_interval_s=0.04), 32, 15)

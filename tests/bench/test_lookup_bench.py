@@ -210,6 +210,10 @@ def test_side_by_side_references_take_the_machines_load_out(tmp_path, monkeypatc
     assert any(v.startswith("MISS CPU efficiency at 4 nodes against 4 one-node jobs side by side, exchange: 0.73")
                for v in result["verdicts"])
     assert not any("side by side:" in v for v in result["verdicts"])  # the reference gets no verdict of its own
+    matched = result["models"]["exchange, load matched"]  # the exchange model on the side-by-side bases
+    assert dict(map(tuple, matched["costs"]["load_us"])) == pytest.approx({2: 10.5 + 0.5, 4: 12.0})
+    assert 0 < matched["costs"]["k_row"] < result["models"]["exchange"]["costs"]["k_row"]  # the load taken out
+    assert "exchange, load matched, the exchange model" in res.output
     assert "| 4 | exchange | 16.50 | 0.64 | 0.73 |" in res.output
     res = CliRunner().invoke(cli, ["bench", "lookups", "--side-by-side", "--parallel"])
     assert res.exit_code == 2 and "not with --parallel" in res.output

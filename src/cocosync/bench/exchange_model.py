@@ -30,12 +30,22 @@ by a node-exchange run of the same bench), in place of the round term; the serve
 (t k_round(M) + k_gloo(M)) / interval < 1 (every trainer's round merged: an upper bound, deduplication ignored),
 reported as its load. Without a node-exchange run k_relay is unknown, and the per-node column falls back to the
 rounds shared by the t trainers with no relay cost (the optimistic estimate this model gave before it was built).
+
+Load matched (`bench lookups --side-by-side`): N loopback nodes share one machine, and its clock, caches and memory
+bandwidth make every process slower the more of them run, whatever the job does (BENCHMARKS.md: on a quiet 2-core VM
+4 one-node jobs side by side cost 1.44x one alone per example, and the 4-node job's workers no more than theirs).
+Fitted against c(1) alone, that load lands in k_row, which then stands for the machine rather than the rows and
+under-predicts the larger node counts. With `load` (N -> CPU us per example of N one-node jobs at once) each c(N)
+grows from its own load-matched base, load(N), instead of c(1): k_row is what the distribution adds to the same
+processes on the same machine, and the projection (a core per process on M machines: no shared machine) uses c(1)
+with that k_row.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import asdict, dataclass
+from typing import Mapping
 
 from cocosync.bench.lookup_scaling import fit_line
 
@@ -55,6 +65,11 @@ class ExchangeCosts:
     interval_s: float
     hot_interval_s: float
     relay_us: float | None = None  # k_relay: a trainer's relay CPU us per round of its node's exchange (measured)
+    load_us: tuple[tuple[int, float], ...] = ()  # (N, CPU us per example of N one-node jobs at once): c(N)'s base
+
+    def base(self, nodes: int) -> float:
+        """CPU us per example that N nodes' processes cost the machine without the distribution: load(N), or c(1)."""
+        return dict(self.load_us).get(nodes, self.c_one)
 
     def k_round(self, nodes: int) -> float:
         return max(0.0, self.round_us[0] + self.round_us[1] * (nodes - 1))
@@ -94,9 +109,11 @@ def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
     return (a, b)
 
 
-def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float) -> ExchangeCosts:
+def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float,
+              load: Mapping[int, float] | None = None) -> ExchangeCosts:
     """The costs from one transport's bench rows (the 1-node row and its multi-node rows): the round and sync lines
-    over every multi-node row, k_row from the smallest multi-node count (what its measured threads leave over)."""
+    over every multi-node row, k_row from the smallest multi-node count (what its measured threads leave over its
+    base: c(1), or with `load` its load-matched reference, module doc)."""
     one = next(r for r in rows if r["nodes"] == 1)
     multi = sorted((r for r in rows if r["nodes"] > 1), key=lambda r: r["nodes"])
     if not multi:
@@ -109,13 +126,15 @@ def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float) -> 
     first = multi[0]
     remote = _remote_rows(first)
     per_op = gloo[0][1] if gloo and gloo[0][0] == first["nodes"] else 0.0
-    left = first["cpu_us_per_example"] - one["cpu_us_per_example"] - _fixed(
+    load_us = tuple(sorted((int(n), float(v)) for n, v in (load or {}).items() if n > 1))
+    base = dict(load_us).get(first["nodes"], one["cpu_us_per_example"])
+    left = first["cpu_us_per_example"] - base - _fixed(
         first, first["exchange_cpu_us_per_round"], first["hot_sync_cpu_us_per_sync"], per_op)
     k_row = max(0.0, left / remote) if remote > 0 else 0.0
     share = (first["nodes"] - 1) / first["nodes"]
     return ExchangeCosts(c_one=one["cpu_us_per_example"], k_row=k_row, round_us=round_us, hot_us=hot_us,
                          gloo_us=gloo_us, remote_rows_all=remote / share, interval_s=interval_s,
-                         hot_interval_s=hot_interval_s)
+                         hot_interval_s=hot_interval_s, load_us=load_us)
 
 
 def predict_cpu(costs: ExchangeCosts, row: dict) -> float:
@@ -124,7 +143,7 @@ def predict_cpu(costs: ExchangeCosts, row: dict) -> float:
     if n == 1:
         return costs.c_one
     fixed = _fixed(row, costs.k_round(n), costs.k_hot(n), costs.k_gloo(n))
-    return costs.c_one + costs.k_row * _remote_rows(row) + fixed
+    return costs.base(n) + costs.k_row * _remote_rows(row) + fixed
 
 
 def project_efficiency(costs: ExchangeCosts, machines: int, trainers_per_node: int, *, per_node: bool = False) -> float:
@@ -149,10 +168,11 @@ def server_load(costs: ExchangeCosts, machines: int, trainers_per_node: int) -> 
 
 def model_report(rows: list[dict], *, interval_s: float, hot_interval_s: float,
                  machines: tuple[int, ...] = (4, 32, 128), trainers: tuple[int, ...] = (1, 15),
-                 relay_us: float | None = None) -> dict:
+                 relay_us: float | None = None, load: Mapping[int, float] | None = None) -> dict:
     """The fitted costs, the prediction against each measured row, and the projections (per-trainer and per-node
-    exchange) for each trainer count per node; `relay_us`: k_relay, from a node-exchange run."""
-    costs = dataclasses.replace(fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s),
+    exchange) for each trainer count per node; `relay_us`: k_relay, from a node-exchange run; `load`: the
+    load-matched bases (module doc)."""
+    costs = dataclasses.replace(fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s, load=load),
                                 relay_us=relay_us)
     checks = []
     for r in sorted(rows, key=lambda r: r["nodes"]):

@@ -201,6 +201,9 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
             fits_side[t] = fit
     relay = _relay_us(rows, per_node)
     models = {t: _model(rows, one, t, extra, relay) for t in labels if t.startswith("exchange")}
+    if side:  # the same model with each node count's machine load taken out (exchange_model.py's module doc)
+        models.update({f"{t}, load matched": _model(rows, one, t, extra, relay, side)
+                       for t in labels if t.startswith("exchange")})
     return {"rows": rows, "fits": fits, "fits_side_by_side": fits_side,
             "models": {t: m for t, m in models.items() if m is not None},
             "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
@@ -225,8 +228,10 @@ def _relay_us(rows: list[dict], per_node: int) -> float | None:
     return statistics.median(vals) if vals else None
 
 
-def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: float | None = None) -> dict | None:
-    """The exchange model (exchange_model.py) fitted to one exchange variant's rows; None without a multi-node row."""
+def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: float | None = None,
+           load: dict[int, float] | None = None) -> dict | None:
+    """The exchange model (exchange_model.py) fitted to one exchange variant's rows; None without a multi-node row.
+    `load`: N -> CPU per example of N one-node jobs side by side, the load-matched bases."""
     import dataclasses
 
     from cocosync.bench.exchange_model import model_report
@@ -241,7 +246,7 @@ def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: 
         interval = float(extra[extra.index("--exchange-interval") + 1]) / 1e3
     hot = [r["hot_sync_interval_ms"] / 1e3 for r in mine[1:] if r.get("hot_sync_interval_ms", 0) > 0]
     hot_interval = statistics.median(hot) if hot else default["hot_sync_interval"]  # a bound sets it: measured
-    return model_report(mine, interval_s=interval, hot_interval_s=hot_interval, relay_us=relay_us)
+    return model_report(mine, interval_s=interval, hot_interval_s=hot_interval, relay_us=relay_us, load=load)
 
 
 def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, t: str) -> None:
