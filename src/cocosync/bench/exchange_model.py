@@ -33,7 +33,7 @@ rounds shared by the t trainers with no relay cost (the optimistic estimate this
 
 Load matched (`bench lookups --side-by-side`): N loopback nodes share one machine, and its clock, caches and memory
 bandwidth make every process slower the more of them run, whatever the job does (BENCHMARKS.md: on a quiet 2-core VM
-4 one-node jobs side by side cost 1.44x one alone per example, and the 4-node job's workers no more than theirs).
+4 one-node jobs side by side cost ~1.5x one alone per example, and the 4-node job's workers no more than theirs).
 Fitted against c(1) alone, that load lands in k_row, which then stands for the machine rather than the rows and
 under-predicts the larger node counts. With `load` (N -> CPU us per example of N one-node jobs at once) each c(N)
 grows from its own load-matched base, load(N), instead of c(1): k_row is what the distribution adds to the same
