@@ -231,3 +231,14 @@ def test_side_by_side_summaries_add_up():
     assert got["staleness"] == 2.0 and got["eval_ne"] == pytest.approx(0.71)
     assert got["cpu_seconds_by_thread"] == {"trainer/worker": 4.5, "embedding/main": 0.5, "trainer/gloo": 1.0}
     assert combined([a]) is a
+
+
+def test_the_load_matched_bases_lie_on_a_line_through_one_node_and_the_references():
+    """One side-by-side reference below one node alone (a noisy pair, seen on the 2-core VM) is pulled up to the
+    line through all of them; references already on a line are kept."""
+    from cocosync.bench.lookup_scaling import _load_line
+
+    assert _load_line(10.5, {2: 11.0, 4: 12.0}) == pytest.approx({2: 11.0, 4: 12.0})
+    a, b = fit_line([1, 2, 4], [7.6, 7.3, 10.8])
+    got = _load_line(7.6, {2: 7.3, 4: 10.8})
+    assert got == pytest.approx({2: a + 2 * b, 4: a + 4 * b}) and got[2] > 7.6 > 7.3

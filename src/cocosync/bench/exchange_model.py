@@ -36,7 +36,8 @@ bandwidth make every process slower the more of them run, whatever the job does 
 4 one-node jobs side by side cost ~1.5x one alone per example, and the 4-node job's workers no more than theirs).
 Fitted against c(1) alone, that load lands in k_row, which then stands for the machine rather than the rows and
 under-predicts the larger node counts. With `load` (N -> CPU us per example of N one-node jobs at once) each c(N)
-grows from its own load-matched base, load(N), instead of c(1): k_row is what the distribution adds to the same
+grows from its own load-matched base, load(N), instead of c(1) (the bench reads load(N) off a straight line
+through one node alone and the side-by-side points, lookup_scaling.py): k_row is what the distribution adds to the same
 processes on the same machine, and the projection (a core per process on M machines: no shared machine) uses c(1)
 with that k_row.
 """

@@ -202,13 +202,22 @@ def run_lookups(*, nodes: list[int], transports: dict[str, list[str]], examples:
     relay = _relay_us(rows, per_node)
     models = {t: _model(rows, one, t, extra, relay) for t in labels if t.startswith("exchange")}
     if side:  # the same model with each node count's machine load taken out (exchange_model.py's module doc)
-        models.update({f"{t}, load matched": _model(rows, one, t, extra, relay, side)
+        load = _load_line(one["cpu_us_per_example"], side)
+        models.update({f"{t}, load matched": _model(rows, one, t, extra, relay, load)
                        for t in labels if t.startswith("exchange")})
     return {"rows": rows, "fits": fits, "fits_side_by_side": fits_side,
             "models": {t: m for t, m in models.items() if m is not None},
             "samples": {f"{n}:{t}": v for (n, t), v in samples.items()},
             "settings": {"nodes": nodes, "transports": transports, "examples": list(examples),
                          "trainers_per_node": per_node, "repeats": repeats, "extra": extra}}
+
+
+def _load_line(one: float, side: dict[int, float]) -> dict[int, float]:
+    """The machine's load at each side-by-side node count, read off a straight line through one node alone and every
+    side-by-side point: one reference is a difference of two noisy runs (a 2-node reference once came out below one
+    node alone), and the model's per-row cost is fitted on what it leaves."""
+    a, b = fit_line([1, *side], [one, *side.values()])
+    return {n: a + b * n for n in side}
 
 
 def _fit(rows: list[dict], cost: Any) -> dict | None:
