@@ -266,6 +266,7 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
     counts = {f"{k}_per_example": (b.get(k, 0) - a.get(k, 0)) / extra
               for k in ("exchange_rounds", "hot_syncs", "gloo_cpu_seconds")}
     into.append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
+                 "lookup_wait_steady": _steady_wait(a, b),
                  "rounds_per_example": counts["exchange_rounds_per_example"],
                  "hot_syncs_per_example": counts["hot_syncs_per_example"],
                  "gloo_cpu_us_per_example": 1e6 * counts["gloo_cpu_seconds_per_example"],
@@ -291,9 +292,20 @@ _KEYS = ("eval_ne", "staleness", "staleness_remote", "staleness_hot_sync", "hot_
          "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round", "hot_sync_longest_gap_ms")
 
 
+def _steady_wait(a: dict, b: dict) -> float:
+    """The lookup wait's share of the extra step time between the short run `a` and the long run `b`: the start's
+    wait cancels as the CPU's start-up does (the first batches wait a round or two for their rows whatever the run's
+    length, so a short job's whole-run share overstates what a long one spends). NaN without the summaries' parts."""
+    try:
+        return (b["lookup_wait_s"] - a["lookup_wait_s"]) / (b["step_s"] - a["step_s"])
+    except (KeyError, TypeError, ZeroDivisionError):
+        return float("nan")
+
+
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
     out: dict = {"nodes": nodes, "transport": transport if nodes > 1 else "local", "samples": len(v)}
-    for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", "gloo_cpu_us_per_example", *_KEYS):
+    for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", "gloo_cpu_us_per_example",
+              "lookup_wait_steady", *_KEYS):
         vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
         out[k] = statistics.median(vals) if vals else float("nan")
     out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
@@ -317,6 +329,11 @@ def verdicts(result: dict) -> list[str]:
                                 f"{r['transport']}", f"{r['staleness']:.2f} updates per row (target <= 4)"))
             out.append(_verdict(r["lookup_wait_fraction"] < TARGETS["wait"], f"lookup wait at {r['nodes']} nodes, "
                                 f"{r['transport']}", f"{r['lookup_wait_fraction']:.1%} of step time (target < 5%)"))
+            steady = r.get("lookup_wait_steady", float("nan"))
+            if steady == steady:
+                out.append(_verdict(steady < TARGETS["wait"], f"lookup wait past the start at {r['nodes']} nodes, "
+                                    f"{r['transport']}", f"{steady:.1%} of the long run's extra step time (target < "
+                                    "5%)"))
         if r["nodes"] == 4 and "efficiency_side_by_side" in r:
             out.append(_verdict(r["efficiency_side_by_side"] >= TARGETS["efficiency_4"],
                                 f"CPU efficiency at 4 nodes against 4 one-node jobs side by side, {r['transport']}",
@@ -365,16 +382,22 @@ def _verdict(ok: bool, what: str, detail: str) -> str:
 
 
 COLUMNS = ["nodes", "transport", "CPU us/example", "efficiency", "vs side by side", "staleness",
-           "of it: hot syncs / remote", "lookup wait", "messages/example", "net B/example", "eval NE", "samples"]
+           "of it: hot syncs / remote", "lookup wait", "past the start", "messages/example", "net B/example",
+           "eval NE", "samples"]
 
 
 def _cells(r: dict) -> list[str]:
     parts = f"{r.get('staleness_hot_sync', 0):.2f} / {r.get('staleness_remote', 0):.2f}"
     side = f"{r['efficiency_side_by_side']:.2f}" if "efficiency_side_by_side" in r else "-"
     return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}", side,
-            f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", f"{r['messages_per_example']:.4f}",
+            f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", _pct(r.get("lookup_wait_steady")),
+            f"{r['messages_per_example']:.4f}",
             f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
+
+
+def _pct(v: Any) -> str:
+    return f"{v:.1%}" if isinstance(v, (int, float)) and v == v else "-"
 
 
 def thread_rows(rows: list[dict]) -> list[list[str]]:

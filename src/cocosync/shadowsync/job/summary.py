@@ -25,6 +25,9 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
     rows, hot_syncs = total("rows"), total("hot_syncs")  # syncs: counted by each node's first trainer
     return {
         "lookup_wait_fraction": total("wait_s") / max(step_s, 1e-9),
+        # its parts (seconds summed over the workers): a bench differences two runs' to drop the start's wait
+        "lookup_wait_s": total("wait_s"),
+        "step_s": step_s,
         "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
         "rows_per_example": rows / max(examples, 1),
         "remote_row_fraction": total("remote_rows") / max(rows, 1),
