@@ -51,3 +51,22 @@ def test_rowwise_l2_adds_weight_decay_to_the_touched_rows_only():
     torch.testing.assert_close(w[rows], w0[rows] - 0.1 * g2 / (want_acc.sqrt() + 1e-8).unsqueeze(1))
     others = torch.tensor([0, 2, 3, 5])
     assert torch.equal(w[others], w0[others]) and torch.equal(acc[others], acc0[others])
+
+
+def test_the_start_windows_wait_is_counted_apart_and_the_share_past_it_reported():
+    """A trainer's first lookups wait for the first rounds whatever the run's length: their wait is counted apart, and
+    the summary's share past the start windows takes the steps in proportion to the lookups (one a batch)."""
+    from cocosync.shadowsync.job.summary import lookup_summary
+    from cocosync.shadowsync.model.embeddings import LookupStats
+
+    st = LookupStats(start_window=3)
+    for blocked in (0.04, 0.03, 0.01, 0.0, 0.002, 0.0, 0.002):
+        st.count(blocked, rows=10, remote=5, stale=0, received=0)
+    assert st.start_lookups == 3 and st.start_wait_s == pytest.approx(0.08) and st.wait_s == pytest.approx(0.084)
+    s = lookup_summary([st.as_dict(), st.as_dict()], examples=2 * 7 * 256, step_s=0.7, transport="exchange",
+                       exchange=True, hot_rows=0)
+    assert s["lookup_wait_fraction"] == pytest.approx(0.168 / 0.7)
+    # 2 trainers x 7 lookups in 0.7 s of steps: past the windows 8 batches (0.4 s), waiting 0.008 s
+    assert s["lookup_wait_past_start"] == pytest.approx(0.008 / 0.4)
+    assert lookup_summary([LookupStats(start_window=3).as_dict()], examples=0, step_s=0.0, transport="exchange",
+                          exchange=True, hot_rows=0)["lookup_wait_past_start"] != 0.0  # nothing past it: NaN

@@ -365,7 +365,8 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
                            label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
     tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
                                max_inflight=job.cluster.max_inflight, labels=labels,
-                               group=job.cluster.lookup_batches, exchange=exchange, hot=hot, hot_sync=hot_sync)
+                               group=job.cluster.lookup_batches, exchange=exchange, hot=hot, hot_sync=hot_sync,
+                               start_window=cfg.workers * (job.cluster.prefetch + 1))
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])

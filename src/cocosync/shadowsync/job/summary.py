@@ -25,9 +25,12 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
     rows, hot_syncs = total("rows"), total("hot_syncs")  # syncs: counted by each node's first trainer
     return {
         "lookup_wait_fraction": total("wait_s") / max(step_s, 1e-9),
-        # its parts (seconds summed over the workers): a bench differences two runs' to drop the start's wait
+        # its parts (seconds summed over the workers), and the share past each trainer's start window (its workers'
+        # first prefetch + 1 lookups wait for the first rounds whatever the run's length); its step time is taken in
+        # proportion to the lookups, one a batch
         "lookup_wait_s": total("wait_s"),
         "step_s": step_s,
+        "lookup_wait_past_start": _past_start(lk, step_s),
         "sparse_bytes_per_example": sparse_bytes / max(examples, 1),
         "rows_per_example": rows / max(examples, 1),
         "remote_row_fraction": total("remote_rows") / max(rows, 1),
@@ -58,6 +61,14 @@ def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: s
         "staleness_hot_sync": total("stale_hot_sync") / max(total("stale_rows"), 1),
         "_stale_rows": total("stale_rows"),  # (node-exchange: the servers' exchanges count the remote rows' part)
     }
+
+
+def _past_start(lk: list[dict], step_s: float) -> float:
+    lookups, start = sum(x["lookups"] for x in lk), sum(x.get("start_lookups", 0) for x in lk)
+    if lookups <= start or step_s <= 0:
+        return float("nan")
+    return (sum(x["wait_s"] for x in lk) - sum(x.get("start_wait_s", 0.0) for x in lk)) / (
+        step_s * (lookups - start) / lookups)
 
 
 def add_job_cpu(summary: dict, cpu: list[tuple[str, float, dict[str, float], dict | None]], out: Path) -> None:

@@ -220,6 +220,9 @@ class LookupStats:
     stale_rows: int = 0
     stale_remote: int = 0  # of stale_sum: other nodes' rows (the exchange's or the servers' answers)
     stale_hot_sync: int = 0  # of stale_sum: the hot rows' updates on other nodes not yet synced (estimated)
+    start_lookups: int = 0  # the first lookups, the start window: they wait for the first rounds whatever follows
+    start_wait_s: float = 0.0  # ... their blocked time (wait_s - this: the steady wait)
+    start_window: int = 0  # lookups counted in the start window (set by the client: its workers x (prefetch + 1))
 
     def as_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -227,6 +230,9 @@ class LookupStats:
     def count(self, blocked: float, rows: int, remote: int, stale: int, received: int) -> None:
         """One lookup waited for (the caller holds the client's lock)."""
         self.wait_s += blocked
+        if self.lookups < self.start_window:
+            self.start_lookups += 1
+            self.start_wait_s += blocked
         self.lookups += 1
         self.rows += rows
         self.remote_rows += remote
@@ -263,12 +269,13 @@ class ShardedEmbeddings:
 
     def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
                  labels: Sequence[str] | None = None, group: int = 1, exchange: LookupExchange | None = None,
-                 hot: HotRows | None = None, hot_sync: HotSync | None = None):
+                 hot: HotRows | None = None, hot_sync: HotSync | None = None, start_window: int = 0):
         """`labels`: how errors name each server (default: its RPC name); `group`: batches whose lookups go in one
         message per server when prefetching (fewer messages, staler rows); `exchange`: the remote servers are
         reached through it (their entries in `servers` are then labels only), else by RPC; `hot`: with the
         exchange, the node's replica of the hot rows, read and updated in place (hot_rows.py); `hot_sync`: its
-        sync, on the node's first trainer (its staleness and costs are reported here)."""
+        sync, on the node's first trainer (its staleness and costs are reported here); `start_window`: the first
+        lookups whose wait is also counted apart (the first rounds' wait, `LookupStats.start_wait_s`)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -289,7 +296,7 @@ class ShardedEmbeddings:
         self.hot_sync = hot_sync
         self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
         self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
-        self.stats = LookupStats()
+        self.stats = LookupStats(start_window=start_window)
         self._lock = threading.Lock()
         self._inflight: collections.deque = collections.deque()
         self._pending: dict[int, list] = {}  # server -> pushes waiting for the next message to it
