@@ -191,6 +191,8 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
     before = _shm()
     proc, out = _start_cli(tmp_path, "--sync", "shadow-bmuf")
     trainers = _trainer_pids(proc)
+    for t in trainers:  # the launcher's session (one scheduler autogroup per job), a process group of their own
+        assert (os.getsid(t), os.getpgid(t)) == (os.getsid(proc.pid), t)
     os.killpg(proc.pid, signal.SIGINT)  # what a terminal's Ctrl-C does: the whole process group
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err

@@ -21,13 +21,19 @@ RANK_KEYS_ENV = "COCOSYNC_RANK_ENV_KEYS"
 
 
 def run_rank(job_file: str, launcher_env: dict[str, str], launcher_pid: int) -> None:
-    """One rank, set up as the agent would start its command: killed when its launcher dies, its own session (a
-    terminal's Ctrl-C reaches the launcher, which stops the job, not every rank), its launcher's environment (not
+    """One rank, set up as the agent would start its command: killed when its launcher dies, its own process group
+    (a terminal's Ctrl-C reaches the launcher, which stops the job, not every rank), its launcher's environment (not
     the fork server's, which may be an earlier job's) with the agent's keys for this rank, output line by line (the
     agent points stdout at <out>/logs/rank<R>.out), and a process title that says what it is (`title`); then the
-    job."""
+    job.
+
+    A process group, not a session as torchrun's agent gives a command (`start_new_session`): Linux's scheduler
+    autogroups group processes by session, and with one session per rank it shares the CPU among the ranks as groups
+    and balanced them across cores so badly on an oversubscribed machine that one trainer of 16 on 2 cores ran its
+    whole share on a core of its own in ~1 s, unsynchronized, while the other 15 shared the other core (BENCHMARKS.md,
+    "one session per rank"). In the launcher's session the job's threads are balanced as threads."""
     die_with(launcher_pid)
-    os.setsid()
+    os.setpgid(0, 0)
     # (before the environment changes: setproctitle finds the memory it rewrites next to the original environment)
     setproctitle(title(job_file, int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])))
     adopt_environment(launcher_env, os.environ.get(RANK_KEYS_ENV, "").split(","))
