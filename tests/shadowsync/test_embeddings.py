@@ -3,6 +3,8 @@ and a shard's staleness count."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -68,5 +70,6 @@ def test_the_start_windows_wait_is_counted_apart_and_the_share_past_it_reported(
     assert s["lookup_wait_fraction"] == pytest.approx(0.168 / 0.7)
     # 2 trainers x 7 lookups in 0.7 s of steps: past the windows 8 batches (0.4 s), waiting 0.008 s
     assert s["lookup_wait_past_start"] == pytest.approx(0.008 / 0.4)
-    assert lookup_summary([LookupStats(start_window=3).as_dict()], examples=0, step_s=0.0, transport="exchange",
-                          exchange=True, hot_rows=0)["lookup_wait_past_start"] != 0.0  # nothing past it: NaN
+    nothing = lookup_summary([LookupStats(start_window=3).as_dict()], examples=0, step_s=0.0, transport="exchange",
+                             exchange=True, hot_rows=0)
+    assert math.isnan(nothing["lookup_wait_past_start"])  # nothing past the start: no share, not 0
