@@ -111,6 +111,8 @@ def test_lookup_bench_names_bad_arguments():
     assert res.exit_code == 2 and "--hot-staleness '2,-1'" in res.output
     res = CliRunner().invoke(cli, ["bench", "lookups", "--gloo-device", "shared,one"])
     assert res.exit_code == 2 and "--gloo-device 'shared,one'" in res.output
+    res = CliRunner().invoke(cli, ["bench", "lookups", "--launcher", "torchrun,mpirun"])
+    assert res.exit_code == 2 and "--launcher 'torchrun,mpirun'" in res.output
 
 
 def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
@@ -118,12 +120,15 @@ def test_staleness_bounds_are_variants_of_the_exchanges_with_hot_rows():
 
     got = variants(["exchange", "rpc"], [4096, 0], [0.0, 2.0])
     assert list(got) == ["exchange hot=4096 bound=0", "exchange hot=4096 bound=2", "exchange hot=0", "rpc"]
-    assert got["exchange hot=4096 bound=2"][-2:] == ["--hot-staleness", "2.0"]
-    assert got["rpc"] == ["--lookup-transport", "rpc", "--hot-rows", "0", "--hot-staleness", "0.0"]
+    assert got["exchange hot=4096 bound=2"][-3:] == ["--hot-staleness", "2.0", "launcher:cocosync"]
+    assert got["rpc"] == ["--lookup-transport", "rpc", "--hot-rows", "0", "--hot-staleness", "0.0", "launcher:cocosync"]
     assert list(variants(["exchange"], [4096])) == ["exchange"]  # one configuration: the plain label
     got = variants(["exchange"], [4096], None, ["shared", "per-group"])  # the device mode rides as the job's env
     assert list(got) == ["exchange dev=shared", "exchange dev=per-group"]
-    assert got["exchange dev=per-group"][-1] == "env:COCOSYNC_GLOO_DEVICE=per-group"
+    assert got["exchange dev=per-group"][-2] == "env:COCOSYNC_GLOO_DEVICE=per-group"
+    got = variants(["exchange"], [4096], None, None, ["cocosync", "torchrun"])  # how each node starts
+    assert list(got) == ["exchange via cocosync", "exchange via torchrun"]
+    assert got["exchange via torchrun"][-1] == "launcher:torchrun"
 
 
 def test_a_time_limit_keeps_the_rounds_that_finished(tmp_path, monkeypatch):
@@ -165,7 +170,8 @@ def test_side_by_side_references_take_the_machines_load_out(tmp_path, monkeypatc
 
     started: list[tuple[int, int, int]] = []  # (nnodes, examples, wave) of every torchrun start
 
-    def start(args, *, nnodes, nproc_per_node, env):
+    def start(args, *, nnodes, nproc_per_node, env, launcher):
+        assert launcher == "cocosync" and not any(a.startswith("launcher:") for a in args)
         started.append((nnodes, int(args[args.index("--examples") + 1]), len(waits)))
         return (nnodes, args)
 

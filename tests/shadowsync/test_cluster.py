@@ -91,32 +91,36 @@ def test_two_node_run_learns_like_the_single_node_run(tmp_path):
     assert abs(ne2 - ne1) / ne1 < 0.06, (ne2, ne1)
 
 
-def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path):
-    """Hosts A and B (own address, own /dev/shm): per host 1 embedding server, 1 sync server, 1 trainer."""
+@pytest.mark.parametrize("launcher", ["torchrun", "cocosync"])
+def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path, launcher):
+    """Hosts A and B (own address, own /dev/shm): per host 1 embedding server, 1 sync server, 1 trainer; started by
+    torchrun's command, or by `cocosync train --nnodes` with --local-addr."""
     if not twohosts_available():
         pytest.skip("twohosts.sh check failed (needs root and iproute2): no simulated machines here")
     out = tmp_path / "run"
     # 40,000 examples (NE 0.77-0.79 here): at 24,000 it was 0.86-0.90, and 0.958 once in a CI run, over the bound
     args = ["--examples", "40000", "--eval-examples", "4000", "--batch-size", "256"]
     runs = run_nodes(["-m", "cocosync.shadowsync", *args, "--sync", "shadow-easgd", "--out", str(out)],
-                     nproc_per_node=3, timeout=240, two_hosts=True)
+                     nproc_per_node=3, timeout=240, two_hosts=True, launcher=launcher)
     _ok(runs)
     s = _summary(out)
     assert (s["nodes"], s["T"], s["sync_servers"]) == (2, 2, 2)
     assert s["eval_ne"] < 0.95 and s["syncs"] > 0
 
 
-@pytest.mark.parametrize("victim", [2, 3], ids=["embedding-server", "trainer"])
-def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim):
+@pytest.mark.parametrize(("victim", "launcher"), [(2, "torchrun"), (3, "torchrun"), (3, "cocosync")],
+                         ids=["embedding-server", "trainer", "trainer-cocosync-train"])
+def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim, launcher):
     """Rank 2 is node 1's embedding server, rank 3 its trainer: every process exits (non-zero) well within the
     timeout, the error names the dead party, nothing is left in /dev/shm. The dead server is met through the RPC
     lookups (`--lookup-transport rpc`, no dense sync: node 0's trainer meets the server's absence in its next lookup
     and names it); the dead trainer through the default lookup exchange, whose peer it is (and the dense sync:
-    whichever breaks first, torchrun names the dead rank). The exchange naming a lost peer: test_exchange.py."""
+    whichever breaks first, torchrun names the dead rank; so does `cocosync train --nnodes`, its agent). The exchange
+    naming a lost peer: test_exchange.py."""
     out = tmp_path / "run"
     sync = ["--sync", "none", "--lookup-transport", "rpc"] if victim == 2 else []
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "400000", "--eval-examples", "2000",
-                         "--heartbeat-timeout", "20", *sync, "--out", str(out)], nproc_per_node=2)
+                         "--heartbeat-timeout", "20", *sync, "--out", str(out)], nproc_per_node=2, launcher=launcher)
     try:
         deadline = time.monotonic() + 120
         while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
@@ -145,10 +149,13 @@ def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim):
     assert leftover_segments() == []
 
 
-def test_cocosync_train_nnodes_runs_torchrun_and_its_ranks_listen_on_loopback_only(tmp_path):
-    """`cocosync train --nnodes 2 --node-rank R` on each "machine" is the torchrun job; every socket the ranks open
-    (gloo, TensorPipe) is on 127.0.0.1. (torchrun's agents own their rendezvous stores, which TCPStore binds on every
-    interface: that is torchrun's behaviour, not checked here.)"""
+def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_session_on_loopback_only(tmp_path):
+    """`cocosync train --nnodes 2 --node-rank R` on each "machine" is the torchrun job, its agent in the command's
+    process (job/node_launch.py): each rank forked warm, titled with its rank, in the command's session (one
+    scheduling group a node; torchrun's command would give each rank a session) and a process group of its own (a
+    terminal's Ctrl-C reaches the command only); every socket the ranks open (gloo, TensorPipe) is on 127.0.0.1.
+    (torchrun's agents own their rendezvous stores, which TCPStore binds on every interface: that is torchrun's
+    behaviour, not checked here.)"""
     port = free_port()
     out = tmp_path / "run"
     procs = []
@@ -159,19 +166,37 @@ def test_cocosync_train_nnodes_runs_torchrun_and_its_ranks_listen_on_loopback_on
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "COCOSYNC_RUN_ID": f"t{port}"}, start_new_session=True))
     seen: set = set()
-    agents: set = set()  # torchrun's own stores, also seen in a worker between its fork and its exec
+    agents: set = set()  # torchrun's own stores
+    ranks: dict[int, tuple[int, int, int, int]] = {}  # rank -> (pid, its session, its group, its node's command)
     deadline = time.monotonic() + 200
     while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         for p in procs:
             agents.update((a, port) for _, a, port in listening_sockets([p.pid]))
             seen.update(listening_sockets([pid for pid in process_tree(p.pid) if pid != p.pid]))
+            for r, pid in worker_pids(p.pid).items():
+                try:
+                    ranks.setdefault(r, (pid, os.getsid(pid), os.getpgid(pid), p.pid))
+                except ProcessLookupError:
+                    pass
         time.sleep(0.05)
     seen = {s for s in seen if (s[1], s[2]) not in agents}
     runs = wait_nodes(procs, timeout=max(1.0, deadline - time.monotonic()))
     _ok(runs)
     assert _summary(out)["sync"] == "fr-ma"
+    assert sorted(ranks) == [0, 1, 2, 3], ranks
+    for pid, sid, pgid, command in ranks.values():
+        assert (sid, pgid) == (command, pid)  # the command's session (it leads one here), a group of its own
     assert seen, "expected the ranks' gloo and TensorPipe sockets"
     assert all(addr in ("127.0.0.1", "::1") for _, addr, _ in seen), seen
+
+
+def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
+    """A bad training option is one line naming it from the command, before it waits for the other machines."""
+    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",
+                          f"127.0.0.1:{free_port()}", "--batch-size", "0", "--out", str(tmp_path / "run")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "batch_size" in res.stderr.replace("-", "_"), res.stderr[-2000:]
+    assert "Traceback" not in res.stderr
 
 
 def test_an_eval_curve_while_training_and_the_ne_plot(tmp_path):

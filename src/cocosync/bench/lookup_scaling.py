@@ -22,6 +22,7 @@ Written: the table (and markdown), lookups.json and lookups.png (CPU per example
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import tempfile
@@ -53,23 +54,26 @@ def projected_efficiency(a: float, b: float, nodes: int) -> float:
 
 
 def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[float] | None = None,
-             gloo_devices: list[str] | None = None) -> dict[str, list[str]]:
+             gloo_devices: list[str] | None = None, launchers: list[str] | None = None) -> dict[str, list[str]]:
     """The configurations to compare across nodes: their labels and job options (the exchanges once per hot-row
-    count and hot-row staleness bound, every configuration once per gloo device mode; labelled by those that vary).
-    A device mode is an `env:` option, which the bench hands to the job's environment (runtime/comm/gloo_device.py)."""
+    count and hot-row staleness bound, every configuration once per gloo device mode and launcher; labelled by those
+    that vary). A device mode is an `env:` option, which the bench hands to the job's environment
+    (runtime/comm/gloo_device.py); a launcher a `launcher:` option, how the bench starts each node
+    (testing/multinode.py)."""
     from cocosync.shadowsync.job.roles import EXCHANGES
 
-    bounds, devices = hot_staleness or [0.0], gloo_devices or ["shared"]
+    bounds, devices, launch = hot_staleness or [0.0], gloo_devices or ["shared"], launchers or ["cocosync"]
     out = {}
     for t in transports:
         for h in (hot_rows if t in EXCHANGES else [0]):
             for b in (bounds if t in EXCHANGES and h > 0 else [0.0]):
-                for d in devices:
+                for d, how in itertools.product(devices, launch):
                     label = t + (f" hot={h}" if t in EXCHANGES and len(hot_rows) > 1 else "") \
                         + (f" bound={b:g}" if t in EXCHANGES and h > 0 and len(bounds) > 1 else "") \
-                        + (f" dev={d}" if len(devices) > 1 else "")
+                        + (f" dev={d}" if len(devices) > 1 else "") + (f" via {how}" if len(launch) > 1 else "")
                     out[label] = ["--lookup-transport", t, "--hot-rows", str(h), "--hot-staleness", str(b),
-                                  *([f"env:COCOSYNC_GLOO_DEVICE={d}"] if len(devices) > 1 else [])]
+                                  *([f"env:COCOSYNC_GLOO_DEVICE={d}"] if len(devices) > 1 else []),
+                                  f"launcher:{how}"]
     return out
 
 
@@ -104,8 +108,10 @@ def _run_wave(jobs: list[tuple[int, str, int, list[str], Path]], per_node: int) 
 
     runs = [(n, label, extra, out, start) for n, label, ex, extra, out in jobs for start in _starts(n, label, ex, out)]
     started = [start_nodes(["-m", "cocosync.shadowsync", "--examples", str(ex), "--sync", "none", "--out", str(path),
-                            *(x for x in extra if not x.startswith("env:"))], nnodes=nn, nproc_per_node=1 + per_node,
-                           env=dict(x[4:].split("=", 1) for x in extra if x.startswith("env:")))
+                            *(x for x in extra if not x.startswith(("env:", "launcher:")))], nnodes=nn,
+                           nproc_per_node=1 + per_node,
+                           env=dict(x[4:].split("=", 1) for x in extra if x.startswith("env:")),
+                           launcher=next((x[9:] for x in extra if x.startswith("launcher:")), "cocosync"))
                for *_, extra, _, (nn, ex, path) in runs]
     got: dict[Path, list[dict]] = {}
     for (n, label, _, out, (_, _, path)), procs in zip(runs, started):
@@ -451,6 +457,10 @@ def _plot(result: dict):
 @click.option("--gloo-device", default="shared", show_default=True,
               help="gloo devices: 'shared' (one per process, the job's), 'per-group' (torch's default), or both "
                    "comma-separated to compare them (the 1-node reference runs the first).")
+@click.option("--launcher", default="cocosync", show_default=True,
+              help="how each node starts: 'cocosync' (`cocosync train --nnodes`: ranks forked warm, one session a "
+                   "node), 'torchrun' (torchrun's command: a session per rank), or both comma-separated to compare "
+                   "them (the 1-node reference runs the first).")
 @click.option("--trainers-per-node", type=int, default=1, show_default=True)
 @click.option("--repeats", type=int, default=3, show_default=True, help="rounds (medians over them).")
 @click.option("--eval-examples", type=int, default=20_000, show_default=True)
@@ -469,7 +479,7 @@ def _plot(result: dict):
 @click.option("--out", default="bench-out/lookups", show_default=True, help="directory for lookups.png/.json.")
 @click.option("--json", "json_path", default=None, help="also write the JSON here.")
 def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, examples: str, gloo_device: str,
-                trainers_per_node: int, repeats: int,
+                launcher: str, trainers_per_node: int, repeats: int,
                 eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool,
                 side_by_side: bool, time_limit: float | None, out: str, json_path: str | None) -> None:
     """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
@@ -477,6 +487,7 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
 
     from cocosync.bench.common import markdown_table, print_table, save_figure, write_json
     from cocosync.shadowsync.job.roles import TRANSPORTS
+    from cocosync.testing.multinode import LAUNCHERS
 
     node_list = sorted({int(x) for x in nodes.split(",")})
     trans = [t.strip() for t in transports.split(",")]
@@ -489,6 +500,9 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     devices = [d.strip() for d in gloo_device.split(",")]
     if not devices or any(d not in ("shared", "per-group") for d in devices) or len(set(devices)) < len(devices):
         raise click.UsageError(f"--gloo-device {gloo_device!r}: expected 'shared', 'per-group' or both")
+    launchers = [x.strip() for x in launcher.split(",")]
+    if not launchers or any(x not in LAUNCHERS for x in launchers) or len(set(launchers)) < len(launchers):
+        raise click.UsageError(f"--launcher {launcher!r}: expected 'cocosync', 'torchrun' or both")
     if parallel and side_by_side:
         raise click.UsageError("--side-by-side runs its own one-node jobs at once: not with --parallel")
     small, big = (int(x) for x in examples.split(","))
@@ -497,8 +511,8 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     extra = [*(["--exchange-interval", str(exchange_interval)] if exchange_interval else []),
              *(["--prefetch", str(prefetch)] if prefetch is not None else [])]
     console = Console()
-    result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds, devices), examples=(small, big),
-                         per_node=trainers_per_node,
+    result = run_lookups(nodes=node_list, transports=variants(trans, hot, bounds, devices, launchers),
+                         examples=(small, big), per_node=trainers_per_node,
                          repeats=repeats, eval_examples=eval_examples, extra=extra, console=console, parallel=parallel,
                          time_limit=time_limit, side_by_side=side_by_side)
     rows = [_cells(r) for r in result["rows"]]

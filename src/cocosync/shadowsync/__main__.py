@@ -3,17 +3,20 @@
     torchrun --nnodes 2 --nproc-per-node 3 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         -m cocosync.shadowsync --sync shadow-bmuf --embedding-servers 1 --out runs/two-nodes
 
-`cocosync train --nnodes 2 --node-rank R --rdzv-endpoint HOST:29400 ...` runs the same command for one machine.
+`cocosync train --nnodes 2 --node-rank R --rdzv-endpoint HOST:29400 ...` runs the same job for one machine, its
+ranks forked warm in its session (job/node_launch.py).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.markup import escape
@@ -27,7 +30,7 @@ from cocosync.shadowsync.cli.train import (
     train_options,
 )
 from cocosync.shadowsync.job.roles import ClusterConfig
-from cocosync.shadowsync.train_config import ConfigError, config_from_dict
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_from_dict, config_to_dict
 
 
 def _die_with_parent() -> None:
@@ -51,11 +54,7 @@ def _die_with_parent() -> None:
 @click.option("--json", "json_out", is_flag=True, help="trainer 0 prints the summary as JSON on stdout.")
 @click.option("--job", "job_file", type=click.Path(dir_okay=False), hidden=True,
               help="the job.json `cocosync train` wrote (config and cluster options; the other options are ignored).")
-def main(config_path: str | None, embedding_servers: int, sync_servers: int | None, prefetch: int,
-         stop_after: int | None, checkpoint_every: int | None, lookup_batches: int, eval_every: int | None,
-         max_inflight: int, lookup_transport: str, exchange_interval: float, hot_rows: int,
-         hot_sync_interval: float, hot_staleness: float, resume: str | None, json_out: bool, job_file: str | None,
-         **opts) -> None:
+def main(json_out: bool, job_file: str | None, **params: Any) -> None:
     """One rank of a multi-machine ShadowSync job (launch with torchrun; roles from its environment)."""
     from rich.console import Console
 
@@ -71,15 +70,8 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
         _leave()
     _die_with_parent()
     console = Console(stderr=True)
-    opts["progress"] = False
     try:
-        cfg = config_from_options(config_path, None, opts)
-        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
-                                max_inflight=max_inflight, resume=resume, stop_after=stop_after,
-                                checkpoint_every=checkpoint_every, lookup_batches=lookup_batches,
-                                eval_every=eval_every, lookup_transport=lookup_transport,
-                                exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
-                                hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
+        cfg, cluster = _job(params)
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:
         if debug_mode():
@@ -90,15 +82,46 @@ def main(config_path: str | None, embedding_servers: int, sync_servers: int | No
     _leave()
 
 
+_CLUSTER_OPTIONS = ("embedding_servers", "sync_servers", "prefetch", "max_inflight", "resume", "stop_after",
+                    "checkpoint_every", "lookup_batches", "eval_every", "lookup_transport", "exchange_interval",
+                    "hot_rows", "hot_sync_interval", "hot_staleness")
+
+
+def _job(params: dict) -> tuple[TrainConfig, ClusterConfig]:
+    """The job a rank's parsed options describe: the training options make its TrainConfig, the cluster options
+    (intervals in milliseconds, as typed) its ClusterConfig. UsageError or ConfigError if bad."""
+    params = dict(params)
+    cluster = {k: params.pop(k) for k in _CLUSTER_OPTIONS}
+    for k in ("exchange_interval", "hot_sync_interval"):
+        cluster[k] /= 1e3
+    config_path = params.pop("config_path")
+    cfg = config_from_options(config_path, None, {**params, "progress": False})
+    return cfg, ClusterConfig(**cluster)
+
+
+def job_from_args(args: list[str]) -> tuple[dict, bool]:
+    """A rank's command line (`python -m cocosync.shadowsync ARGS`) parsed and checked as the rank would (click's
+    UsageError or ConfigError if bad): the job as `run_job_dict` takes it, and --json."""
+    params = main.make_context("cocosync.shadowsync", list(args)).params
+    params.pop("job_file")
+    json_out = params.pop("json_out")
+    cfg, cluster = _job(params)
+    return {"config": config_to_dict(cfg), "cluster": dataclasses.asdict(cluster)}, json_out
+
+
 def run_job(job_file: str, json_out: bool = False) -> None:
     """One rank of the job `cocosync train` wrote to `job_file` (config and cluster options), on this machine."""
+    run_job_dict(json.loads(Path(job_file).read_text()), json_out)
+
+
+def run_job_dict(job: dict, json_out: bool = False) -> None:
+    """One rank of a job given as {"config": config_to_dict(cfg), "cluster": asdict(cluster)}."""
     from rich.console import Console
 
     from cocosync.shadowsync.job.rank import run_cluster
 
     _die_with_parent()
     console = Console(stderr=True)
-    job = json.loads(Path(job_file).read_text())
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
     try:
         summary = run_cluster(cfg, cluster, console=console)

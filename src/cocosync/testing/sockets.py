@@ -84,9 +84,9 @@ def job_ranks(pid: int) -> dict[int, int]:
             env = Path(f"/proc/{p}/environ").read_bytes().split(b"\0")
         except OSError:
             continue
-        local = parse_title(cmd[0].decode(errors="replace"))
-        if local is not None:
-            out[local] = p
+        titled = parse_title(cmd[0].decode(errors="replace"))
+        if titled is not None:
+            out[titled[1]] = p
         elif b"cocosync.shadowsync" in cmd:
             for var in env:
                 if var.startswith(b"LOCAL_RANK="):

@@ -264,31 +264,36 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
               help="continue a run (e.g. one stopped by Ctrl-C) from a checkpoint directory, or a run directory (its "
                    "latest checkpoint), with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
-@click.option("--nnodes", type=int, help="multi-node: machines in the job (runs torchrun; see --rdzv-endpoint).")
+@click.option("--nnodes", type=int,
+              help="multi-node: machines in the job (runs torchrun's agent for this one; see --rdzv-endpoint).")
 @click.option("--node-rank", type=int, default=0, show_default=True,
               help="multi-node: this machine's index (0 hosts the rendezvous store).")
 @click.option("--nproc-per-node", type=int, default=2, show_default=True,
               help="multi-node: processes per machine (servers first, then trainers).")
 @click.option("--rdzv-endpoint", default="127.0.0.1:29400", show_default=True,
               help="multi-node: HOST:PORT of the rendezvous (torchrun's c10d store; node 0 hosts it).")
+@click.option("--local-addr", default=None,
+              help="multi-node: the address the other machines reach this one's ranks at (default: 127.0.0.1 with a "
+                   "loopback --rdzv-endpoint, else this machine's hostname).")
 @cluster_options
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
-          node_rank: int, nproc_per_node: int, rdzv_endpoint: str, embedding_servers: int, sync_servers: int | None,
-          prefetch: int, stop_after: int | None, checkpoint_every: int | None, lookup_batches: int,
-          lookup_transport: str, exchange_interval: float, hot_rows: int, hot_sync_interval: float,
+          node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None, embedding_servers: int,
+          sync_servers: int | None, prefetch: int, stop_after: int | None, checkpoint_every: int | None,
+          lookup_batches: int, lookup_transport: str, exchange_interval: float, hot_rows: int, hot_sync_interval: float,
           hot_staleness: float, eval_every: int | None, **opts) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
-    a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun for this machine
-    (the same as `torchrun ... -m cocosync.shadowsync`), with embedding parameter servers and sync servers.
+    a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun's agent for this
+    machine (the job of `torchrun ... -m cocosync.shadowsync`, its ranks forked warm), with embedding parameter
+    servers and sync servers.
     """
     from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.job.roles import ClusterConfig
     from cocosync.shadowsync.job.trainer import TrainerFailure
 
     if nnodes is not None:
-        _exec_torchrun(nnodes, node_rank, nproc_per_node, rdzv_endpoint)
+        _run_node(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr)
     if progress is not None:
         opts["progress"] = progress
     cfg = config_from_options(config_path, resume, opts)
@@ -327,12 +332,14 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         sys.exit(143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130)
 
 
-def _exec_torchrun(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str) -> None:
-    """Replace this process by torchrun running `-m cocosync.shadowsync` with the remaining arguments."""
+def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None) -> None:
+    """This machine's ranks of the multi-machine job (job/node_launch.py), with the remaining arguments; exits."""
+    from cocosync.shadowsync.job.launch import WARM_START_ENV
+    from cocosync.shadowsync.job.node_launch import run_node, torchrun_args
+
     if nnodes < 1 or nproc_per_node < 2:
         raise click.UsageError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node}: expected nnodes >= 1 and "
                                "nproc-per-node >= 2 (a server and a trainer per node)")
-    host = rdzv_endpoint.rsplit(":", 1)[0]
     args, skip = [], False
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else sys.argv[1:]
     for a in argv:  # drop the launcher's own options, keep the training options
@@ -340,23 +347,22 @@ def _exec_torchrun(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoi
             skip = False
             continue
         name = a.split("=", 1)[0]
-        if name in ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-endpoint"):
+        if name in _NODE_OPTIONS:
             skip = "=" not in a
             continue
         args.append(a)
-    # c10d numbers nodes itself; --node-rank says which machine hosts the rendezvous store. On loopback every
-    # agent names 127.0.0.1 as its address (torchrun would resolve the hostname, which may be a public interface).
-    if host in ("127.0.0.1", "localhost"):
-        host_conf = ["--local-addr", "127.0.0.1"]
-    else:
-        host_conf = ["--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}"]
-    run_id = os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node",
-           str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id,
-           "--max-restarts", "0", *host_conf, "-m", "cocosync.shadowsync", *args]
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, cmd)
+    launch = torchrun_args(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr,
+                           os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"))
+    try:
+        code = run_node(launch, args, warm=os.environ.get(WARM_START_ENV, "1") != "0")
+    except ConfigError as e:
+        if debug_mode():
+            raise
+        raise click.UsageError(str(e)) from None
+    sys.exit(code)
+
+
+_NODE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-endpoint", "--local-addr")
 
 
 def debug_mode() -> bool:
