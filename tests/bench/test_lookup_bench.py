@@ -68,7 +68,7 @@ def test_lookup_bench_recovers_cpu_per_example_and_projects_it(tmp_path, monkeyp
     verdicts = result["verdicts"]
     assert "MISS CPU efficiency at 4 nodes, exchange: 0.70 (target >= 0.9)" in verdicts
     # the wait past the start: the long run's share past its trainers' start windows, beside the whole run's
-    assert rows[(4, "exchange")]["lookup_wait_steady"] == pytest.approx(0.004)
+    assert rows[(4, "exchange")]["lookup_wait_past_start"] == pytest.approx(0.004)
     assert "PASS lookup wait past the start at 4 nodes, exchange: 0.4% of step time past each trainer's first " \
            "prefetch window (target < 5%)" in verdicts
     assert any(v.startswith("MISS staleness at 4 nodes, rpc: 10.00") for v in verdicts)

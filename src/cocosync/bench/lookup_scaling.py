@@ -272,7 +272,6 @@ def _sample(into: list[dict], a: dict, b: dict, rnd: int, console: Any, n: int, 
     counts = {f"{k}_per_example": (b.get(k, 0) - a.get(k, 0)) / extra
               for k in ("exchange_rounds", "hot_syncs", "gloo_cpu_seconds")}
     into.append({**{k: b.get(k) for k in _KEYS}, "cpu_us_per_example": cpu,
-                 "lookup_wait_steady": b.get("lookup_wait_past_start", float("nan")),
                  "rounds_per_example": counts["exchange_rounds_per_example"],
                  "hot_syncs_per_example": counts["hot_syncs_per_example"],
                  "gloo_cpu_us_per_example": 1e6 * counts["gloo_cpu_seconds_per_example"],
@@ -293,15 +292,16 @@ def _by_thread(a: dict, b: dict, extra: int) -> dict[str, float]:
 
 
 _KEYS = ("eval_ne", "staleness", "staleness_remote", "staleness_hot_sync", "hot_sync_interval_ms",
-         "lookup_wait_fraction", "messages_per_example", "network_bytes_per_example", "exchange_cpu_us_per_round",
-         "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction", "hot_sync_cpu_us_per_sync",
-         "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round", "hot_sync_longest_gap_ms")
+         "lookup_wait_fraction", "lookup_wait_past_start", "messages_per_example", "network_bytes_per_example",
+         "exchange_cpu_us_per_round", "rpc_round_trip_s", "eps", "prefetch", "examples", "hot_row_fraction",
+         "hot_sync_cpu_us_per_sync", "rows_per_example", "remote_row_fraction", "relay_cpu_us_per_round",
+         "hot_sync_longest_gap_ms")
 
 
 def _median(nodes: int, transport: str, v: list[dict]) -> dict:
     out: dict = {"nodes": nodes, "transport": transport if nodes > 1 else "local", "samples": len(v)}
     for k in ("cpu_us_per_example", "rounds_per_example", "hot_syncs_per_example", "gloo_cpu_us_per_example",
-              "lookup_wait_steady", *_KEYS):
+              *_KEYS):
         vals = [s[k] for s in v if isinstance(s.get(k), (int, float))]
         out[k] = statistics.median(vals) if vals else float("nan")
     out["cpu_samples"] = [round(s["cpu_us_per_example"], 2) for s in v]
@@ -325,7 +325,7 @@ def verdicts(result: dict) -> list[str]:
                                 f"{r['transport']}", f"{r['staleness']:.2f} updates per row (target <= 4)"))
             out.append(_verdict(r["lookup_wait_fraction"] < TARGETS["wait"], f"lookup wait at {r['nodes']} nodes, "
                                 f"{r['transport']}", f"{r['lookup_wait_fraction']:.1%} of step time (target < 5%)"))
-            steady = r.get("lookup_wait_steady", float("nan"))
+            steady = r.get("lookup_wait_past_start", float("nan"))
             if steady == steady:
                 out.append(_verdict(steady < TARGETS["wait"], f"lookup wait past the start at {r['nodes']} nodes, "
                                     f"{r['transport']}", f"{steady:.1%} of step time past each trainer's first "
@@ -386,7 +386,7 @@ def _cells(r: dict) -> list[str]:
     parts = f"{r.get('staleness_hot_sync', 0):.2f} / {r.get('staleness_remote', 0):.2f}"
     side = f"{r['efficiency_side_by_side']:.2f}" if "efficiency_side_by_side" in r else "-"
     return [str(r["nodes"]), r["transport"], f"{r['cpu_us_per_example']:.2f}", f"{r['efficiency']:.2f}", side,
-            f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", _pct(r.get("lookup_wait_steady")),
+            f"{r['staleness']:.2f}", parts, f"{r['lookup_wait_fraction']:.1%}", _pct(r.get("lookup_wait_past_start")),
             f"{r['messages_per_example']:.4f}",
             f"{r['network_bytes_per_example']:,.0f}", f"{r['eval_ne']:.4f}",
             str(r["samples"])]
