@@ -190,6 +190,35 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     assert all(addr in ("127.0.0.1", "::1") for _, addr, _ in seen), seen
 
 
+def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path):
+    """SIGTERM (a scheduler's preemption) to node 1's `cocosync train --nnodes` asks every trainer of both machines
+    to stop through the job's rendezvous store: the job ends within seconds with its summary and a checkpoint that
+    says it stopped, node 1 exits 143, node 0 cleanly, and nothing is left in /dev/shm. (torchrun's command would
+    stop its own ranks with SIGTERM and fail the job, losing what was trained since the last checkpoint.)"""
+    out = tmp_path / "run"
+    procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "4000000", "--eval-examples", "2000",
+                         "--sync", "shadow-bmuf", "--out", str(out)], nproc_per_node=2)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline, "the job did not start training"
+            assert all(p.poll() is None for p in procs), "an agent exited before training"
+            time.sleep(0.2)
+        os.kill(procs[1].pid, signal.SIGTERM)
+        runs = wait_nodes(procs, timeout=90)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    assert [r.returncode for r in runs] == [0, 143], "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
+    assert "SIGTERM: stopping the trainers of every machine" in runs[1].output
+    s = _summary(out)
+    assert s["interrupted"] and 0 < s["examples"] < 4_000_000
+    meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
+    assert meta["stopped"] and meta["examples_seen"] == s["examples"]
+    assert leftover_segments() == []
+
+
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
     res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",

@@ -3,8 +3,10 @@
 `cocosync train` on one machine starts the job's ranks through torch's elastic agent on a rendezvous store it owns
 (loopback only, launch.py) and names that store's port in COCOSYNC_MONITOR_PORT. Over a client of the same store,
 under the prefix `cocosync/`, every rank publishes its pid, each trainer its heartbeat and progress, a failing rank
-its message; the launcher sets `stop` (Ctrl-C, --timeout), which every trainer polls. Under plain torchrun (no
-launcher) there is no link: `Link.from_env()` is None and the job runs as before.
+its message; the launcher sets `stop` (Ctrl-C, --timeout), which every trainer polls. Across machines
+(`cocosync train --nnodes`, node_launch.py) the store is the job's rendezvous store (COCOSYNC_MONITOR_HOST names its
+host), and any machine's launcher sets `stop` there on Ctrl-C or SIGTERM. Under plain torchrun (no launcher) there
+is no link: `Link.from_env()` is None and the job runs as before.
 """
 
 from __future__ import annotations
@@ -20,9 +22,10 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["Link", "MONITOR_PORT_ENV", "PREFIX"]
+__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX", "request_stop"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
+MONITOR_HOST_ENV = "COCOSYNC_MONITOR_HOST"  # (unset: 127.0.0.1, the one-machine launcher's store)
 PREFIX = "cocosync/"
 
 
@@ -34,8 +37,8 @@ def get_if_set(store: Any, key: str) -> bytes | None:
 class Link:
     """A rank's client of the launcher's store (see the module doc)."""
 
-    def __init__(self, port: int, rank: int):
-        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    def __init__(self, port: int, rank: int, host: str = "127.0.0.1"):
+        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
         self.store = dist.PrefixStore(PREFIX, store)
         self.rank = rank
         self._lock = threading.Lock()  # the store client is shared by the heartbeat thread and the trainer
@@ -46,7 +49,7 @@ class Link:
     @classmethod
     def from_env(cls, rank: int) -> "Link | None":
         port = os.environ.get(MONITOR_PORT_ENV)
-        return cls(int(port), rank) if port else None
+        return cls(int(port), rank, os.environ.get(MONITOR_HOST_ENV, "127.0.0.1")) if port else None
 
     def set(self, key: str, value: Any) -> None:
         with self._lock:
@@ -76,12 +79,16 @@ class Link:
         self._beats.start()
 
     def finish(self, trainer: int) -> None:
-        """This trainer is done: no more beats (the monitor skips a trainer whose beat says 'done')."""
+        """This trainer is done: no more beats (the monitor skips a trainer whose beat says 'done'; best effort: a
+        rendezvous store across machines may already be gone)."""
         self._closed.set()
         if self._beats is not None:
             self._beats.join()
-        with self._lock:
-            self.store.set(f"beat/{trainer}", "done")
+        try:
+            with self._lock:
+                self.store.set(f"beat/{trainer}", "done")
+        except Exception:  # noqa: BLE001 - the job's work is done
+            pass
 
     def failed(self, message: str) -> None:
         """Tell the launcher why this rank is leaving (best effort: the store may be gone)."""
@@ -89,3 +96,10 @@ class Link:
             self.set(f"failed/{self.rank}", {"time": time.time(), "message": message})
         except Exception:  # noqa: BLE001 - the launcher reads torchrun's exit status then
             pass
+
+
+def request_stop(host: str, port: int, timeout: float = 10.0) -> None:
+    """Ask every trainer of the job whose store is at host:port to stop with a checkpoint (what the one-machine
+    monitor does through its own client). Raises if the store cannot be reached within `timeout` seconds."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    dist.PrefixStore(PREFIX, store).set("stop", "1")
