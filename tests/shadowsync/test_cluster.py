@@ -154,6 +154,7 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     process (job/node_launch.py): each rank forked warm, titled with its rank, in the command's session (one
     scheduling group a node; torchrun's command would give each rank a session) and a process group of its own (a
     terminal's Ctrl-C reaches the command only); every socket the ranks open (gloo, TensorPipe) is on 127.0.0.1.
+    `--no-progress` (the one-machine bar's option) is taken and left out of the ranks' options.
     (torchrun's agents own their rendezvous stores, which TCPStore binds on every interface: that is torchrun's
     behaviour, not checked here.)"""
     port = free_port()
@@ -162,7 +163,7 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     for node in (0, 1):
         cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *SMALL, "--sync", "fr-ma",
-               "--out", str(out)]
+               "--no-progress", "--out", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                       env={**os.environ, "COCOSYNC_RUN_ID": f"t{port}"}, start_new_session=True))
     seen: set = set()

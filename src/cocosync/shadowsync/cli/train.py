@@ -350,6 +350,8 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
         if name in _NODE_OPTIONS:
             skip = "=" not in a
             continue
+        if name in ("--progress", "--no-progress"):  # (a rank has no bar: trainer 0 prints a line every 5 s)
+            continue
         args.append(a)
     launch = torchrun_args(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr,
                            os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"))
