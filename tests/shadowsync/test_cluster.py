@@ -32,6 +32,15 @@ def _summary(out: Path) -> dict:
     return json.loads((out / "summary.json").read_text())
 
 
+def _wait_for_training(out: Path, procs: list, timeout: float = 120.0) -> None:
+    """Until trainer 0 logged a train record (every agent still running)."""
+    deadline = time.monotonic() + timeout
+    while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
+        assert time.monotonic() < deadline, "the job did not start training"
+        assert all(p.poll() is None for p in procs), "an agent exited before training"
+        time.sleep(0.2)
+
+
 @pytest.mark.parametrize("transport", ["exchange", "node-exchange"])
 def test_two_nodes_on_loopback_train_with_parameter_servers_and_hierarchical_bmuf(tmp_path, transport):
     """1 embedding server + 2 trainers per node: BMUF is the compiled DSL program on the runtime's hierarchical
@@ -122,11 +131,7 @@ def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim, la
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "400000", "--eval-examples", "2000",
                          "--heartbeat-timeout", "20", *sync, "--out", str(out)], nproc_per_node=2, launcher=launcher)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
-            assert time.monotonic() < deadline, "the job did not start training"
-            assert all(p.poll() is None for p in procs), "an agent exited before training"
-            time.sleep(0.2)
+        _wait_for_training(out, procs)
         servers = {}
         for p in procs:
             servers.update(worker_pids(p.pid))
@@ -203,11 +208,7 @@ def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path, 
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "4000000", "--eval-examples", "2000",
                          "--sync", "shadow-bmuf", "--out", str(out)], nproc_per_node=2, two_hosts=two_hosts)
     try:
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or '"event": "train"' not in (out / "metrics.jsonl").read_text():
-            assert time.monotonic() < deadline, "the job did not start training"
-            assert all(p.poll() is None for p in procs), "an agent exited before training"
-            time.sleep(0.2)
+        _wait_for_training(out, procs)
         os.kill(procs[1].pid, signal.SIGTERM)
         runs = wait_nodes(procs, timeout=90)
     finally:
