@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from cocosync.shadowsync.job.node_launch import torchrun_args
 from cocosync.shadowsync.job.rank_start import parse_title
 from cocosync.testing.launch import free_port
 from cocosync.testing.sockets import process_tree
@@ -59,7 +60,7 @@ def twohosts_available() -> bool:
 
 
 def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, endpoint: str, run_id: str,
-               host_conf: bool, local_addr: str, launcher: str) -> list[str]:
+               local_addr: str, launcher: str) -> list[str]:
     # --local-addr: the address the workers' store and MASTER_ADDR use (torchrun would resolve the hostname, which
     # names another interface, or none inside a network namespace)
     if launcher == "cocosync":
@@ -68,11 +69,8 @@ def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, e
         return [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", str(nnodes), "--node-rank", str(node),
                 "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint, "--local-addr", local_addr,
                 *module_args[2:]]
-    conf = ["--rdzv-conf", f"is_host={1 if node == 0 else 0}"] if host_conf else []
-    conf += ["--local-addr", local_addr]
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--max-restarts", "0", *conf,
-            *module_args]
+    return [sys.executable, "-m", "torch.distributed.run",
+            *torchrun_args(nnodes, node, nproc, endpoint, local_addr, run_id), *module_args]
 
 
 def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, two_hosts: bool = False,
@@ -101,10 +99,9 @@ def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: 
             a, mine = (subprocess.run(["bash", str(script), "addr", h], capture_output=True, text=True,
                                       check=True).stdout.strip() for h in ("A", host))
             cmd = ["bash", str(script), "run", host,
-                   *_agent_cmd(module_args, nnodes, node, nproc_per_node, f"{a}:{port}", run_id, True, mine,
-                               launcher)]
+                   *_agent_cmd(module_args, nnodes, node, nproc_per_node, f"{a}:{port}", run_id, mine, launcher)]
         else:
-            cmd = _agent_cmd(module_args, nnodes, node, nproc_per_node, f"127.0.0.1:{port}", run_id, False,
+            cmd = _agent_cmd(module_args, nnodes, node, nproc_per_node, f"127.0.0.1:{port}", run_id,
                              "127.0.0.1", launcher)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env,
                                       cwd=cwd, start_new_session=True))
