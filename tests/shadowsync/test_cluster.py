@@ -200,8 +200,9 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
 def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path, two_hosts):
     """SIGTERM (a scheduler's preemption) to node 1's `cocosync train --nnodes` asks every trainer of both machines
     to stop through the job's rendezvous store: the job ends within seconds with its summary and a checkpoint that
-    says it stopped, node 1 exits 143, node 0 cleanly, and nothing is left in /dev/shm. (torchrun's command would
-    stop its own ranks with SIGTERM and fail the job, losing what was trained since the last checkpoint.)"""
+    says it stopped, both machines exit 143 (node 0 says the stop came from elsewhere), and nothing is left in
+    /dev/shm. (torchrun's command would stop its own ranks with SIGTERM and fail the job, losing what was trained
+    since the last checkpoint.)"""
     if two_hosts and not twohosts_available():
         pytest.skip("twohosts.sh check failed (needs root and iproute2): no simulated machines here")
     out = tmp_path / "run"
@@ -215,13 +216,34 @@ def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path, 
         for p in procs:
             if p.poll() is None:
                 p.kill()
-    assert [r.returncode for r in runs] == [0, 143], "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
+    assert [r.returncode for r in runs] == [143, 143], "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert "SIGTERM: stopping the trainers of every machine" in runs[1].output
+    assert "SIGTERM on another machine: the trainers are stopping" in runs[0].output
     s = _summary(out)
     assert s["interrupted"] and 0 < s["examples"] < 4_000_000
     meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
     assert meta["stopped"] and meta["examples_seen"] == s["examples"]
     assert leftover_segments() == []
+
+
+def test_the_timeout_stops_every_machine_with_a_checkpoint_and_each_shows_the_jobs_progress(tmp_path):
+    """`--timeout` across machines (counted from the rendezvous on each): both commands stop the job's trainers with
+    a checkpoint and exit 124, as `cocosync train` does on one machine; meanwhile each prints the whole job's
+    progress (every trainer's examples, from the job's store) every 5 s, and no rank prints its own."""
+    out = tmp_path / "run"
+    runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", "4000000", "--eval-examples", "2000", "--timeout",
+                      "25", "--out", str(out)], timeout=150)
+    text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
+    assert [r.returncode for r in runs] == [124, 124], text
+    assert all("--timeout 25 s reached" in r.output for r in runs), text
+    lines = [re.findall(r"^([\d,]+) / 4,000,000 examples, [\d,]+ examples/s, train NE", r.output, re.M) for r in runs]
+    assert all(lines), text  # (training starts within ~10 s of the rendezvous here)
+    assert "trainer 0 of 2:" not in text
+    s = _summary(out)
+    assert s["interrupted"] and s["examples"] < 4_000_000
+    assert int(lines[0][-1].replace(",", "")) <= s["examples"]
+    meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
+    assert meta["stopped"] and meta["examples_seen"] == s["examples"]
 
 
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):

@@ -259,7 +259,8 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
 @show_defaults
 @click.command()
 @train_options
-@click.option("--progress/--no-progress", default=None, help="progress bar while training.")
+@click.option("--progress/--no-progress", default=None,
+              help="progress bar while training (with --nnodes: a line on the whole job every 5 s).")
 @click.option("--resume", type=click.Path(),
               help="continue a run (e.g. one stopped by Ctrl-C) from a checkpoint directory, or a run directory (its "
                    "latest checkpoint), with its config.")
@@ -286,14 +287,14 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
     a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun's agent for this
     machine (the job of `torchrun ... -m cocosync.shadowsync`, its ranks forked warm), with embedding parameter
-    servers and sync servers.
+    servers and sync servers; Ctrl-C, SIGTERM or --timeout on any machine stops every machine's trainers.
     """
     from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.job.roles import ClusterConfig
     from cocosync.shadowsync.job.trainer import TrainerFailure
 
     if nnodes is not None:
-        _run_node(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr)
+        _run_node(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr, progress)
     if progress is not None:
         opts["progress"] = progress
     cfg = config_from_options(config_path, resume, opts)
@@ -328,11 +329,13 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
 
         click.echo(json.dumps(json_safe(result.summary), default=str))
     if result.interrupted:  # stopped early, with a checkpoint: say by what in the exit status too
-        reason = result.stop_reason or ""
-        sys.exit(143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130)
+        from cocosync.shadowsync.job.monitor import exit_status
+
+        sys.exit(exit_status(result.stop_reason))
 
 
-def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None) -> None:
+def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None,
+              progress: bool | None) -> None:
     """This machine's ranks of the multi-machine job (job/node_launch.py), with the remaining arguments; exits."""
     from cocosync.shadowsync.job.launch import WARM_START_ENV
     from cocosync.shadowsync.job.node_launch import run_node, torchrun_args
@@ -350,13 +353,13 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
         if name in _NODE_OPTIONS:
             skip = "=" not in a
             continue
-        if name in ("--progress", "--no-progress"):  # (a rank has no bar: trainer 0 prints a line every 5 s)
+        if name in ("--progress", "--no-progress"):  # (the launcher's: a line on the job every 5 s)
             continue
         args.append(a)
     launch = torchrun_args(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr,
                            os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"))
     try:
-        code = run_node(launch, args, warm=os.environ.get(WARM_START_ENV, "1") != "0")
+        code = run_node(launch, args, warm=os.environ.get(WARM_START_ENV, "1") != "0", progress=progress is not False)
     except ConfigError as e:
         if debug_mode():
             raise

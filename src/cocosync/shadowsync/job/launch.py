@@ -340,7 +340,7 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     for q, level in quiet.items():
         q.setLevel(level)
     thread = threading.Thread(target=agent, args=(dict(os.environ),), name="cocosync-elastic-agent", daemon=True)
-    monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store, nproc, cluster, console)
+    monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store.store, nproc, cluster, console)
     try:
         thread.start()
         monitor.run(thread)

@@ -5,8 +5,8 @@
 under the prefix `cocosync/`, every rank publishes its pid, each trainer its heartbeat and progress, a failing rank
 its message; the launcher sets `stop` (Ctrl-C, --timeout), which every trainer polls. Across machines
 (`cocosync train --nnodes`, node_launch.py) the store is the job's rendezvous store (COCOSYNC_MONITOR_HOST names its
-host), and any machine's launcher sets `stop` there on Ctrl-C or SIGTERM. Under plain torchrun (no launcher) there
-is no link: `Link.from_env()` is None and the job runs as before.
+host), and any machine's launcher sets `stop` there (its value: why) on Ctrl-C, SIGTERM or --timeout. Under plain
+torchrun (no launcher) there is no link: `Link.from_env()` is None and the job runs as before.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX", "request_stop"]
+__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
 MONITOR_HOST_ENV = "COCOSYNC_MONITOR_HOST"  # (unset: 127.0.0.1, the one-machine launcher's store)
@@ -96,10 +96,3 @@ class Link:
             self.set(f"failed/{self.rank}", {"time": time.time(), "message": message})
         except Exception:  # noqa: BLE001 - the launcher reads torchrun's exit status then
             pass
-
-
-def request_stop(host: str, port: int, timeout: float = 10.0) -> None:
-    """Ask every trainer of the job whose store is at host:port to stop with a checkpoint (what the one-machine
-    monitor does through its own client). Raises if the store cannot be reached within `timeout` seconds."""
-    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    dist.PrefixStore(PREFIX, store).set("stop", "1")

@@ -1,5 +1,9 @@
-"""The launcher's view of a running job (launch.py): progress, heartbeats, Ctrl-C and --timeout, read and written
-through the ranks' store (link.py); eval and checkpoint records read from trainer 0's metrics.jsonl as it grows."""
+"""A launcher's view of a running job: progress, heartbeats, Ctrl-C, SIGTERM and --timeout, read and written
+through the ranks' store (link.py); eval and checkpoint records read from trainer 0's metrics.jsonl as it grows.
+
+One machine (launch.py): the launcher's own store; every rank is this machine's. Many (`cocosync train --nnodes`,
+node_launch.py): the job's rendezvous store; each machine's launcher shows the whole job's progress, asks every
+trainer to stop, and watches and kills only its own ranks (their pids and heartbeat clocks are this machine's)."""
 
 from __future__ import annotations
 
@@ -22,7 +26,7 @@ from cocosync.shadowsync.job.link import PREFIX, get_if_set
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import TrainConfig
 
-__all__ = ["Monitor"]
+__all__ = ["Monitor", "exit_status"]
 
 #: seconds between two progress lines when the output is not a terminal (CI, nohup, a log file)
 LINE_EVERY = 5.0
@@ -33,11 +37,21 @@ STOP_GRACE = 120.0
 class Monitor:
     """Watches the job until the elastic agent's thread ends; `failure` says why it had to be stopped, if it was."""
 
-    def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any):
+    def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any,
+                 *, nodes: int = 1, ranks: list[int] | None = None, bar: bool = True, tail: bool = True):
+        """`store`: a client of the ranks' store; `nproc`: ranks per machine; `cfg.trainers`: the job's trainers,
+        over `nodes` machines. `ranks`: the ranks on this machine (default: node 0's, one machine). `bar`: a live
+        progress bar on a terminal (off where the ranks write to the same terminal); `tail`: print trainer 0's eval
+        and checkpoint records."""
         self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
-        self.store = dist.PrefixStore(PREFIX, store.store)
-        self.first_trainer = nproc - cfg.trainers  # servers come first on a node (roles.py)
+        self.store = dist.PrefixStore(PREFIX, store)
         self.E = cluster.embedding_servers
+        self.nodes, self.per_node = nodes, cfg.trainers // nodes
+        self.first_trainer = nproc - self.per_node  # servers come first on a node (roles.py)
+        self.ranks = list(range(nproc)) if ranks is None else list(ranks)
+        self.bar, self.tail = bar, tail
+        self.agent_store = ranks is not None  # the rendezvous store of an agent: it leaves as the agent ends
+        self.trainers_done = False  # every trainer of this machine said it is done
         self.logs = Path(cfg.out_dir) / "logs"
         self.failure: str | None = None
         self._status: str | None = None
@@ -45,8 +59,8 @@ class Monitor:
         self.presses = 0
         self.signal_name = "SIGINT"  # the last stop signal received
         self.stop_at: float | None = None  # when the stop was requested
-        self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout
-        self.resumed = int(read_meta(Path(cluster.resume))["examples_seen"]) if cluster.resume else 0
+        self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
+        self.resumed = _examples_seen(cluster.resume)
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
         self.total = max(target - self.resumed, 0)
         metrics = Path(cfg.out_dir) / "metrics.jsonl"  # a resumed run appends to it: read what this run adds
@@ -54,11 +68,19 @@ class Monitor:
 
     # -- names --------------------------------------------------------------------------------------------
     def label(self, rank: int) -> str:
-        if rank < self.E:
-            return f"embedding server {rank} (rank {rank})"
-        if rank < self.first_trainer:
-            return f"sync server {rank - self.E} (rank {rank})"
-        return f"trainer {rank - self.first_trainer} (rank {rank})"
+        node, local = divmod(rank, self.nproc)
+        where = f"rank {rank}" + (f", node {node}" if self.nodes > 1 else "")
+        if local < self.E:
+            return f"embedding server {node * self.E + local} ({where})"
+        if local < self.first_trainer:
+            S = self.first_trainer - self.E
+            return f"sync server {node * S + local - self.E} ({where})"
+        return f"trainer {node * self.per_node + local - self.first_trainer} ({where})"
+
+    def trainer_of(self, rank: int) -> int | None:
+        """The trainer index of `rank` (None: a server)."""
+        node, local = divmod(rank, self.nproc)
+        return node * self.per_node + local - self.first_trainer if local >= self.first_trainer else None
 
     def _get(self, key: str) -> Any:
         raw = get_if_set(self.store, key)
@@ -66,13 +88,13 @@ class Monitor:
 
     def failure_messages(self) -> list[tuple[int, str]]:
         """(rank, message) of every rank that said why it failed, earliest first."""
-        found = [(rank, self._get(f"failed/{rank}")) for rank in range(self.nproc)]
+        found = [(rank, self._get(f"failed/{rank}")) for rank in range(self.nproc * self.nodes)]
         found = sorted(((m["time"], r, m["message"]) for r, m in found if m), key=lambda x: x[0])
         return [(r, f"{self.label(r)} failed: {msg}") for _, r, msg in found]
 
     def kill_ranks(self) -> None:
-        """SIGKILL every rank that said its pid (the agent then reports them and returns)."""
-        for rank in range(self.nproc):
+        """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
+        for rank in self.ranks:
             pid = self._get(f"pid/{rank}")
             if pid:
                 try:
@@ -87,7 +109,7 @@ class Monitor:
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)} if main else {}
         t_launch = time.monotonic()
         bar = None
-        if self.cfg.progress and self.console.is_terminal:
+        if self.cfg.progress and self.bar and self.console.is_terminal:
             bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                            TextColumn("{task.fields[eps]} examples/s"), TextColumn("train NE {task.fields[ne]}"),
                            TimeElapsedColumn(), console=self.console)
@@ -98,12 +120,21 @@ class Monitor:
                 task = bar.add_task("starting", total=self.total, eps="-", ne="-")
             while agent.is_alive():
                 agent.join(0.2)
-                if self._check(t_launch):
-                    self.kill_ranks()
+                try:
+                    if self._check(t_launch):
+                        self.kill_ranks()
+                        break
+                    if self.agent_store and self.trainers_done:  # (the store leaves with the agent that hosts it)
+                        agent.join()
+                        break
+                    examples, eps, ne = self._progress()
+                    self._tail_metrics()
+                    status = self._get("status")
+                except RuntimeError:  # the store left with the agent that hosts it: the job is ending
+                    if not self.agent_store:
+                        raise
+                    agent.join()
                     break
-                examples, eps, ne = self._progress()
-                self._tail_metrics()
-                status = self._get("status")
                 if status and status != self._status:  # what the ranks are doing before training (a build)
                     self._status = status
                     self.console.print(f"{status} ...", soft_wrap=True)
@@ -130,9 +161,11 @@ class Monitor:
     def _request_stop(self, why: str) -> None:
         if self.stop_at is None:
             self.stop_at, self.stop_reason = time.monotonic(), why
-            self.store.set("stop", "1")
-            self.console.print(f"[yellow]{why}: stopping the trainers (they keep what they trained: a checkpoint and "
-                               "the summary)" + (" — again to abort" if self.presses else ""))
+            self.store.set("stop", why)  # (the trainers stop when the key exists; other machines read why)
+            every = " of every machine" if self.nodes > 1 else ""
+            self.console.print(f"[yellow]{escape(why)}: stopping the trainers{every} (they keep what they trained: a "
+                               "checkpoint and the summary)" + (" — again to abort" if self.presses else ""),
+                               soft_wrap=True)
 
     def _check(self, t_launch: float) -> bool:
         """Whether the job must be aborted now (self.failure says why); asks for a stop on Ctrl-C or --timeout."""
@@ -146,6 +179,12 @@ class Monitor:
         if self.cfg.timeout is not None and time.monotonic() - t_launch > self.cfg.timeout:
             self.interrupted = True
             self._request_stop(f"--timeout {self.cfg.timeout:g} s reached")
+        if self.stop_at is None and self.nodes > 1:  # a stop another machine's launcher asked for
+            elsewhere = get_if_set(self.store, "stop")
+            if elsewhere is not None:
+                self.interrupted, self.stop_at, self.stop_reason = True, time.monotonic(), elsewhere.decode()
+                self.console.print(f"[yellow]{escape(self.stop_reason)} on another machine: the trainers are "
+                                   "stopping (they keep what they trained: a checkpoint and the summary)")
         if self.stop_at is not None and time.monotonic() - self.stop_at > STOP_GRACE:
             self.failure = f"the trainers did not stop within {STOP_GRACE:.0f} s of the stop request"
             return True
@@ -154,17 +193,22 @@ class Monitor:
 
     def _stalled(self) -> str | None:
         """The first trainer whose heartbeat is older than cfg.heartbeat_timeout (one that finished says 'done')."""
-        now = time.monotonic()
-        for t in range(self.cfg.trainers):
+        now = time.monotonic()  # (a heartbeat is its machine's clock: only this machine's trainers are watched)
+        done = 0
+        for t, rank in ((self.trainer_of(r), r) for r in self.ranks):
+            if t is None:
+                continue
             beat = get_if_set(self.store, f"beat/{t}")
+            done += beat == b"done"
             if beat is None or beat == b"done":
                 continue
             age = now - float(beat)
             if age > self.cfg.heartbeat_timeout:
-                pid = self._get(f"pid/{self.first_trainer + t}")
+                pid = self._get(f"pid/{rank}")
                 return (f"trainer {t} (pid {pid}) stopped responding: no heartbeat for {age:.0f}s "
                         f"(--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the process is stopped, hung or not "
                         "scheduled)")
+        self.trainers_done = done == self.per_node
         return None
 
     def _progress(self) -> tuple[int, float, float | None]:
@@ -180,6 +224,8 @@ class Monitor:
 
     def _tail_metrics(self) -> None:
         """Print the eval and checkpoint records trainer 0 has added to metrics.jsonl since the last look."""
+        if not self.tail:
+            return
         path = Path(self.cfg.out_dir) / "metrics.jsonl"
         try:
             with open(path, "rb") as f:
@@ -201,3 +247,19 @@ class Monitor:
             elif rec.get("event") == "checkpoint":
                 self.console.print(f"checkpoint at {rec['examples']:,} examples: {escape(rec['path'])}",
                                    soft_wrap=True)
+
+
+def _examples_seen(resume: str | None) -> int:
+    """Examples a resumed run's checkpoint had seen (0: not resumed, or its metadata is not on this machine)."""
+    if not resume:
+        return 0
+    try:
+        return int(read_meta(Path(resume))["examples_seen"])
+    except Exception:  # noqa: BLE001 - the ranks check the checkpoint and say what is wrong with it
+        return 0
+
+
+def exit_status(stop_reason: str | None) -> int:
+    """A stopped job's exit status, by what stopped it: 124 --timeout (as timeout(1)), 143 SIGTERM, 130 Ctrl-C."""
+    reason = stop_reason or ""
+    return 143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130

@@ -6,18 +6,26 @@ entrypoint the agent is handed: a function (rank_start.run_node_rank) instead of
 the ranks fork warm from the fork server (runtime/warm_start.py; no import of torch per rank) and stay in this
 process's session, where torchrun would exec each in a session of its own (rank_start.py says why that matters).
 The options are checked here, once, before the rendezvous: a bad one is one line naming it, not a failure per rank.
-Ctrl-C or SIGTERM on any machine stops every trainer of the job with a checkpoint (through the rendezvous store,
-link.py), where torchrun's agent would stop its ranks with SIGTERM and fail the job. `COCOSYNC_WARM_START=0` execs
-torchrun instead (each rank cold, a session each: the plain torchrun job).
+Once the machines have met, this process watches the job as the one-machine launcher does (monitor.py, through the
+rendezvous store): the whole job's progress, --timeout, this machine's trainers' heartbeats; Ctrl-C or SIGTERM on any
+machine stops every trainer of the job with a checkpoint, where torchrun's agent would stop its ranks with SIGTERM and
+fail the job, and every machine's command exits with the same status. `COCOSYNC_WARM_START=0` execs torchrun instead
+(each rank cold, a session each: the plain torchrun job, unwatched).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
+import logging
 import os
 import signal
 import sys
 import threading
 
+import torch.distributed as dist
+from rich.console import Console
+from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import launch_agent
@@ -25,8 +33,11 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.__main__ import job_from_args
-from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, request_stop
+from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
+from cocosync.shadowsync.job.monitor import Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import RANK_KEYS_ENV, run_node_rank
+from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.train_config import TrainConfig, config_from_dict
 
 __all__ = ["torchrun_args", "run_node"]
 
@@ -35,13 +46,22 @@ _MODULE = "cocosync.shadowsync"
 
 class _RankKeys(DefaultLogsSpecs):
     """torchrun's logs (the ranks' output on this process's terminal) that also tell each forked rank which keys of
-    its environment the agent set (rank_start.become_rank keeps those over its launcher's environment)."""
+    its environment the agent set (rank_start.become_rank keeps those over its launcher's environment), and record
+    the job's ranks on this machine (`ranks`: None until the rendezvous has numbered them)."""
+
+    ranks: list[int] | None = None
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = super().reify(envs)
         for env in envs.values():
             env[RANK_KEYS_ENV] = ",".join(sorted(env))
+        self.ranks = sorted(int(env["RANK"]) for env in envs.values())
         return dest
+
+
+def _not_about_signals(record: logging.LogRecord) -> bool:
+    """Drop torch's warning that its agent, in a thread, registers no signal handlers: this process takes them."""
+    return not record.getMessage().startswith("Failed to register signal handlers since torchelastic")
 
 
 def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str,
@@ -59,11 +79,12 @@ def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoin
             *(["--local-addr", addr] if addr else [])]
 
 
-def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True) -> int:
+def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, progress: bool = True) -> int:
     """Run this machine's ranks of the job: `launch` is torchrun's arguments (`torchrun_args`), `rank_args` those of
-    `python -m cocosync.shadowsync`. Returns the exit status: 0; 1 with torchrun's account of the failed ranks on
-    stderr; 130 / 143 after a Ctrl-C / SIGTERM stopped the job with a checkpoint. With `warm` False this process
-    becomes torchrun and does not return.
+    `python -m cocosync.shadowsync`. Returns the exit status: 0; 1 with torchrun's account of the failed ranks (or
+    the monitor's: a trainer of this machine stopped responding) on stderr; 130 / 143 / 124 after Ctrl-C / SIGTERM
+    / --timeout on any machine stopped the job with a checkpoint. With `warm` False this process becomes torchrun
+    and does not return. `progress`: a line on the whole job every 5 s.
 
     The agent runs in a thread (a thread cannot take signals), so that Ctrl-C and SIGTERM reach this one: the first
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
@@ -77,7 +98,8 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True) -> i
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
     config, _, _ = config_from_args(get_args_parser().parse_args(argv))  # (sets OMP_NUM_THREADS=1 as torchrun does)
     config.start_method = "forkserver"
-    config.logs_specs = _RankKeys()
+    logs = config.logs_specs = _RankKeys()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_about_signals)
     host, port = config.rdzv_endpoint.rsplit(":", 1)
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: port})  # the ranks' link: the rendezvous store
     outcome: dict[str, BaseException] = {}
@@ -93,17 +115,29 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True) -> i
     previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
                 for sig in (signal.SIGINT, signal.SIGTERM)}
     thread = threading.Thread(target=agent, args=(dict(os.environ),), name="cocosync-elastic-agent", daemon=True)
+    console = Console(stderr=True)
+    monitor = None
     try:
         thread.start()
-        asked = False
-        while thread.is_alive():
+        while thread.is_alive() and logs.ranks is None:  # the rendezvous: nothing trains yet, a signal aborts
             thread.join(0.2)
-            if len(signals) >= 2:
-                print("aborting: this machine's ranks die with this process", file=sys.stderr, flush=True)
-                os._exit(128 + signals[-1])
-            if signals and not asked:
-                asked = True
-                _stop(signal.Signals(signals[0]).name, host, int(port))
+            if signals:
+                name = signal.Signals(signals[0]).name
+                print(f"{'Ctrl-C' if name == 'SIGINT' else name} before the machines met: aborting", file=sys.stderr,
+                      flush=True)
+                os._exit(128 + signals[0])
+        if thread.is_alive():
+            monitor = _monitor(job, config.max_nodes, config.nproc_per_node, logs.ranks or [], host, int(port),
+                               progress, console)
+            monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
+            if monitor.failure is not None:
+                console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
+                if monitor.presses >= 2:
+                    os._exit(128 + signal.Signals[monitor.signal_name])
+                monitor.kill_ranks()
+                thread.join(30)
+                return 1
+        thread.join()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -113,18 +147,18 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True) -> i
         return 1
     if error is not None:
         raise error
-    if signals:
-        return 143 if signals[0] == signal.SIGTERM else 130
+    if monitor is not None and monitor.interrupted:
+        return exit_status(monitor.stop_reason)
     return 0
 
 
-def _stop(why: str, host: str, port: int) -> None:
-    name = "Ctrl-C" if why == "SIGINT" else why
-    try:
-        request_stop(host, port)
-    except Exception as e:  # noqa: BLE001 - no store to ask through: abort
-        print(f"{name}: the job's store at {host}:{port} cannot be reached ({e}); aborting", file=sys.stderr,
-              flush=True)
-        os._exit(130 if why == "SIGINT" else 143)
-    print(f"{name}: stopping the trainers of every machine (they keep what they trained: a checkpoint and the "
-          "summary); again to abort", file=sys.stderr, flush=True)
+def _monitor(job: dict, nnodes: int, nproc: int, ranks: list[int], host: str, port: int, progress: bool,
+             console: Console) -> Monitor:
+    """The one-machine launcher's monitor over the job's rendezvous store, for this machine's `ranks`."""
+    cluster = ClusterConfig(**job["cluster"])
+    cfg: TrainConfig = config_from_dict(job["config"])
+    servers = cluster.embedding_servers + cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
+    cfg = dataclasses.replace(cfg, trainers=(nproc - servers) * nnodes, progress=progress)
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    return Monitor(cfg, f"{cfg.sync.algorithm} T={cfg.trainers} nodes={nnodes}", store, nproc, cluster, console,
+                   nodes=nnodes, ranks=ranks, bar=False, tail=False)

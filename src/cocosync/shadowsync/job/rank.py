@@ -494,7 +494,8 @@ def _name(cfg: TrainConfig, roles: Roles) -> str:
 
 def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
     """Trainer t's progress records: to the launcher's monitor (when there is one), and on trainer 0 to
-    metrics.jsonl (the job's examples: every trainer's from the monitor's store, else this trainer's times T)."""
+    metrics.jsonl (the job's examples: every trainer's from the monitor's store, else this trainer's times T) and,
+    without a launcher (plain torchrun), a line every 5 s on its output."""
     last = [0.0]
     roles, link = job.roles, job.link
 
@@ -509,12 +510,18 @@ def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
             found = link.get_all([f"progress/{i}" for i in range(roles.trainers)])
             examples = sum(r["trainer_examples"] for r in found)
         logger.log({"event": "train", "examples": examples + job.resumed_from, **rec})
-        if time.time() - last[0] >= 5.0:
+        if link is None and time.time() - last[0] >= 5.0:  # (a launcher prints the whole job's progress)
             last[0] = time.time()
             console.print(f"trainer 0 of {roles.trainers}: {rec['trainer_examples']:,} examples, "
                           f"{rec['trainer_eps'] or 0:,.0f} examples/s, train NE "
                           + ("-" if rec["train_ne"] is None else f"{rec['train_ne']:.4f}"))
     return emit
+
+
+def _nanmean(values: list[float]) -> float:
+    """The mean of the finite values (nan when none is: a job stopped before its first batch)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
@@ -551,7 +558,7 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "eps_per_trainer": examples / max(seconds, 1e-9) / roles.trainers,  # the job's rate shared: x T = eps
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),
         "trainer_cpu_seconds": sum(r["cpu_seconds"] for r in results),
-        "train_ne": float(np.nanmean([r["train_ne"] for r in results])),
+        "train_ne": _nanmean([r["train_ne"] for r in results]),
         "eval_ne": ev["ne"], "auc": ev["auc"], "calibration": ev["calibration"], "bayes_ne": ev["bayes_ne"],
         "eval_examples_scored": ev["examples"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),

@@ -1,0 +1,74 @@
+"""The launcher's monitor as one machine of a multi-machine job (node_launch.py): it watches and kills only its own
+ranks, reads the whole job's progress, and learns a stop another machine asked for, over a real store."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+import time
+
+import torch.distributed as dist
+from rich.console import Console
+
+from cocosync.shadowsync.job.monitor import Monitor, exit_status
+from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.train_config import TrainConfig
+
+
+def _monitor(tmp_path, store, **kw) -> Monitor:
+    # 2 machines x 3 ranks (1 embedding server, 2 trainers each): this machine holds ranks 3-5, trainers 2 and 3
+    cfg = TrainConfig(trainers=4, out_dir=str(tmp_path), heartbeat_timeout=2.0, progress=False)
+    return Monitor(cfg, "job", store, 3, ClusterConfig(), Console(file=io.StringIO()), nodes=2,
+                   ranks=[3, 4, 5], bar=False, tail=False, **kw)
+
+
+def test_labels_number_the_roles_node_by_node(tmp_path):
+    m = _monitor(tmp_path, dist.HashStore())
+    assert [m.label(r) for r in (0, 1, 3, 5)] == [
+        "embedding server 0 (rank 0, node 0)", "trainer 0 (rank 1, node 0)", "embedding server 1 (rank 3, node 1)",
+        "trainer 3 (rank 5, node 1)"]
+    assert [m.trainer_of(r) for r in range(6)] == [None, 0, 1, None, 2, 3]
+
+
+def test_only_this_machines_trainers_are_watched_and_killed(tmp_path):
+    store = dist.HashStore()
+    m = _monitor(tmp_path, store)
+    p = m.store
+    sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+    try:
+        p.set("pid/1", str(sleepers[0].pid))  # another machine's trainer: its pid means nothing here
+        p.set("pid/5", str(sleepers[1].pid))
+        p.set("beat/0", repr(time.monotonic() - 100))  # another machine's clock: never compared with this one's
+        p.set("beat/2", "done")
+        p.set("beat/3", repr(time.monotonic()))
+        assert m._stalled() is None and not m.trainers_done
+        p.set("beat/3", repr(time.monotonic() - 5))
+        assert m._stalled() == (f"trainer 3 (pid {sleepers[1].pid}) stopped responding: no heartbeat for 5s "
+                                "(--heartbeat-timeout 2s; the process is stopped, hung or not scheduled)")
+        m.kill_ranks()
+        assert sleepers[1].wait(10) == -9
+        assert sleepers[0].poll() is None
+        p.set("beat/3", "done")
+        assert m._stalled() is None and m.trainers_done
+    finally:
+        for s in sleepers:
+            s.kill()
+            s.wait()
+
+
+def test_progress_is_the_whole_jobs_and_a_stop_elsewhere_is_learnt(tmp_path):
+    m = _monitor(tmp_path, dist.HashStore())
+    for t, (n, ne) in enumerate([(100, 0.7), (200, 0.8), (300, None), (400, 0.9)]):
+        m.store.set(f"progress/{t}", json.dumps({"trainer_examples": n, "trainer_eps": 10.0, "train_ne": ne}))
+    examples, eps, ne = m._progress()
+    assert (examples, eps) == (1000, 40.0) and abs(ne - 0.8) < 1e-12
+    assert not m._check(time.monotonic()) and not m.interrupted
+    m.store.set("stop", "SIGTERM")  # node 0's launcher took a SIGTERM
+    assert not m._check(time.monotonic())
+    assert m.interrupted and m.stop_reason == "SIGTERM" and exit_status(m.stop_reason) == 143
+
+
+def test_exit_status_says_what_stopped_the_job():
+    assert [exit_status(r) for r in ("SIGTERM", "Ctrl-C", "--timeout 20 s reached", None)] == [143, 130, 124, 130]
