@@ -246,6 +246,32 @@ def test_the_timeout_stops_every_machine_with_a_checkpoint_and_each_shows_the_jo
     assert meta["stopped"] and meta["examples_seen"] == s["examples"]
 
 
+def test_a_stopped_trainer_is_named_by_its_machine_and_the_job_ends(tmp_path):
+    """A trainer of node 1 stopped (SIGSTOP): node 1's command names it within --heartbeat-timeout (its own clock
+    and pids), kills its ranks and exits 1; the job's other machine fails with it instead of waiting on gloo."""
+    out = tmp_path / "run"
+    procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", "4000000", "--eval-examples", "2000",
+                         "--heartbeat-timeout", "3", "--out", str(out)])
+    try:
+        _wait_for_training(out, procs)
+        node1 = worker_pids(procs[1].pid)
+        rank = max(node1)  # (servers first: a node's highest rank is a trainer; c10d numbers the nodes)
+        stopped = node1[rank]
+        os.kill(stopped, signal.SIGSTOP)
+        t0 = time.monotonic()
+        runs = wait_nodes(procs, timeout=90)
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
+    assert [r.returncode for r in runs] == [1, 1], text
+    assert f"trainer {rank // 2} (pid {stopped}) stopped responding" in runs[1].output, text
+    assert waited < 3 + 30, waited
+    assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
+
+
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
     res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",
