@@ -127,7 +127,9 @@ class Monitor:
                     if self.agent_store and self.trainers_done:  # (the store leaves with the agent that hosts it)
                         agent.join()
                         break
-                    examples, eps, ne = self._progress()
+                    # (every trainer's record: at each line only, a store read per trainer of the job)
+                    due = bar is not None or (self.cfg.progress and time.monotonic() - last_line >= LINE_EVERY)
+                    examples, eps, ne = self._progress() if due else (0, 0.0, None)
                     self._tail_metrics()
                     status = self._get("status")
                 except RuntimeError:  # the store left with the agent that hosts it: the job is ending
@@ -142,7 +144,7 @@ class Monitor:
                     bar.update(task, completed=examples, eps=f"{eps:,.0f}" if eps else "-",
                                ne=f"{ne:.4f}" if ne is not None else "-",
                                description=self.name if examples else "starting")
-                elif self.cfg.progress and examples and time.monotonic() - last_line >= LINE_EVERY:
+                elif examples:
                     last_line = time.monotonic()
                     self.console.print(f"{examples:,} / {self.total:,} examples, {eps:,.0f} examples/s, train NE "
                                        + (f"{ne:.4f}" if ne is not None else "-"), soft_wrap=True)
