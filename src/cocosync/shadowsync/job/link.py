@@ -22,11 +22,20 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX"]
+__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX", "FIRST_FAILURE", "report_failure"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
 MONITOR_HOST_ENV = "COCOSYNC_MONITOR_HOST"  # (unset: 127.0.0.1, the one-machine launcher's store)
 PREFIX = "cocosync/"
+FIRST_FAILURE = "first-failure"  # {"rank", "time", "message"} of the job's first rank to fail (set once)
+
+
+def report_failure(store: Any, rank: int, message: str) -> None:
+    """Record why `rank` failed: under failed/<rank>, and as the job's first failure unless one was recorded (so
+    every machine's launcher can name the cause, not only the failures it caused)."""
+    rec = json.dumps({"rank": rank, "time": time.time(), "message": message})
+    store.set(f"failed/{rank}", rec)
+    store.compare_set(FIRST_FAILURE, "", rec)  # (sets it only where it is not set)
 
 
 def get_if_set(store: Any, key: str) -> bytes | None:
@@ -93,6 +102,7 @@ class Link:
     def failed(self, message: str) -> None:
         """Tell the launcher why this rank is leaving (best effort: the store may be gone)."""
         try:
-            self.set(f"failed/{self.rank}", {"time": time.time(), "message": message})
+            with self._lock:
+                report_failure(self.store, self.rank, message)
         except Exception:  # noqa: BLE001 - the launcher reads torchrun's exit status then
             pass

@@ -22,7 +22,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.job.eval_curve import describe
-from cocosync.shadowsync.job.link import PREFIX, get_if_set
+from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import TrainConfig
 
@@ -52,6 +52,7 @@ class Monitor:
         self.bar, self.tail = bar, tail
         self.agent_store = ranks is not None  # the rendezvous store of an agent: it leaves as the agent ends
         self.trainers_done = False  # every trainer of this machine said it is done
+        self.first_failure: str | None = None  # across machines: the job's first failure, on any machine
         self.logs = Path(cfg.out_dir) / "logs"
         self.failure: str | None = None
         self._status: str | None = None
@@ -132,6 +133,10 @@ class Monitor:
                     examples, eps, ne = self._progress() if due else (0, 0.0, None)
                     self._tail_metrics()
                     status = self._get("status")
+                    if self.agent_store and self.first_failure is None:
+                        first = self._get(FIRST_FAILURE)
+                        if first:
+                            self.first_failure = f"{self.label(first['rank'])} failed: {first['message']}"
                 except RuntimeError:  # the store left with the agent that hosts it: the job is ending
                     if not self.agent_store:
                         raise
@@ -207,9 +212,12 @@ class Monitor:
             age = now - float(beat)
             if age > self.cfg.heartbeat_timeout:
                 pid = self._get(f"pid/{rank}")
-                return (f"trainer {t} (pid {pid}) stopped responding: no heartbeat for {age:.0f}s "
-                        f"(--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the process is stopped, hung or not "
-                        "scheduled)")
+                why = (f"no heartbeat for {age:.0f}s (--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the "
+                       "process is stopped, hung or not scheduled)")
+                if self.agent_store:  # the other machines' launchers name it too (before this one kills its ranks)
+                    report_failure(self.store, rank, f"stopped responding (pid {pid} on its machine): {why}")
+                    time.sleep(1.0)
+                return f"trainer {t} (pid {pid}) stopped responding: {why}"
         self.trainers_done = done == self.per_node
         return None
 

@@ -132,6 +132,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
             if monitor.failure is not None:
                 console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
+                _first_failure(monitor, console)
                 if monitor.presses >= 2:
                     os._exit(128 + signal.Signals[monitor.signal_name])
                 monitor.kill_ranks()
@@ -144,12 +145,21 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     error = outcome.get("error")
     if isinstance(error, ChildFailedError):
         print(error.format_msg(), file=sys.stderr, flush=True)
+        if monitor is not None:
+            _first_failure(monitor, console)
         return 1
     if error is not None:
         raise error
     if monitor is not None and monitor.interrupted:
         return exit_status(monitor.stop_reason)
     return 0
+
+
+def _first_failure(monitor: Monitor, console: Console) -> None:
+    """Name the failure the job's ranks and launchers reported first (maybe on another machine: what this machine's
+    failures followed from)."""
+    if monitor.first_failure is not None:
+        console.print(f"[red]the first failure reported in the job: {escape(monitor.first_failure)}", soft_wrap=True)
 
 
 def _monitor(job: dict, nnodes: int, nproc: int, ranks: list[int], host: str, port: int, progress: bool,
