@@ -276,6 +276,20 @@ def test_a_stopped_trainer_is_named_by_its_machine_and_the_job_ends(tmp_path):
     assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
 
 
+def test_the_timeout_under_plain_torchrun_stops_the_trainers_with_a_checkpoint(tmp_path):
+    """No launcher watches a `torchrun -m cocosync.shadowsync` job: each trainer keeps --timeout itself, and the job
+    ends as a stopped one (summary and checkpoint), not at its process groups' timeout."""
+    out = tmp_path / "run"
+    t0 = time.monotonic()
+    runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", "3000000", "--eval-examples", "2000", "--timeout",
+                      "15", "--out", str(out)], nnodes=1, timeout=150, launcher="torchrun")
+    _ok(runs)
+    assert time.monotonic() - t0 < 15 + 60
+    s = _summary(out)
+    assert s["interrupted"] and s["stopped"] and 0 < s["examples"] < 3_000_000
+    assert json.loads((Path(s["checkpoint"]) / "meta.json").read_text())["stopped"]
+
+
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
     res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",

@@ -209,8 +209,10 @@ class TrainConfig:
     progress: bool = True
     """show a progress bar while training."""
     timeout: float | None = None
-    """seconds after which the trainers are asked to stop (keeping a checkpoint and the summary, as Ctrl-C does);
-    None: no limit. A limit of this session: a resumed run does not inherit it."""
+    """seconds after which the trainers are asked to stop (keeping a checkpoint and the summary, as Ctrl-C does),
+    counted from the launch (`cocosync train`), the rendezvous (`--nnodes`), or each trainer's start (plain
+    torchrun: each trainer stops itself); None: no limit. A limit of this session: a resumed run does not inherit
+    it."""
     heartbeat_timeout: float = 30.0
     """seconds without a heartbeat from a trainer (each beats every heartbeat_timeout / 10 s from a thread of its
     own, whatever its training does) after which the run fails naming that trainer (stopped, hung, swapped out)."""

@@ -30,6 +30,7 @@ import os
 import shutil
 import socket
 import sys
+import threading
 import time
 import traceback
 import warnings
@@ -158,9 +159,11 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         check_resumable(meta, cfg, resume)
     _loopback_interfaces()
     link = Link.from_env(topo.rank)
-    # under the launcher its --timeout asks the trainers to stop; the groups' own timeout comes after that stop
-    # (without a --timeout: torch's default, a hung peer fails the job after it; the launcher's heartbeats sooner)
-    timeout = datetime.timedelta(seconds=(cfg.timeout or UNLIMITED_WAIT) + (300 if link is not None else 0))
+    # --timeout asks the trainers to stop (the launcher, else each trainer itself); the groups' own timeout comes
+    # after that stop (without a --timeout: torch's default, a hung peer fails the job after it; the launcher's
+    # heartbeats sooner)
+    later = 300 if link is not None or cfg.timeout is not None else 0
+    timeout = datetime.timedelta(seconds=(cfg.timeout or UNLIMITED_WAIT) + later)
     torch.set_num_threads(cfg.threads)
     # every group of the job on the process's one gloo device: one I/O thread, not one per group (gloo_device.py)
     dist.init_process_group(gloo_device.BACKEND, timeout=timeout)
@@ -373,6 +376,8 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     state = TrainerState.new(cfg.trainers, cfg.workers, job.init_dense)
     if job.link is not None:
         job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10))
+    elif cfg.timeout is not None:  # no launcher to ask (plain torchrun): the trainer keeps --timeout, from its start
+        _stop_after(state.stop, cfg.timeout)
     source = trainer_source(cfg, data, t, job.plan)
     logger = None
     if t == 0:
@@ -516,6 +521,13 @@ def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
                           f"{rec['trainer_eps'] or 0:,.0f} examples/s, train NE "
                           + ("-" if rec["train_ne"] is None else f"{rec['train_ne']:.4f}"))
     return emit
+
+
+def _stop_after(stop: torch.Tensor, seconds: float) -> None:
+    """Raise the workers' stop flag after `seconds` (what a launcher's --timeout does through the store)."""
+    timer = threading.Timer(seconds, stop.fill_, args=(1,))
+    timer.daemon = True
+    timer.start()
 
 
 def _nanmean(values: list[float]) -> float:
