@@ -181,14 +181,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     nproc = cluster.embedding_servers + sync_servers + cfg.trainers
     check_paths(cfg)  # everything a rank reads is checked before a process starts
     if cluster.resume is not None:
-        path = resolve(cluster.resume)
-        from cocosync.shadowsync.safe_reader import SafeReader
-
-        SafeReader(str(path)).read_metadata()  # a damaged or crafted checkpoint is named before a rank starts
-        meta = read_meta(path)
-        check_resumable(meta, cfg, path)
-        _check_work_left(int(meta.get("examples_seen", 0)), cfg, cluster.stop_after, path)
-        cluster.resume = str(path)
+        cluster.resume = str(check_resume(cfg, cluster))
     cfg = with_init_ctr(cfg)  # (reads the data's first rows: a file that is not Criteo's is named here)
     cfg = _fit_examples_to_data(cfg, console)
     _check_eval_data(cfg)
@@ -204,6 +197,22 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)
         return _launch(cfg, cluster, nproc, job, console, name)
+
+
+def check_resume(cfg: TrainConfig, cluster: ClusterConfig, *, work_left: bool = True) -> Path:
+    """The checkpoint `cluster.resume` names (a run directory: its latest), checked before a process starts: a
+    damaged or crafted one, another data set, budget, seed or model, or (with `work_left`) nothing left to train
+    is a ConfigError naming it. (Across machines a resume with nothing left is a reshard: it saves the checkpoint
+    again on the job's servers and trainers.)"""
+    from cocosync.shadowsync.safe_reader import SafeReader
+
+    path = resolve(cluster.resume)
+    SafeReader(str(path)).read_metadata()
+    meta = read_meta(path)
+    check_resumable(meta, cfg, path)
+    if work_left:
+        _check_work_left(int(meta.get("examples_seen", 0)), cfg, cluster.stop_after, path)
+    return path
 
 
 def _warm() -> bool:

@@ -5,7 +5,8 @@ node 0 hosting the store), and torch's elastic agent, in this process. What diff
 entrypoint the agent is handed: a function (rank_start.run_node_rank) instead of `python -m cocosync.shadowsync`, so
 the ranks fork warm from the fork server (runtime/warm_start.py; no import of torch per rank) and stay in this
 process's session, where torchrun would exec each in a session of its own (rank_start.py says why that matters).
-The options are checked here, once, before the rendezvous: a bad one is one line naming it, not a failure per rank.
+The options (and a checkpoint to resume) are checked here, once, before the rendezvous: a bad one is one line naming
+it, not a failure per rank.
 Once the machines have met, this process watches the job as the one-machine launcher does (monitor.py, through the
 rendezvous store): the whole job's progress, --timeout, this machine's trainers' heartbeats; Ctrl-C or SIGTERM on any
 machine stops every trainer of the job with a checkpoint, where torchrun's agent would stop its ranks with SIGTERM and
@@ -33,6 +34,7 @@ from torch.distributed.run import config_from_args, get_args_parser
 
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.__main__ import job_from_args
+from cocosync.shadowsync.job.launch import check_resume
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import RANK_KEYS_ENV, run_node_rank
@@ -90,6 +92,9 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
     job, json_out = job_from_args(rank_args)  # (UsageError / ConfigError before any process starts)
+    cluster = ClusterConfig(**job["cluster"])
+    if cluster.resume is not None:  # (on this machine's file system, where its ranks will read it)
+        check_resume(config_from_dict(job["config"]), cluster, work_left=False)
     argv = [*launch, "-m", _MODULE, *rank_args]
     sys.stdout.flush()
     sys.stderr.flush()
