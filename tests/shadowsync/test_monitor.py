@@ -7,6 +7,7 @@ import io
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -72,3 +73,22 @@ def test_progress_is_the_whole_jobs_and_a_stop_elsewhere_is_learnt(tmp_path):
 
 def test_exit_status_says_what_stopped_the_job():
     assert [exit_status(r) for r in ("SIGTERM", "Ctrl-C", "--timeout 20 s reached", None)] == [143, 130, 124, 130]
+
+
+def test_once_its_trainers_are_done_the_monitor_leaves_the_store_but_a_second_signal_still_aborts(tmp_path):
+    """After this machine's trainers said 'done' the store may leave with the agent that hosts it: the monitor stops
+    reading it while the servers and the agent finish, and still takes a second Ctrl-C as an abort."""
+    m = _monitor(tmp_path, dist.HashStore())
+    for t in (2, 3):
+        m.store.set(f"beat/{t}", "done")
+    finished = threading.Event()
+    agent = threading.Thread(target=finished.wait, args=(30,), daemon=True)  # an agent still closing the job
+    agent.start()
+    threading.Timer(1.0, lambda: setattr(m, "presses", 2)).start()
+    t0 = time.monotonic()
+    try:
+        m.run(agent)
+    finally:
+        finished.set()
+    assert m.trainers_done and m.failure == "aborted by a second Ctrl-C"
+    assert time.monotonic() - t0 < 5

@@ -119,15 +119,21 @@ class Monitor:
             if bar is not None:
                 bar.start()
                 task = bar.add_task("starting", total=self.total, eps="-", ne="-")
+            watching = True  # False once the store may leave with the agent that hosts it: signals only
             while agent.is_alive():
                 agent.join(0.2)
+                if not watching:
+                    if self.presses >= 2:
+                        self.failure = f"aborted by a second {self._signal_label()}"
+                        break
+                    continue
                 try:
                     if self._check(t_launch):
                         self.kill_ranks()
                         break
-                    if self.agent_store and self.trainers_done:  # (the store leaves with the agent that hosts it)
-                        agent.join()
-                        break
+                    if self.agent_store and self.trainers_done:  # (the rest is the servers' and the agent's)
+                        watching = False
+                        continue
                     # (every trainer's record: at each line only, a store read per trainer of the job)
                     due = bar is not None or (self.cfg.progress and time.monotonic() - last_line >= LINE_EVERY)
                     examples, eps, ne = self._progress() if due else (0, 0.0, None)
@@ -140,8 +146,8 @@ class Monitor:
                 except RuntimeError:  # the store left with the agent that hosts it: the job is ending
                     if not self.agent_store:
                         raise
-                    agent.join()
-                    break
+                    watching = False
+                    continue
                 if status and status != self._status:  # what the ranks are doing before training (a build)
                     self._status = status
                     self.console.print(f"{status} ...", soft_wrap=True)
@@ -165,6 +171,9 @@ class Monitor:
         self.presses += 1
         self.signal_name = signal.Signals(signum).name
 
+    def _signal_label(self) -> str:
+        return "Ctrl-C" if self.signal_name == "SIGINT" else self.signal_name
+
     def _request_stop(self, why: str) -> None:
         if self.stop_at is None:
             self.stop_at, self.stop_reason = time.monotonic(), why
@@ -176,7 +185,7 @@ class Monitor:
 
     def _check(self, t_launch: float) -> bool:
         """Whether the job must be aborted now (self.failure says why); asks for a stop on Ctrl-C or --timeout."""
-        why = "Ctrl-C" if self.signal_name == "SIGINT" else self.signal_name
+        why = self._signal_label()
         if self.presses >= 2:
             self.failure = f"aborted by a second {why}"
             return True
