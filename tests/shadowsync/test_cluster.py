@@ -273,6 +273,7 @@ def test_a_stopped_trainer_is_named_by_its_machine_and_the_job_ends(tmp_path):
     assert (f"the first failure reported in the job: trainer {rank // 2} (rank {rank}, node {rank // 2}) failed: "
             f"stopped responding (pid {stopped} on its machine)") in runs[0].output, text
     assert waited < 5 + 30, waited
+    assert leftover_segments() == []
     assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
 
 

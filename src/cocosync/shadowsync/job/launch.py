@@ -42,7 +42,7 @@ from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
-from cocosync.shadowsync.job.rank_start import RANK_KEYS_ENV, run_rank
+from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_rank
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
@@ -114,7 +114,7 @@ class _RankLogs(LogsSpecs):
             dest.stdouts[r], dest.stderrs[r] = str(self.dir / f"rank{r}.out"), str(self.dir / f"rank{r}.err")
             dest.error_files[r] = str(self.dir / f"rank{r}.error.json")
             env["TORCHELASTIC_ERROR_FILE"] = dest.error_files[r]
-            env[RANK_KEYS_ENV] = ",".join(sorted(env))  # what a forked rank keeps over its launcher's environment
+            mark_agent_keys(env)  # what a forked rank keeps over its launcher's environment
             Path(dest.error_files[r]).unlink(missing_ok=True)
         return dest
 

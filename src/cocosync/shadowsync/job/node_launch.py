@@ -37,7 +37,7 @@ from cocosync.shadowsync.__main__ import job_from_args
 from cocosync.shadowsync.job.launch import check_resume
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
-from cocosync.shadowsync.job.rank_start import RANK_KEYS_ENV, run_node_rank
+from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_node_rank
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import TrainConfig, config_from_dict
 
@@ -56,7 +56,7 @@ class _RankKeys(DefaultLogsSpecs):
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = super().reify(envs)
         for env in envs.values():
-            env[RANK_KEYS_ENV] = ",".join(sorted(env))
+            mark_agent_keys(env)
         self.ranks = sorted(int(env["RANK"]) for env in envs.values())
         return dest
 

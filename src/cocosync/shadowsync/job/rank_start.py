@@ -13,11 +13,16 @@ from setproctitle import setproctitle
 from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.__main__ import run_job, run_job_dict
 
-__all__ = ["RANK_KEYS_ENV", "run_rank", "run_node_rank", "title", "parse_title"]
+__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "title", "parse_title"]
 
 #: put in each rank's environment by the launcher: the keys the elastic agent set for that rank (RANK, LOCAL_RANK,
 #: MASTER_PORT, ...), which win over the launcher's environment handed along
 RANK_KEYS_ENV = "COCOSYNC_RANK_ENV_KEYS"
+
+
+def mark_agent_keys(env: dict[str, str]) -> None:
+    """Record in a rank's environment (as the agent built it, in a LogsSpecs' reify) which keys the agent set."""
+    env[RANK_KEYS_ENV] = ",".join(sorted(env))
 
 
 def run_rank(job_file: str, launcher_env: dict[str, str], launcher_pid: int) -> None:
