@@ -44,8 +44,7 @@ with that k_row.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
 from cocosync.bench.lookup_scaling import fit_line
@@ -128,14 +127,13 @@ def fit_costs(rows: list[dict], *, interval_s: float, hot_interval_s: float,
     remote = _remote_rows(first)
     per_op = gloo[0][1] if gloo and gloo[0][0] == first["nodes"] else 0.0
     load_us = tuple(sorted((int(n), float(v)) for n, v in (load or {}).items() if n > 1))
-    base = dict(load_us).get(first["nodes"], one["cpu_us_per_example"])
-    left = first["cpu_us_per_example"] - base - _fixed(
-        first, first["exchange_cpu_us_per_round"], first["hot_sync_cpu_us_per_sync"], per_op)
-    k_row = max(0.0, left / remote) if remote > 0 else 0.0
     share = (first["nodes"] - 1) / first["nodes"]
-    return ExchangeCosts(c_one=one["cpu_us_per_example"], k_row=k_row, round_us=round_us, hot_us=hot_us,
-                         gloo_us=gloo_us, remote_rows_all=remote / share, interval_s=interval_s,
-                         hot_interval_s=hot_interval_s, load_us=load_us)
+    costs = ExchangeCosts(c_one=one["cpu_us_per_example"], k_row=0.0, round_us=round_us, hot_us=hot_us,
+                          gloo_us=gloo_us, remote_rows_all=remote / share, interval_s=interval_s,
+                          hot_interval_s=hot_interval_s, load_us=load_us)
+    left = first["cpu_us_per_example"] - costs.base(first["nodes"]) - _fixed(
+        first, first["exchange_cpu_us_per_round"], first["hot_sync_cpu_us_per_sync"], per_op)
+    return replace(costs, k_row=max(0.0, left / remote) if remote > 0 else 0.0)
 
 
 def predict_cpu(costs: ExchangeCosts, row: dict) -> float:
@@ -173,8 +171,8 @@ def model_report(rows: list[dict], *, interval_s: float, hot_interval_s: float,
     """The fitted costs, the prediction against each measured row, and the projections (per-trainer and per-node
     exchange) for each trainer count per node; `relay_us`: k_relay, from a node-exchange run; `load`: the
     load-matched bases (module doc)."""
-    costs = dataclasses.replace(fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s, load=load),
-                                relay_us=relay_us)
+    costs = replace(fit_costs(rows, interval_s=interval_s, hot_interval_s=hot_interval_s, load=load),
+                    relay_us=relay_us)
     checks = []
     for r in sorted(rows, key=lambda r: r["nodes"]):
         predicted = predict_cpu(costs, r)
