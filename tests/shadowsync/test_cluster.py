@@ -239,7 +239,8 @@ def test_the_timeout_stops_every_machine_with_a_checkpoint_and_each_shows_the_jo
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [124, 124], text
     assert all("--timeout 18 s reached" in r.output for r in runs), text
-    lines = [re.findall(r"^([\d,]+) / 4,000,000 examples, [\d,]+ examples/s, train NE", r.output, re.M) for r in runs]
+    lines = [re.findall(r"^([\d,]+) / 4,000,000 examples, [\d,]+ examples/s, train NE [\d.]+, ETA \d+:\d\d:\d\d$",
+                        r.output, re.M) for r in runs]
     assert all(lines), text  # (training starts ~8 s after the rendezvous here)
     assert "trainer 0 of 2:" not in text
     s = _summary(out)

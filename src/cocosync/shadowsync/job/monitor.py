@@ -13,6 +13,7 @@ import os
 import signal
 import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -157,8 +158,9 @@ class Monitor:
                                description=self.name if examples else "starting")
                 elif examples:
                     last_line = time.monotonic()
+                    eta = f", ETA {timedelta(seconds=round((self.total - examples) / eps))}" if eps > 0 else ""
                     self.console.print(f"{examples:,} / {self.total:,} examples, {eps:,.0f} examples/s, train NE "
-                                       + (f"{ne:.4f}" if ne is not None else "-"), soft_wrap=True)
+                                       + (f"{ne:.4f}" if ne is not None else "-") + eta, soft_wrap=True)
             self._tail_metrics()
         finally:
             if bar is not None:
