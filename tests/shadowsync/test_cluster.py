@@ -292,6 +292,28 @@ def test_the_timeout_under_plain_torchrun_stops_the_trainers_with_a_checkpoint(t
     assert json.loads((Path(s["checkpoint"]) / "meta.json").read_text())["stopped"]
 
 
+def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path):
+    """Node 0 of a 2-node job started alone says what it waits for; Ctrl-C before the machines met aborts at once
+    (nothing has trained: there is nothing to stop with a checkpoint)."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--out",
+           str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = ""
+        while "waiting for the 2 machines" not in seen:
+            line = proc.stdout.readline()
+            assert line, f"exited {proc.wait()}:\n{seen}"
+            seen += line
+        assert endpoint in seen
+        proc.send_signal(signal.SIGINT)
+        seen += proc.communicate(timeout=30)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130 and "Ctrl-C before the machines met: aborting" in seen, seen
+
+
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
     res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",

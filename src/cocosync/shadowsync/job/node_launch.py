@@ -23,6 +23,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import torch.distributed as dist
 from rich.console import Console
@@ -44,6 +45,7 @@ from cocosync.shadowsync.train_config import TrainConfig, config_from_dict
 __all__ = ["torchrun_args", "run_node"]
 
 _MODULE = "cocosync.shadowsync"
+WAITING_EVERY = 30.0  # seconds between two lines while the rendezvous waits for the other machines
 
 
 class _RankKeys(DefaultLogsSpecs):
@@ -124,8 +126,15 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     monitor = None
     try:
         thread.start()
+        t0 = last = time.monotonic()
+        if config.max_nodes > 1:
+            console.print(f"waiting for the {config.max_nodes} machines of the job at {config.rdzv_endpoint} (c10d "
+                          f"rendezvous, up to {config.rdzv_configs.get('timeout', 900):g} s) ...", soft_wrap=True)
         while thread.is_alive() and logs.ranks is None:  # the rendezvous: nothing trains yet, a signal aborts
             thread.join(0.2)
+            if time.monotonic() - last >= WAITING_EVERY:
+                last = time.monotonic()
+                console.print(f"still waiting for the other machines ({last - t0:.0f} s)", soft_wrap=True)
             if signals:
                 name = signal.Signals(signals[0]).name
                 print(f"{'Ctrl-C' if name == 'SIGINT' else name} before the machines met: aborting", file=sys.stderr,
