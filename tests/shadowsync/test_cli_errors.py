@@ -285,3 +285,13 @@ def test_lookup_transport_options_are_checked_in_the_units_the_user_typed(tmp_pa
     _one_error(_train(tmp_path, "--hot-staleness", "-2"), "--hot-staleness -2.0 is invalid", "updates per use")
     res = _train(tmp_path, "--lookup-transport", "smoke")
     assert res.exit_code == 2 and "smoke" in res.output and "exchange" in res.output
+
+
+@pytest.mark.parametrize(("args", "named"), [
+    (["--rdzv-endpoint", "127.0.0.1:notaport"], "--rdzv-endpoint '127.0.0.1:notaport' is invalid"),
+    (["--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 2: expected 0 .. 1"),
+])
+def test_a_bad_multi_machine_option_is_one_line_naming_it(tmp_path, args, named):
+    res = CliRunner().invoke(cli, ["train", "--nnodes", "2", *args, "--out", str(tmp_path / "run")])
+    assert res.exit_code == 2 and named in res.output, res.output
+    assert "Traceback" not in res.output

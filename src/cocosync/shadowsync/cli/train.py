@@ -337,12 +337,23 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
 def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None,
               progress: bool | None) -> None:
     """This machine's ranks of the multi-machine job (job/node_launch.py), with the remaining arguments; exits."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
     from cocosync.shadowsync.job.launch import WARM_START_ENV
     from cocosync.shadowsync.job.node_launch import run_node, torchrun_args
 
     if nnodes < 1 or nproc_per_node < 2:
         raise click.UsageError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node}: expected nnodes >= 1 and "
                                "nproc-per-node >= 2 (a server and a trainer per node)")
+    if not 0 <= node_rank < nnodes:
+        raise click.UsageError(f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: expected 0 .. {nnodes - 1} "
+                               "(node 0 hosts the rendezvous store)")
+    try:
+        host, port = parse_rendezvous_endpoint(rdzv_endpoint, default_port=29400)
+    except ValueError as e:
+        raise click.UsageError(f"--rdzv-endpoint {rdzv_endpoint!r} is invalid: {e} (expected HOST:PORT, e.g. "
+                               "10.0.0.1:29400)") from None
+    rdzv_endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # (torchrun's own default port: 29400)
     args, skip = [], False
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else sys.argv[1:]
     for a in argv:  # drop the launcher's own options, keep the training options

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 from torch.distributed.elastic.multiprocessing.api import DefaultLogsSpecs, LogsDest
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import launch_agent
 from torch.distributed.run import config_from_args, get_args_parser
 
@@ -107,8 +108,8 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     config.start_method = "forkserver"
     logs = config.logs_specs = _RankKeys()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_about_signals)
-    host, port = config.rdzv_endpoint.rsplit(":", 1)
-    os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: port})  # the ranks' link: the rendezvous store
+    host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
+    os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})  # the ranks' link: the rendezvous store
     outcome: dict[str, BaseException] = {}
 
     def agent(launcher_env: dict[str, str]) -> None:
