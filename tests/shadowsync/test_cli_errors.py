@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 from click.testing import CliRunner
 
@@ -295,3 +298,13 @@ def test_a_bad_multi_machine_option_is_one_line_naming_it(tmp_path, args, named)
     res = CliRunner().invoke(cli, ["train", "--nnodes", "2", *args, "--out", str(tmp_path / "run")])
     assert res.exit_code == 2 and named in res.output, res.output
     assert "Traceback" not in res.output
+
+
+def test_a_machine_shape_without_a_trainer_is_refused_before_the_rendezvous(tmp_path):
+    """EASGD's sync server takes the second process of a 2-process machine: refused at once, naming the count."""
+    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--nproc-per-node", "2",
+                          "--sync", "shadow-easgd", "--out", str(tmp_path / "run")], capture_output=True, text=True,
+                         timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--nproc-per-node=2 leaves no trainer" in res.stderr and "expected nproc-per-node >= 3" in res.stderr
+    assert "Traceback" not in res.stderr and "waiting for" not in res.stderr

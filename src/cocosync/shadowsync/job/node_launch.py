@@ -41,7 +41,7 @@ from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_node_rank
 from cocosync.shadowsync.job.roles import ClusterConfig
-from cocosync.shadowsync.train_config import TrainConfig, config_from_dict
+from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_from_dict
 
 __all__ = ["torchrun_args", "run_node"]
 
@@ -95,16 +95,20 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
     job, json_out = job_from_args(rank_args)  # (UsageError / ConfigError before any process starts)
-    cluster = ClusterConfig(**job["cluster"])
-    if cluster.resume is not None:  # (on this machine's file system, where its ranks will read it)
-        check_resume(config_from_dict(job["config"]), cluster, work_left=False)
     argv = [*launch, "-m", _MODULE, *rank_args]
+    args = get_args_parser().parse_args(argv)
+    cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+    nnodes = int(args.nnodes)
+    cfg = dataclasses.replace(cfg, trainers=_trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes,
+                              progress=progress)
+    if cluster.resume is not None:  # (on this machine's file system, where its ranks will read it)
+        check_resume(cfg, cluster, work_left=False)
     sys.stdout.flush()
     sys.stderr.flush()
     if not warm:
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
-    config, _, _ = config_from_args(get_args_parser().parse_args(argv))  # (sets OMP_NUM_THREADS=1 as torchrun does)
+    config, _, _ = config_from_args(args)  # (sets OMP_NUM_THREADS=1 as torchrun does)
     config.start_method = "forkserver"
     logs = config.logs_specs = _RankKeys()
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_about_signals)
@@ -142,8 +146,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
                       flush=True)
                 os._exit(128 + signals[0])
         if thread.is_alive():
-            monitor = _monitor(job, config.max_nodes, config.nproc_per_node, logs.ranks or [], host, int(port),
-                               progress, console)
+            monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console)
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
             if monitor.failure is not None:
                 console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
@@ -177,13 +180,18 @@ def _first_failure(monitor: Monitor, console: Console) -> None:
         console.print(f"[red]the first failure reported in the job: {escape(monitor.first_failure)}", soft_wrap=True)
 
 
-def _monitor(job: dict, nnodes: int, nproc: int, ranks: list[int], host: str, port: int, progress: bool,
-             console: Console) -> Monitor:
+def _trainers_per_node(cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, nproc: int) -> int:
+    """Trainers per machine of the job (roles.py: servers first), or a ConfigError naming what leaves none."""
+    E, S = cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
+    if nproc - E - S < 1:
+        raise ConfigError(f"--nproc-per-node={nproc} leaves no trainer on a machine with embedding_servers={E} and "
+                          f"sync_servers={S} (sync {cfg.sync.algorithm!r}): expected nproc-per-node >= {E + S + 1}")
+    return nproc - E - S
+
+
+def _monitor(cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, nproc: int, ranks: list[int], host: str,
+             port: int, console: Console) -> Monitor:
     """The one-machine launcher's monitor over the job's rendezvous store, for this machine's `ranks`."""
-    cluster = ClusterConfig(**job["cluster"])
-    cfg: TrainConfig = config_from_dict(job["config"])
-    servers = cluster.embedding_servers + cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
-    cfg = dataclasses.replace(cfg, trainers=(nproc - servers) * nnodes, progress=progress)
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
     return Monitor(cfg, f"{cfg.sync.algorithm} T={cfg.trainers} nodes={nnodes}", store, nproc, cluster, console,
                    nodes=nnodes, ranks=ranks, bar=False, tail=False)
