@@ -354,6 +354,14 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
         raise click.UsageError(f"--rdzv-endpoint {rdzv_endpoint!r} is invalid: {e} (expected HOST:PORT, e.g. "
                                "10.0.0.1:29400)") from None
     rdzv_endpoint = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"  # (torchrun's own default port: 29400)
+    if local_addr is not None:
+        import socket
+
+        try:
+            socket.getaddrinfo(local_addr, None)
+        except OSError as e:
+            why = f"--local-addr {local_addr!r} does not resolve to an address ({e})"
+            raise click.UsageError(f"{why}: expected this machine's address the others reach it at") from None
     args, skip = [], False
     argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else sys.argv[1:]
     for a in argv:  # drop the launcher's own options, keep the training options

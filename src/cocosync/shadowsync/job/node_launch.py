@@ -139,7 +139,8 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
             thread.join(0.2)
             if time.monotonic() - last >= WAITING_EVERY:
                 last = time.monotonic()
-                console.print(f"still waiting for the other machines ({last - t0:.0f} s)", soft_wrap=True)
+                console.print(f"still waiting for the rendezvous at {config.rdzv_endpoint} ({last - t0:.0f} s)",
+                              soft_wrap=True)
             if signals:
                 name = signal.Signals(signals[0]).name
                 print(f"{'Ctrl-C' if name == 'SIGINT' else name} before the machines met: aborting", file=sys.stderr,
