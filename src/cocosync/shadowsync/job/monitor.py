@@ -21,14 +21,16 @@ import torch.distributed as dist
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
-from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.job.roles import ClusterConfig, Roles
 from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["Monitor", "exit_status"]
 
+_ROLE_NAMES = {"embedding": "embedding server", "sync": "sync server", "trainer": "trainer"}
 #: seconds between two progress lines when the output is not a terminal (CI, nohup, a log file)
 LINE_EVERY = 5.0
 #: seconds the trainers get to stop (and checkpoint) after a stop request before the job is aborted
@@ -46,9 +48,10 @@ class Monitor:
         and checkpoint records."""
         self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
         self.store = dist.PrefixStore(PREFIX, store)
-        self.E = cluster.embedding_servers
         self.nodes, self.per_node = nodes, cfg.trainers // nodes
-        self.first_trainer = nproc - self.per_node  # servers come first on a node (roles.py)
+        E = cluster.embedding_servers  # (the roles of every rank, numbered as the ranks number them)
+        topo = Topology(rank=0, world_size=nproc * nodes, local_rank=0, local_world_size=nproc, node=0)
+        self.roles = Roles(topo, E, nproc - E - self.per_node)
         self.ranks = list(range(nproc)) if ranks is None else list(ranks)
         self.bar, self.tail = bar, tail
         self.agent_store = ranks is not None  # the rendezvous store of an agent: it leaves as the agent ends
@@ -70,19 +73,14 @@ class Monitor:
 
     # -- names --------------------------------------------------------------------------------------------
     def label(self, rank: int) -> str:
-        node, local = divmod(rank, self.nproc)
-        where = f"rank {rank}" + (f", node {node}" if self.nodes > 1 else "")
-        if local < self.E:
-            return f"embedding server {node * self.E + local} ({where})"
-        if local < self.first_trainer:
-            S = self.first_trainer - self.E
-            return f"sync server {node * S + local - self.E} ({where})"
-        return f"trainer {node * self.per_node + local - self.first_trainer} ({where})"
+        kind, index = self.roles.role(rank)
+        where = f"rank {rank}" + (f", node {self.roles.node_of(rank)}" if self.nodes > 1 else "")
+        return f"{_ROLE_NAMES[kind]} {index} ({where})"
 
     def trainer_of(self, rank: int) -> int | None:
         """The trainer index of `rank` (None: a server)."""
-        node, local = divmod(rank, self.nproc)
-        return node * self.per_node + local - self.first_trainer if local >= self.first_trainer else None
+        kind, index = self.roles.role(rank)
+        return index if kind == "trainer" else None
 
     def _get(self, key: str) -> Any:
         raw = get_if_set(self.store, key)

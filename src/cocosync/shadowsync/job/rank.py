@@ -72,7 +72,7 @@ from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
-from cocosync.shadowsync.job.summary import add_job_cpu, lookup_summary
+from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
@@ -530,12 +530,6 @@ def _stop_after(stop: torch.Tensor, seconds: float) -> None:
     timer.start()
 
 
-def _nanmean(values: list[float]) -> float:
-    """The mean of the finite values (nan when none is: a job stopped before its first batch)."""
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    return sum(finite) / len(finite) if finite else float("nan")
-
-
 def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
     """Trainer 0 scores the final model (EASGD's centre, else its replica; on a snapshot of the tables), keeps it as
     the best model when it beats the eval curve, and logs the summary."""
@@ -570,7 +564,7 @@ def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
         "eps_per_trainer": examples / max(seconds, 1e-9) / roles.trainers,  # the job's rate shared: x T = eps
         "eps_per_cpu": examples / max(sum(r["cpu_seconds"] for r in results), 1e-9),
         "trainer_cpu_seconds": sum(r["cpu_seconds"] for r in results),
-        "train_ne": _nanmean([r["train_ne"] for r in results]),
+        "train_ne": finite_mean([r["train_ne"] for r in results]),
         "eval_ne": ev["ne"], "auc": ev["auc"], "calibration": ev["calibration"], "bayes_ne": ev["bayes_ne"],
         "eval_examples_scored": ev["examples"],
         "excess_ne": ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan"),

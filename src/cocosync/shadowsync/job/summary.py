@@ -4,13 +4,20 @@ the job's CPU once every rank's is known, written atomically."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 from typing import Any
 
 from cocosync.shadowsync.job.trainer import json_safe
 
-__all__ = ["lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary"]
+__all__ = ["finite_mean", "lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary"]
+
+
+def finite_mean(values: list[float | None]) -> float:
+    """The mean of the finite values (nan when none is: a job stopped before its first batch)."""
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else float("nan")
 
 
 def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: str, exchange: bool,
