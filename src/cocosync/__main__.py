@@ -1,4 +1,4 @@
-from cocosync.cli import main
+from cocosync.cli import run
 
 if __name__ == "__main__":
-    main()
+    run()

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import time
 from multiprocessing import forkserver
+from pathlib import Path
 
 import pytest
 
@@ -116,3 +117,48 @@ def _alive(pid):
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+_EXIT_PROBE = '''
+import atexit, os
+atexit.register(lambda: open(os.environ["PROBE_MARK"] + ".hook", "w").close())  # an exit hook of a preloaded module
+
+
+class _AtTeardown:
+    def __del__(self, _open=open, _path=os.environ["PROBE_MARK"] + ".teardown"):  # (builtins are gone by then)
+        _open(_path, "w").close()
+
+
+_kept = _AtTeardown()  # released when the interpreter tears its modules down
+'''
+
+
+@pytest.mark.parametrize("quick", [True, False], ids=["server_exit-preloaded", "control-without-it"])
+def test_the_fork_server_leaves_without_the_interpreters_teardown(tmp_path, quick):
+    """Once its launcher exits, the server runs its preloaded modules' exit hooks and leaves without tearing torch's
+    modules down (~0.8 s of CPU while it still held the launcher's stdout and stderr). The control shows the probe
+    would see a teardown."""
+    (tmp_path / "exit_probe.py").write_text(_EXIT_PROBE)
+    mark = tmp_path / "mark"
+    modules = ("cocosync.runtime.server_exit", "exit_probe") if quick else ("exit_probe",)
+    launcher = textwrap.dedent(f"""
+        import os
+        from multiprocessing import forkserver
+        from cocosync.runtime import warm_start
+        warm_start.WARM_MODULES = {modules!r}
+        p = warm_start.context().Process(target=os.getpid)
+        p.start()
+        p.join()
+        print(forkserver._forkserver._forkserver_pid)
+    """)
+    path = os.pathsep.join([str(tmp_path), *filter(None, [os.environ.get("PYTHONPATH")])])  # the server imports it
+    proc = subprocess.run([sys.executable, "-c", launcher], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PROBE_MARK": str(mark), "PYTHONPATH": path})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    server = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while _alive(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server)
+    assert Path(f"{mark}.hook").exists()  # the probe was preloaded, and its exit hook ran in both cases
+    assert Path(f"{mark}.teardown").exists() == (not quick)
