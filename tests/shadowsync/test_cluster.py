@@ -323,6 +323,25 @@ def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_pat
     assert "Traceback" not in res.stderr
 
 
+def test_machines_started_with_other_options_stop_before_training_naming_each_difference(tmp_path):
+    """A typo on one machine (another --examples and --sync) used to train a mix of two jobs, reported as node 0's.
+    Every machine now fails before anything trains, and each names every option that differs, with its value on
+    each machine (c10d numbers the machines as they meet: either may be node 0)."""
+    out = tmp_path / "run"
+    runs = run_nodes(["-m", "cocosync.shadowsync", *SMALL, "--out", str(out)], timeout=150,
+                     node_args=[[], ["--examples", "40000", "--sync", "shadow-ma"]])
+    text = "\n--- next node ---\n".join(r.output[-4000:] for r in runs)
+    assert [r.returncode for r in runs] == [1, 1], text
+    for r in runs:
+        assert "the machines of this job were started with different options" in r.output, text
+        assert re.search(r"examples: (24000 on node 0, 40000 on node 1|40000 on node 0, 24000 on node 1)", r.output)
+        assert re.search(r"sync\.algorithm: '(shadow-bmuf|shadow-ma)' on node 0, '(shadow-ma|shadow-bmuf)' on node 1",
+                         r.output), text
+    assert "same_job.py" not in text  # the ranks' message alone (torch's agent logs a traceback of its own)
+    assert not (out / "summary.json").exists() and not (out / "checkpoints").exists()
+    assert leftover_segments() == []
+
+
 def test_an_eval_curve_while_training_and_the_ne_plot(tmp_path):
     out = tmp_path / "run"
     # 96,000 examples: trainer 0 looks for a due eval point every 50 ms, and 24,000 trained in less than that here

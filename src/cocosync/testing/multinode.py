@@ -74,12 +74,13 @@ def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, e
 
 
 def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, two_hosts: bool = False,
-                env: dict | None = None, cwd: str | os.PathLike | None = None,
-                launcher: str = "cocosync") -> list[subprocess.Popen]:
+                env: dict | None = None, cwd: str | os.PathLike | None = None, launcher: str = "cocosync",
+                node_args: Sequence[Sequence[str]] = ()) -> list[subprocess.Popen]:
     """Start `torchrun ... <module_args>` (e.g. ["-m", "cocosync.shadowsync", "--examples", "4000"]) as `nnodes`
     agents, output piped; with `two_hosts` (nnodes must be 2) on the simulated machines A and B of twohosts.sh.
     `launcher`: "torchrun" (torchrun's command: each rank exec'd cold, in a session of its own) or "cocosync"
-    (`cocosync train --nnodes`: the same agent in-process, its ranks forked warm in its session; job/node_launch.py)."""
+    (`cocosync train --nnodes`: the same agent in-process, its ranks forked warm in its session; job/node_launch.py).
+    `node_args[i]`: more arguments for node i alone (a machine started with other options)."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
     port = free_port()
@@ -89,6 +90,7 @@ def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: 
     procs: list[subprocess.Popen] = []
     for node in range(nnodes):
         node_env = dict(base_env)
+        args = [*module_args, *(node_args[node] if node < len(node_args) else ())]
         if two_hosts:
             if nnodes != 2:
                 raise ValueError("two_hosts runs exactly 2 nodes (twohosts.sh has hosts A and B)")
@@ -99,9 +101,9 @@ def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: 
             a, mine = (subprocess.run(["bash", str(script), "addr", h], capture_output=True, text=True,
                                       check=True).stdout.strip() for h in ("A", host))
             cmd = ["bash", str(script), "run", host,
-                   *_agent_cmd(module_args, nnodes, node, nproc_per_node, f"{a}:{port}", run_id, mine, launcher)]
+                   *_agent_cmd(args, nnodes, node, nproc_per_node, f"{a}:{port}", run_id, mine, launcher)]
         else:
-            cmd = _agent_cmd(module_args, nnodes, node, nproc_per_node, f"127.0.0.1:{port}", run_id,
+            cmd = _agent_cmd(args, nnodes, node, nproc_per_node, f"127.0.0.1:{port}", run_id,
                              "127.0.0.1", launcher)
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=node_env,
                                       cwd=cwd, start_new_session=True))
@@ -133,10 +135,10 @@ def wait_nodes(procs: list[subprocess.Popen], timeout: float) -> list[NodeRun]:
 
 def run_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, timeout: float = 300.0,
               two_hosts: bool = False, env: dict | None = None, cwd: str | os.PathLike | None = None,
-              launcher: str = "cocosync") -> list[NodeRun]:
+              launcher: str = "cocosync", node_args: Sequence[Sequence[str]] = ()) -> list[NodeRun]:
     """`start_nodes` then `wait_nodes`: each node's exit code and output."""
     procs = start_nodes(module_args, nnodes=nnodes, nproc_per_node=nproc_per_node, two_hosts=two_hosts, env=env,
-                        cwd=cwd, launcher=launcher)
+                        cwd=cwd, launcher=launcher, node_args=node_args)
     return wait_nodes(procs, timeout)
 
 

@@ -46,7 +46,7 @@ from rich.console import Console
 from cocosync.runtime.comm import gloo_device, native
 from cocosync.runtime.comm.communicators import register_subgroup
 from cocosync.runtime.comm.shm import Arena, ArenaFull, unlink_pending
-from cocosync.runtime.comm.topology import node_groups, spanning_node_groups, topology_from_env
+from cocosync.runtime.comm.topology import node_groups, spanning_node_groups
 from cocosync.shadowsync import thread_cpu
 from cocosync.shadowsync.checkpoint import (
     BEST,
@@ -72,6 +72,7 @@ from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
+from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
@@ -147,7 +148,7 @@ SERVER_EXIT_GRACE = 5.0
 def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> dict | None:
     """Run this process's role of the job; returns the summary on trainer 0, None elsewhere."""
     console = console or Console(stderr=True)
-    topo = topology_from_env()
+    topo = job_topology()
     roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
@@ -171,6 +172,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     # without EASGD has none (its trainers use the node's shards in place) and starts no RPC agent
     uses_rpc = (topo.nnodes > 1 and cluster.lookup_transport == "rpc") or cfg.sync.method == "easgd"
     try:
+        if topo.nnodes > 1:  # each machine parsed its own command line
+            check_same_job(cfg, cluster, topo)
         if uses_rpc:
             _init_rpc(cfg, roles)
         if (roles.role()[0] == "trainer" or hosts_exchange(cluster, roles)) and native.enabled():
