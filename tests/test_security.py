@@ -67,6 +67,29 @@ def test_a_real_checkpoint_still_loads_and_a_damaged_one_is_named(tmp_path):
         SafeReader(str(good)).read_metadata()
 
 
+def test_a_checkpoint_missing_or_cut_data_files_is_named_before_it_loads(tmp_path):
+    """A checkpoint saved across machines to directories they do not share holds only one machine's data files; a
+    copy cut short misses a file's end. Both are named when the metadata is read (a FileNotFoundError, or a read
+    past the end, mid-load before)."""
+    import torch.distributed.checkpoint as dcp
+
+    from cocosync.shadowsync.checkpoint import CheckpointError
+    from cocosync.shadowsync.safe_reader import SafeReader
+
+    path = tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(1000), "i": torch.zeros(3, dtype=torch.int64)}, checkpoint_id=str(path), no_dist=True)
+    (data,) = path.glob("*.distcp")
+    SafeReader(str(path)).read_metadata()  # whole: reads
+    whole = data.read_bytes()
+    data.write_bytes(whole[:-100])
+    with pytest.raises(CheckpointError, match=rf"data file {data.name} is cut short \({len(whole) - 100:,} bytes"):
+        SafeReader(str(path)).read_metadata()
+    data.unlink()
+    with pytest.raises(CheckpointError, match=rf"is incomplete: 1 of its 1 data files are missing \({data.name}\); "
+                                              "a job across machines must write to a directory every machine shares"):
+        SafeReader(str(path)).read_metadata()
+
+
 def _non_loopback(found):
     return [f for f in found if f[1] not in ("127.0.0.1", "::1")]
 

@@ -342,6 +342,22 @@ def test_machines_started_with_other_options_stop_before_training_naming_each_di
     assert leftover_segments() == []
 
 
+def test_a_checkpointing_job_whose_machines_do_not_share_its_out_directory_stops_before_training(tmp_path):
+    """Each loopback node given its own --out is what machines without shared storage are: each used to save its
+    ranks' parts of the checkpoint to its own directory, and node 0's named files it did not have."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    runs = run_nodes(["-m", "cocosync.shadowsync", *SMALL], timeout=150,
+                     node_args=[["--out", str(a)], ["--out", str(b)]])
+    text = "\n--- next node ---\n".join(r.output[-4000:] for r in runs)
+    assert [r.returncode for r in runs] == [1, 1], text
+    for r in runs:
+        assert re.search(r"--out is not a directory the machines share: node 1 \(.*\) does not see in '.*/(a|b)' the "
+                         r"file node 0 wrote in '.*/(a|b)'", r.output), text
+    left = [p.name for d in (a, b) if d.exists() for p in d.iterdir()]
+    assert "checkpoints" not in left and not [n for n in left if n.startswith(".cocosync-shared-")], left
+    assert leftover_segments() == []
+
+
 def test_an_eval_curve_while_training_and_the_ne_plot(tmp_path):
     out = tmp_path / "run"
     # 96,000 examples: trainer 0 looks for a due eval point every 50 ms, and 24,000 trained in less than that here

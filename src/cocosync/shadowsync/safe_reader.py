@@ -55,9 +55,32 @@ class SafeReader(FileSystemReader):
         except Exception as e:  # noqa: BLE001 - a damaged or cut file
             raise CheckpointError(f"cannot read checkpoint {str(self.path)!r}: damaged .metadata "
                                   f"({type(e).__name__}: {str(e)[:200]})") from None
+        _check_files(Path(self.path), metadata)
         from torch.distributed.checkpoint.metadata import StorageMeta
 
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
+
+
+def _check_files(path: Path, metadata: Any) -> None:
+    """Every data file the metadata names is there and holds the bytes it names: a checkpoint saved across machines
+    to directories they do not share has only this machine's files (each saved its part to its own --out), and a
+    copy cut short misses the end of one. Either was a FileNotFoundError, or a read past a file's end, mid-load."""
+    need: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        name = getattr(info, "relative_path", None)
+        if isinstance(name, str):
+            need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
+    missing = sorted(n for n in need if not (path / n).is_file())
+    if missing:
+        raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {len(missing)} of its {len(need)} data files "
+                              f"are missing ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); a job "
+                              "across machines must write to a directory every machine shares (each saved its own "
+                              "part to its own --out)")
+    for name, end in sorted(need.items()):
+        size = (path / name).stat().st_size
+        if size < end:
+            raise CheckpointError(f"checkpoint {str(path)!r}: data file {name} is cut short ({size:,} bytes; its "
+                                  f"metadata names bytes up to {end:,})")

@@ -4,13 +4,19 @@ Each machine builds its job from its own command line (`cocosync train --nnodes`
 cocosync.shadowsync`). A typo on one machine (another --examples, --sync, table size or seed, a resume on one
 machine only, another --nproc-per-node) used to train on silently: a mix of two jobs, reported as node 0's, or a
 hang where the machines' schedules of collectives differ. Now every rank compares its job with every other rank's
-and the job stops before anything trains, naming each option that differs and its value on each machine.
+and the job stops before anything trains, naming each option that differs and its value on each machine. A job
+that checkpoints also checks that its --out is one directory every machine shares: each machine used to save its
+ranks' parts to its own, and node 0's checkpoint named files it did not have.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
+import socket
+import time
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -19,12 +25,16 @@ from cocosync.runtime.comm.topology import Topology, topology_from_env
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
 
-__all__ = ["PER_MACHINE", "job_topology", "job_options", "differences", "check_same_job"]
+__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "differences", "check_same_job"]
 
 #: what each machine may set for itself: where it writes and reads (a data file's path; its contents are compared
 #: through the click rate read from its first rows, model.init_ctr), its threads, its own limits, what it shows
 PER_MACHINE = frozenset({"out_dir", "data", "threads", "timeout", "heartbeat_timeout", "progress", "log_every",
                          "window", "plot"})
+
+
+#: seconds a rank waits to see the file rank 0 wrote in its --out before it says the directory is not shared
+SHARED_WAIT = 3.0
 
 
 def job_topology() -> Topology:
@@ -67,13 +77,41 @@ def differences(per_node: dict[int, dict[str, Any]]) -> list[str]:
 
 
 def check_same_job(cfg: TrainConfig, cluster: ClusterConfig, topo: Topology) -> None:
-    """Collective over the job's default group: a ConfigError on every rank where the machines' jobs differ."""
+    """Collective over the job's default group: a ConfigError on every rank where the machines' jobs differ, or where
+    the job checkpoints and its --out is not one directory every machine shares."""
     mine = job_options(cfg, cluster, topo.local_world_size)
     every: list[Any] = [None] * topo.world_size
-    dist.all_gather_object(every, (topo.node, mine))
-    per_node = dict(every)  # (a node's ranks parsed one command line: the same options)
+    dist.all_gather_object(every, (topo.node, mine, secrets.token_hex(8)))
+    per_node = {node: options for node, options, _ in every}  # (a node's ranks parsed one command line)
     diff = differences(per_node)
     if diff:
         raise ConfigError("the machines of this job were started with different options; start every machine with "
                           "the same ones (only " + ", ".join(sorted(PER_MACHINE)) + " may differ):\n  "
                           + "\n  ".join(diff))
+    if cfg.checkpoint or cluster.checkpoint_every:
+        _check_shared(Path(cfg.out_dir), every[0][2], topo)
+
+
+def _check_shared(out: Path, token: str, topo: Topology) -> None:
+    """Rank 0 writes a file in its --out; every rank must see it in its own. A checkpoint across machines is every
+    rank's part in one directory: on a directory each machine has to itself, every machine kept its own parts and
+    node 0's checkpoint named files it did not have (found at the next eval or resume, if ever)."""
+    marker = out / f".cocosync-shared-{token}"
+    if topo.rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        marker.write_text(token)
+    dist.barrier()
+    deadline = time.monotonic() + SHARED_WAIT
+    while not (seen := marker.is_file()) and time.monotonic() < deadline:  # (a network file system's caches)
+        time.sleep(0.1)
+    views: list[Any] = [None] * topo.world_size
+    dist.all_gather_object(views, (topo.node, socket.gethostname(), str(out), seen))
+    if topo.rank == 0:
+        marker.unlink(missing_ok=True)
+    blind = sorted({(node, host, path) for node, host, path, ok in views if not ok})
+    if blind:
+        who = ", ".join(f"node {n} ({h}) does not see in {p!r}" for n, h, p in blind)
+        raise ConfigError(f"--out is not a directory the machines share: {who} the file node 0 wrote in "
+                          f"{views[0][2]!r}; a checkpoint across machines is every rank's part in one directory: "
+                          "give every machine a --out on storage they share, or train without checkpoints "
+                          "(checkpoint = false in --config)")
