@@ -92,3 +92,72 @@ def test_once_its_trainers_are_done_the_monitor_leaves_the_store_but_a_second_si
         finished.set()
     assert m.trainers_done and m.failure == "aborted by a second Ctrl-C"
     assert time.monotonic() - t0 < 5
+
+
+class _GoneStore(dist.Store):
+    """A store (in Python, through torch's store trampoline) whose host leaves when told: every read then fails, as a
+    TCPStore client's does (where c10d also logs a C++ stack trace)."""
+
+    def __init__(self):
+        super().__init__()
+        self.data: dict[str, bytes] = {}
+        self.reads = 0
+        self.gone = False
+
+    def set(self, key, value):
+        self.data[key] = value if isinstance(value, bytes) else str(value).encode()
+
+    def get(self, key):
+        self._read()
+        return self.data[key]
+
+    def check(self, keys):
+        self._read()
+        return all(k in self.data for k in keys)
+
+    def _read(self):
+        self.reads += 1
+        if self.gone:
+            raise RuntimeError("recvValue failed: connection closed")
+
+
+def test_once_this_machines_ranks_have_exited_the_monitor_reads_the_store_no_more(tmp_path):
+    """Across machines the agent that hosts the store leaves as soon as every agent passed torch's exit barrier,
+    which this machine's agent reaches only after its ranks exited: a monitor that stops reading once its ranks are
+    gone never reads a store that left (a job that succeeded printed c10d's stack trace for such a read)."""
+    store = _GoneStore()
+    m = _monitor(tmp_path, store)
+    ranks = [subprocess.Popen([sys.executable, "-c", "pass"]) for _ in m.ranks]
+    for rank, proc in zip(m.ranks, ranks):
+        m.store.set(f"pid/{rank}", str(proc.pid))
+    assert not m.ranks_exited() or all(p.poll() is not None for p in ranks)
+    for p in ranks:
+        p.wait()
+    assert m.ranks_exited()
+    store.gone, reads = True, store.reads
+    assert reads > 0  # (the monitor's reads reach this store's check)
+    finished = threading.Event()
+    agent = threading.Thread(target=finished.wait, args=(30,), daemon=True)  # the agent in its exit barrier
+    agent.start()
+    threading.Timer(1.0, finished.set).start()
+    m.run(agent)
+    assert store.reads == reads and m.failure is None  # no read of the store that left
+    m.read_first_failure()  # (after a failed job: tried once, and a store that left is not an error)
+    assert m.first_failure is None
+
+
+def test_a_rank_still_running_keeps_the_monitor_watching(tmp_path):
+    m = _monitor(tmp_path, dist.HashStore())
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        m.store.set("pid/3", str(alive.pid))
+        assert not m.ranks_exited()  # ranks 4 and 5 have not said their pids yet
+        for rank in (4, 5):
+            m.store.set(f"pid/{rank}", "999999999")  # (no such process)
+        assert not m.ranks_exited()
+        alive.kill()
+        alive.wait()
+        assert m.ranks_exited()
+    finally:
+        alive.kill()
+        alive.wait()

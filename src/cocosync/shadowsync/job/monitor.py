@@ -56,6 +56,7 @@ class Monitor:
         self.bar, self.tail = bar, tail
         self.agent_store = ranks is not None  # the rendezvous store of an agent: it leaves as the agent ends
         self.trainers_done = False  # every trainer of this machine said it is done
+        self._pids: dict[int, int] = {}  # this machine's ranks' pids, as each said it
         self.first_failure: str | None = None  # across machines: the job's first failure, on any machine
         self.logs = Path(cfg.out_dir) / "logs"
         self.failure: str | None = None
@@ -92,6 +93,25 @@ class Monitor:
         found = sorted(((m["time"], r, m["message"]) for r, m in found if m), key=lambda x: x[0])
         return [(r, f"{self.label(r)} failed: {msg}") for _, r, msg in found]
 
+    def ranks_exited(self) -> bool:
+        """Every rank of this machine said its pid and none runs any more. Across machines the job's store may then
+        leave with the agent that hosts it at any moment, and a read of a store that left makes c10d log a C++ stack
+        trace (it did after 2 of 3 jobs that succeeded): the monitor stops reading it."""
+        for rank in self.ranks:
+            if rank not in self._pids and (pid := self._get(f"pid/{rank}")):
+                self._pids[rank] = int(pid)
+        return len(self._pids) == len(self.ranks) and not any(map(_running, self._pids.values()))
+
+    def read_first_failure(self) -> None:
+        """After a failed job: the job's first failure, if it was not read yet and the store is still there."""
+        if self.first_failure is None:
+            try:
+                first = self._get(FIRST_FAILURE)
+            except RuntimeError:  # (gone with its agent)
+                return
+            if first:
+                self.first_failure = f"{self.label(first['rank'])} failed: {first['message']}"
+
     def kill_ranks(self) -> None:
         """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
         for rank in self.ranks:
@@ -127,6 +147,9 @@ class Monitor:
                         break
                     continue
                 try:
+                    if self.agent_store and self.ranks_exited():  # (the rest is the agents')
+                        watching = False
+                        continue
                     if self._check(t_launch):
                         self.kill_ranks()
                         break
@@ -282,3 +305,20 @@ def exit_status(stop_reason: str | None) -> int:
     """A stopped job's exit status, by what stopped it: 124 --timeout (as timeout(1)), 143 SIGTERM, 130 Ctrl-C."""
     reason = stop_reason or ""
     return 143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130
+
+
+def _running(pid: int) -> bool:
+    """Whether process `pid` exists and has not exited (an exited child its parent has not reaped yet is a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            pass
+        return True

@@ -165,6 +165,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     if isinstance(error, ChildFailedError):
         print(error.format_msg(), file=sys.stderr, flush=True)
         if monitor is not None:
+            monitor.read_first_failure()
             _first_failure(monitor, console)
         return 1
     if error is not None:
