@@ -32,7 +32,6 @@ __all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "differe
 PER_MACHINE = frozenset({"out_dir", "data", "threads", "timeout", "heartbeat_timeout", "progress", "log_every",
                          "window", "plot"})
 
-
 #: seconds a rank waits to see the file rank 0 wrote in its --out before it says the directory is not shared
 SHARED_WAIT = 3.0
 
