@@ -102,16 +102,6 @@ class Monitor:
                 self._pids[rank] = int(pid)
         return len(self._pids) == len(self.ranks) and not any(map(_running, self._pids.values()))
 
-    def read_first_failure(self) -> None:
-        """After a failed job: the job's first failure, if it was not read yet and the store is still there."""
-        if self.first_failure is None:
-            try:
-                first = self._get(FIRST_FAILURE)
-            except RuntimeError:  # (gone with its agent)
-                return
-            if first:
-                self.first_failure = f"{self.label(first['rank'])} failed: {first['message']}"
-
     def kill_ranks(self) -> None:
         """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
         for rank in self.ranks:

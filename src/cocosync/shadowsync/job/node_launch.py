@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from torch.distributed.launcher.api import launch_agent
 from torch.distributed.run import config_from_args, get_args_parser
+from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.__main__ import job_from_args
@@ -64,9 +65,13 @@ class _RankKeys(DefaultLogsSpecs):
         return dest
 
 
-def _not_about_signals(record: logging.LogRecord) -> bool:
-    """Drop torch's warning that its agent, in a thread, registers no signal handlers: this process takes them."""
-    return not record.getMessage().startswith("Failed to register signal handlers since torchelastic")
+def _agent_log_worth_showing(record: logging.LogRecord) -> bool:
+    """Drop torch's warning that its agent, in a thread, registers no signal handlers (this process takes them),
+    and the agent's traceback of its own join of a rank that exited with a status (`ProcessExitedException`: the
+    failed rank printed why, and torchrun's failure table names it). A rank that raised keeps its traceback."""
+    if record.getMessage().startswith("Failed to register signal handlers since torchelastic"):
+        return False
+    return not (record.exc_info and isinstance(record.exc_info[1], ProcessExitedException))
 
 
 def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str,
@@ -111,7 +116,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     config, _, _ = config_from_args(args)  # (sets OMP_NUM_THREADS=1 as torchrun does)
     config.start_method = "forkserver"
     logs = config.logs_specs = _RankKeys()
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_not_about_signals)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_agent_log_worth_showing)
     host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})  # the ranks' link: the rendezvous store
     outcome: dict[str, BaseException] = {}
@@ -165,7 +170,6 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     if isinstance(error, ChildFailedError):
         print(error.format_msg(), file=sys.stderr, flush=True)
         if monitor is not None:
-            monitor.read_first_failure()
             _first_failure(monitor, console)
         return 1
     if error is not None:
