@@ -2,6 +2,7 @@
 End to end (two loopback machines started with other options): test_cluster.py."""
 
 import dataclasses
+import json
 
 import pytest
 
@@ -14,15 +15,37 @@ def _options(cfg=None, cluster=None, nproc=3):
     return job_options(cfg or TrainConfig(), cluster or ClusterConfig(), nproc)
 
 
-def test_what_each_machine_sets_for_itself_is_not_compared():
+def _checkpoint(path, seen=4000, crc="12345"):
+    path.mkdir(parents=True)
+    meta = {"config": {}, "trainers": 2, "embedding_servers": 1, "examples_seen": seen}
+    (path / "meta.json").write_text(json.dumps(meta))
+    (path / "crc-trainer0.json").write_text(json.dumps({"w": crc}))
+    return str(path)
+
+
+def test_what_each_machine_sets_for_itself_is_not_compared(tmp_path):
     cfg = TrainConfig()
     local = TrainConfig(out_dir="/elsewhere", data="/mnt/b/train.tsv", threads=8, timeout=60.0, heartbeat_timeout=9.0,
                         progress=False, log_every=2.0, window=7, plot=False)
     assert {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(local, f.name)} == PER_MACHINE
     assert _options(cfg) == _options(local)
-    # a checkpoint to resume may sit at another path on each machine; resuming on one machine only is a difference
-    assert _options(cluster=ClusterConfig(resume="/a/ckpt")) == _options(cluster=ClusterConfig(resume="/b/ckpt"))
-    assert _options(cluster=ClusterConfig(resume="/a/ckpt")) != _options()
+    # the checkpoint to resume may sit at another path on each machine (two mounts: two copies here)
+    a, b = _checkpoint(tmp_path / "a"), _checkpoint(tmp_path / "b")
+    assert _options(cluster=ClusterConfig(resume=a)) == _options(cluster=ClusterConfig(resume=b))
+
+
+def test_a_resume_on_one_machine_only_or_from_another_checkpoint_is_named(tmp_path):
+    same = _checkpoint(tmp_path / "same")
+    later = _checkpoint(tmp_path / "later", seen=8000, crc="777")
+    other = _checkpoint(tmp_path / "other", crc="999")  # another run's, at the same examples
+    mine = _options(cluster=ClusterConfig(resume=same))
+    for theirs in (_options(), _options(cluster=ClusterConfig(resume=later)),
+                   _options(cluster=ClusterConfig(resume=other))):
+        (line,) = differences({0: mine, 1: theirs})
+        assert line.startswith("resume: 'the checkpoint at 4,000 examples, tensors ") and line.endswith(" on node 1")
+    assert "None on node 1" in differences({0: mine, 1: _options()})[0]
+    assert "'the checkpoint at 8,000 examples" in differences({0: mine, 1: _options(cluster=ClusterConfig(
+        resume=later))})[0]
 
 
 @pytest.mark.parametrize(("change", "key"), [

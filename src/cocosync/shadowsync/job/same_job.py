@@ -2,16 +2,17 @@
 
 Each machine builds its job from its own command line (`cocosync train --nnodes`, or `torchrun ... -m
 cocosync.shadowsync`). A typo on one machine (another --examples, --sync, table size or seed, a resume on one
-machine only, another --nproc-per-node) used to train on silently: a mix of two jobs, reported as node 0's, or a
-hang where the machines' schedules of collectives differ. Now every rank compares its job with every other rank's
-and the job stops before anything trains, naming each option that differs and its value on each machine. A job
-that checkpoints also checks that its --out is one directory every machine shares: each machine used to save its
-ranks' parts to its own, and node 0's checkpoint named files it did not have.
+machine only or from another checkpoint, another --nproc-per-node) used to train on silently: a mix of two jobs,
+reported as node 0's, or a hang where the machines' schedules of collectives differ. Now every rank compares its
+job with every other rank's and the job stops before anything trains, naming each option that differs and its
+value on each machine. A job that checkpoints also checks that its --out is one directory every machine shares:
+each machine used to save its ranks' parts to its own, and node 0's checkpoint named files it did not have.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import secrets
 import socket
@@ -22,10 +23,12 @@ from typing import Any
 import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology, topology_from_env
+from cocosync.shadowsync.checkpoint import read_meta, resolve
 from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
 
-__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "differences", "check_same_job"]
+__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "checkpoint_identity", "differences",
+           "check_same_job"]
 
 #: what each machine may set for itself: where it writes and reads (a data file's path; its contents are compared
 #: through the click rate read from its first rows, model.init_ctr), its threads, its own limits, what it shows
@@ -57,9 +60,18 @@ def job_options(cfg: TrainConfig, cluster: ClusterConfig, nproc_per_node: int) -
         else:
             out[key] = value
     out.update({k: v for k, v in dataclasses.asdict(cluster).items() if k != "resume"})
-    out["resume"] = "a checkpoint" if cluster.resume is not None else None  # its path may differ by machine
+    out["resume"] = checkpoint_identity(cluster.resume) if cluster.resume is not None else None
     out["nproc_per_node"] = nproc_per_node
     return out
+
+
+def checkpoint_identity(path: str) -> str:
+    """What names a checkpoint wherever a machine mounts it (its path may differ by machine): the examples it had
+    seen and a digest of its tensors' CRC-32s (crc-*.json, one file per saving rank)."""
+    ckpt = resolve(path)
+    crcs = b"".join(f.name.encode() + f.read_bytes() for f in sorted(ckpt.glob("crc-*.json")))
+    return f"the checkpoint at {read_meta(ckpt).get('examples_seen', 0):,} examples, tensors " \
+           f"{hashlib.sha256(crcs).hexdigest()[:12]}"
 
 
 def differences(per_node: dict[int, dict[str, Any]]) -> list[str]:
