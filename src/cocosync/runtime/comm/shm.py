@@ -36,7 +36,7 @@ import torch
 
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
-__all__ = ["Arena", "ArenaFull", "CollectiveTimeout", "Flags", "default_timeout", "SHM_DIR", "SHM_PREFIX",
+__all__ = ["Arena", "ArenaFull", "CollectiveTimeout", "Flags", "default_timeout", "pid_alive", "SHM_DIR", "SHM_PREFIX",
            "shm_space", "sweep_stale_segments", "leftover_segments"]
 
 SHM_DIR = "/dev/shm"
@@ -89,7 +89,7 @@ def unlink_pending() -> None:
         _unlink(path)
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
     """False when the process is gone or a zombie (killed, not yet reaped by its parent)."""
     if pid <= 0:  # not published yet
         return True
@@ -171,7 +171,7 @@ class Flags:
                     missing = [lr for lr in range(self.size) if col[lr] < target]
                     if not missing:
                         return
-                    dead = [lr for lr in missing if not _pid_alive(int(self.words[lr, _F_PID]))]
+                    dead = [lr for lr in missing if not pid_alive(int(self.words[lr, _F_PID]))]
                     if dead or now - start > timeout:
                         self._fail(what, self.seq if call is None and field != _F_SEQ else target,
                                    missing, dead, now - start)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from cocosync.runtime.comm.shm import pid_alive
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.job.eval_curve import describe
@@ -97,18 +98,22 @@ class Monitor:
         """Every rank of this machine said its pid and none runs any more. Across machines the job's store may then
         leave with the agent that hosts it at any moment, and a read of a store that left makes c10d log a C++ stack
         trace (it did after 2 of 3 jobs that succeeded): the monitor stops reading it."""
-        for rank in self.ranks:
-            if rank not in self._pids and (pid := self._get(f"pid/{rank}")):
-                self._pids[rank] = int(pid)
-        return len(self._pids) == len(self.ranks) and not any(map(_running, self._pids.values()))
+        pids = [self._pid(rank) for rank in self.ranks]
+        return None not in pids and not any(map(pid_alive, pids))
+
+    def _pid(self, rank: int) -> int | None:
+        """The pid rank `rank` said (read once), or None before it said it."""
+        if rank not in self._pids and (pid := self._get(f"pid/{rank}")):
+            self._pids[rank] = int(pid)
+        return self._pids.get(rank)
 
     def kill_ranks(self) -> None:
         """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
         for rank in self.ranks:
-            pid = self._get(f"pid/{rank}")
+            pid = self._pid(rank)
             if pid:
                 try:
-                    os.kill(int(pid), signal.SIGKILL)
+                    os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
 
@@ -233,7 +238,7 @@ class Monitor:
                 continue
             age = now - float(beat)
             if age > self.cfg.heartbeat_timeout:
-                pid = self._get(f"pid/{rank}")
+                pid = self._pid(rank)
                 why = (f"no heartbeat for {age:.0f}s (--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the "
                        "process is stopped, hung or not scheduled)")
                 if self.agent_store:  # the other machines' launchers name it too (before this one kills its ranks)
@@ -296,19 +301,3 @@ def exit_status(stop_reason: str | None) -> int:
     reason = stop_reason or ""
     return 143 if reason == "SIGTERM" else 124 if reason.startswith("--timeout") else 130
 
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` exists and has not exited (an exited child its parent has not reaped yet is a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: whether the pid exists
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            pass
-        return True
