@@ -71,6 +71,47 @@ def test_quality_bench_names_bad_arguments():
     assert res.exit_code == 2 and "shadow-foo" in res.output
     res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "2,x"])
     assert res.exit_code == 2 and "2,x" in res.output
+    res = CliRunner().invoke(cli, ["bench", "quality", "--examples", "1600000,lots"])
+    assert res.exit_code == 2 and "1600000,lots" in res.output
+    # a length too short for a trainer count is refused before any run, naming both
+    res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "16", "--examples", "1600000,1000"])
+    assert res.exit_code == 2 and "1000 with --trainers 16" in res.output
+
+
+def test_several_run_lengths_each_against_one_trainer_of_the_same_length(tmp_path, monkeypatch):
+    """--examples N1,N2: every configuration and its T=1 reference at each length, seed-major; a row per (algorithm,
+    T, length) against the references of its own length, with its examples per trainer; one plot panel per length."""
+    import cocosync.bench.quality as bench
+
+    order = []
+
+    def train(alg, T, seed, base, out, console):  # NE known per run: the loss at T shrinks with examples per trainer
+        n = base["examples"]
+        order.append((seed, n, alg, T))
+        assert out.name == f"examples-{n}"  # each length's runs in a folder of its own
+        ne = 0.70 + 0.002 * seed - 0.01 * (n > 100_000) + (T > 1) * 0.7 * T / n
+        return {"algorithm": alg, "T": T, "seed": seed, "examples": n, "eval_ne": ne, "eps": 1e5,
+                "sync_gap": 3.0, "max_train_ne": 0.8, "row_staleness": 1.0}
+
+    monkeypatch.setattr(bench, "_train", train)
+    out = tmp_path / "q"
+    res = CliRunner().invoke(cli, ["bench", "quality", "--trainers", "4", "--algorithms", "shadow-ma", "--seeds", "3",
+                                   "--examples", "80000,160000", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    result = json.loads((out / "quality.json").read_text())
+    assert result["settings"]["examples"] == [80000, 160000]
+    assert result["reference_eval_ne"] == pytest.approx({"80000": 0.702, "160000": 0.692})
+    rows = {r["examples"]: r for r in result["rows"]}
+    assert [(r["T"], r["examples_per_trainer"], r["seeds"]) for r in rows.values()] == [(4, 20000, 3), (4, 40000, 3)]
+    for n, row in rows.items():  # each against its own length's T=1 of the same seed
+        want = statistics.fmean((0.70 + 0.002 * s - 0.01 * (n > 100_000) + 2.8 / n)
+                                / (0.70 + 0.002 * s - 0.01 * (n > 100_000)) - 1 for s in range(3))
+        assert row["change"] == pytest.approx(want)
+    assert rows[160000]["change"] < rows[80000]["change"]
+    # seed-major: both lengths of seed 0 before any run of seed 1
+    assert [k for k in order if k[3] > 1] == [(s, n, "shadow-ma", 4) for s in range(3) for n in (80000, 160000)]
+    assert "| shadow-ma | 4 | 80k (20k) |" in res.output and "| shadow-ma | 4 | 160k (40k) |" in res.output
+    assert (out / "quality.png").stat().st_size > 10_000
 
 
 def test_a_time_limit_keeps_the_runs_that_finished(tmp_path, monkeypatch):
@@ -84,7 +125,8 @@ def test_a_time_limit_keeps_the_runs_that_finished(tmp_path, monkeypatch):
 
     def train(alg, T, seed, base, out, console):  # each run takes 10 s of the fake clock
         clock[0] += 10.0
-        return {"algorithm": alg, "T": T, "seed": seed, "eval_ne": 0.70 + 0.01 * (T > 1) + 0.001 * seed,
+        return {"algorithm": alg, "T": T, "seed": seed, "examples": base["examples"],
+                "eval_ne": 0.70 + 0.01 * (T > 1) + 0.001 * seed,
                 "eps": 1e5, "sync_gap": 2.0 if T > 1 else float("nan"), "max_train_ne": 0.8}
 
     monkeypatch.setattr(bench, "_train", train)
