@@ -95,8 +95,7 @@ def _train(alg: str, T: int, seed: int, base: dict, out: Path, console: Any) -> 
     curve = [r["train_ne"] for r in res.records if r.get("event") == "train" and r.get("train_ne") is not None
              and r.get("trainer_examples", full) >= full]
     return {"algorithm": alg, "T": T, "seed": seed, "examples": base["examples"], "eval_ne": s["eval_ne"],
-            "eps": s["eps"],
-            "sync_gap": s["sync_gap"], "max_train_ne": max(curve, default=float("nan")),
+            "eps": s["eps"], "sync_gap": s["sync_gap"], "max_train_ne": max(curve, default=float("nan")),
             "row_staleness": s.get("staleness", float("nan"))}
 
 
@@ -126,11 +125,11 @@ def _length_dir(out: Path, examples: int, lengths: list[int]) -> Path:
 
 
 def run_quality(*, trainers: list[int], algorithms: list[str], seeds: list[int], examples: int | list[int],
-                eval_examples: int,
-                out: Path, console: Any, log: Path | None = None, reference_jobs: int = 1,
+                eval_examples: int, out: Path, console: Any, log: Path | None = None, reference_jobs: int = 1,
                 time_limit: float | None = None) -> dict:
-    """Every run (a list of dicts) and the per-(algorithm, T) rows; `log`: each run appended there as a JSON line as
-    it ends (a long bench stopped early keeps what it measured); `reference_jobs`: T=1 runs side by side;
+    """Every run (a list of dicts) and the per-(algorithm, T, length) rows (`examples`: one run length or several);
+    `log`: each run appended there as a JSON line as it ends (a long bench stopped early keeps what it measured);
+    `reference_jobs`: T=1 runs side by side;
     `time_limit` (seconds): start no T >= 2 run that would end after it (by the slowest so far), and report the
     runs that finished."""
     from rich.progress import (
