@@ -91,6 +91,31 @@ def _cfg(tmp_path, algorithm, **kw) -> TrainConfig:
     return TrainConfig(**{**base, **kw})
 
 
+def test_crowded_shadow_averages_are_warned_about(tmp_path, monkeypatch):
+    """More trainers than cores with a plain shadow average: the launcher says so and names the algorithms that held
+    their NE there; with a core each, or with shadow-bmuf / fr-ma, it says nothing."""
+    from io import StringIO
+
+    from rich.console import Console
+
+    from cocosync.shadowsync.job import launch
+
+    advice = launch.crowded_shadow_advice
+    for algorithm in ("shadow-ma", "shadow-easgd", "shadow-dssync"):
+        msg = advice(_cfg(tmp_path, algorithm), trainers_here=16, cores=2)
+        assert "16 trainers share 2 cores" in msg and algorithm in msg and "shadow-bmuf or fr-ma" in msg, msg
+        assert advice(_cfg(tmp_path, algorithm), trainers_here=2, cores=2) is None
+    for algorithm in ("shadow-bmuf", "fr-ma", "fr-easgd", "none"):
+        assert advice(_cfg(tmp_path, algorithm), trainers_here=16, cores=2) is None
+    monkeypatch.setattr(launch, "_cores", lambda: 1)  # the launcher's own check, on a run it starts
+    out = StringIO()
+    res = run_training(_cfg(tmp_path, "shadow-ma", examples=8_000, checkpoint=False),
+                       console=Console(file=out, width=200))
+    assert res.summary["examples"] == 8_000
+    said = out.getvalue()
+    assert "2 trainers share 1 core on this machine: with more trainers than cores shadow-ma" in said, said
+
+
 def test_replica_lr_scale_multiplies_the_dense_step(tmp_path):
     """One trainer is deterministic: dense lr 0.1 at scale 0.5 trains the same bits as 0.05 at scale 1, and 0.1 at
     scale 1 does not (the scale reaches the trainer's update, not only the config)."""

@@ -55,7 +55,7 @@ from cocosync.shadowsync.train_config import (
     config_to_dict,
 )
 
-__all__ = ["RunResult", "run_training", "OutputLock"]
+__all__ = ["RunResult", "run_training", "OutputLock", "crowded_shadow_advice"]
 
 _BACKEND = "cocosync-loopback"
 _STORES: dict[int, LoopbackStore] = {}  # port -> the store a run in this process owns
@@ -306,6 +306,31 @@ def _memory_available() -> int | None:
     return None
 
 
+# Eval NE against one trainer at T=16 on 2 cores, 3.2M examples, 10-20 runs each (BENCHMARKS.md, issue 32)
+_CROWDED_NE = {"shadow-ma": "+1.06%", "shadow-easgd": "+0.83%", "shadow-dssync": "+1.24%"}
+_CROWDED_PICKS = "shadow-bmuf +0.15%, fr-ma +0.29%"
+
+
+def _cores() -> int:
+    """The cores this process may run on (its CPU affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def crowded_shadow_advice(cfg: TrainConfig, trainers_here: int, cores: int | None = None) -> str | None:
+    """A warning when this machine's trainers outnumber its cores (`cores`: this process's CPU affinity by default)
+    and `cfg` syncs with a plain shadow average, which lost about a point of NE there while shadow-bmuf and fr-ma did
+    not; None otherwise. For MA the cause is measured: a round waits for every trainer's shadow thread to be
+    scheduled, and the steps taken meanwhile use a replica about to be averaged (BENCHMARKS.md, "the steps in flight
+    during a round")."""
+    measured = _CROWDED_NE.get(cfg.sync.algorithm)
+    cores = cores if cores is not None else _cores()
+    if measured is None or trainers_here <= cores:
+        return None
+    return (f"{trainers_here} trainers share {cores} core{'s' if cores > 1 else ''} on this machine: with more "
+            f"trainers than cores {cfg.sync.algorithm} measured {measured} eval NE over one trainer at T=16 on 2 "
+            f"cores ({_CROWDED_PICKS}; BENCHMARKS.md). Consider --sync shadow-bmuf or fr-ma, or fewer --trainers.")
+
+
 def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, console: Any,
             name: str | None) -> RunResult:
     out = Path(cfg.out_dir)
@@ -313,6 +338,9 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     _STORES[store.port] = store
     servers = f"{cluster.embedding_servers} embedding server" + ("s" if cluster.embedding_servers > 1 else "")
     sync = nproc - cluster.embedding_servers - cfg.trainers
+    advice = crowded_shadow_advice(cfg, cfg.trainers)
+    if advice is not None:
+        console.print(f"[yellow]{escape(advice)}", soft_wrap=True)
     console.print(f"starting {nproc} processes on this machine ({servers}, "
                   + (f"{sync} sync server, " if sync else "") + f"{cfg.trainers} trainer"
                   + ("s" if cfg.trainers > 1 else "") + f"; their output: {escape(str(out))}/logs/) ...")

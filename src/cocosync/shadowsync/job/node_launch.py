@@ -37,7 +37,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.__main__ import job_from_args
-from cocosync.shadowsync.job.launch import check_resume
+from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_node_rank
@@ -108,6 +108,9 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
                               progress=progress)
     if cluster.resume is not None:  # (on this machine's file system, where its ranks will read it)
         check_resume(cfg, cluster, work_left=False)
+    advice = crowded_shadow_advice(cfg, cfg.trainers // nnodes)
+    if advice is not None:
+        Console(stderr=True).print(f"[yellow]{escape(advice)}", soft_wrap=True)
     sys.stdout.flush()
     sys.stderr.flush()
     if not warm:
