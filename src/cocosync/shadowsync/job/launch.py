@@ -306,8 +306,9 @@ def _memory_available() -> int | None:
     return None
 
 
-# Eval NE against one trainer at T=16 on 2 cores, 3.2M examples, 10-20 runs each (BENCHMARKS.md, issue 32)
-_CROWDED_NE = {"shadow-ma": "+1.06%", "shadow-easgd": "+0.83%", "shadow-dssync": "+1.24%"}
+# Eval NE against one trainer at T=16 on 2 cores, 3.2M examples, 20 runs each (10 for shadow-bmuf; BENCHMARKS.md,
+# issue 32)
+_CROWDED_NE = {"shadow-ma": "+1.06%", "shadow-easgd": "+0.83%", "shadow-dssync": "+0.98%"}
 _CROWDED_PICKS = "shadow-bmuf +0.15%, fr-ma +0.29%"
 
 
