@@ -171,18 +171,20 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     process (job/node_launch.py): each rank forked warm, titled with its rank, in the command's session (one
     scheduling group a node; torchrun's command would give each rank a session) and a process group of its own (a
     terminal's Ctrl-C reaches the command only); every socket the ranks open (gloo, TensorPipe) is on 127.0.0.1.
-    `--no-progress` (the one-machine bar's option) is taken and left out of the ranks' options.
-    (torchrun's agents own their rendezvous stores, which TCPStore binds on every interface: that is torchrun's
+    `--no-progress` (the one-machine bar's option) is taken and left out of the ranks' options, and no temporary
+    directory of the agent's is left behind. (torchrun's agents own their rendezvous stores, which TCPStore binds on every interface: that is torchrun's
     behaviour, not checked here.)"""
     port = free_port()
-    out = tmp_path / "run"
+    out, tmp = tmp_path / "run", tmp_path / "tmp"
+    tmp.mkdir()
     procs = []
     for node in (0, 1):
         cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *SMALL, "--sync", "fr-ma",
                "--no-progress", "--out", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env={**os.environ, "COCOSYNC_RUN_ID": f"t{port}"}, start_new_session=True))
+                                      env={**os.environ, "COCOSYNC_RUN_ID": f"t{port}", "TMPDIR": str(tmp)},
+                                      start_new_session=True))
     seen: set = set()
     agents: set = set()  # torchrun's own stores
     ranks: dict[int, tuple[int, int, int, int]] = {}  # rank -> (pid, its session, its group, its node's command)
@@ -206,6 +208,8 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
         assert (sid, pgid) == (command, pid)  # the command's session (it leads one here), a group of its own
     assert seen, "expected the ranks' gloo and TensorPipe sockets"
     assert all(addr in ("127.0.0.1", "::1") for _, addr, _ in seen), seen
+    # torch's agent leaves a /tmp/torchelastic_* directory per logs spec; the command removes its own
+    assert not [f for f in os.listdir(tmp) if f.startswith(("torchelastic_", "cocosync-agent-"))], os.listdir(tmp)
 
 
 @pytest.mark.parametrize("two_hosts", [False, True], ids=["loopback", "two-simulated-machines"])

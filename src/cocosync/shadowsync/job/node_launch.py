@@ -20,8 +20,10 @@ import dataclasses
 import datetime
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
 import time
 
@@ -116,9 +118,12 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     if not warm:
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
+    # the agent's error files, in a directory of ours removed at the end: torch's default is a /tmp/torchelastic_*
+    # per logs spec, left behind by every run
+    args.log_dir = tempfile.mkdtemp(prefix="cocosync-agent-")
     config, _, _ = config_from_args(args)  # (sets OMP_NUM_THREADS=1 as torchrun does)
     config.start_method = "forkserver"
-    logs = config.logs_specs = _RankKeys()
+    logs = config.logs_specs = _RankKeys(log_dir=args.log_dir)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_agent_log_worth_showing)
     host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})  # the ranks' link: the rendezvous store
@@ -169,6 +174,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        shutil.rmtree(args.log_dir, ignore_errors=True)  # (a failure's error files were read when it was seen)
     error = outcome.get("error")
     if isinstance(error, ChildFailedError):
         print(error.format_msg(), file=sys.stderr, flush=True)
