@@ -172,8 +172,8 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     scheduling group a node; torchrun's command would give each rank a session) and a process group of its own (a
     terminal's Ctrl-C reaches the command only); every socket the ranks open (gloo, TensorPipe) is on 127.0.0.1.
     `--no-progress` (the one-machine bar's option) is taken and left out of the ranks' options, and no temporary
-    directory of the agent's is left behind. (torchrun's agents own their rendezvous stores, which TCPStore binds on every interface: that is torchrun's
-    behaviour, not checked here.)"""
+    directory of the agent's is left behind. (torchrun's agents own their rendezvous stores, which TCPStore binds on
+    every interface: that is torchrun's behaviour, not checked here.)"""
     port = free_port()
     out, tmp = tmp_path / "run", tmp_path / "tmp"
     tmp.mkdir()
