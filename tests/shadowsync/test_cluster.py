@@ -300,11 +300,14 @@ def test_the_timeout_under_plain_torchrun_stops_the_trainers_with_a_checkpoint(t
 
 def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path):
     """Node 0 of a 2-node job started alone says what it waits for; Ctrl-C before the machines met aborts at once
-    (nothing has trained: there is nothing to stop with a checkpoint)."""
+    (nothing has trained: there is nothing to stop with a checkpoint), leaving no directory of the agent's."""
     endpoint = f"127.0.0.1:{free_port()}"
     cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--out",
            str(tmp_path / "run")]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "TMPDIR": str(tmp)})
     try:
         seen = ""
         while "waiting for the 2 machines" not in seen:
@@ -318,6 +321,7 @@ def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path)
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130 and "Ctrl-C before the machines met: aborting" in seen, seen
+    assert not [f for f in os.listdir(tmp) if f.startswith(("torchelastic_", "cocosync-agent-"))], os.listdir(tmp)
 
 
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):

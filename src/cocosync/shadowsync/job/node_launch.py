@@ -158,7 +158,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
                 name = signal.Signals(signals[0]).name
                 print(f"{'Ctrl-C' if name == 'SIGINT' else name} before the machines met: aborting", file=sys.stderr,
                       flush=True)
-                os._exit(128 + signals[0])
+                _abort(128 + signals[0], args.log_dir)
         if thread.is_alive():
             monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console)
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
@@ -166,7 +166,7 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
                 console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
                 _first_failure(monitor, console)
                 if monitor.presses >= 2:
-                    os._exit(128 + signal.Signals[monitor.signal_name])
+                    _abort(128 + signal.Signals[monitor.signal_name], args.log_dir)
                 monitor.kill_ranks()
                 thread.join(30)
                 return 1
@@ -186,6 +186,12 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     if monitor is not None and monitor.interrupted:
         return exit_status(monitor.stop_reason)
     return 0
+
+
+def _abort(status: int, log_dir: str) -> None:
+    """Exit now (the ranks die with their launcher), leaving no directory of the agent's behind."""
+    shutil.rmtree(log_dir, ignore_errors=True)
+    os._exit(status)
 
 
 def _first_failure(monitor: Monitor, console: Console) -> None:
