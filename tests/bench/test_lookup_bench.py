@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from cocosync.bench.lookup_scaling import fit_line, projected_efficiency
+from cocosync.bench.common import fit_line
+from cocosync.bench.lookup_scaling import projected_efficiency
 from cocosync.cli import main as cli
 
 

@@ -100,7 +100,7 @@ def test_eval_data_scores_on_that_file(tmp_path):
 
 
 def test_the_multi_node_entry_point_outside_torchrun_says_how_to_launch_it(monkeypatch):
-    from cocosync.shadowsync.__main__ import main
+    from cocosync.shadowsync.cli.rank import main
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     res = CliRunner().invoke(main, ["--examples", "1000"])
@@ -205,7 +205,7 @@ def test_a_binary_eval_file_is_refused_before_training(tmp_path):
 
 
 def test_eval_examples_on_the_command_line_win_over_the_config_files_eval_rows(tmp_path):
-    from cocosync.shadowsync.cli.train import config_from_options
+    from cocosync.shadowsync.cli.options import config_from_options
     from cocosync.shadowsync.data.sources import build_configs
 
     cfg = config_from_options(_config(tmp_path, "[data_options]\neval_rows = 777\n"), None, {"eval_examples": 1234})
@@ -239,7 +239,7 @@ def test_a_directory_as_data_and_tables_beyond_the_machine_are_one_line(tmp_path
 
 
 def test_the_algorithm_alone_may_stand_for_the_sync_table(tmp_path):
-    from cocosync.shadowsync.cli.train import config_from_options
+    from cocosync.shadowsync.cli.options import config_from_options
 
     assert config_from_options(_config(tmp_path, 'sync = "shadow-ma"\n'), None, {}).sync.algorithm == "shadow-ma"
 
@@ -257,7 +257,7 @@ def test_paths_with_markup_characters_are_printed_as_given(tmp_path):
     summary = (out / "summary.json").read_text()
     _one_error(_train(tmp_path, "--resume", str(out)), "nothing left to train", "has seen 4,000 examples")
     assert (out / "summary.json").read_text() == summary
-    from cocosync.shadowsync.cli.train import config_from_options
+    from cocosync.shadowsync.cli.options import config_from_options
 
     assert config_from_options(None, str(out), {}).timeout is None
     assert config_from_options(None, str(out), {"timeout": 50.0}).timeout == 50.0

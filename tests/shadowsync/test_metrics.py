@@ -10,18 +10,14 @@ import torch
 
 from cocosync.shadowsync.metrics import (
     MetricsLogger,
-    SlidingWindowNE,
-    Throughput,
     auc,
     bayes_ne,
     curve,
     evaluate,
-    load_run,
     normalized_entropy,
     plot_ne,
     read_metrics,
     summary_table,
-    sync_gap,
 )
 
 
@@ -66,27 +62,6 @@ def test_auc_equals_sklearns_with_and_without_ties(n, decimals):
         assert auc(torch.from_numpy(y), torch.from_numpy(p)) == pytest.approx(roc_auc_score(y, p), abs=1e-12)
 
 
-def test_sliding_window_ne_forgets_old_examples():
-    w = SlidingWindowNE(window=4)
-    assert math.isnan(w.value)
-    w.update([1, 0, 0, 1], [0.01, 0.99, 0.99, 0.01])  # terrible
-    bad = w.value
-    w.update(torch.tensor([1.0, 0.0]), torch.tensor([0.9, 0.2]))
-    w.update([0, 1], [0.4, 0.6])
-    assert w.value == pytest.approx(normalized_entropy([1, 0, 0, 1], [0.9, 0.2, 0.4, 0.6]))
-    assert bad > 5 and w.count == 8
-
-
-def test_throughput_and_sync_gap():
-    t = Throughput()
-    t.update(100)
-    t.update(50)
-    assert t.total == 150 and t.rate > 0 and t.overall > 0
-    a, b = [torch.ones(3), torch.zeros(2)], [torch.ones(3), torch.ones(2)]
-    assert sync_gap(a, a) == 0.0
-    assert sync_gap(a, b) == pytest.approx(math.sqrt(2 / 5))
-
-
 def test_logger_table_and_plot(tmp_path):
     path = tmp_path / "m" / "run.jsonl"
     with MetricsLogger(path) as log:
@@ -97,7 +72,8 @@ def test_logger_table_and_plot(tmp_path):
     table = summary_table([{"name": "easgd", "eval_ne": 0.71234, "examples": 3000}, {"name": "ma", "auc": 0.8}])
     assert [c.header for c in table.columns] == ["name", "eval_ne", "examples", "auc"]
     assert table.row_count == 2
-    png = plot_ne([{**load_run(path), "bayes_ne": 0.6}, {"name": "other", "records": recs[:2]}], tmp_path / "ne.png")
+    runs = [{"name": "run", "records": recs, "bayes_ne": 0.6}, {"name": "other", "records": recs[:2]}]
+    png = plot_ne(runs, tmp_path / "ne.png")
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 

@@ -22,7 +22,7 @@ import torch
 
 __all__ = ["Stats", "time_calls", "time_interleaved", "stats", "parse_size", "parse_shapes", "fmt_bytes",
            "fmt_seconds", "fmt_ratio", "copy_bandwidth", "bound_seconds", "machine_info", "print_table",
-           "markdown_table", "write_json", "TimeBudget"]
+           "markdown_table", "write_json", "TimeBudget", "fit_line"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -256,3 +256,11 @@ class TimeBudget:
             self.slowest = max(self.slowest, time.monotonic() - started)
 
         return timed()
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope) of ys against xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - b * mx, b

@@ -12,7 +12,7 @@ slowest rank of that iteration; medians are reported.
 - **lamb**: ours (``DistributedLAMB``: one trust ratio per parameter tensor, as published) vs bucketed gloo
   all_reduce + LAMB with torch._foreach ops computing the same thing; and both with one global ratio.
 - **sgd**: ours (``DistributedSGD(momentum=0.9)``) vs bucketed gloo all_reduce + ``torch.optim.SGD(momentum=0.9,
-  fused=True)``; its bound is (P + 4) * N * 4 bytes (no second moment). In `bench/dp_optims.py`, with lamb.
+  fused=True)``; its bound is (P + 4) * N * 4 bytes (no second moment).
 - **train**: a full step (forward + backward + step) of a small transformer LM: torch DDP + Adam(fused) vs ours
   (the plain model + DistributedAdam, no DDP).
 
@@ -46,6 +46,7 @@ from cocosync.bench.common import (
     write_json,
 )
 from cocosync.bench.dp_chart import OURS_OF, SECTIONS, write_png
+from cocosync.bench.dp_sweep import parse_batches, show_sweep, sweep_png
 
 __all__ = ["DpConfig", "QUICK", "run_dp", "table_rows", "quick_dp_comparison", "write_png", "dp_cmd"]
 
@@ -355,6 +356,78 @@ def _train_cases(cfg: DpConfig) -> Cases:
     return cases
 
 
+def _lamb_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
+    """DistributedLAMB (per-tensor ratios, and one global ratio) vs bucketed gloo all_reduce + foreach LAMB."""
+    from cocosync.bench.baselines import ForeachLAMB, GradBuckets
+
+    cases = Cases()
+    keep: list[Any] = []
+
+    def ours(per_tensor: bool, key: str):
+        from cocosync.optim import DistributedLAMB
+
+        model = mlp(cfg)
+        opt = DistributedLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
+        set_grads(model, grads)
+        keep.append((model, opt))
+        note_fast(cases, key, opt)
+        return opt.step
+
+    def base(per_tensor: bool):
+        model = mlp(cfg)
+        set_grads(model, grads)
+        buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
+        opt = ForeachLAMB(model.parameters(), lr=1e-4, per_tensor=per_tensor)
+        keep.append((model, buckets, opt))
+
+        def step():
+            buckets.all_reduce_mean()
+            opt.step()
+        return step
+
+    cases.add("lamb_ours", lambda: ours(True, "lamb_ours"))
+    cases.add("lamb_base", lambda: base(True))
+    if "lamb_global" in cfg.baselines:
+        cases.add("lamb_ours_global", lambda: ours(False, "lamb_ours_global"))
+        cases.add("lamb_base_global", lambda: base(False))
+    cases.keep = keep  # type: ignore[attr-defined]
+    return cases
+
+
+def _sgd_cases(cfg: DpConfig, grads: list[torch.Tensor]) -> Cases:
+    """DistributedSGD(momentum=0.9) vs bucketed gloo all_reduce + torch.optim.SGD(momentum=0.9, fused=True)."""
+    from cocosync.bench.baselines import GradBuckets
+    from cocosync.optim import DistributedSGD
+
+    cases = Cases()
+    keep: list[Any] = []
+
+    def ours():
+        model = mlp(cfg)
+        opt = DistributedSGD(model.parameters(), lr=1e-3, momentum=0.9)
+        set_grads(model, grads)
+        keep.append((model, opt))
+        note_fast(cases, "sgd_ours", opt)
+        return opt.step
+
+    def ddp():
+        model = mlp(cfg)
+        set_grads(model, grads)
+        buckets = GradBuckets(model.parameters(), int(cfg.bucket_mb * (1 << 20)))
+        opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9, fused=True)
+        keep.append((model, buckets, opt))
+
+        def step():
+            buckets.all_reduce_mean()
+            opt.step()
+        return step
+
+    cases.add("sgd_ours", ours)
+    cases.add("sgd_ddp", ddp)
+    cases.keep = keep  # type: ignore[attr-defined]
+    return cases
+
+
 def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
     """Runs on every rank; returns this rank's samples per section and case, notes, and bandwidth samples."""
     out: dict[str, Any] = {"samples": {}, "notes": {}, "bandwidth": []}
@@ -367,9 +440,7 @@ def _bench_rank(cfg: DpConfig) -> dict[str, Any]:
         if section == "adam":
             cases = _adam_cases(cfg, grads)
         elif section in ("lamb", "sgd"):
-            from cocosync.bench import dp_optims
-
-            cases = (dp_optims.lamb_cases if section == "lamb" else dp_optims.sgd_cases)(cfg, grads)
+            cases = (_lamb_cases if section == "lamb" else _sgd_cases)(cfg, grads)
         else:
             cases = _train_cases(cfg)
         out["notes"].update(cases.notes)
@@ -434,6 +505,18 @@ def run_dp(cfg: DpConfig) -> dict[str, Any]:
             "bound_bytes": (cfg.P + 6) * N * 4, "bound_s": bound, "sgd_bound_s": sgd_bound,
             "adam_fused": adam_fused_ok(), "kernels": kernels, "rows": rows,
             "targets": targets, "notes": {k: v for k, v in notes.items()}}
+
+
+def run_train_sweep(cfg, batches: list[int]) -> dict[str, Any]:
+    """cfg: a DpConfig (its transformer shape and repeats); one train-section run per per-rank batch size."""
+    rows = []
+    for b in batches:
+        res = run_dp(replace(cfg, sections=("train",), tf_batch=b, bw_bytes=min(cfg.bw_bytes, 16 << 20)))
+        med = {r["case"]: r.get("median_s") for r in res["rows"]}
+        rows.append({"batch": b, "tokens": b * cfg.tf_seq, "ours_s": med.get("train_ours"),
+                     "ddp_s": med.get("train_ddp"), "notes": res["notes"]})
+    return {"suite": "dp-train-sweep", "P": cfg.P, "config": {"tf_layers": cfg.tf_layers, "tf_dim": cfg.tf_dim,
+            "tf_seq": cfg.tf_seq, "repeats": cfg.repeats}, "target": TARGETS["train"], "rows": rows}
 
 
 def _section_of(key: str) -> str:
@@ -567,8 +650,6 @@ def dp_cmd(json_path, png_path, quick, repeats, layers, width, tf, sections, ker
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     if tf_batches:
-        from cocosync.bench.dp_sweep import parse_batches, run_train_sweep, show_sweep, sweep_png
-
         sweep = run_train_sweep(cfg, parse_batches(tf_batches))
         show_sweep(sweep, markdown=markdown)
         if json_path:

@@ -2,12 +2,11 @@
 
 What ours saves per step is nearly constant (DDP's gloo all-reduce that backward does not hide, its bucket copies),
 while forward + backward grow with the tokens: the ratio says in which regime the optimizer's communication
-matters. One `run_dp` (a fresh RankPool) per batch size, the train section only.
+matters. `dp.run_train_sweep` runs it: one `run_dp` (a fresh RankPool) per batch size, the train section only.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,7 @@ import click
 
 from cocosync.bench.common import fmt_ratio, fmt_seconds, markdown_table, print_table, save_figure
 
-__all__ = ["run_train_sweep", "sweep_rows", "show_sweep", "sweep_png", "parse_batches", "COLUMNS"]
+__all__ = ["sweep_rows", "show_sweep", "sweep_png", "parse_batches", "COLUMNS"]
 
 COLUMNS = ["batch / rank", "tokens / rank", "ours", "DDP + Adam(fused)", "DDP / ours", "target"]
 
@@ -29,20 +28,6 @@ def parse_batches(text: str) -> list[int]:
         raise click.BadParameter(f"{text!r}: expected comma-separated positive integers, e.g. 1,2,4,8",
                                  param_hint="--tf-batches")
     return batches
-
-
-def run_train_sweep(cfg, batches: list[int]) -> dict[str, Any]:
-    """cfg: a DpConfig (its transformer shape and repeats); one train-section run per per-rank batch size."""
-    from cocosync.bench.dp import TARGETS, run_dp
-
-    rows = []
-    for b in batches:
-        res = run_dp(replace(cfg, sections=("train",), tf_batch=b, bw_bytes=min(cfg.bw_bytes, 16 << 20)))
-        med = {r["case"]: r.get("median_s") for r in res["rows"]}
-        rows.append({"batch": b, "tokens": b * cfg.tf_seq, "ours_s": med.get("train_ours"),
-                     "ddp_s": med.get("train_ddp"), "notes": res["notes"]})
-    return {"suite": "dp-train-sweep", "P": cfg.P, "config": {"tf_layers": cfg.tf_layers, "tf_dim": cfg.tf_dim,
-            "tf_seq": cfg.tf_seq, "repeats": cfg.repeats}, "target": TARGETS["train"], "rows": rows}
 
 
 def sweep_rows(result: dict[str, Any]) -> list[list[str]]:

@@ -47,7 +47,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, replace
 from typing import Mapping
 
-from cocosync.bench.lookup_scaling import fit_line
+from cocosync.bench.common import fit_line
 
 __all__ = ["ExchangeCosts", "fit_costs", "predict_cpu", "project_efficiency", "server_load", "model_report"]
 

@@ -31,21 +31,14 @@ from typing import Any
 
 import click
 
-from cocosync.bench.common import TimeBudget
+from cocosync.bench.common import TimeBudget, fit_line
+from cocosync.bench.exchange_model import model_report
 
-__all__ = ["lookups_cmd", "run_lookups", "fit_line", "projected_efficiency", "thread_rows", "SIDE_BY_SIDE"]
+__all__ = ["lookups_cmd", "run_lookups", "projected_efficiency", "thread_rows", "SIDE_BY_SIDE"]
 
 SIDE_BY_SIDE = "side by side"  # the label of N one-node jobs run at once: an N-node job's machine-load reference
 
 TARGETS = {"efficiency_4": 0.9, "efficiency_32": 0.9, "efficiency_128": 0.75, "staleness": 4.0, "wait": 0.05}
-
-
-def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope) of ys against xs."""
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxx = sum((x - mx) ** 2 for x in xs)
-    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
-    return my - b * mx, b
 
 
 def projected_efficiency(a: float, b: float, nodes: int) -> float:
@@ -249,7 +242,6 @@ def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: 
     `load`: N -> CPU per example of N one-node jobs side by side, the load-matched bases."""
     import dataclasses
 
-    from cocosync.bench.exchange_model import model_report
     from cocosync.shadowsync.job.roles import ClusterConfig
 
     mine = [one, *(r for r in rows if r["transport"] == label)]

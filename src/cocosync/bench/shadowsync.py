@@ -214,6 +214,6 @@ def shadowsync(examples: int, eval_examples: int, trainers: str, interval: float
     if json_path:
         payload = {"examples": examples, "eval_examples": eval_examples, "interval": interval, "repeats": repeats,
                    "runs": [{k: v for k, v in r.items() if k != "records"} for r in runs], "verdicts": lines}
-        from cocosync.shadowsync.job.trainer import json_safe
+        from cocosync.shadowsync.metrics import json_safe
 
         console.print(f"json: {write_json(json_path, json_safe(payload))}")

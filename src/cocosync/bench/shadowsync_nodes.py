@@ -97,7 +97,7 @@ def _median(rows: list[dict]) -> dict:
 def report(samples: dict[str, list[dict]], *, batch_size: int, console: Any, out: Path,
            json_path: str | None) -> dict:
     from cocosync.bench.common import markdown_table, print_table, save_figure, write_json
-    from cocosync.shadowsync.job.trainer import json_safe
+    from cocosync.shadowsync.metrics import json_safe
 
     med = {k: _median(v) for k, v in samples.items()}
     one, two, cold = med["1 node"], med["2 nodes"], med["2 nodes, no prefetch"]

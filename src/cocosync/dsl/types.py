@@ -103,13 +103,6 @@ def part_of(whole: torch.Tensor, layout: Layout, gsize: int, index: int) -> torc
     return whole.chunk(gsize, dim=layout.dim)[index]
 
 
-def whole_of(parts: list[torch.Tensor], layout: Layout, shape: tuple[int, ...]) -> torch.Tensor:
-    """The whole tensor from its parts in rank order."""
-    if layout.is_flat:
-        return torch.cat([p.reshape(-1) for p in parts]).reshape(shape)
-    return torch.cat(parts, dim=layout.dim)
-
-
 def as_layout(layout: object) -> Layout:
     """Accept Local, Replicated, Sliced(d) and the bare function Sliced (meaning Sliced(0))."""
     if layout is Sliced:

@@ -1,5 +1,5 @@
 """chunks="auto": a tensor-parallel layer picks its overlap chunk count by measurement, inside the job, on first use
-of each input shape (issue 17's schedule="auto" for cocosync.nn).
+of each input shape (the tuner's schedule="auto" for cocosync.nn).
 
 Each candidate (1, 2, 4 chunks: `tp_schedule` gives the program as written, or split + reorder, or the overlapped
 chain) is compiled for the layer's group and timed round-robin on random inputs of the program's local shapes; the

@@ -35,19 +35,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.errors import CheckpointError, ConfigError
 from cocosync.shadowsync.model.embeddings import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict, resume_value
+from cocosync.shadowsync.train_config import TrainConfig, config_to_dict, resume_value
 
 __all__ = ["CheckpointError", "CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable",
            "resharded_trainers", "read_positions", "save_best", "load_weights", "read_tensors", "BEST"]
 
 RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
 BEST = "best"  # checkpoints/best: the best-eval model
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint is missing, damaged, of another format, or holds something other than data."""
 
 
 _ONE_PROCESS = "torch.distributed is disabled"  # DCP's warning when one process reads or writes a checkpoint alone

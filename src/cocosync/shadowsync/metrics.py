@@ -11,15 +11,14 @@ import json
 import math
 import os
 import time
-from collections import deque
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 __all__ = [
-    "normalized_entropy", "log_loss", "auc", "calibration", "bayes_ne", "SlidingWindowNE", "Throughput", "sync_gap",
-    "MetricsLogger", "read_metrics", "load_run", "summary_table", "plot_ne", "evaluate",
+    "normalized_entropy", "log_loss", "auc", "calibration", "bayes_ne",
+    "MetricsLogger", "read_metrics", "json_safe", "summary_table", "plot_ne", "evaluate",
 ]
 
 _EPS = 1e-7
@@ -81,81 +80,6 @@ def auc(labels: Any, probs: Any) -> float:
     return float((ranks[y[order]].sum() - positives * (positives + 1) / 2) / (positives * negatives))
 
 
-class SlidingWindowNE:
-    """NE over the last `window` examples seen by `update` (base rate of that window)."""
-
-    def __init__(self, window: int = 100_000) -> None:
-        if not isinstance(window, int) or window < 1:
-            raise ValueError(f"SlidingWindowNE: window={window!r}: expected a positive integer")
-        self.window = window
-        self._loss = np.zeros(window)
-        self._label = np.zeros(window)
-        self._next = 0
-        self.count = 0  # examples seen in total
-
-    def update(self, labels: Any, probs: Any) -> None:
-        y, p = _np(labels), np.clip(_np(probs), _EPS, 1 - _EPS)
-        loss = -(y * np.log(p) + (1 - y) * np.log1p(-p))
-        if len(y) > self.window:
-            y, loss = y[-self.window :], loss[-self.window :]
-        idx = (self._next + np.arange(len(y))) % self.window
-        self._loss[idx], self._label[idx] = loss, y
-        self._next = (self._next + len(y)) % self.window
-        self.count += len(_np(labels))
-
-    @property
-    def value(self) -> float:
-        """NE of the window; NaN before any example, or while the window holds one class only."""
-        n = min(self.count, self.window)
-        if n == 0:
-            return float("nan")
-        rate = self._label.sum() / n if n == self.window else self._label[:n].sum() / n
-        if not 0 < rate < 1:
-            return float("nan")
-        loss = self._loss.sum() if n == self.window else self._loss[:n].sum()
-        return float(loss / n / _entropy(rate))
-
-
-class Throughput:
-    """Examples per second over the last `window_s` seconds (and since start)."""
-
-    def __init__(self, window_s: float = 10.0) -> None:
-        self.window_s = window_s
-        self.start = time.perf_counter()
-        self.total = 0
-        self._events: deque[tuple[float, int]] = deque([(self.start, 0)])
-
-    def update(self, examples: int) -> None:
-        now = time.perf_counter()
-        self.total += examples
-        self._events.append((now, self.total))
-        while len(self._events) > 2 and now - self._events[1][0] > self.window_s:
-            self._events.popleft()
-
-    @property
-    def rate(self) -> float:
-        (t0, n0), (t1, n1) = self._events[0], self._events[-1]
-        return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
-
-    @property
-    def overall(self) -> float:
-        elapsed = time.perf_counter() - self.start
-        return self.total / elapsed if elapsed > 0 else 0.0
-
-
-def sync_gap(params: Iterable[torch.Tensor], reference: Iterable[torch.Tensor]) -> float:
-    """Relative L2 distance ||params - reference|| / ||reference|| between two lists of dense parameters."""
-    num = den = 0.0
-    pairs = list(zip(params, reference, strict=True))
-    for a, b in pairs:
-        a, b = a.detach().float(), b.detach().float()
-        if a.shape != b.shape:
-            raise ValueError(f"sync_gap: parameter shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
-        num += float((a - b).pow(2).sum())
-        den += float(b.pow(2).sum())
-    return math.sqrt(num / den) if den > 0 else math.sqrt(num)
-
-
 class MetricsLogger:
     """Append JSON lines (one dict per `log` call, with a wall-clock `time` added) to `path`."""
 
@@ -189,15 +113,21 @@ def _jsonable(x: Any) -> Any:
     return str(x)
 
 
+def json_safe(obj: Any) -> Any:
+    """`obj` with NaN/inf floats replaced by None (strict JSON has no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def read_metrics(path: str | os.PathLike) -> list[dict]:
     """The records of a JSON-lines metrics file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def load_run(path: str | os.PathLike, name: str | None = None) -> dict:
-    """A run for `plot_ne`: {"name", "records"} from a metrics file (name defaults to the file stem)."""
-    return {"name": name or os.path.splitext(os.path.basename(path))[0], "records": read_metrics(path)}
 
 
 def _fmt(v: Any) -> str:

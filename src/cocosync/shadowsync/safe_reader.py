@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-from cocosync.shadowsync.checkpoint import CheckpointError
+from cocosync.shadowsync.errors import CheckpointError
 
 __all__ = ["SafeReader"]
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cocosync.shadowsync.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
@@ -45,10 +47,6 @@ SYNC_ALGORITHMS = ("shadow-bmuf", "shadow-ma", "shadow-easgd", "shadow-dssync", 
 COLLECTIVE_METHODS = ("ma", "bmuf", "dssync")
 OPTIMIZERS = ("adagrad", "sgd")
 UNLIMITED_WAIT = 1800.0  # seconds a process group or store waits when the run has no timeout (torch's default)
-
-
-class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field, the value and what is allowed."""
 
 
 def _check(ok: bool, name: str, value: Any, allowed: str) -> None:

@@ -28,7 +28,7 @@ BACKENDS = ("inductor", "eager")
 _COMPILED: dict[tuple, object] = {}
 # elements x stages below which an Inductor kernel runs its eager source instead: a compiled call costs 25-80 us of
 # guards and wrappers (0.3 ms right after a large GEMM, with cold caches), more than a few eager ops on small
-# tensors; measured crossover of a 3-op epilogue: ~128K elements (BENCHMARKS.md, tp session 4). The hand-tuned
+# tensors; measured crossover of a 3-op epilogue: ~128K elements (BENCHMARKS.md, tp). The hand-tuned
 # default: $COCOSYNC_EAGER_WORK, then `cocosync tune eager-work`'s measurement (steps/common.eager_work) win
 EAGER_WORK = int(os.environ.get("COCOSYNC_EAGER_WORK", 1 << 18))
 

@@ -99,11 +99,6 @@ def kernel_reduce_of(shm: ShmCommunicator, rs: Node, fuse_reduction: bool) -> tu
     return rs, shm.local_size, 1.0 / shm.world if op is ReduceOp.MEAN else None
 
 
-def across_nodes_ok(shm: ShmCommunicator, rs: Node) -> bool:
-    """One node, or several with the reduce-scatter's length divisible by the world (each rank owns 1/P)."""
-    return shm.nnodes == 1 or torch.Size(rs.args[0].shape).numel() % shm.world == 0
-
-
 def reduce_buffer(rs: Node, env: dict, shm: ShmCommunicator, donate: frozenset[str], scratch: dict) -> torch.Tensor:
     """The arena tensor the fused collective reduces in place: the donated gradient itself when it already lives
     in shared memory (zero-copy), else a copy in an arena buffer allocated once (collectively) per runner."""

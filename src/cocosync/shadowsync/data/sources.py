@@ -148,7 +148,7 @@ def base_shard_rows(cfg: TrainConfig, data: DataConfig, shard: int, shards: int)
 def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int, plan: DataPlan | None = None) -> Any:
     """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
     the same ones `make_source` would give it. `plan`: the job resumed on another trainer count reads its shards'
-    segments of the original sharding (data_plan.py); a synthetic trainer generates the base shards they touch."""
+    segments of the original sharding (data/plan.py); a synthetic trainer generates the base shards they touch."""
     W = cfg.workers
     if plan is None:
         shards, mine = cfg.trainers * W, range(trainer * W, (trainer + 1) * W)

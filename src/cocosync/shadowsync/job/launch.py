@@ -1,4 +1,4 @@
-"""`cocosync train` on one machine: the multi-machine job (cluster.py) with one node, its ranks started by torch's
+"""`cocosync train` on one machine: the multi-machine job (rank.py) with one node, its ranks started by torch's
 elastic agent (what `torchrun --standalone` runs) in a thread of this process, on a rendezvous store that listens on
 127.0.0.1 only (TCPStore's own server would listen on every interface).
 
@@ -306,8 +306,7 @@ def _memory_available() -> int | None:
     return None
 
 
-# Eval NE against one trainer at T=16 on 2 cores, 3.2M examples, 20 runs each (10 for shadow-bmuf; BENCHMARKS.md,
-# issue 32)
+# Eval NE against one trainer at T=16 on 2 cores, 3.2M examples, 20 runs each (10 for shadow-bmuf; BENCHMARKS.md)
 _CROWDED_NE = {"shadow-ma": "+1.06%", "shadow-easgd": "+0.83%", "shadow-dssync": "+0.98%"}
 _CROWDED_PICKS = "shadow-bmuf +0.15%, fr-ma +0.29%"
 

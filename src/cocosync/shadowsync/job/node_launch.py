@@ -38,7 +38,6 @@ from torch.distributed.run import config_from_args, get_args_parser
 from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
-from cocosync.shadowsync.__main__ import job_from_args
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
@@ -91,9 +90,11 @@ def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoin
             *(["--local-addr", addr] if addr else [])]
 
 
-def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, progress: bool = True) -> int:
+def run_node(launch: list[str], rank_args: list[str], job: dict, json_out: bool, *, warm: bool = True,
+             progress: bool = True) -> int:
     """Run this machine's ranks of the job: `launch` is torchrun's arguments (`torchrun_args`), `rank_args` those of
-    `python -m cocosync.shadowsync`. Returns the exit status: 0; 1 with torchrun's account of the failed ranks (or
+    `python -m cocosync.shadowsync`, `job` and `json_out` what they describe (cli.rank.job_from_args, checked before
+    any process starts). Returns the exit status: 0; 1 with torchrun's account of the failed ranks (or
     the monitor's: a trainer of this machine stopped responding) on stderr; 130 / 143 / 124 after Ctrl-C / SIGTERM
     / --timeout on any machine stopped the job with a checkpoint. With `warm` False this process becomes torchrun
     and does not return. `progress`: a line on the whole job every 5 s.
@@ -101,7 +102,6 @@ def run_node(launch: list[str], rank_args: list[str], *, warm: bool = True, prog
     The agent runs in a thread (a thread cannot take signals), so that Ctrl-C and SIGTERM reach this one: the first
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
-    job, json_out = job_from_args(rank_args)  # (UsageError / ConfigError before any process starts)
     argv = [*launch, "-m", _MODULE, *rank_args]
     args = get_args_parser().parse_args(argv)
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])

@@ -3,7 +3,7 @@
 Every process joins the gloo default group (and the RPC world where EASGD or `--lookup-transport rpc` needs it), then
 takes its role (roles.py):
 
-* an **embedding server** initializes its shard of the tables (row hash, param_server.py) in the node's shared
+* an **embedding server** initializes its shard of the tables (row hash, model/embeddings.py) in the node's shared
   memory (where every process of the node reads and updates it in place) and saves it at checkpoints; with
   `--lookup-transport rpc` it also serves the lookups and pushes of trainers on other nodes;
 * a **sync server** holds a range of EASGD's centre and serves exchanges (sync/center.py);
@@ -74,8 +74,8 @@ from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
-from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState, json_safe
-from cocosync.shadowsync.metrics import MetricsLogger, evaluate, plot_ne, read_metrics
+from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
+from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
 from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
@@ -124,7 +124,7 @@ class _Job:
     dense_params: int = 0
     init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from
     hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
-    plan: DataPlan | None = None  # the reader shards' rows when resumed on another trainer count (data_plan.py)
+    plan: DataPlan | None = None  # the reader shards' rows when resumed on another trainer count (data/plan.py)
     link: Link | None = None  # the line to `cocosync train`'s monitor (launch.py), when it launched this job
     resumed_from: int = 0  # examples the checkpoint resumed from had seen
 

@@ -4,16 +4,29 @@ on one machine from the job.json launch.py wrote, across machines from the optio
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import re
+import signal
 import sys
+from pathlib import Path
 
+import click
+from rich.console import Console
+from rich.markup import escape
 from setproctitle import setproctitle
 
+from cocosync.runtime.comm.shm import unlink_pending
 from cocosync.runtime.warm_start import adopt_environment, die_with
-from cocosync.shadowsync.__main__ import run_job, run_job_dict
+from cocosync.shadowsync.errors import ConfigError, debug_mode
+from cocosync.shadowsync.job.rank import run_cluster
+from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.metrics import json_safe
+from cocosync.shadowsync.train_config import config_from_dict
 
-__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "title", "parse_title"]
+__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "run_job", "run_job_dict", "report",
+           "leave", "die_with_parent", "title", "parse_title"]
 
 #: put in each rank's environment by the launcher: the keys the elastic agent set for that rank (RANK, LOCAL_RANK,
 #: MASTER_PORT, ...), which win over the launcher's environment handed along
@@ -67,3 +80,60 @@ def parse_title(cmdline: str) -> tuple[int, int] | None:
     """(rank, local rank) in a process title written by `title`, or None for any other command line."""
     m = re.fullmatch(r"cocosync\.shadowsync --(?:job|out) .* \(rank (\d+), local rank (\d+)\)", cmdline)
     return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the process that started it (torchrun, `cocosync train`) dies, so no rank
+    outlives a killed launcher."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before the prctl
+        os._exit(1)
+
+
+def run_job(job_file: str, json_out: bool = False) -> None:
+    """One rank of the job `cocosync train` wrote to `job_file` (config and cluster options), on this machine."""
+    run_job_dict(json.loads(Path(job_file).read_text()), json_out)
+
+
+def run_job_dict(job: dict, json_out: bool = False) -> None:
+    """One rank of a job given as {"config": config_to_dict(cfg), "cluster": asdict(cluster)}."""
+    die_with_parent()
+    console = Console(stderr=True)
+    cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+    try:
+        summary = run_cluster(cfg, cluster, console=console)
+    except ConfigError as e:  # (the launcher checked everything it could before a rank started)
+        if debug_mode():
+            raise
+        console.print(f"Error: {escape(str(e))}", soft_wrap=True)
+        sys.exit(2)
+    if summary is not None:
+        report(summary, cfg.out_dir, json_out, console)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    unlink_pending()
+
+
+def leave() -> None:
+    """The job's work is done and its groups destroyed: leave without running C++ destructors at interpreter exit
+    (a torch thread object destroyed while joinable aborts the process: seen as SIGABRT after a complete job). A
+    rank forked warm ends the same way: multiprocessing's children leave through os._exit."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    unlink_pending()
+    os._exit(0)
+
+
+def report(summary: dict, out_dir: str, json_out: bool, console) -> None:
+    console.print(f"[bold]{escape(summary['name'])}[/]: {summary['examples']:,} examples, "
+                  f"{summary['eps']:,.0f} examples/s, eval NE {summary['eval_ne']:.4f}, "
+                  f"lookup wait {summary['lookup_wait_fraction']:.1%} of step time, "
+                  f"staleness {summary['staleness']:.2f} updates -> {escape(str(out_dir))}/summary.json")
+    if summary.get("checkpoint"):
+        console.print(f"checkpoint: {escape(str(summary['checkpoint']))}"
+                      + (f"  (stopped: continue with --resume {escape(str(out_dir))})" if summary["stopped"] else ""))
+    if json_out:
+        click.echo(json.dumps(json_safe(summary), default=str))

@@ -39,7 +39,7 @@ class ClusterConfig:
     """how lookups reach other machines' shards: 'exchange' (rounds of one gloo all_to_all between the trainers of
     every node, exchange.py), 'node-exchange' (the same rounds between the first embedding servers of every node,
     which carry their node's trainers' lookups through shared memory: node_relay.py) or 'rpc' (torch.distributed.rpc,
-    a message per server and batch: the former path)."""
+    a message per server and batch: the measured baseline)."""
     exchange_interval: float = 0.040
     """seconds between two rounds of the lookup exchange (shorter: fresher rows, more CPU per example). 40 ms with
     the replicated hot rows: the rows left to the exchange are cold, so a longer round costs them little staleness."""

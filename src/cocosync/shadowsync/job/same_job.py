@@ -2,11 +2,11 @@
 
 Each machine builds its job from its own command line (`cocosync train --nnodes`, or `torchrun ... -m
 cocosync.shadowsync`). A typo on one machine (another --examples, --sync, table size or seed, a resume on one
-machine only or from another checkpoint, another --nproc-per-node) used to train on silently: a mix of two jobs,
-reported as node 0's, or a hang where the machines' schedules of collectives differ. Now every rank compares its
-job with every other rank's and the job stops before anything trains, naming each option that differs and its
-value on each machine. A job that checkpoints also checks that its --out is one directory every machine shares:
-each machine used to save its ranks' parts to its own, and node 0's checkpoint named files it did not have.
+machine only or from another checkpoint, another --nproc-per-node) would train a mix of two jobs, reported as
+node 0's, or hang where the machines' schedules of collectives differ. So every rank compares its job with every
+other rank's and the job stops before anything trains, naming each option that differs and its value on each
+machine. A job that checkpoints also checks that its --out is one directory every machine shares: otherwise each
+machine would save its ranks' parts to its own, and node 0's checkpoint would name files it does not have.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from cocosync.shadowsync.job.trainer import json_safe
+from cocosync.shadowsync.metrics import json_safe
 
 __all__ = ["finite_mean", "lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary"]
 
@@ -89,7 +89,7 @@ def add_job_cpu(summary: dict, cpu: list[tuple[str, float, dict[str, float], dic
     summary["server_rows_per_cpu_s"] = summary.pop("_remote_rows") / max(servers, 1e-9)
     summary["eps_per_job_cpu"] = summary["examples"] / max(summary["trainer_cpu_seconds"] + servers, 1e-9)
     # every process from the end of set-up to the end (trainers' lookup serving and final scoring included): the
-    # CPU per example that issue 31's scaling targets compare across node counts
+    # CPU per example that the scaling targets compare across node counts
     summary["job_cpu_seconds"] = sum(c for _, c, _, _ in cpu)
     summary["cpu_seconds_by_thread"] = by_thread = thread_cpu_by_kind(cpu)
     # of which gloo's threads (Linux; 0 elsewhere)

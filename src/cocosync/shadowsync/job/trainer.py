@@ -3,7 +3,7 @@ and the replica's dense synchronization (shadow thread, foreground every k itera
 
 `Trainer.train_step(batch)` is one lock-free Hogwild iteration (dense replica + the batch's embedding rows from the
 servers' shards); `Trainer.train()` runs the W workers over this trainer's shards and the sync of its replica. The
-job around it (roles, servers, groups, checkpoints) is cluster.py.
+job around it (roles, servers, groups, checkpoints) is rank.py.
 
 Workers are threads (not processes): torch ops release the GIL, and on this 2-core machine T=2 trainers
 already fill the cores; see the README for the measurement.
@@ -31,18 +31,7 @@ from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.thread_cpu import in_role
 from cocosync.shadowsync.train_config import TrainConfig
 
-__all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks", "json_safe"]
-
-
-def json_safe(obj: Any) -> Any:
-    """`obj` with NaN/inf floats replaced by None (strict JSON has no NaN)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return obj
+__all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks"]
 
 
 @dataclass

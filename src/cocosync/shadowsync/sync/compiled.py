@@ -1,6 +1,6 @@
 """MA and BMUF as compiled DSL programs (programs/sync.py) on the cocosync runtime: the trainers average in one
 collective per round through the runtime's communicator (shared memory within a machine; across machines the same
-program on its hierarchical form: shared memory within each node, gloo between nodes, cluster.py registers it),
+program on its hierarchical form: shared memory within each node, gloo between nodes, job/rank.py registers it),
 instead of the classes' gloo all-reduce.
 
 One program per algorithm, two schedules, chosen by size (SLICED_FROM_BYTES, measured): for small vectors the
