@@ -46,7 +46,7 @@ def test_readme_backend_snippet_runs(tmp_path):
 
 def test_readme_config_file_is_every_default(tmp_path):
     """The README's TOML example loads, and holds every TrainConfig field at its default."""
-    from cocosync.shadowsync.train_config import TrainConfig, config_to_dict, load_train_config
+    from cocosync.shadowsync.config import TrainConfig, config_to_dict, load_train_config
 
     section = README.read_text().split("## ShadowSync", 1)[1]
     path = tmp_path / "run.toml"

@@ -69,7 +69,7 @@ def test_a_script_without_a_main_guard_trains_on_warm_ranks(tmp_path):
         import json, sys
         from multiprocessing import forkserver
         from cocosync.shadowsync.job.launch import run_training
-        from cocosync.shadowsync.train_config import TrainConfig
+        from cocosync.shadowsync.config import TrainConfig
 
         print("script body ran", file=sys.stderr)
         result = run_training(TrainConfig(examples=3000, eval_examples=1000, trainers=2, progress=False,

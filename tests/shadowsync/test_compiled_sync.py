@@ -10,9 +10,9 @@ import torch.distributed as dist
 
 from cocosync.interp import interpret
 from cocosync.programs.sync import bmuf_program
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync import BMUF, ModelAveraging
 from cocosync.shadowsync.sync.compiled import CompiledSync
-from cocosync.shadowsync.train_config import SyncConfig
 
 N = 11  # not a multiple of 2 or 3: padding
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.config import ConfigError, SyncConfig, TrainConfig
 from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.sync import DSSync, make_sync
 from cocosync.shadowsync.sync.dssync import partition
-from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig
 
 
 def test_every_round_partitions_the_trainers_and_reshuffles():

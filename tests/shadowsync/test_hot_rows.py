@@ -145,9 +145,9 @@ def test_a_two_node_checkpoint_holds_the_trained_hot_rows(tmp_path):
     a tiny staleness bound the syncs come faster than the configured interval, and the summary splits staleness."""
     from pathlib import Path
 
+    from cocosync.shadowsync.config import TrainConfig
     from cocosync.shadowsync.data.sources import build_configs, first_sparse
     from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS
-    from cocosync.shadowsync.train_config import TrainConfig
     from cocosync.testing.multinode import run_nodes
 
     from .test_cluster_checkpoint import _load, _summary, _tables

@@ -13,9 +13,8 @@ import time
 import torch.distributed as dist
 from rich.console import Console
 
+from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
-from cocosync.shadowsync.job.roles import ClusterConfig
-from cocosync.shadowsync.train_config import TrainConfig
 
 
 def _monitor(tmp_path, store, **kw) -> Monitor:

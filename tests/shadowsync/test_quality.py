@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from cocosync.shadowsync.config import SyncConfig, TrainConfig
 from cocosync.shadowsync.job.launch import run_training
-from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
 EXAMPLES = 400_000  # (at 160k the former fr-bmuf default was only 9% worse: too close to the spread)
 

@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from cocosync.cli import main
 from cocosync.shadowsync.checkpoint import read_tensors
-from cocosync.shadowsync.config import DataConfig, SynthConfig
+from cocosync.shadowsync.config import DataConfig, SyncConfig, SynthConfig, TrainConfig
 from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.data.sources import (
     Epochs,
@@ -24,7 +24,6 @@ from cocosync.shadowsync.data.sources import (
 )
 from cocosync.shadowsync.job.eval_curve import previous_best
 from cocosync.shadowsync.job.launch import run_training
-from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
 SMALL = {"table_size": 2000}
 MODEL = {"embedding_dim": 8, "bottom_mlp": [32, 8], "top_mlp": [32]}

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from cocosync.shadowsync.checkpoint import read_tensors
+from cocosync.shadowsync.config import SyncConfig, TrainConfig
 from cocosync.shadowsync.job.launch import run_training
-from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 from cocosync.testing.sockets import job_ranks, process_tree
 
 SMALL = {"table_size": 2000}

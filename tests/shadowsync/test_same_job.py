@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.config import ClusterConfig, ConfigError, SyncConfig, TrainConfig
 from cocosync.shadowsync.job.same_job import PER_MACHINE, differences, job_options, job_topology
-from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig
 
 
 def _options(cfg=None, cluster=None, nproc=3):

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.config import SYNC_ALGORITHMS, ConfigError, SyncConfig
 from cocosync.shadowsync.sync import BMUF, EASGD, FlatParams, ModelAveraging, NoSync, ShadowThread, make_sync
-from cocosync.shadowsync.train_config import SYNC_ALGORITHMS, ConfigError, SyncConfig
 
 
 def _x(rank: int) -> torch.Tensor:

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from cocosync.shadowsync.checkpoint import read_tensors
+from cocosync.shadowsync.config import ConfigError, SyncConfig, TrainConfig, load_train_config
 from cocosync.shadowsync.job.launch import run_training
 from cocosync.shadowsync.job.trainer import TrainerFailure
-from cocosync.shadowsync.train_config import ConfigError, SyncConfig, TrainConfig, load_train_config
 from cocosync.testing.sockets import job_ranks
 
 SMALL = {"table_size": 2000}

@@ -25,8 +25,8 @@ import click
 from rich.console import Console
 
 from cocosync.bench.common import fmt_ratio, markdown_table, print_table, time_interleaved, write_json
+from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.job.launch import run_training
-from cocosync.shadowsync.train_config import TrainConfig
 
 COLUMNS = ["how", "ranks", "wall s (median)", "machine CPU s (median)", "training s", "cold / warm wall",
            "cold / warm CPU"]

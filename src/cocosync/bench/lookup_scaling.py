@@ -53,7 +53,7 @@ def variants(transports: list[str], hot_rows: list[int], hot_staleness: list[flo
     that vary). A device mode is an `env:` option, which the bench hands to the job's environment
     (runtime/comm/gloo_device.py); a launcher a `launcher:` option, how the bench starts each node
     (testing/multinode.py)."""
-    from cocosync.shadowsync.job.roles import EXCHANGES
+    from cocosync.shadowsync.config import EXCHANGES
 
     bounds, devices, launch = hot_staleness or [0.0], gloo_devices or ["shared"], launchers or ["cocosync"]
     out = {}
@@ -242,7 +242,7 @@ def _model(rows: list[dict], one: dict, label: str, extra: list[str], relay_us: 
     `load`: N -> CPU per example of N one-node jobs side by side, the load-matched bases."""
     import dataclasses
 
-    from cocosync.shadowsync.job.roles import ClusterConfig
+    from cocosync.shadowsync.config import ClusterConfig
 
     mine = [one, *(r for r in rows if r["transport"] == label)]
     if len(mine) < 2:
@@ -478,7 +478,7 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
     from rich.console import Console
 
     from cocosync.bench.common import markdown_table, print_table, save_figure, write_json
-    from cocosync.shadowsync.job.roles import TRANSPORTS
+    from cocosync.shadowsync.config import TRANSPORTS
     from cocosync.testing.multinode import LAUNCHERS
 
     node_list = sorted({int(x) for x in nodes.split(",")})

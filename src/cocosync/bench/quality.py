@@ -31,7 +31,7 @@ from typing import Any
 import click
 
 from cocosync.bench.common import TimeBudget
-from cocosync.shadowsync.train_config import SYNC_ALGORITHMS
+from cocosync.shadowsync.config import SYNC_ALGORITHMS
 
 __all__ = ["quality_cmd", "run_quality", "tolerance", "change_interval", "verdict"]
 
@@ -81,8 +81,8 @@ def change_interval_width(sd: float, n: int, level: float = 0.90) -> float:
 
 
 def _train(alg: str, T: int, seed: int, base: dict, out: Path, console: Any) -> dict:
+    from cocosync.shadowsync.config import SyncConfig, TrainConfig
     from cocosync.shadowsync.job.launch import run_training
-    from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     name = f"{alg} T={T} seed={seed}"
     cfg = TrainConfig(**base, trainers=T, seed=seed, sync=SyncConfig(algorithm=alg),
@@ -205,7 +205,7 @@ def _row(alg: str, T: int, examples: int, mine: list[dict], ref: dict) -> dict |
 
 def _check_runs(trainers: list[int], lengths: list[int]) -> None:
     """Every (T, length) a valid job, before the first run: not a usage error an hour into the bench."""
-    from cocosync.shadowsync.train_config import ConfigError, TrainConfig
+    from cocosync.shadowsync.config import ConfigError, TrainConfig
 
     for n in lengths:
         for T in trainers:

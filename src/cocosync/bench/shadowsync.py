@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from cocosync.shadowsync.train_config import SYNC_ALGORITHMS
+from cocosync.shadowsync.config import SYNC_ALGORITHMS
 
 __all__ = ["shadowsync", "run_suite"]
 
@@ -27,8 +27,8 @@ COLUMNS = ["run", "T", "W", "sync", "k / interval", "EPS median", "EPS best", "v
 
 
 def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
+    from cocosync.shadowsync.config import SyncConfig, TrainConfig
     from cocosync.shadowsync.job.launch import run_training
-    from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = kw.pop("sync")
     cfg = TrainConfig(**{**base, **kw, "out_dir": str(out / name.replace(" ", "_").replace("=", "")),

@@ -34,8 +34,8 @@ KEYS = ("eps", "eps_per_cpu", "eps_per_job_cpu", "eval_ne", "sync_gap", "lookup_
 
 
 def _single(cfg_kw: dict, out: Path, console: Any) -> dict:
+    from cocosync.shadowsync.config import SyncConfig, TrainConfig
     from cocosync.shadowsync.job.launch import run_training
-    from cocosync.shadowsync.train_config import SyncConfig, TrainConfig
 
     sync = cfg_kw.pop("sync")
     cfg = TrainConfig(**cfg_kw, out_dir=str(out), sync=SyncConfig(**sync), progress=False, plot=False,

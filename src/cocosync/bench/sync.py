@@ -42,8 +42,8 @@ def _easgd_by_hand(x: torch.Tensor, c: torch.Tensor, alpha: float) -> None:
 
 def _easgd_cases(n: int, shm: Any) -> dict[str, Any]:
     """Both EASGD updates against centres every trainer shares (local rank 0's arena tensors)."""
+    from cocosync.shadowsync.config import SyncConfig
     from cocosync.shadowsync.sync import EASGD
-    from cocosync.shadowsync.train_config import SyncConfig
 
     cfg = SyncConfig(algorithm="shadow-easgd")
     centres = []
@@ -59,9 +59,9 @@ def _easgd_cases(n: int, shm: Any) -> dict[str, Any]:
 
 def _bench_rank(params: list[int], repeats: int) -> dict:
     from cocosync.runtime.comm.communicators import shared_communicator
+    from cocosync.shadowsync.config import SyncConfig
     from cocosync.shadowsync.sync import BMUF, ModelAveraging
     from cocosync.shadowsync.sync.compiled import CompiledSync
-    from cocosync.shadowsync.train_config import SyncConfig
 
     gloo = dist.new_group(backend="gloo")
     shm = shared_communicator()

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.config import TrainConfig, config_to_dict, resume_value
 from cocosync.shadowsync.errors import CheckpointError, ConfigError
 from cocosync.shadowsync.model.embeddings import RowHash, Shard
 from cocosync.shadowsync.sync.center import center_bounds
-from cocosync.shadowsync.train_config import TrainConfig, config_to_dict, resume_value
 
 __all__ = ["CheckpointError", "CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable",
            "resharded_trainers", "read_positions", "save_best", "load_weights", "read_tensors", "BEST"]

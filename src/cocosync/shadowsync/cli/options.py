@@ -1,49 +1,101 @@
-"""The command-line options of a ShadowSync job, shared by `cocosync train` and `python -m cocosync.shadowsync`
-(one rank under torchrun), and the TrainConfig they describe: command line over `--config FILE` over a resumed run's
-config. `--help` shows each option's TrainConfig default."""
+"""The command-line options of a ShadowSync job, generated from the config classes (config.py): every field with
+`opt(...)` metadata becomes one option, its help text the field's docstring, its shown default the field's default.
+`cocosync train` and `python -m cocosync.shadowsync` (one rank under torchrun) share them; `--help` lists them by
+section. What the options describe: command line over `--config FILE` over a resumed run's config."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import inspect
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import click
 from rich.console import Console
 
+from cocosync.shadowsync import config as config_module
 from cocosync.shadowsync.checkpoint import read_meta, resolve
-from cocosync.shadowsync.config import DataConfig, ModelConfig
-from cocosync.shadowsync.errors import debug_mode
-from cocosync.shadowsync.job.roles import TRANSPORTS
-from cocosync.shadowsync.train_config import (
-    SYNC_ALGORITHMS,
+from cocosync.shadowsync.config import (
+    ClusterConfig,
     ConfigError,
+    DataConfig,
+    ModelConfig,
+    Opt,
+    SyncConfig,
     TrainConfig,
     config_from_dict,
     load_train_config,
 )
+from cocosync.shadowsync.errors import debug_mode
 
-__all__ = ["train_options", "cluster_options", "config_from_options", "show_defaults", "console"]
+__all__ = ["OPTIONS", "SECTIONS", "ConfigOption", "SectionedCommand", "config_options", "config_from_options",
+           "job_from_options", "show_defaults", "console"]
 
-_OPTS = {  # CLI option -> TrainConfig field
-    "progress": "progress",
-    "data": "data", "trainers": "trainers", "workers": "workers", "examples": "examples", "epochs": "epochs",
-    "dense_weight_decay": "dense_weight_decay", "embedding_weight_decay": "embedding_weight_decay",
-    "init_ctr": "model.init_ctr",
-    "eval_examples": "eval_examples", "batch_size": "batch_size", "dense_lr": "dense_lr",
-    "embedding_lr": "embedding_lr", "seed": "seed", "threads": "threads", "out": "out_dir",
-    "timeout": "timeout", "heartbeat_timeout": "heartbeat_timeout", "sync": "sync.algorithm",
-    "sync_every": "sync.every", "sync_interval": "sync.interval", "sync_groups": "sync.groups",
-    "compiled_sync": "sync.compiled",
-    "alpha": "sync.alpha", "block_momentum": "sync.block_momentum", "block_lr": "sync.block_lr",
-    "replica_lr_scale": "sync.replica_lr_scale",
-    "embedding_dim": "model.embedding_dim", "bottom_mlp": "model.bottom_mlp", "top_mlp": "model.top_mlp",
-    "table_size": "data_options.table_size", "num_dense": "data_options.num_dense",
-    "num_sparse": "data_options.num_sparse", "data_split": "data_options.split",
-}
+#: the --help sections, in order; a command's own options (--config, --resume, --nnodes, ...) come first
+SECTIONS = ("Data", "Model", "Trainers", "Optimizer", "Sync", "Cluster", "Checkpoints and eval", "Run")
+#: TrainConfig fields that hold another config class (their fields are options too), and the cluster tree's root
+_NESTED: dict[str, type] = {"sync": SyncConfig, "model": ModelConfig, "data_options": DataConfig}
+_CLUSTER = "cluster"
 
 
-def _layer_sizes(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
-    """'64,16' -> [64, 16] (click callback: a bad list is a usage error naming the option)."""
+@dataclass(frozen=True)
+class ConfigOption:
+    """One command-line option and the config field it sets."""
+
+    path: str
+    """the field, dotted from TrainConfig ('trainers', 'sync.algorithm', 'model.embedding_dim'), or from
+    ClusterConfig under 'cluster.' ('cluster.hot_rows')."""
+    spec: Opt
+    annotation: str
+    default: Any
+    help: str
+
+    @property
+    def param(self) -> str:
+        """click's parameter name (an identifier)."""
+        return self.path.replace(".", "__")
+
+    def value(self, typed: Any) -> Any:
+        """The config value of what was typed (None: not given)."""
+        if typed is None or self.spec.scale == 1.0:
+            return typed
+        return typed * self.spec.scale
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """{field: its docstring (the string literal after its annotation), whitespace collapsed}."""
+    tree = ast.parse(inspect.getsource(config_module))
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    docs = {}
+    for a, b in zip(node.body, node.body[1:]):
+        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
+                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
+            docs[a.target.id] = " ".join(b.value.value.split())
+    return docs
+
+
+def _options_of(cls: type, prefix: str) -> list[ConfigOption]:
+    docs = _field_docs(cls)
+    out = []
+    for f in dataclasses.fields(cls):
+        if f.name in _NESTED and cls is TrainConfig:
+            out += _options_of(_NESTED[f.name], f"{f.name}.")
+        spec = f.metadata.get("opt")
+        if spec is not None:
+            default = f.default if f.default is not dataclasses.MISSING else None
+            out.append(ConfigOption(prefix + f.name, spec, str(f.type), default, docs.get(f.name, "")))
+    return out
+
+
+#: every option, in the order --help lists them within a section
+OPTIONS: tuple[ConfigOption, ...] = (*_options_of(TrainConfig, ""), *_options_of(ClusterConfig, f"{_CLUSTER}."))
+_BY_PARAM = {o.param: o for o in OPTIONS}
+
+
+def _widths(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    """'64,16' -> [64, 16], as a config file holds it (a bad list is a usage error naming the option)."""
     if value is None:
         return None
     try:
@@ -55,6 +107,68 @@ def _layer_sizes(ctx: click.Context, param: click.Parameter, value: str | None) 
     return sizes
 
 
+def _shown(value: object) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value)
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, float) and value.is_integer():
+        return f"{value:g}"
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
+def _click_option(o: ConfigOption) -> Callable:
+    """The click option of `o`; unset options default to None, so that a --config file or a resumed run fills them."""
+    spec, kind = o.spec, o.annotation.split("|")[0].strip()
+    names = [spec.flag, *([spec.short] if spec.short else [])]
+    shown = spec.shown or _shown(o.default / spec.scale if spec.scale != 1.0 and o.default else o.default)
+    kw: dict[str, Any] = {"default": None, "show_default": shown, "help": o.help}
+    if kind == "bool":
+        return click.option(f"{spec.flag}/--no-{spec.flag[2:]}", o.param, **kw)
+    if kind.startswith("tuple"):
+        return click.option(*names, o.param, callback=_widths, **kw)
+    if spec.choices:
+        kw["type"] = click.Choice(spec.choices)
+    elif spec.path:
+        kw["type"] = click.Path(dir_okay=False)
+    else:
+        kw["type"] = {"int": int, "float": float}.get(kind, str)
+    return click.option(*names, o.param, **kw)
+
+
+def config_options(f: Callable) -> Callable:
+    """Add every config option (OPTIONS) to a click command."""
+    for o in reversed(OPTIONS):
+        f = _click_option(o)(f)
+    return f
+
+
+class SectionedCommand(click.Command):
+    """A command whose --help lists the config options under their sections (SECTIONS), after its own."""
+
+    def format_options(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        groups: dict[str, list[tuple[str, str]]] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is not None:
+                option = _BY_PARAM.get(param.name or "")
+                groups.setdefault(option.spec.section if option else "Options", []).append(record)
+        for name in ("Options", *SECTIONS):
+            if name in groups:
+                with formatter.section(name if name == "Options" else f"{name} options"):
+                    formatter.write_dl(groups[name])
+
+
+def show_defaults(command: click.Command) -> click.Command:
+    """--help in one style: a command's own options with a default show it as the config options do."""
+    for param in command.params:
+        if param.show_default is True:
+            param.show_default = _shown(param.default)
+    return command
+
+
 def console() -> Console:
     """stderr; where it is not a terminal (CI, nohup, a log file) lines are not wrapped (a command to copy stays on
     one line) and tables get room for their full width."""
@@ -63,169 +177,18 @@ def console() -> Console:
     return Console(stderr=True, width=160, soft_wrap=True)
 
 
-_TRAIN_OPTIONS = [
-    click.option("--config", "config_path", type=click.Path(dir_okay=False),
-                 help="TOML/JSON/YAML file of TrainConfig fields."),
-    click.option("--data", help="'synthetic' or a Criteo-format TSV file (.gz accepted)."),
-    click.option("--trainers", "-T", type=int,
-                 help="trainer processes (with --nnodes: set by --nproc-per-node on every machine)."),
-    click.option("--workers", "-W", type=int, help="Hogwild worker threads per trainer (each adds staleness: at T=1, "
-                                                   "400k examples, W=2 cost 1.3% NE, W=8 12%; BENCHMARKS.md)."),
-    click.option("--sync", type=click.Choice(SYNC_ALGORITHMS), help="dense sync algorithm."),
-    click.option("--sync-every", type=int, help="fr-*: sync every k worker iterations [default: fr-bmuf 8, fr-ma "
-                                                "and fr-easgd 4, measured at T=8 (BENCHMARKS.md)]."),
-    click.option("--sync-groups", type=int, help="*-dssync: groups the trainers are split into each round."),
-    click.option("--compiled-sync/--no-compiled-sync", default=None,
-                 help="MA/BMUF as compiled DSL programs on shared memory and DS-Sync's groups on the cocosync "
-                      "backend, or the classes on gloo."),
-    click.option("--sync-interval", type=float, help="shadow-*: seconds between two syncs of the shadow thread."),
-    click.option("--alpha", type=float, help="EASGD elasticity [default: min(0.5, 2/T) for shadow-easgd, 0.5 for "
-                                           "fr-easgd; measured, BENCHMARKS.md]."),
-    click.option("--block-momentum", type=float, help="BMUF block momentum."),
-    click.option("--block-lr", type=float, help="BMUF block learning rate."),
-    click.option("--replica-lr-scale", type=float, help="factor on the trainers' dense lr while they sync (default 1; "
-                 "1/sqrt(T) helped shadow-bmuf in short runs only: BENCHMARKS.md)."),
-    click.option("--examples", type=int, help="training examples over all trainers in one pass (the data set)."),
-    click.option("--epochs", type=int, help="passes over those examples."),
-    click.option("--embedding-dim", type=int, help="model: width of every embedding row."),
-    click.option("--bottom-mlp", callback=_layer_sizes,
-                 help="model: bottom MLP widths, e.g. 64,16 (the last must equal --embedding-dim)."),
-    click.option("--top-mlp", callback=_layer_sizes, help="model: top MLP hidden widths, e.g. 64,32."),
-    click.option("--table-size", type=int, help="data: rows per embedding table (categoricals are hashed into it; "
-                 "~32x the distinct values of the largest categorical keeps collisions rare: `cocosync data "
-                 "movielens` prints one)."),
-    click.option("--num-dense", type=int, help="data files: integer features per line (Criteo and the synthetic "
-                                               "data: 13)."),
-    click.option("--num-sparse", type=int, help="data files: categorical features per line (Criteo and the "
-                                                "synthetic data: 26)."),
-    click.option("--eval-examples", type=int, help="held-out examples scored at the end."),
-    click.option("--eval-data", type=click.Path(dir_okay=False),
-                 help="a Criteo-format file to score on (default: a synthetic draw, or PATH's rows after the budget)."),
-    click.option("--data-split", type=click.Choice(["auto", "bytes", "lines"]),
-                 help="how workers share data files: bytes (each reads only its line-aligned byte range; plain files "
-                      "with --eval-data), lines (interleaved; every reader scans the file), auto (bytes where it "
-                      "applies)."),
-    click.option("--batch-size", type=int, help="examples per worker iteration."),
-    click.option("--dense-lr", type=float, help="dense (MLP) learning rate."),
-    click.option("--embedding-lr", type=float, help="embedding row learning rate."),
-    click.option("--dense-weight-decay", type=float, help="L2 of the dense parameters."),
-    click.option("--embedding-weight-decay", type=float,
-                 help="row-wise L2 of the embedding rows a batch touches (FBGEMM's L2 mode)."),
-    click.option("--init-ctr", type=float, show_default="estimated from the data's first 100k rows",
-                 help="click rate the model starts predicting."),
-    click.option("--seed", type=int, help="model and synthetic-data seed."),
-    click.option("--threads", type=int, help="intra-op torch threads per trainer."),
-    click.option("--timeout", type=float, show_default="no limit",
-                 help="stop this session (with a checkpoint and the summary) after this many seconds from launch; "
-                      "a --resume does not inherit it."),
-    click.option("--heartbeat-timeout", type=float,
-                 help="fail naming a trainer silent this many seconds (stopped or hung)."),
-    click.option("--out", type=click.Path(file_okay=False), help="output directory."),
-]
-
-_CLUSTER_OPTIONS = [
-    click.option("--embedding-servers", type=int, default=1, show_default=True,
-                 help="embedding parameter servers per machine (on one machine the trainers use the shards in "
-                      "place)."),
-    click.option("--sync-servers", type=int, default=None,
-                 show_default="1 for EASGD, else 0", help="sync servers per machine holding EASGD's centre."),
-    click.option("--lookup-batches", type=int, default=1, show_default=True,
-                 help="multi-node: batches whose embedding lookups share one message per server (with prefetch)."),
-    click.option("--eval-every", type=int, default=None,
-                 help="score the model on the held-out set every this many examples (an eval NE curve; the best "
-                      "model is kept as --out/checkpoints/best)."),
-    click.option("--checkpoint-every", type=int, default=None,
-                 help="also checkpoint every this many examples of the run (DCP directories under "
-                      "--out/checkpoints): a killed run resumes from the last one."),
-    click.option("--stop-after", type=int, default=None,
-                 help="stop (with a checkpoint) once the run has seen this many examples (earlier sessions "
-                      "included)."),
-    click.option("--prefetch", type=int, default=None, show_default="40 with the exchange, 2 with rpc",
-                 help="multi-node: batches whose embedding rows are requested ahead of the one training (0: none)."),
-    click.option("--lookup-transport", type=click.Choice(TRANSPORTS), default="exchange", show_default=True,
-                 help="multi-node: how lookups reach other machines' shards: rounds of one gloo all_to_all between "
-                      "the trainers of every node; the same rounds between the nodes' first embedding servers, "
-                      "which carry their trainers' rows through shared memory (node-exchange: one exchange per "
-                      "node, for nodes with many trainers); or torch.distributed.rpc (a message per server and "
-                      "batch: the measured baseline)."),
-    click.option("--exchange-interval", type=float, default=40.0, show_default=True,
-                 help="multi-node: milliseconds between two rounds of the lookup exchange (shorter: fresher rows, "
-                      "more CPU per example)."),
-    click.option("--hot-rows", type=int, default=4096, show_default=True,
-                 help="multi-node: the rows seen most often in the first training rows, replicated on every machine "
-                      "and synchronized in the background (with the exchange; 0: none)."),
-    click.option("--hot-sync-interval", type=float, default=40.0, show_default=True,
-                 help="multi-node: milliseconds between two syncs of the replicated hot rows (shorter: fresher hot "
-                      "rows, more CPU and bytes); with --hot-staleness, the longest."),
-    click.option("--hot-staleness", type=float, default=0.0, show_default=True,
-                 help="multi-node: sync the hot rows as often as it takes (down to every 2 ms) to keep the other "
-                      "nodes' updates a use misses near this many (0: every --hot-sync-interval)."),
-]
-
-
-def _config_default(field: str) -> object:
-    """The value a TrainConfig field (dotted: sync.*, model.*, data_options.*) has when nothing sets it."""
-    head, _, tail = field.partition(".")
-    if head == "model":
-        return getattr(ModelConfig(), tail, None)
-    if head == "data_options":
-        return getattr(DataConfig(), tail, None)
-    value = getattr(TrainConfig(), head)
-    return getattr(value, tail) if tail else value
-
-
-def _shown(value: object) -> str | None:
-    if value is None:
-        return None
-    if isinstance(value, (list, tuple)):
-        return ",".join(str(v) for v in value)
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    return f"{value:,}" if isinstance(value, int) else str(value)
-
-
-def train_options(f):
-    """The TrainConfig options shared by `cocosync train` and `python -m cocosync.shadowsync` (under torchrun);
-    --help shows each one's TrainConfig default (the options themselves default to None: unset, so that a --config
-    file or a resumed run's config fills them)."""
-    for option in reversed(_TRAIN_OPTIONS):
-        f = option(f)
-    for param in getattr(f, "__click_params__", []):
-        field = _OPTS.get(param.name)
-        if field is not None and not param.show_default:  # (unset: click 8.2 has a sentinel, earlier None)
-            param.show_default = _shown(_config_default(field))
-    return f
-
-
-def show_defaults(command: click.Command) -> click.Command:
-    """--help in one style: every option with a default shows it as the TrainConfig-backed ones do."""
-    for param in command.params:
-        if param.show_default is True:
-            param.show_default = _shown(param.default)
-    return command
-
-
-def cluster_options(f):
-    """The multi-machine options (ClusterConfig: the roles of the torchrun ranks)."""
-    for option in reversed(_CLUSTER_OPTIONS):
-        f = option(f)
-    return f
-
-
-def config_from_options(config_path: str | None, resume: str | None, opts: dict) -> TrainConfig:
-    """The TrainConfig the options describe (command line over --config over --resume's); UsageError if bad."""
-    eval_data = opts.pop("eval_data", None)
-    overrides = {_OPTS[k]: v for k, v in opts.items() if v is not None}
+def config_from_options(config_path: str | None, resume: str | None, opts: dict[str, Any]) -> TrainConfig:
+    """The TrainConfig the (non-cluster) options describe: command line over --config over --resume's; UsageError
+    if bad. `opts`: click's parameters, by `ConfigOption.param`."""
+    overrides = {_BY_PARAM[k].path: _BY_PARAM[k].value(v) for k, v in opts.items() if v is not None}
     try:
         if config_path:
             cfg = load_train_config(config_path, **overrides)
         elif resume:  # the run's settings, less the session's own limit
-            saved = {k: v for k, v in _checkpoint_config(resume).items() if k != "timeout"}
+            saved = {k: v for k, v in read_meta(resolve(resume))["config"].items() if k != "timeout"}
             cfg = config_from_dict(saved, **overrides)
         else:
             cfg = config_from_dict({}, **overrides)
-        if eval_data is not None:
-            cfg = dataclasses.replace(cfg, data_options={**cfg.data_options, "eval_path": eval_data})
         if opts.get("eval_examples") is not None and "eval_rows" in cfg.data_options:  # the command line wins
             cfg = dataclasses.replace(cfg, data_options={k: v for k, v in cfg.data_options.items() if k != "eval_rows"})
         return cfg
@@ -235,7 +198,15 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict)
         raise click.UsageError(str(e)) from None
 
 
-def _checkpoint_config(path: str) -> dict:
-    return dict(read_meta(resolve(path))["config"])
-
-
+def job_from_options(config_path: str | None, resume: str | None, params: dict[str, Any],
+                     cluster_fields: dict[str, Any] | None = None) -> tuple[TrainConfig, ClusterConfig]:
+    """The TrainConfig and ClusterConfig a command's parsed config options describe (`params`, by param name;
+    `resume`: a run whose config the options override; `cluster_fields`: ClusterConfig fields the command sets
+    itself). ConfigError if bad."""
+    prefix = f"{_CLUSTER}__"
+    cluster = dict(cluster_fields or {})
+    train = {k: v for k, v in params.items() if not k.startswith(prefix)}
+    for k, v in params.items():
+        if k.startswith(prefix) and v is not None:
+            cluster[k.removeprefix(prefix)] = _BY_PARAM[k].value(v)
+    return config_from_options(config_path, resume, train), ClusterConfig(**cluster)

@@ -6,19 +6,21 @@ Options given on the command line win over `--config FILE` (TOML/JSON/YAML with 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import sys
+from typing import Any
 
 import click
 from rich.markup import escape
 
-from cocosync.shadowsync.cli.options import cluster_options, config_from_options, show_defaults, train_options
+from cocosync.shadowsync.cli.options import SectionedCommand, config_options, job_from_options, show_defaults
 from cocosync.shadowsync.cli.options import console as make_console
-from cocosync.shadowsync.cli.rank import job_from_args
+from cocosync.shadowsync.cli.rank import CONFIG_OPTION, rank_job
+from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.errors import ConfigError, debug_mode
-from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["train", "eval_checkpoint"]
 
@@ -38,8 +40,8 @@ def _split_note(cfg: TrainConfig) -> str:
 
 
 @show_defaults
-@click.command()
-@train_options
+@click.command(cls=SectionedCommand)
+@CONFIG_OPTION
 @click.option("--progress/--no-progress", default=None,
               help="progress bar while training (with --nnodes: a line on the whole job every 5 s).")
 @click.option("--resume", type=click.Path(),
@@ -57,12 +59,9 @@ def _split_note(cfg: TrainConfig) -> str:
 @click.option("--local-addr", default=None,
               help="multi-node: the address the other machines reach this one's ranks at (default: 127.0.0.1 with a "
                    "loopback --rdzv-endpoint, else this machine's hostname).")
-@cluster_options
+@config_options
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
-          node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None, embedding_servers: int,
-          sync_servers: int | None, prefetch: int, stop_after: int | None, checkpoint_every: int | None,
-          lookup_batches: int, lookup_transport: str, exchange_interval: float, hot_rows: int, hot_sync_interval: float,
-          hot_staleness: float, eval_every: int | None, **opts) -> None:
+          node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None, **params: Any) -> None:
     """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
@@ -71,26 +70,26 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     servers and sync servers; Ctrl-C, SIGTERM or --timeout on any machine stops every machine's trainers.
     """
     from cocosync.shadowsync.job.launch import run_training
-    from cocosync.shadowsync.job.roles import ClusterConfig
     from cocosync.shadowsync.job.trainer import TrainerFailure
 
     if nnodes is not None:
-        _run_node(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr, progress)
+        _run_node(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr, progress, json_out,
+                  config_path, resume, params)
+    try:
+        cfg, cluster = job_from_options(config_path, resume, params)
+    except ConfigError as e:
+        if debug_mode():
+            raise
+        raise click.UsageError(str(e)) from None
     if progress is not None:
-        opts["progress"] = progress
-    cfg = config_from_options(config_path, resume, opts)
+        cfg = dataclasses.replace(cfg, progress=progress)
     console = make_console()
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples"
                   + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "")
                   + f" of {escape(repr(cfg.data))}{_split_note(cfg)} -> {escape(str(cfg.out_dir))}/")
     try:
-        cluster = ClusterConfig(embedding_servers=embedding_servers, sync_servers=sync_servers, prefetch=prefetch,
-                                lookup_batches=lookup_batches, lookup_transport=lookup_transport,
-                                exchange_interval=exchange_interval / 1e3, hot_rows=hot_rows,
-                                hot_sync_interval=hot_sync_interval / 1e3, hot_staleness=hot_staleness)
-        result = run_training(cfg, console=console, resume=resume, checkpoint_every=checkpoint_every,
-                              stop_after=stop_after, eval_every=eval_every, cluster=cluster)
+        result = run_training(cfg, console=console, resume=resume, cluster=cluster)
     except ConfigError as e:
         if debug_mode():
             raise
@@ -116,8 +115,9 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
 
 
 def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None,
-              progress: bool | None) -> None:
-    """This machine's ranks of the multi-machine job (job/node_launch.py), with the remaining arguments; exits."""
+              progress: bool | None, json_out: bool, config_path: str | None, resume: str | None,
+              params: dict[str, Any]) -> None:
+    """This machine's ranks of the multi-machine job (job/node_launch.py) the config options describe; exits."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     from cocosync.shadowsync.job.launch import WARM_START_ENV
@@ -143,33 +143,17 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
         except OSError as e:
             why = f"--local-addr {local_addr!r} does not resolve to an address ({e})"
             raise click.UsageError(f"{why}: expected this machine's address the others reach it at") from None
-    args, skip = [], False
-    argv = sys.argv[sys.argv.index("train") + 1:] if "train" in sys.argv else sys.argv[1:]
-    for a in argv:  # drop the launcher's own options, keep the training options
-        if skip:
-            skip = False
-            continue
-        name = a.split("=", 1)[0]
-        if name in _NODE_OPTIONS:
-            skip = "=" not in a
-            continue
-        if name in ("--progress", "--no-progress"):  # (the launcher's: a line on the job every 5 s)
-            continue
-        args.append(a)
     launch = torchrun_args(nnodes, node_rank, nproc_per_node, rdzv_endpoint, local_addr,
                            os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"))
     try:
-        job, json_out = job_from_args(args)
+        cfg, cluster = rank_job(config_path, resume, params)
         warm = os.environ.get(WARM_START_ENV, "1") != "0"
-        code = run_node(launch, args, job, json_out, warm=warm, progress=progress is not False)
+        code = run_node(launch, cfg, cluster, json_out, node_rank=node_rank, warm=warm, progress=progress is not False)
     except ConfigError as e:
         if debug_mode():
             raise
         raise click.UsageError(str(e)) from None
     sys.exit(code)
-
-
-_NODE_OPTIONS = ("--nnodes", "--node-rank", "--nproc-per-node", "--rdzv-endpoint", "--local-addr")
 
 
 def _fmt(v, spec: str) -> str:

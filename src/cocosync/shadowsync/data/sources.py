@@ -6,11 +6,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterator
 
-from cocosync.shadowsync.config import DataConfig, ModelConfig
+from cocosync.shadowsync.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.plan import DataPlan, PlannedSource
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig
 
 __all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",
            "base_shard_rows", "trainer_source", "eval_batches", "first_sparse"]

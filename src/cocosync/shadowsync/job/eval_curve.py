@@ -74,8 +74,8 @@ def score_checkpoint(checkpoint: str | os.PathLike, data: str | None = None, exa
     Criteo-format file `data`: NE, AUC, calibration (and Bayes NE on synthetic data), its name and examples trained.
     ConfigError (CheckpointError) names the checkpoint when it cannot be read."""
     from cocosync.shadowsync.checkpoint import load_weights, read_meta, resolve
+    from cocosync.shadowsync.config import config_from_dict
     from cocosync.shadowsync.data.sources import build_configs, eval_batches
-    from cocosync.shadowsync.train_config import config_from_dict
 
     path = resolve(checkpoint)
     meta = read_meta(path)

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,22 +38,21 @@ from cocosync.runtime import warm_start
 from cocosync.runtime.comm.shm import SHM_DIR, format_size, shm_space
 from cocosync.runtime.comm.store import LOOPBACK, LoopbackStore
 from cocosync.shadowsync.checkpoint import check_resumable, read_meta, resolve
+from cocosync.shadowsync.config import (
+    UNLIMITED_WAIT,
+    ClusterConfig,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+)
 from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
-from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_rank
-from cocosync.shadowsync.job.roles import ClusterConfig
+from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_rank
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM
-from cocosync.shadowsync.train_config import (
-    UNLIMITED_WAIT,
-    ConfigError,
-    TrainConfig,
-    check_paths,
-    config_to_dict,
-)
 
 __all__ = ["RunResult", "run_training", "OutputLock", "crowded_shadow_advice"]
 
@@ -192,7 +191,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     out.mkdir(parents=True, exist_ok=True)
     with OutputLock(out):
         job = out / "job.json"
-        job.write_text(json.dumps({"config": config_to_dict(cfg), "cluster": asdict(cluster)}, indent=2) + "\n")
+        job.write_text(json.dumps(job_dict(cfg, cluster), indent=2) + "\n")
         (out / "summary.json").unlink(missing_ok=True)  # what the end reads is this run's
         if cluster.resume is None:
             (out / "metrics.jsonl").unlink(missing_ok=True)

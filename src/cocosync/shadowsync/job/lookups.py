@@ -11,13 +11,13 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.shm import Arena
+from cocosync.shadowsync.config import EXCHANGES, ClusterConfig, TrainConfig
 from cocosync.shadowsync.data.sources import first_sparse
-from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
+from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.embeddings import Shard
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, choose_hot_rows
 from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
-from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_exchange"]
 

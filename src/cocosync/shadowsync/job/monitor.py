@@ -24,10 +24,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from cocosync.runtime.comm.shm import pid_alive
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.checkpoint import read_meta
+from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
-from cocosync.shadowsync.job.roles import ClusterConfig, Roles
-from cocosync.shadowsync.train_config import TrainConfig
+from cocosync.shadowsync.job.roles import Roles
 
 __all__ = ["Monitor", "exit_status"]
 

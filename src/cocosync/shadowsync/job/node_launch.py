@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import logging
 import os
 import shutil
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import torch.distributed as dist
 from rich.console import Console
@@ -38,12 +40,11 @@ from torch.distributed.run import config_from_args, get_args_parser
 from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
+from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
-from cocosync.shadowsync.job.rank_start import mark_agent_keys, run_node_rank
-from cocosync.shadowsync.job.roles import ClusterConfig
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_from_dict
+from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_node_rank
 
 __all__ = ["torchrun_args", "run_node"]
 
@@ -90,21 +91,21 @@ def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoin
             *(["--local-addr", addr] if addr else [])]
 
 
-def run_node(launch: list[str], rank_args: list[str], job: dict, json_out: bool, *, warm: bool = True,
-             progress: bool = True) -> int:
-    """Run this machine's ranks of the job: `launch` is torchrun's arguments (`torchrun_args`), `rank_args` those of
-    `python -m cocosync.shadowsync`, `job` and `json_out` what they describe (cli.rank.job_from_args, checked before
-    any process starts). Returns the exit status: 0; 1 with torchrun's account of the failed ranks (or
-    the monitor's: a trainer of this machine stopped responding) on stderr; 130 / 143 / 124 after Ctrl-C / SIGTERM
-    / --timeout on any machine stopped the job with a checkpoint. With `warm` False this process becomes torchrun
-    and does not return. `progress`: a line on the whole job every 5 s.
+def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_out: bool, *, node_rank: int = 0,
+             warm: bool = True, progress: bool = True) -> int:
+    """Run this machine's ranks of the job `cfg`, `cluster` (checked before any process starts): `launch` is
+    torchrun's arguments (`torchrun_args`). Returns the exit status: 0; 1 with torchrun's account of the failed ranks
+    (or the monitor's: a trainer of this machine stopped responding) on stderr; 130 / 143 / 124 after Ctrl-C /
+    SIGTERM / --timeout on any machine stopped the job with a checkpoint. With `warm` False this process becomes
+    torchrun running `python -m cocosync.shadowsync --job FILE` (FILE: <out>/job-node<node_rank>.json) and does not
+    return. `progress`: a line on the whole
+    job every 5 s.
 
     The agent runs in a thread (a thread cannot take signals), so that Ctrl-C and SIGTERM reach this one: the first
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
-    argv = [*launch, "-m", _MODULE, *rank_args]
-    args = get_args_parser().parse_args(argv)
-    cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+    job = job_dict(cfg, cluster)
+    args = get_args_parser().parse_args([*launch, "-m", _MODULE])
     nnodes = int(args.nnodes)
     cfg = dataclasses.replace(cfg, trainers=_trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes,
                               progress=progress)
@@ -115,8 +116,13 @@ def run_node(launch: list[str], rank_args: list[str], job: dict, json_out: bool,
         Console(stderr=True).print(f"[yellow]{escape(advice)}", soft_wrap=True)
     sys.stdout.flush()
     sys.stderr.flush()
-    if not warm:
-        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *argv])
+    if not warm:  # the plain torchrun job: its ranks read the job from a file of this machine's
+        out = Path(cfg.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        job_file = out / f"job-node{node_rank}.json"
+        job_file.write_text(json.dumps(job, indent=2) + "\n")
+        rank_args = ["--job", str(job_file), *(["--json"] if json_out else [])]
+        os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *launch, "-m", _MODULE, *rank_args])
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
     # the agent's error files, in a directory of ours removed at the end: torch's default is a /tmp/torchelastic_*
     # per logs spec, left behind by every run

@@ -59,6 +59,15 @@ from cocosync.shadowsync.checkpoint import (
     resolve,
     save_job,
 )
+from cocosync.shadowsync.config import (
+    EXCHANGES,
+    UNLIMITED_WAIT,
+    ClusterConfig,
+    ConfigError,
+    TrainConfig,
+    check_paths,
+    config_to_dict,
+)
 from cocosync.shadowsync.data.plan import DataPlan, replan
 from cocosync.shadowsync.data.sources import (
     base_shard_rows,
@@ -71,7 +80,7 @@ from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
-from cocosync.shadowsync.job.roles import EXCHANGES, ClusterConfig, Roles
+from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
@@ -83,13 +92,6 @@ from cocosync.shadowsync.model.node_relay import Mailbox
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
-from cocosync.shadowsync.train_config import (
-    UNLIMITED_WAIT,
-    ConfigError,
-    TrainConfig,
-    check_paths,
-    config_to_dict,
-)
 
 __all__ = ["run_cluster"]
 

@@ -5,12 +5,14 @@ on one machine from the job.json launch.py wrote, across machines from the optio
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import re
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 from rich.console import Console
@@ -19,14 +21,13 @@ from setproctitle import setproctitle
 
 from cocosync.runtime.comm.shm import unlink_pending
 from cocosync.runtime.warm_start import adopt_environment, die_with
+from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_dict, config_to_dict
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.rank import run_cluster
-from cocosync.shadowsync.job.roles import ClusterConfig
 from cocosync.shadowsync.metrics import json_safe
-from cocosync.shadowsync.train_config import config_from_dict
 
-__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "run_job", "run_job_dict", "report",
-           "leave", "die_with_parent", "title", "parse_title"]
+__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "job_dict", "run_job", "run_job_dict",
+           "report", "leave", "die_with_parent", "title", "parse_title"]
 
 #: put in each rank's environment by the launcher: the keys the elastic agent set for that rank (RANK, LOCAL_RANK,
 #: MASTER_PORT, ...), which win over the launcher's environment handed along
@@ -91,6 +92,11 @@ def die_with_parent() -> None:
         return
     if os.getppid() == 1:  # the parent died before the prctl
         os._exit(1)
+
+
+def job_dict(cfg: TrainConfig, cluster: ClusterConfig) -> dict[str, Any]:
+    """A job as `run_job_dict` takes it and job.json holds it."""
+    return {"config": config_to_dict(cfg), "cluster": dataclasses.asdict(cluster)}
 
 
 def run_job(job_file: str, json_out: bool = False) -> None:

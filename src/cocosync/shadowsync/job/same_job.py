@@ -24,8 +24,7 @@ import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology, topology_from_env
 from cocosync.shadowsync.checkpoint import read_meta, resolve
-from cocosync.shadowsync.job.roles import ClusterConfig
-from cocosync.shadowsync.train_config import ConfigError, TrainConfig, config_to_dict
+from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig, config_to_dict
 
 __all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "checkpoint_identity", "differences",
            "check_same_job"]

@@ -24,12 +24,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.model.dlrm import DLRM
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings, gather_rows
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.thread_cpu import in_role
-from cocosync.shadowsync.train_config import TrainConfig
 
 __all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks"]
 

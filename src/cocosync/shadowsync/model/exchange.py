@@ -19,8 +19,9 @@ gloo needs is every message's size before the all_to_all). A trainer done with i
 peer is done (`close`).
 
 Why: a message costs ~100-400 us of CPU on each side in gloo's process group (~450 us in TensorPipe RPC) whatever
-its size, and row-hash sharding sends every batch's lookup to every machine (bench/server_costs.py, BENCHMARKS.md). Rounds turn the cost per message into a cost per round that the batches of an interval share; the Python
-work of a round is a fixed number of tensor operations over everything it carries, not a loop over batches. Sorting a
+its size, and row-hash sharding sends every batch's lookup to every machine (bench/server_costs.py, BENCHMARKS.md).
+Rounds turn the cost per message into a cost per round that the batches of an interval share; the Python work of a
+round is a fixed number of tensor operations over everything it carries, not a loop over batches. Sorting a
 round's rows by node (deduplicating its lookups) and writing every peer's message into the send buffer are one C++
 pass each when the native module is built (runtime/comm/native/lookup_rounds.cpp; `sort_lookups`, `sort_pushes` and
 `pack_messages` here are their Python references).

@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 import torch.distributed as dist
 
-from cocosync.shadowsync.train_config import SyncConfig
+from cocosync.shadowsync.config import SyncConfig
 
 __all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "HierarchicalGroup"]
 

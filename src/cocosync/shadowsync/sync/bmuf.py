@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync.base import SyncAlgorithm
-from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["BMUF"]
 

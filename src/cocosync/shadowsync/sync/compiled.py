@@ -28,8 +28,8 @@ from cocosync.runtime.executor import compile_plan
 from cocosync.runtime.steps.codegen import compile_function
 from cocosync.schedule import Schedule
 from cocosync.schedule.standard import STANDARD
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync.base import SyncAlgorithm
-from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["CompiledSync", "NotOnOneMachine"]
 

@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.backend import BACKEND
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync.base import SyncAlgorithm
-from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["DSSync", "partition"]
 

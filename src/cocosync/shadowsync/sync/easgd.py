@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import torch
 
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.sync.center import RemoteCenter, easgd_step
-from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["EASGD"]
 

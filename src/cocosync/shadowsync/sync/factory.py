@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from cocosync.shadowsync.config import SyncConfig
 from cocosync.shadowsync.sync.base import HierarchicalGroup, NoSync, SyncAlgorithm
 from cocosync.shadowsync.sync.bmuf import BMUF
 from cocosync.shadowsync.sync.compiled import CompiledSync, NotOnOneMachine
 from cocosync.shadowsync.sync.dssync import DSSync
 from cocosync.shadowsync.sync.easgd import EASGD
 from cocosync.shadowsync.sync.ma import ModelAveraging
-from cocosync.shadowsync.train_config import SyncConfig
 
 __all__ = ["make_sync", "changes_nothing_alone"]
 
