@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +16,9 @@ os.environ.setdefault("COCOSYNC_KERNELS", "eager")
 # leave choices in ~/.cache/cocosync (ranks inherit it: the pools start after this line)
 _CACHE = tempfile.mkdtemp(prefix="cocosync-test-cache-")
 os.environ["COCOSYNC_CACHE_DIR"] = _CACHE
+# two simulated machines for the multi-node tests: the team's tool beside the checkout (tests skip where it fails)
+_TWOHOSTS = Path(__file__).resolve().parents[2] / "shared" / "tools" / "twohosts.sh"
+os.environ.setdefault("COCOSYNC_TWOHOSTS", str(_TWOHOSTS))
 
 from cocosync.testing.launch import RankPool  # noqa: E402 - after the environment it reads
 

@@ -52,6 +52,12 @@ def test_no_module_cycle_anywhere_in_src():
     assert [c for c in found if c not in ALLOWED_CYCLES] == [], found
 
 
+def test_the_embedding_storage_imports_nothing_of_the_job():
+    """shadowsync.model.shard (row hash, shards, the row update) is what every store is built on."""
+    mine = {i.target for i in RUNTIME_EDGES if i.importer == "cocosync.shadowsync.model.shard"}
+    assert mine and {t for t in mine if t.startswith("cocosync.shadowsync")} == {"cocosync.shadowsync.config"}, mine
+
+
 def test_no_cycle_between_runtime_layers():
     """runtime.comm <- runtime.reference <- runtime.steps <- runtime (executor): the layers point one way."""
     edges = {(layer_of(i.importer), layer_of(i.target)) for i in RUNTIME_EDGES}

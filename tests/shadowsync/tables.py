@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from cocosync.shadowsync.model.embeddings import rowwise_update
+from cocosync.shadowsync.model.shard import rowwise_update
 
 
 class ReferenceTables:

@@ -14,7 +14,7 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cocosync.runtime.comm.shm import leftover_segments
-from cocosync.shadowsync.model.embeddings import RowHash
+from cocosync.shadowsync.model.shard import RowHash
 from cocosync.testing.multinode import run_nodes, start_nodes, wait_nodes, worker_pids
 
 BASE = ["-m", "cocosync.shadowsync", "--examples", "20000", "--eval-examples", "2000", "--prefetch", "0"]

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from cocosync.shadowsync.model.embeddings import Shard, rowwise_update
+from cocosync.shadowsync.model.shard import Shard, rowwise_update
 
 
 def _shard(n: int, dim: int, optimizer: str, lr: float) -> Shard:

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.shadowsync.model.embeddings import Shard, ShardedEmbeddings
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotRows, choose_hot_rows
+from cocosync.shadowsync.model.shard import Shard
 from cocosync.testing.launch import RankPool
 
 from .tables import ReferenceTables

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cocosync.runtime.comm import native
-from cocosync.shadowsync.model import batch_rows, embeddings
+from cocosync.shadowsync.model import batch_rows, embeddings, shard
 
 
 def _module():
@@ -26,9 +26,9 @@ def test_native_rowwise_adagrad_matches_the_torch_reference(weight_decay, monkey
     rows[:40] = rows[40:80]  # a row twice in one call: each occurrence steps with the row's final accumulator
     grads = torch.randn(300, 8, generator=g)
     w_nat, acc_nat, w_ref, acc_ref = weight.clone(), acc.clone(), weight.clone(), acc.clone()
-    embeddings.rowwise_update(w_nat, acc_nat, rows, grads.clone(), "adagrad", 0.1, 1e-8, weight_decay)
-    monkeypatch.setattr(embeddings, "_native_rows", lambda *a: False)
-    embeddings.rowwise_update(w_ref, acc_ref, rows, grads.clone(), "adagrad", 0.1, 1e-8, weight_decay)
+    shard.rowwise_update(w_nat, acc_nat, rows, grads.clone(), "adagrad", 0.1, 1e-8, weight_decay)
+    monkeypatch.setattr(shard, "_native_rows", lambda *a: False)
+    shard.rowwise_update(w_ref, acc_ref, rows, grads.clone(), "adagrad", 0.1, 1e-8, weight_decay)
     assert not torch.equal(w_ref, weight)  # the update did something
     torch.testing.assert_close(acc_nat, acc_ref, rtol=1e-6, atol=0)
     torch.testing.assert_close(w_nat, w_ref, rtol=1e-6, atol=1e-7)
@@ -45,8 +45,8 @@ def test_native_rowwise_adagrad_refuses_a_row_outside_the_table():
 def test_other_dtypes_take_the_torch_path():
     weight, acc = torch.zeros(10, 4, dtype=torch.float64), torch.zeros(10, dtype=torch.float64)
     rows, grads = torch.tensor([1, 2]), torch.ones(2, 4, dtype=torch.float64)
-    assert not embeddings._native_rows(weight, acc, rows, grads)
-    embeddings.rowwise_update(weight, acc, rows, grads, "adagrad", 0.5, 1e-8)
+    assert not shard._native_rows(weight, acc, rows, grads)
+    shard.rowwise_update(weight, acc, rows, grads, "adagrad", 0.5, 1e-8)
     assert torch.allclose(weight[1], torch.full((4,), -0.5, dtype=torch.float64))  # lr * g / sqrt(mean(g^2))
 
 

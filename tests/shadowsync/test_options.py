@@ -50,3 +50,15 @@ def test_a_bad_value_names_the_option_and_what_is_allowed():
     assert out.exit_code == 2 and "--exchange-interval 5000 ms is invalid" in out.output
     out = CliRunner().invoke(train, ["--bottom-mlp", "64,x"])
     assert out.exit_code == 2 and "comma-separated layer widths" in out.output
+
+
+def test_the_node_exchange_is_refused_by_name_where_stores_may_be_reordered(monkeypatch):
+    import platform
+
+    from cocosync.shadowsync.config import ConfigError
+
+    assert ClusterConfig(lookup_transport="node-exchange").lookup_transport == "node-exchange"
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    with pytest.raises(ConfigError, match="'aarch64': use 'exchange'"):
+        ClusterConfig(lookup_transport="node-exchange")
+    assert ClusterConfig(lookup_transport="exchange").lookup_transport == "exchange"

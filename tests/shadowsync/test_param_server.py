@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
 from cocosync.testing.launch import RankPool
 
 from .tables import ReferenceTables

@@ -11,7 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.model.embeddings import Shard, ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.shard import Shard
 from cocosync.testing.launch import RankPool
 
 __all__ = ["measure_server_costs"]

@@ -16,8 +16,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import time_interleaved
 from cocosync.runtime.reference.stage import local_shape
+from cocosync.timing import time_interleaved
 from cocosync.tune.choice_cache import entry_path, read_agreed, save_entry
 
 __all__ = ["AUTO_CHUNKS", "choose_chunks"]

@@ -4,12 +4,13 @@ many (a single-machine run is the multi-machine job with one node), by layer:
 
 * `data`: Criteo-format files and the synthetic teacher, the trainers' reader shards (`sources`) and the plan that
   moves unread rows onto another shard count at resume (`plan`);
-* `model`: the DLRM and the embedding stores behind one client (`embeddings`: row-hash shards, this node's read in
-  place, other nodes' over RPC);
+* `model`: the DLRM, the tables' storage (`shard`: row hash, shards, the row update) and the client of them
+  (`embeddings`: this node's shards read in place, other nodes' through the lookup exchange or RPC);
 * `sync`: the dense sync algorithms (MA, BMUF, EASGD, DS-Sync; foreground or shadow);
-* `job`: the roles of the torchrun ranks, one rank's job (`rank`), the trainer, the launcher and monitor of
-  `cocosync train` on one machine, the eval curve;
-* `checkpoint` (DCP, the one format), `metrics`, the configs (`config`, `train_config`) and the CLI (`cli`).
+* `job`: the roles of the torchrun ranks, the typed `Job` a rank builds once (`job`), one rank's job (`rank`), the
+  trainer, the launcher and monitor of `cocosync train` on one machine, the eval curve;
+* `checkpoint` (DCP, the one format, over the parts' state_dicts), `metrics`, every setting (`config`), the errors
+  (`errors`) and the CLI (`cli`, its options generated from `config`).
 """
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig

@@ -22,7 +22,6 @@ on every trainer, is taken from trainer 0).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -30,18 +29,19 @@ import warnings
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 import torch
 import torch.distributed as dist
 
 from cocosync.shadowsync.config import TrainConfig, config_to_dict, resume_value
 from cocosync.shadowsync.errors import CheckpointError, ConfigError
-from cocosync.shadowsync.model.embeddings import RowHash, Shard
+from cocosync.shadowsync.model.shard import RowHash
 from cocosync.shadowsync.sync.center import center_bounds
 
-__all__ = ["CheckpointError", "CheckpointParts", "save_job", "load_job", "resolve", "read_meta", "check_resumable",
-           "resharded_trainers", "read_positions", "save_best", "load_weights", "read_tensors", "BEST"]
+__all__ = ["CheckpointError", "Stateful", "Snapshot", "part_name", "save_job", "load_job", "load_parts", "resolve",
+           "read_meta", "check_resumable", "resharded_trainers", "read_positions", "save_best", "load_weights",
+           "read_tensors", "BEST"]
 
 RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
 BEST = "best"  # checkpoints/best: the best-eval model
@@ -102,44 +102,40 @@ def _load(state: dict[str, torch.Tensor], path: Path, *, no_dist: bool = False) 
 
 
 # ---------------------------------------------------------------------------------------------- the parts
+class Stateful(Protocol):
+    """A part of the job that owns its state (torch.distributed.checkpoint's Stateful): `state_dict()` gives its
+    tensors by key, `load_state_dict(state)` takes them back. A checkpoint holds each part's keys under its name."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]: ...
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None: ...
+
+
 @dataclass
-class CheckpointParts:
-    """What this rank owns: its embedding shard (server), centre range (sync server) or trainer state."""
+class Snapshot:
+    """A part's state taken earlier (a trainer's between two sync rounds), saved as it is."""
 
-    kind: str
-    index: int
-    shard: Shard | None = None
-    center: torch.Tensor | None = None  # this sync server's range of the centre
-    trainer: Any = None  # the Trainer (dense replica, accumulator, sync state, reader positions)
-    trainer_state: dict | None = None  # a snapshot of it to save (Trainer.checkpoint_state)
+    state: dict[str, torch.Tensor]
 
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.state
 
-def _trainer_tensors(trainer: Any, t: int) -> dict[str, torch.Tensor]:
-    """The trainer's live tensors to load into, and buffers for its sync state (`_load_sync` hands them over)."""
-    out = {f"trainer.{t}.flat": trainer.flat.flat, f"trainer.{t}.accumulator": trainer.accumulator,
-           f"trainer.{t}.positions": trainer.state.positions[t]}
-    out.update({f"trainer.{t}.{k}": torch.empty_like(v) for k, v in trainer.sync.state().items()})
-    return out
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        raise TypeError("a Snapshot is saved, not loaded into")
 
 
-def _load_sync(trainer: Any, loaded: dict[str, torch.Tensor], t: int) -> None:
-    """Trainer t's sync state (BMUF's global model, start point and block momentum) from `loaded` into its sync
-    algorithm (the class's tensors, or the compiled program's slices)."""
-    prefix, names = f"trainer.{t}.", set(trainer.sync.state())  # (state(): collective across machines)
-    trainer.sync.load_state({k[len(prefix):]: v for k, v in loaded.items()
-                             if k.startswith(prefix) and k[len(prefix):] in names})
+def part_name(kind: str, index: int) -> str:
+    """The name a role's part has in a checkpoint: emb.<i> (embedding server i's shard), center (every sync
+    server's range, keyed by its index), trainer.<t>."""
+    return {"embedding": f"emb.{index}", "sync": "center", "trainer": f"trainer.{index}"}[kind]
 
 
-def _state_dict(parts: CheckpointParts) -> dict[str, torch.Tensor]:
-    i = parts.index
-    if parts.kind == "embedding":
-        s = parts.shard
-        return {f"emb.{i}.weight": s.weight, f"emb.{i}.accumulator": s.accumulator, f"emb.{i}.versions": s.versions}
-    if parts.kind == "sync":
-        return {f"center.{i}": parts.center}
-    if parts.trainer_state is not None:
-        return {f"trainer.{i}.{k}": v for k, v in parts.trainer_state.items()}
-    return _trainer_tensors(parts.trainer, i)
+def _flatten(states: Mapping[str, Stateful]) -> dict[str, torch.Tensor]:
+    return {f"{name}.{key}": t for name, part in states.items() for key, t in part.state_dict().items()}
+
+
+def _unflatten(flat: dict[str, torch.Tensor], name: str) -> dict[str, torch.Tensor]:
+    return {k[len(name) + 1:]: v for k, v in flat.items() if k.startswith(f"{name}.")}
 
 
 def _point_latest(root: Path, path: Path, meta: dict) -> None:
@@ -149,15 +145,16 @@ def _point_latest(root: Path, path: Path, meta: dict) -> None:
     os.replace(tmp, root / "checkpoints" / "latest")
 
 
-def save_job(parts: CheckpointParts, root: Path, meta: dict | None, *, writer: int) -> Path:
-    """Collective: every rank writes its part into root/checkpoints/seen-<N>; the writer (the rank holding `meta`:
-    trainer 0) then points root/checkpoints/latest at it."""
+def save_job(states: Mapping[str, Stateful], root: Path, meta: dict | None, *, owner: str, writer: int) -> Path:
+    """Collective: every rank writes its parts (`states`, by name) into root/checkpoints/seen-<N>, and the checksums
+    of its tensors into crc-<owner>.json; the writer (the rank holding `meta`: trainer 0) then points
+    root/checkpoints/latest at it."""
     seen = [int(meta["examples_seen"]) if meta else -1]
     dist.broadcast_object_list(seen, src=writer)
     path = root / "checkpoints" / f"seen-{seen[0]}"
-    state = _state_dict(parts)
+    state = _flatten(states)
     _dcp().save(state, checkpoint_id=str(path))
-    _write_checksums(path, f"{parts.kind}{parts.index}", state)
+    _write_checksums(path, owner, state)
     dist.barrier()  # every rank's files are written before `latest` points here
     if meta is not None:
         _point_latest(root, path, meta)
@@ -247,27 +244,27 @@ def read_positions(path: Path, meta: dict) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- loading
-def load_job(parts: CheckpointParts, path: Path, meta: dict, *, rowhash: RowHash, centre_numel: int,
-             sync_servers: int, trainers: int) -> None:
-    """Collective: fill this rank's part from the checkpoint (resharding servers or trainers when their count
-    changed)."""
-    S_old, C_old = meta["embedding_servers"], meta["sync_servers"]
-    if parts.kind == "trainer" and resharded_trainers(meta, trainers, len(parts.trainer.state.positions[0])):
-        _load_averaged_trainer(parts, path, meta)
-        return
-    if parts.kind == "embedding" and S_old != rowhash.servers:
-        _load_resharded_shard(parts, path, meta, rowhash)
-        return
-    if parts.kind == "sync" and C_old != sync_servers:
-        old = {f"center.{i}": torch.empty(hi - lo) for i, (lo, hi) in enumerate(center_bounds(centre_numel, C_old))}
-        _load(old, path)
-        lo, hi = center_bounds(centre_numel, sync_servers)[parts.index]
-        parts.center.copy_(torch.cat([old[f"center.{i}"] for i in range(C_old)])[lo:hi])
-        return
-    state = _state_dict(dataclasses.replace(parts, trainer_state=None))
-    _load(state, path)
-    if parts.kind == "trainer":
-        _load_sync(parts.trainer, state, parts.index)
+def load_job(kind: str, index: int, part: Stateful, path: Path, meta: dict, *, rowhash: RowHash, centre_numel: int,
+             sync_servers: int, trainers: int, workers: int) -> None:
+    """Collective: fill this rank's part (role `kind`: 'embedding' | 'sync' | 'trainer', and its `index` in that
+    role) from the checkpoint, resharding servers or trainers when their count changed."""
+    if kind == "trainer" and resharded_trainers(meta, trainers, workers):
+        _load_averaged_trainer(part, path, meta)
+    elif kind == "embedding" and meta["embedding_servers"] != rowhash.servers:
+        _load_resharded_shard(part, index, path, meta, rowhash)
+    elif kind == "sync" and meta["sync_servers"] != sync_servers:
+        _load_resharded_centre(part, path, meta, centre_numel, sync_servers)
+    else:
+        load_parts({part_name(kind, index): part}, path)
+
+
+def load_parts(states: Mapping[str, Stateful], path: Path, *, no_dist: bool = False) -> None:
+    """Fill each part from the checkpoint at the same topology: its keys under its name, loaded in place where its
+    state_dict gives live tensors, then handed to its load_state_dict."""
+    flat = _flatten(states)
+    _load(flat, path, no_dist=no_dist)
+    for name, part in states.items():
+        part.load_state_dict(_unflatten(flat, name))
 
 
 def _old_shards(path: Path, meta: dict, dim: int, *, accumulators: bool, no_dist: bool = False) -> dict:
@@ -282,32 +279,43 @@ def _old_shards(path: Path, meta: dict, dim: int, *, accumulators: bool, no_dist
     return old
 
 
-def _load_resharded_shard(parts: CheckpointParts, path: Path, meta: dict, rowhash: RowHash) -> None:
-    S_old, s_new, shard = meta["embedding_servers"], parts.index, parts.shard
-    old = _old_shards(path, meta, shard.weight.shape[1], accumulators=True)
+def _load_resharded_shard(shard: Stateful, s_new: int, path: Path, meta: dict, rowhash: RowHash) -> None:
+    """Server `s_new` of a job with another server count: the rows the new row hash gives it, from every old shard."""
+    state = shard.state_dict()
+    S_old = meta["embedding_servers"]
+    old = _old_shards(path, meta, state["weight"].shape[1], accumulators=True)
     old_hash = RowHash(rowhash.total_rows, S_old)
     for s in range(S_old):
         g = s + S_old * torch.arange(old_hash.shard_rows(s))  # the global rows of old shard s
         mine = g % rowhash.servers == s_new
         local = g[mine] // rowhash.servers
-        shard.weight[local] = old[f"emb.{s}.weight"][mine]
-        shard.accumulator[local] = old[f"emb.{s}.accumulator"][mine]
-        shard.versions[local] = old[f"emb.{s}.versions"][mine]
+        for key in ("weight", "accumulator", "versions"):
+            state[key][local] = old[f"emb.{s}.{key}"][mine]
+    shard.load_state_dict(state)
 
 
-def _load_averaged_trainer(parts: CheckpointParts, path: Path, meta: dict) -> None:
-    """A trainer of a job with another trainer count: the mean of the old replicas and accumulators, BMUF's state
-    from old trainer 0; its reader positions stay 0 (the data plan starts its shards afresh)."""
-    trainer, T = parts.trainer, meta["trainers"]
-    flat, acc = trainer.flat.flat, trainer.accumulator
-    old = {}
-    for t in range(T):
-        old |= {f"trainer.{t}.flat": torch.empty_like(flat), f"trainer.{t}.accumulator": torch.empty_like(acc)}
-    old |= {k: v for k, v in _trainer_tensors(trainer, 0).items() if ".bmuf." in k}
+def _load_resharded_centre(centre: Stateful, path: Path, meta: dict, numel: int, servers: int) -> None:
+    """A sync server of a job with another sync-server count: its new range of the old ranges put together."""
+    C_old = meta["sync_servers"]
+    old = {f"center.{i}": torch.empty(hi - lo) for i, (lo, hi) in enumerate(center_bounds(numel, C_old))}
     _load(old, path)
-    flat.copy_(torch.stack([old[f"trainer.{t}.flat"] for t in range(T)]).mean(0))
-    acc.copy_(torch.stack([old[f"trainer.{t}.accumulator"] for t in range(T)]).mean(0))
-    _load_sync(trainer, old, 0)
+    whole = torch.cat([old[f"center.{i}"] for i in range(C_old)])
+    (key,) = centre.state_dict()  # the range's index
+    lo, hi = center_bounds(numel, servers)[int(key)]
+    centre.load_state_dict({key: whole[lo:hi]})
+
+
+def _load_averaged_trainer(trainer: Stateful, path: Path, meta: dict) -> None:
+    """A trainer of a job with another trainer count: the mean of the old replicas and accumulators, BMUF's state
+    from old trainer 0; its reader positions stay as they are (0: the data plan starts its shards afresh)."""
+    state, T = trainer.state_dict(), meta["trainers"]
+    old = {f"trainer.{t}.{k}": torch.empty_like(state[k]) for t in range(T) for k in ("flat", "accumulator")}
+    old |= {f"trainer.0.{k}": torch.empty_like(v) for k, v in state.items() if k.startswith("bmuf.")}
+    _load(old, path)
+    for k in ("flat", "accumulator"):
+        state[k] = torch.stack([old[f"trainer.{t}.{k}"] for t in range(T)]).mean(0)
+    state |= {k: old[f"trainer.0.{k}"] for k in state if k.startswith("bmuf.")}
+    trainer.load_state_dict(state)
 
 
 def load_weights(path: Path, meta: dict, *, dim: int, dense_params: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import platform
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -605,6 +606,8 @@ def load_train_config(path: str | Path, **overrides: Any) -> TrainConfig:
     return config_from_dict(raw, **overrides)
 
 
+#: processors whose stores are not reordered with each other, which the node exchange's rings rely on
+STORE_ORDERED = ("x86_64", "amd64", "i386", "i686")
 EXCHANGES = ("exchange", "node-exchange")  # the lookup exchange per trainer, per node
 TRANSPORTS = (*EXCHANGES, "rpc")
 
@@ -671,6 +674,10 @@ class ClusterConfig:
                 raise ConfigError(f"{name}={v!r} is invalid: expected a number of examples >= 1")
         if self.lookup_transport not in TRANSPORTS:
             raise ConfigError(f"lookup_transport={self.lookup_transport!r} is invalid: expected one of {TRANSPORTS}")
+        if self.lookup_transport == "node-exchange" and platform.machine().lower() not in STORE_ORDERED:
+            raise ConfigError(f"lookup_transport='node-exchange' needs a processor that keeps stores in order (x86-64: "
+                              f"its shared-memory rings publish a slot by the store after it); this one is "
+                              f"{platform.machine()!r}: use 'exchange'")
         for flag in ("exchange_interval", "hot_sync_interval"):
             v = getattr(self, flag)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:

@@ -27,10 +27,11 @@ from cocosync.testing.sockets import process_tree
 #: how start_nodes starts a node: torchrun's command, or `cocosync train --nnodes`
 LAUNCHERS = ("torchrun", "cocosync")
 
-__all__ = ["LAUNCHERS", "NodeRun", "run_nodes", "start_nodes", "wait_nodes", "worker_pids", "twohosts_script",
-           "twohosts_available"]
+__all__ = ["LAUNCHERS", "TWOHOSTS_ENV", "NodeRun", "run_nodes", "start_nodes", "wait_nodes", "worker_pids",
+           "twohosts_script", "twohosts_available"]
 
-_TWOHOSTS = Path(__file__).resolve().parents[4] / "shared" / "tools" / "twohosts.sh"
+#: the environment variable naming the script that makes two simulated machines (network namespaces)
+TWOHOSTS_ENV = "COCOSYNC_TWOHOSTS"
 
 
 @dataclass
@@ -43,9 +44,9 @@ class NodeRun:
 
 
 def twohosts_script() -> Path | None:
-    """The twohosts.sh tool ($COCOSYNC_TWOHOSTS or ../shared/tools/twohosts.sh), or None."""
-    p = Path(os.environ.get("COCOSYNC_TWOHOSTS", _TWOHOSTS))
-    return p if p.is_file() else None
+    """The twohosts.sh tool $COCOSYNC_TWOHOSTS names (the test suite sets it to the team's tool), or None."""
+    p = os.environ.get(TWOHOSTS_ENV)
+    return Path(p) if p and Path(p).is_file() else None
 
 
 def twohosts_available() -> bool:

@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
-from cocosync.bench.common import time_interleaved
 from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.collectives import ShmCommunicator
 from cocosync.runtime.comm.tuned import constants_path
+from cocosync.timing import time_interleaved
 
 __all__ = ["PEER_BYTES", "KERNEL_BYTES_CHOICES", "EAGER_SIZES", "measure_one_shot", "choose_one_shot",
            "measure_kernel_bytes", "choose_kernel_bytes", "measure_eager_work", "choose_eager_work", "save_constant"]

@@ -21,12 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import time_interleaved
 from cocosync.dsl.ir import Program
 from cocosync.lower import lower
 from cocosync.runtime.executor import compile_plan
 from cocosync.runtime.reference.stage import local_shape
 from cocosync.schedule.schedule import Schedule
+from cocosync.timing import time_interleaved
 from cocosync.tune.choice_cache import entry_path, read_agreed, save_entry
 from cocosync.tune.space import Candidate, schedule_space
 

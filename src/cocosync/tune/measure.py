@@ -12,13 +12,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cocosync.bench.common import copy_bandwidth, time_calls, time_interleaved
 from cocosync.dsl.types import local_shape_of
 from cocosync.lower import lower
 from cocosync.reduce_op import ReduceOp
 from cocosync.runtime.comm.communicators import shared_communicator
 from cocosync.runtime.executor import compile_plan
 from cocosync.schedule.schedule import replay
+from cocosync.timing import copy_bandwidth, time_calls, time_interleaved
 from cocosync.tune.cost import MachineModel
 from cocosync.tune.workloads import global_inputs, local_inputs, workload
 

@@ -4,27 +4,27 @@ trainer uses (its own, or its relay to the node's server) or a server runs for i
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.shm import Arena
-from cocosync.shadowsync.config import EXCHANGES, ClusterConfig, TrainConfig
+from cocosync.shadowsync.config import EXCHANGES, ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.sources import first_sparse
+from cocosync.shadowsync.job.job import ExchangeGroups, Job
 from cocosync.shadowsync.job.roles import Roles
-from cocosync.shadowsync.model.embeddings import Shard
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, choose_hot_rows
 from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
+from cocosync.shadowsync.model.shard import Shard
 
 __all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_exchange"]
 
 RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
 
-def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any, arena: Arena) -> HotRows | None:
+def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model_cfg: ModelConfig,
+             arena: Arena) -> HotRows | None:
     """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
     choice from the first training rows, broadcast (collective over the job)."""
     if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
@@ -43,25 +43,25 @@ def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: Any, model_cfg: Any
     return HotRows(ids[0], shard)
 
 
-def exchange_groups(job: Any, arena: Arena) -> None:
+def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig,
+                    arena: Arena) -> ExchangeGroups:
     """The exchange's own groups (a thread of its own uses them): trainer i of every node, or the nodes' first
-    servers and a mailbox per local trainer (node-exchange). Sets job.exchange_group where this rank joins one."""
-    cfg, cluster, roles = job.cfg, job.cluster, job.roles
+    servers and a mailbox per local trainer (node-exchange); this rank's of them. Collective."""
     if roles.topo.nnodes == 1 or cluster.lookup_transport not in EXCHANGES:
-        return
+        return ExchangeGroups()
     kind, index = roles.role()
     trainers, Tn, E = roles.ranks("trainer"), roles.trainers_per_node, roles.embedding_per_node
     if cluster.lookup_transport == "exchange":
+        mine = None
         for i in range(Tn):
             g = dist.new_group(trainers[i::Tn])
             if kind == "trainer" and index % Tn == i:
-                job.exchange_group = g
-        return
+                mine = g
+        return ExchangeGroups(mine)
     g = dist.new_group(roles.ranks("embedding")[0::E])
-    if hosts_exchange(cluster, roles):
-        job.exchange_group = g
-    slot = mailbox_nbytes(RELAY_BATCHES * cfg.batch_size * len(job.data.table_sizes), job.model_cfg.embedding_dim)
-    job.mailboxes = [Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot) for _ in range(Tn)]
+    slot = mailbox_nbytes(RELAY_BATCHES * cfg.batch_size * len(data.table_sizes), model_cfg.embedding_dim)
+    boxes = tuple(Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot) for _ in range(Tn))
+    return ExchangeGroups(g if hosts_exchange(cluster, roles) else None, boxes)
 
 
 def hosts_exchange(cluster: ClusterConfig, roles: Roles) -> bool:
@@ -71,31 +71,32 @@ def hosts_exchange(cluster: ClusterConfig, roles: Roles) -> bool:
             and index % roles.embedding_per_node == 0)
 
 
-def _label(job: Any, r: int) -> str:
+def _label(job: Job, r: int) -> str:
     return f"{job.roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}"
 
 
-def node_exchange(job: Any) -> LookupExchange:
+def node_exchange(job: Job) -> LookupExchange:
     """The node's lookup exchange on its first embedding server: every trainer of the node relays through it."""
     roles, dim = job.roles, job.model_cfg.embedding_dim
     E = roles.embedding_per_node
-    return LookupExchange(job.exchange_group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
-                          dim=dim, interval=job.cluster.exchange_interval, relays=RelayHost(job.mailboxes, dim),
+    return LookupExchange(job.exchange.group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
+                          dim=dim, interval=job.cluster.exchange_interval,
+                          relays=RelayHost(list(job.exchange.mailboxes), dim),
                           labels=[_label(job, r) for r in roles.ranks("embedding")[0::E]])
 
 
-def trainer_exchange(job: Any, t: int) -> LookupExchange | RelayClient | None:
+def trainer_exchange(job: Job, t: int) -> LookupExchange | RelayClient | None:
     """Trainer t's way to other nodes' rows: its own exchange (with trainer t's peers on every node), its relay to
     the node's server (node-exchange), or None (one node, or RPC)."""
     roles, dim, Tn = job.roles, job.model_cfg.embedding_dim, job.roles.trainers_per_node
-    if job.exchange_group is not None:
-        return LookupExchange(job.exchange_group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
+    if job.exchange.group is not None:
+        return LookupExchange(job.exchange.group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
                               servers_per_node=roles.embedding_per_node, dim=dim,
                               interval=job.cluster.exchange_interval,
                               labels=[_label(job, r) for r in roles.ranks("trainer")[t % Tn::Tn]])
-    if job.mailboxes:
+    if job.exchange.mailboxes:
         host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
-        return RelayClient(job.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
+        return RelayClient(job.exchange.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
                            interval=job.cluster.exchange_interval,
                            leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
                            timeout=max(30.0, job.cfg.heartbeat_timeout))

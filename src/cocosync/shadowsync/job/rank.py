@@ -50,9 +50,11 @@ from cocosync.runtime.comm.topology import node_groups, spanning_node_groups
 from cocosync.shadowsync import thread_cpu
 from cocosync.shadowsync.checkpoint import (
     BEST,
-    CheckpointParts,
+    Snapshot,
+    Stateful,
     check_resumable,
     load_job,
+    part_name,
     read_meta,
     read_positions,
     resharded_trainers,
@@ -64,6 +66,8 @@ from cocosync.shadowsync.config import (
     UNLIMITED_WAIT,
     ClusterConfig,
     ConfigError,
+    DataConfig,
+    ModelConfig,
     TrainConfig,
     check_paths,
     config_to_dict,
@@ -77,6 +81,7 @@ from cocosync.shadowsync.data.sources import (
     with_init_ctr,
 )
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
+from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
@@ -86,9 +91,9 @@ from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_sum
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
-from cocosync.shadowsync.model.embeddings import RowHash, Shard, ShardedEmbeddings, initial_rows, serve_shard
-from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
-from cocosync.shadowsync.model.node_relay import Mailbox
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.hot_rows import HotSync
+from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -104,43 +109,6 @@ def _loopback_interfaces() -> None:
     if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith(_LOOPBACK):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-
-
-@dataclasses.dataclass
-class _Job:
-    cfg: TrainConfig
-    cluster: ClusterConfig
-    roles: Roles
-    data: Any
-    model_cfg: Any
-    shards: dict[int, Shard]  # this node's embedding shards (shared memory), by server index
-    rowhash: RowHash
-    trainer_group: Any = None  # gloo group of the trainers (results)
-    exchange_group: Any = None  # the lookup exchange of this trainer (the trainer of its local index on every
-    # node) or, with node-exchange, of this node's first embedding server (the first server of every node)
-    mailboxes: list[Mailbox] = dataclasses.field(default_factory=list)  # node-exchange: one per local trainer (shm)
-    hot: HotRows | None = None  # the node's replica of the hot rows (multi-node, with the exchange)
-    hot_group: Any = None  # on a node's first trainer: the first trainer of every node (the replicas' sync)
-    dense_group: Any = None  # the trainers' group for MA/BMUF (HierarchicalGroup for the classes across nodes)
-    center: CenterShard | None = None  # a sync server's range of EASGD's centre
-    dense_params: int = 0
-    init_dense: torch.Tensor | None = None  # the dense parameters every replica (and EASGD's centre) starts from
-    hosts: list[str] = dataclasses.field(default_factory=list)  # each rank's host name (for error messages)
-    plan: DataPlan | None = None  # the reader shards' rows when resumed on another trainer count (data/plan.py)
-    link: Link | None = None  # the line to `cocosync train`'s monitor (launch.py), when it launched this job
-    resumed_from: int = 0  # examples the checkpoint resumed from had seen
-
-    @property
-    def examples_before(self) -> int:
-        """Examples read before the data plan's shards started (0 without a plan)."""
-        return self.plan.examples_before if self.plan is not None else 0
-
-    def trainer_rows(self, t: int) -> int:
-        """Rows trainer t's W reader shards hold (its share of the budget)."""
-        W = self.cfg.workers
-        if self.plan is not None:
-            return sum(r for s in self.plan.shards[t * W:(t + 1) * W] for _, _, r in s)
-        return W * (self.cfg.total_examples // (self.roles.trainers * W))
 
 
 #: seconds a failed server waits before it leaves, so that the trainers report the lost peer first
@@ -183,37 +151,36 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             if link is not None and roles.role()[1] == 0 and not native.is_built():
                 link.set("status", "building the native module once on this machine (~20 s)")
             native.one_shot()
-        job = _setup(cfg, cluster, roles)
-        job.link = link
-        job.resumed_from = int(meta["examples_seen"]) if meta is not None else 0
-        if meta is not None:
-            job.plan = _data_plan(job, resume, meta)
+        data, model_cfg = build_configs(cfg)
+        plan = _data_plan(cfg, data, roles, resume, meta) if resume is not None else None
+        job = _setup(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
+                     resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
         kind, index = roles.role()
         exchanged = None  # node-exchange: what this server's exchange did (the summary's exchange counters)
-        parts = CheckpointParts(kind, index, shard=job.shards.get(index) if kind == "embedding" else None,
-                                center=job.center.values if job.center is not None else None)
         run = _make_trainer(job, index, console) if kind == "trainer" else None
-        parts.trainer = run.trainer if run is not None else None
+        part: Stateful = (job.shards[index] if kind == "embedding" else job.center if kind == "sync"
+                          else run.trainer)  # what this rank saves in a checkpoint, and loads at a resume
+        name, owner = part_name(kind, index), f"{kind}{index}"
         if resume is not None:
-            load_job(parts, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
-                     sync_servers=roles.sync_per_node * topo.nnodes, trainers=roles.trainers)
+            load_job(kind, index, part, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
+                     sync_servers=roles.sync_per_node * topo.nnodes, trainers=roles.trainers, workers=cfg.workers)
             dist.barrier()  # every part is back before a trainer reads a row
         if run is not None and run.hot_sync is not None:  # before the trainers' barrier: no row read before it
             run.hot_sync.fill(job.shards, job.rowhash.servers)
             run.hot_sync.start()
         cpu0, threads0 = time.process_time(), thread_cpu.snapshot()
         if run is not None:
-            _periodic_checkpoints(job, run, parts)
+            _periodic_checkpoints(job, run, index)
             summary = _run_trainer(job, run, index)
             _command(job, "end")
             _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
-            node_exchange = make_node_exchange(job) if job.exchange_group is not None else None
+            node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
             while _command(job, None) == "checkpoint":
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
-                save_job(parts, Path(cfg.out_dir), None, writer=roles.rank_of("trainer", 0))
+                save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
             if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
                 node_exchange.close()
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
@@ -222,8 +189,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         dist.barrier()
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
-            parts.trainer_state = run.trainer.checkpoint_state() if run is not None else None
-            ckpt = save_job(parts, Path(cfg.out_dir), meta, writer=roles.rank_of("trainer", 0))
+            saved = Snapshot(part.state_dict()) if run is not None else part  # (a trainer's between sync rounds)
+            ckpt = save_job({name: saved}, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0))
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
@@ -268,9 +235,9 @@ def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
                          _transports=["uv"], _channels=["basic"]))
 
 
-def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
+def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
+           plan: DataPlan | None, link: Link | None, resumed_from: int) -> Job:
     """Collective over the whole job, in the same order on every rank: shards, EASGD centre, process groups."""
-    data, model_cfg = build_configs(cfg)
     topo = roles.topo
     kind, index = roles.role()
     E = roles.embedding_per_node
@@ -291,14 +258,13 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         shards[server] = shard
     hot = hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
     flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
-    job = _Job(cfg, cluster, roles, data, model_cfg, shards, rowhash, dense_params=flat.numel(), init_dense=flat,
-               hot=hot)
+    center = None
     if kind == "sync":
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
-        job.center = CenterShard(flat[lo:hi])
-        serve_center(index, job.center)
+        center = CenterShard(flat[lo:hi], index)
+        serve_center(index, center)
     trainers = roles.ranks("trainer")
-    job.trainer_group = dist.new_group(trainers)
+    trainer_group = dist.new_group(trainers)
     Tn, nnodes = roles.trainers_per_node, topo.nnodes
     intra = inter = None
     for node in range(nnodes):  # every rank creates every group, in the same order (new_group is collective)
@@ -310,38 +276,41 @@ def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles) -> _Job:
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
         if kind == "trainer" and index % Tn == i:
             inter = g
-    exchange_groups(job, arena)
+    exchange = exchange_groups(cfg, cluster, roles, data, model_cfg, arena)
+    hot_group = dense_group = None
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
         if kind == "trainer" and index % Tn == 0:
-            job.hot_group = g
+            hot_group = g
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
         # runtime's hierarchical communicator), the same fused collective as on one machine
         node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
         if kind == "trainer":
-            register_subgroup(spanning_node_groups(trainers, job.trainer_group, node_gloo[topo.node], inter, Tn))
-            job.dense_group = job.trainer_group
+            register_subgroup(spanning_node_groups(trainers, trainer_group, node_gloo[topo.node], inter, Tn))
+            dense_group = trainer_group
     elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
-        job.dense_group = HierarchicalGroup(intra, inter, roles.trainers)
+        dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
-        job.dense_group = job.trainer_group
-    job.hosts = [""] * topo.world_size
-    dist.all_gather_object(job.hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
-    return job
+        dense_group = trainer_group
+    hosts = [""] * topo.world_size
+    dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
+    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, rowhash=rowhash, shards=shards,
+               trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group, dense_group=dense_group,
+               center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link, resumed_from=resumed_from)
 
 
-def _data_plan(job: _Job, path: Path, meta: dict) -> DataPlan | None:
+def _data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:
     """The resumed job's data plan: the checkpoint's, or (another trainer or worker count) a new one over the rows
     its reader shards had not read. Collective (every rank reads the positions)."""
     old = DataPlan.from_json(meta["data_plan"]) if meta.get("data_plan") else None
-    T, W = job.roles.trainers, job.cfg.workers
+    T, W = roles.trainers, cfg.workers
     if not resharded_trainers(meta, T, W):
         return old
     positions = read_positions(path, meta)
     plan = replan(old, meta["trainers"] * meta["workers"], positions, T * W,
-                  lambda s, n: base_shard_rows(job.cfg, job.data, s, n), int(meta["examples_seen"]))
-    if job.roles.topo.rank == 0:
+                  lambda s, n: base_shard_rows(cfg, data, s, n), int(meta["examples_seen"]))
+    if roles.topo.rank == 0:
         print(f"resuming {meta['trainers']} x {meta['workers']} reader shards on {T} x {W}: "
               f"{sum(r for s in plan.shards for _, _, r in s):,} unread rows planned onto the new shards",
               file=sys.stderr, flush=True)
@@ -357,7 +326,7 @@ class _TrainerRun:
     hot_sync: HotSync | None = None  # on a node's first trainer
 
 
-def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
+def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
@@ -399,34 +368,29 @@ def _make_trainer(job: _Job, t: int, console: Any) -> _TrainerRun:
     on_eval, every = None, None
     if t == 0 and job.cluster.eval_every is not None:  # trainer 0 scores its replica while the job trains
         every = max(1, job.cluster.eval_every // roles.trainers)
-        on_eval = _eval_curve(job, tables, logger, console)
+        on_eval = _EvalCurve(job, tables, logger, console)
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every)
-    if on_eval is not None:
-        on_eval.trainer = trainer
     return _TrainerRun(trainer, tables, center, logger, hot_sync)
 
 
-class _eval_curve:  # noqa: N801 (a callable standing in for a closure that needs the trainer after it exists)
+class _EvalCurve:
     """Trainer 0's eval NE curve (dlrm's --test-freq): snapshots of its replica and of the tables scored on the
     held-out set, logged as `eval` records with the job's examples; the best kept as checkpoints/best."""
 
-    def __init__(self, job: _Job, tables: ShardedEmbeddings, logger: MetricsLogger, console: Any):
+    def __init__(self, job: Job, tables: ShardedEmbeddings, logger: MetricsLogger, console: Any):
         self.job, self.tables, self.logger, self.console = job, tables, logger, console
         out = Path(job.cfg.out_dir) if job.cfg.checkpoint else None
         self.best = BestModel(job.model_cfg, job.data, eval_batches(job.cfg, job.data), out, _meta(job, 0, True))
-        self.trainer: Trainer | None = None
 
-    def __call__(self, examples: int) -> None:
-        trainer = self.trainer  # the job's examples, estimated from this trainer's reader positions (resumed included)
-        seen = (int(trainer.state.positions[trainer.rank].sum()) * self.job.roles.trainers
-                + self.job.examples_before)
-        rec = self.best.score(trainer.flat.flat.clone(), self.tables.snapshot(), seen)
+    def __call__(self, dense: torch.Tensor, read: int) -> None:
+        seen = read * self.job.roles.trainers + self.job.examples_before  # the job's examples, from this trainer's
+        rec = self.best.score(dense, self.tables.snapshot(), seen)
         self.logger.log(rec)
         self.console.print(describe(rec))
 
 
-def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
+def _run_trainer(job: Job, run: _TrainerRun, t: int) -> dict | None:
     roles = job.roles
     resumed = int(run.trainer.state.positions[t].sum())
     # every trainer starts training at once: one that started early would be averaged with replicas still at their
@@ -441,7 +405,7 @@ def _run_trainer(job: _Job, run: _TrainerRun, t: int) -> dict | None:
     return _finish(job, run, results)
 
 
-def _meta(job: _Job, seen: int, stopped: bool) -> dict:
+def _meta(job: Job, seen: int, stopped: bool) -> dict:
     roles = job.roles
     return {"config": config_to_dict(job.cfg), "trainers": roles.trainers, "workers": job.cfg.workers,
             "embedding_servers": job.rowhash.servers, "sync_servers": roles.sync_per_node * roles.topo.nnodes,
@@ -450,7 +414,7 @@ def _meta(job: _Job, seen: int, stopped: bool) -> dict:
             **({"data_plan": job.plan.as_json()} if job.plan is not None else {})}
 
 
-def _command(job: _Job, cmd: str | None) -> str:
+def _command(job: Job, cmd: str | None) -> str:
     """Trainer 0 tells every rank what comes next ('checkpoint' or 'end'); the others receive it. A trainer passes
     what it expects and fails if trainer 0 said otherwise (their checkpoint marks would disagree)."""
     roles = job.roles
@@ -462,12 +426,12 @@ def _command(job: _Job, cmd: str | None) -> str:
     return obj[0]
 
 
-def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -> None:
+def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     """Pause this trainer's workers at its share of every `checkpoint_every` examples and save with every rank."""
     cfg, roles, every = job.cfg, job.roles, job.cluster.checkpoint_every
     if not cfg.checkpoint or every is None:
         return
-    trainer, t = run.trainer, parts.index
+    trainer = run.trainer
     T, W = roles.trainers, cfg.workers
     per_trainer = max(1, every // T)
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
@@ -482,7 +446,7 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
         dist.all_reduce(seen, group=job.trainer_group)
         seen += job.examples_before
         meta = _meta(job, int(seen), True) if t == 0 else None
-        path = save_job(dataclasses.replace(parts, trainer_state=state), Path(cfg.out_dir), meta,
+        path = save_job({part_name("trainer", t): Snapshot(state)}, Path(cfg.out_dir), meta, owner=f"trainer{t}",
                         writer=roles.rank_of("trainer", 0))
         if run.logger is not None:
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
@@ -490,7 +454,7 @@ def _periodic_checkpoints(job: _Job, run: _TrainerRun, parts: CheckpointParts) -
     trainer.checkpoints = CheckpointMarks(per_trainer, int(trainer.state.positions[t].sum()), last, W, save)
 
 
-def _settle_hot(job: _Job, run: _TrainerRun, *, close: bool = False) -> None:
+def _settle_hot(job: Job, run: _TrainerRun, *, close: bool = False) -> None:
     """Every trainer paused (after a `_command`): the node's first trainer makes its replica of the hot rows the
     consensus of the nodes and writes it into the owners' shards, which the checkpoint saves."""
     if run.hot_sync is not None:
@@ -502,7 +466,7 @@ def _name(cfg: TrainConfig, roles: Roles) -> str:
     return f"{cfg.sync.algorithm} T={roles.trainers} nodes={roles.topo.nnodes}"
 
 
-def _progress(job: _Job, t: int, logger: MetricsLogger | None, console: Any):
+def _progress(job: Job, t: int, logger: MetricsLogger | None, console: Any):
     """Trainer t's progress records: to the launcher's monitor (when there is one), and on trainer 0 to
     metrics.jsonl (the job's examples: every trainer's from the monitor's store, else this trainer's times T) and,
     without a launcher (plain torchrun), a line every 5 s on its output."""
@@ -535,7 +499,7 @@ def _stop_after(stop: torch.Tensor, seconds: float) -> None:
     timer.start()
 
 
-def _finish(job: _Job, run: _TrainerRun, results: list[dict]) -> dict:
+def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
     """Trainer 0 scores the final model (EASGD's centre, else its replica; on a snapshot of the tables), keeps it as
     the best model when it beats the eval curve, and logs the summary."""
     cfg, roles, trainer, logger = job.cfg, job.roles, run.trainer, run.logger

@@ -125,14 +125,15 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, rank: int, state: TrainerState, source: Any, *,
                  embeddings: ShardedEmbeddings, group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
                  center: Any = None, prefetch: int = 1, stop_at: int | None = None,
-                 checkpoints: "CheckpointMarks | None" = None, on_eval: Callable[[int], None] | None = None,
-                 eval_every: int | None = None):
+                 checkpoints: "CheckpointMarks | None" = None,
+                 on_eval: Callable[[torch.Tensor, int], None] | None = None, eval_every: int | None = None):
         """`embeddings`: the tables on the embedding servers (this node's shards in place, others remote); `center`:
         EASGD's centre (a RemoteCenter); `prefetch`: request the rows of the next `prefetch` batches from remote
         servers while the current batch trains (0: fetch each batch when due; local shards are read when due);
         `stop_at`: stop once this trainer's reader positions sum to this many examples; `checkpoints`: pause the
-        workers at marks of the reader positions and save (CheckpointMarks); `on_eval(examples)`: called from the
-        trainer's own thread every `eval_every` examples of this trainer while the workers train (an eval curve)."""
+        workers at marks of the reader positions and save (CheckpointMarks); `on_eval(dense, read)`: called from the
+        trainer's own thread every `eval_every` examples of this trainer while the workers train (an eval curve),
+        with a copy of the dense replica and the examples this trainer's readers have read (resumed ones included)."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
         self.remote, self.prefetch, self.stop_at, self.checkpoints = embeddings, prefetch, stop_at, checkpoints
@@ -283,7 +284,7 @@ class Trainer:
                 last_log = time.time()
                 self._log(t0)
             if self.on_eval is not None and self.examples >= next_eval:
-                self.on_eval(self.examples)
+                self.on_eval(self.flat.flat.clone(), int(self.state.positions[self.rank].sum()))
                 next_eval += self.eval_every
         if not self.errors:
             self.remote.flush()  # every row gradient has reached its server before the trainer reports
@@ -314,6 +315,24 @@ class Trainer:
             "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
             "lookups": self.remote.stats.as_dict(),
         }
+
+    #: the keys of `state_dict` that are the trainer's own (the others are its sync algorithm's)
+    OWN_STATE = ("flat", "accumulator", "positions")
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """A consistent copy of this trainer's state (`checkpoint_state`, waiting as long as it takes)."""
+        state = self.checkpoint_state()
+        assert state is not None  # (never gives up)
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore a `state_dict`: the dense replica, its Adagrad accumulator, the reader positions, and the sync
+        algorithm's keys (absent ones keep the fresh state)."""
+        self.flat.flat.copy_(state["flat"])
+        self.accumulator.copy_(state["accumulator"])
+        self.state.positions[self.rank].copy_(state["positions"])
+        self.sync.load_state({k: v for k, v in state.items() if k not in self.OWN_STATE})
 
     def checkpoint_state(self, give_up: Callable[[], bool] = lambda: False) -> dict[str, torch.Tensor] | None:
         """Copies of what a checkpoint holds of this trainer (dense replica, Adagrad accumulator, sync state, reader

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
-from cocosync.shadowsync.model.embeddings import Shard
+from cocosync.shadowsync.model.shard import Shard
 from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["HotRows", "HotSync", "choose_hot_rows", "pack_changes", "merge_changes", "HOT_SAMPLE_ROWS"]

@@ -19,7 +19,8 @@ Rings of `SLOTS` slots, so a trainer publishes at every poll of a round without 
 last one (one slot made a part queued after the round's first poll wait a second round). A lookup waits ~half a poll
 longer than with an exchange of its own; the node saves Tn - 1 exchanges a round and the trainers' processes run no
 rounds. Each control word is written by one side only and counts up (x86 stores are not reordered with each other: a
-slot is written before the count that publishes it, as shm.py's flags rely on).
+slot is written before the count that publishes it, as shm.py's flags rely on); ClusterConfig refuses this transport
+by name on other processors.
 """
 
 from __future__ import annotations

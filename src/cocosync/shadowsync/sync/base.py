@@ -123,7 +123,8 @@ class SyncAlgorithm(ABC):
         """Restore `state()`'s keys found in `saved` (absent ones keep the fresh state)."""
 
     # -- helpers for the collective algorithms ---------------------------------------------------------
-    def _world(self) -> int:
+    def group_size(self) -> int:
+        """Trainers taking part in the collective sync."""
         if isinstance(self.group, HierarchicalGroup):
             return self.group.size()
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
@@ -136,7 +137,7 @@ class SyncAlgorithm(ABC):
         buf[:n].copy_(snapshot)
         buf[n] = 1.0 if active else 0.0
         buf[n + 1] = 1.0 if self.holding else 0.0
-        world = self._world()
+        world = self.group_size()
         if isinstance(self.group, HierarchicalGroup):
             self.group.all_reduce(buf)
         elif world > 1:

@@ -36,7 +36,7 @@ class BMUF(SyncAlgorithm):
         self.global_params = flat.detach().clone()  # x_prev_global
         self.start = flat.detach().clone()  # x_start of the current block
         self.delta = torch.zeros_like(flat)
-        self.momentum = cfg.momentum_for(self._world())
+        self.momentum = cfg.momentum_for(self.group_size())
 
     def _sync(self, active: bool) -> int:
         snapshot = self.flat.clone()

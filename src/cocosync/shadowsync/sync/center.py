@@ -36,11 +36,21 @@ def center_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
 
 
 class CenterShard:
-    """One range of the centre, held by a sync server."""
+    """Range `index` of the centre (`center_bounds`), held by a sync server."""
 
-    def __init__(self, values: torch.Tensor):
+    def __init__(self, values: torch.Tensor, index: int = 0):
         self.values = values.detach().clone()
+        self.index = index
         self._step = easgd_step(self.values.numel(), self.values.dtype)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The range's live values, keyed by its index (a checkpoint holds every range under one name)."""
+        return {str(self.index): self.values}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state[str(self.index)] is not self.values:
+            self.values.copy_(state[str(self.index)])
 
     @torch.no_grad()
     def exchange(self, x: torch.Tensor, alpha: float) -> torch.Tensor:

@@ -81,7 +81,7 @@ class CompiledSync(SyncAlgorithm):
         self.name = cfg.method
         if self.name not in ("ma", "bmuf"):
             raise ValueError(f"CompiledSync runs 'ma' and 'bmuf', not {self.name!r}")
-        world = self._world()
+        world = self.group_size()
         n = flat.numel()
         self.n, self.padded = n, -(-(n + 2) // world) * world  # + the active and hold flags
         program = (bmuf_program if self.name == "bmuf" else ma_program)(self.padded, flat.dtype)

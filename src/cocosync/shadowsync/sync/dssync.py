@@ -52,13 +52,13 @@ class DSSync(SyncAlgorithm):
         self.last_group: tuple[int, ...] = ()
         self.backend = backend or (BACKEND if cfg.compiled else None)
         self.round_group = group
-        if self.backend is not None and self._world() > 1:  # collective: every trainer builds its sync here
-            ranks = [dist.get_global_rank(group, m) for m in range(self._world())] if group is not None else None
+        if self.backend is not None and self.group_size() > 1:  # collective: every trainer builds its sync here
+            ranks = [dist.get_global_rank(group, m) for m in range(self.group_size())] if group is not None else None
             self.round_group = dist.new_group(ranks, backend=self.backend)
         self._buf = torch.empty(0)
 
     def _sync(self, active: bool) -> int:
-        world = self._world()
+        world = self.group_size()
         if world == 1:
             self.holds = int(self.holding)
             return int(active)

@@ -58,7 +58,7 @@ class ShadowThread:
                     self.active_syncs += 1
                 if n_active == 0:
                     return
-                if self.algorithm.collective and self.algorithm.holds == self.algorithm._world():
+                if self.algorithm.collective and self.algorithm.holds == self.algorithm.group_size():
                     self._park()
                 if active and self.interval > 0:
                     self._abort.wait(self.interval)

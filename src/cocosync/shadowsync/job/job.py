@@ -1,0 +1,83 @@
+"""`Job`: what one rank of a ShadowSync job knows about the whole job once it is set up (job/rank.py builds it
+once, collectively, and nobody changes it after): its settings, the roles of the ranks, this node's stores, the
+process groups this rank takes part in, and how a resumed job's data is planned."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
+from cocosync.shadowsync.data.plan import DataPlan
+from cocosync.shadowsync.job.link import Link
+from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.model.hot_rows import HotRows
+from cocosync.shadowsync.model.node_relay import Mailbox
+from cocosync.shadowsync.model.shard import RowHash, Shard
+from cocosync.shadowsync.sync.base import HierarchicalGroup
+from cocosync.shadowsync.sync.center import CenterShard
+
+__all__ = ["Job", "ExchangeGroups"]
+
+
+@dataclass(frozen=True)
+class ExchangeGroups:
+    """The lookup exchange's process groups and shared memory on this rank (multi-node, with an exchange)."""
+
+    group: dist.ProcessGroup | None = None
+    """the exchange this rank runs: trainer i of every node, or (node-exchange) the nodes' first embedding servers."""
+    mailboxes: tuple[Mailbox, ...] = ()
+    """node-exchange: one per local trainer, in the node's shared memory."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """One rank's view of the job, typed and frozen."""
+
+    cfg: TrainConfig
+    cluster: ClusterConfig
+    roles: Roles
+    data: DataConfig
+    model_cfg: ModelConfig
+    rowhash: RowHash
+    shards: dict[int, Shard]
+    """this node's embedding shards (shared memory), by server index."""
+    trainer_group: dist.ProcessGroup
+    """gloo group of every trainer (results, commands)."""
+    exchange: ExchangeGroups
+    hot: HotRows | None
+    """the node's replica of the hot rows (multi-node, with the exchange)."""
+    hot_group: dist.ProcessGroup | None
+    """on a node's first trainer: the first trainer of every node (the replicas' sync)."""
+    dense_group: dist.ProcessGroup | HierarchicalGroup | None
+    """the trainers' group for MA/BMUF/DS-Sync (HierarchicalGroup for the sync classes across nodes)."""
+    center: CenterShard | None
+    """a sync server's range of EASGD's centre."""
+    init_dense: torch.Tensor
+    """the dense parameters every replica (and EASGD's centre) starts from."""
+    hosts: tuple[str, ...]
+    """each rank's host name (for error messages)."""
+    plan: DataPlan | None
+    """the reader shards' rows when resumed on another trainer or worker count (data/plan.py)."""
+    link: Link | None
+    """the line to `cocosync train`'s monitor (launch.py), when it launched this job."""
+    resumed_from: int
+    """examples the checkpoint resumed from had seen (0: a fresh job)."""
+
+    @property
+    def dense_params(self) -> int:
+        return self.init_dense.numel()
+
+    @property
+    def examples_before(self) -> int:
+        """Examples read before the data plan's shards started (0 without a plan)."""
+        return self.plan.examples_before if self.plan is not None else 0
+
+    def trainer_rows(self, t: int) -> int:
+        """Rows trainer t's W reader shards hold (its share of the budget)."""
+        W = self.cfg.workers
+        if self.plan is not None:
+            return sum(r for s in self.plan.shards[t * W:(t + 1) * W] for _, _, r in s)
+        return W * (self.cfg.total_examples // (self.roles.trainers * W))
