@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -132,6 +133,19 @@ def test_easgd_centre_on_sync_servers_across_two_simulated_machines(tmp_path, la
     s = _summary(out)
     assert (s["nodes"], s["T"], s["sync_servers"]) == (2, 2, 2)
     assert s["eval_ne"] < 0.95 and s["syncs"] > 0
+
+
+def test_two_nodes_train_through_the_rpc_transport(tmp_path):
+    """`--lookup-transport rpc`, the measured baseline: a message per remote server and lookup, pushes riding on the
+    next lookup; the job trains every example and the other node's rows come through it."""
+    out = tmp_path / "run"
+    runs = run_nodes(["-m", "cocosync.shadowsync", "--examples", "30000", "--eval-examples", "2000", "--sync",
+                      "shadow-bmuf", "--lookup-transport", "rpc", "--out", str(out)], nproc_per_node=3, timeout=240)
+    _ok(runs)
+    s = _summary(out)
+    assert s["lookup_transport"] == "rpc" and (s["nodes"], s["examples"]) == (2, 30000)
+    assert s["messages_per_example"] > 0 and s["rpc_round_trip_s"] > 0 and s["sparse_bytes_per_example"] > 0
+    assert math.isfinite(s["eval_ne"]) and s["eval_ne"] < 1.0
 
 
 @pytest.mark.parametrize(("victim", "launcher"), [(2, "torchrun"), (3, "torchrun"), (3, "cocosync")],

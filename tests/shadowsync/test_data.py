@@ -11,18 +11,8 @@ import pytest
 import torch
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
-from cocosync.shadowsync.data import (
-    EVAL,
-    CriteoFormatError,
-    CriteoReader,
-    SyntheticStream,
-    expected_ne,
-    make_synthetic_dataset,
-    open_stream,
-    prob_sidecar_path,
-    write_synthetic,
-)
-from cocosync.shadowsync.data.criteo import hash_tokens
+from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader, hash_tokens, prob_sidecar_path
+from cocosync.shadowsync.data.synth import SyntheticStream, expected_ne, make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.metrics import bayes_ne
 
 CFG = DataConfig(table_size=1000)
@@ -163,16 +153,6 @@ def test_synthetic_stream_shards_and_resume():
     assert len(head) == 700 and s.position == 700
     tail = torch.cat([b.sparse for b in SyntheticStream(CFG, seed=4, rows=20_000, shard=(1, 2), skip_rows=700)])
     assert torch.equal(torch.cat([head, tail]), torch.cat([b.sparse for b in shards[1]]))
-
-
-def test_open_stream_picks_source(tmp_path):
-    ev = open_stream(DataConfig(eval_rows=1000), "eval", batch_size=256)
-    assert isinstance(ev, SyntheticStream) and ev.split == EVAL
-    assert sum(len(b) for b in ev) == 1000
-    p = tmp_path / "t.tsv"
-    write_synthetic(str(p), 300, seed=0)
-    tr = open_stream(DataConfig(train_path=str(p), train_rows=200), "train", shard=(0, 2))
-    assert isinstance(tr, CriteoReader) and sum(len(b) for b in tr) == 100
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def _exchange_rank(optimizer: str, per_node: int, in_order: bool, native: bool) 
     if rank == 0:
         ex.close()  # serves rank 1 until it is done too
         return {"rounds": ex.rounds}
-    client = ShardedEmbeddings(ROWS, DIM, [mine.get(s, f"server{s}") for s in range(S)], exchange=ex)
+    client = ShardedEmbeddings(ROWS, DIM, [mine.get(s, f"server{s}") for s in range(S)], remote=ex)
     local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
     _drive(client, local, steps=8, in_order=in_order)
     snap = client.snapshot()  # every row, the remote shard's as one lookup
@@ -86,7 +86,7 @@ def _lost_peer_rank() -> str:
         dist.barrier()
         threading.Timer(0.5, os._exit, args=(0,)).start()
         return ""
-    client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shards[1]], exchange=ex)
+    client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shards[1]], remote=ex)
     dist.barrier()
     sparse = torch.stack([torch.arange(5) % r for r in ROWS], dim=1)
     text = "no error"

@@ -57,7 +57,7 @@ def _hot_rank(optimizer: str, steps: int) -> dict:
     sync.start()
     ex = LookupExchange(dist.group.WORLD, mine, servers=2, servers_per_node=1, dim=DIM, interval=0.002,
                         labels=["node0", "node1"])
-    client = ShardedEmbeddings(ROWS, DIM, [mine.get(s, f"server{s}") for s in range(2)], exchange=ex, hot=hot,
+    client = ShardedEmbeddings(ROWS, DIM, [mine.get(s, f"server{s}") for s in range(2)], remote=ex, hot=hot,
                                hot_sync=sync)
     gen = torch.Generator().manual_seed(10 + rank)  # each node its own batches and gradients
     updates = []

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig
-from cocosync.shadowsync.data import EVAL, make_synthetic_dataset
+from cocosync.shadowsync.data.synth import EVAL, make_synthetic_dataset
 from cocosync.shadowsync.metrics import evaluate
 from cocosync.shadowsync.model.dlrm import DLRM, new_embedding_weights
 

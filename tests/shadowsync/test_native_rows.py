@@ -71,10 +71,10 @@ def test_sharded_embeddings_deduplicate_natively_as_the_reference(monkeypatch):
     emb = embeddings.ShardedEmbeddings([30, 7, 100], 4, [embeddings.Shard(
         torch.zeros(137, 4), torch.zeros(137), torch.zeros(137, dtype=torch.int64), optimizer="adagrad", lr=0.1)])
     sparse = torch.tensor([[3, 6, 99], [3, 0, 0], [29, 6, 99]])
-    uniq, inverse = emb._distinct(sparse)
+    uniq, inverse = batch_rows.distinct_rows(sparse, emb.offsets)
     assert uniq.tolist() == [3, 29, 30, 36, 37, 136] and inverse.tolist() == [[0, 3, 5], [0, 2, 4], [1, 3, 5]]
     monkeypatch.setattr(batch_rows, "native_module", lambda: None)
-    ref = emb._distinct(sparse)
+    ref = batch_rows.distinct_rows(sparse, emb.offsets)
     assert torch.equal(ref[0], uniq) and torch.equal(ref[1], inverse)
 
 
@@ -103,7 +103,7 @@ def test_native_split_of_a_batch_is_the_references(hot_rows, monkeypatch):
 
     servers = ["r0", "r1", shard(100), shard(100), "r4", "r5"]
     hot = HotRows(torch.randperm(total, generator=g)[:hot_rows].sort().values, shard(hot_rows)) if hot_rows else None
-    emb = embeddings.ShardedEmbeddings([total], 4, servers, exchange=object(), hot=hot)
+    emb = embeddings.ShardedEmbeddings([total], 4, servers, remote=object(), hot=hot)
     uniq = torch.randperm(total, generator=g)[:250].sort().values
     got = emb._split(uniq)
     monkeypatch.setattr(batch_rows, "native_module", lambda: None)

@@ -55,7 +55,7 @@ def _relay_rank(d: str, optimizer: str, in_order: bool) -> dict:
         ex.close()  # serves until every peer (and the client relaying through it) is done
         return {"rounds": ex.rounds, "relayed": ex.relays.relayed_bytes if ex.relays else 0}
     relay = RelayClient(box, n=2, dim=DIM, interval=INTERVAL, leader="trainer1")
-    client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shard], exchange=relay)
+    client = ShardedEmbeddings(ROWS, DIM, ["embedding0", shard], remote=relay)
     local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
     _drive(client, local, steps=8, in_order=in_order)
     snap = client.snapshot()

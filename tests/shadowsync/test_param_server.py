@@ -8,6 +8,7 @@ import torch
 
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
+from cocosync.shadowsync.model.transport import RpcRows
 from cocosync.testing.launch import RankPool
 
 from .tables import ReferenceTables
@@ -69,7 +70,7 @@ def _drive(client: ShardedEmbeddings, local: ReferenceTables, steps: int, in_ord
 
 
 def _reset_served(optimizer: str) -> None:
-    from cocosync.shadowsync.model.embeddings import serve_shard
+    from cocosync.shadowsync.model.transport import serve_shard
 
     serve_shard(1, _shards(RowHash(sum(ROWS), 2), optimizer)[1])
 
@@ -78,7 +79,7 @@ def _rpc_rank(optimizer: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.rpc as rpc
 
-    from cocosync.shadowsync.model.embeddings import serve_shard
+    from cocosync.shadowsync.model.transport import serve_shard
 
     rank = dist.get_rank()
     rpc.init_rpc(f"w{rank}", rank=rank, world_size=2, rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
@@ -91,13 +92,14 @@ def _rpc_rank(optimizer: str) -> dict:
         dist.barrier()  # served before the first lookup (the job's set-up ends with the same barrier)
         if rank == 0:
             return {}
-        client = ShardedEmbeddings(ROWS, DIM, [shards[0], "w0"], max_inflight=2)
+        client = ShardedEmbeddings(ROWS, DIM, [shards[0], "w0"], remote=RpcRows([None, "w0"], DIM, max_inflight=2))
         local = ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1)
         _drive(client, local, steps=8)
         stats = client.stats.as_dict()
         # pushes in flight (up to max_inflight): the same updates reach the servers, the end state agrees
         rpc.rpc_sync("w0", _reset_served, args=(optimizer,))
-        client = ShardedEmbeddings(ROWS, DIM, [_shards(rowhash, optimizer)[0], "w0"], max_inflight=2)
+        client = ShardedEmbeddings(ROWS, DIM, [_shards(rowhash, optimizer)[0], "w0"],
+                                   remote=RpcRows([None, "w0"], DIM, max_inflight=2))
         _drive(client, ReferenceTables(ROWS, DIM, seed=3, optimizer=optimizer, lr=0.1), steps=8, in_order=False)
         return stats
     finally:

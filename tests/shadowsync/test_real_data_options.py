@@ -13,7 +13,6 @@ from click.testing import CliRunner
 from cocosync.cli import main
 from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.config import DataConfig, SyncConfig, SynthConfig, TrainConfig
-from cocosync.shadowsync.data import make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.data.sources import (
     Epochs,
     InMemorySource,
@@ -22,6 +21,7 @@ from cocosync.shadowsync.data.sources import (
     eval_batches,
     with_init_ctr,
 )
+from cocosync.shadowsync.data.synth import make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.job.eval_curve import previous_best
 from cocosync.shadowsync.job.launch import run_training
 

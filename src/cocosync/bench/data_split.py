@@ -30,7 +30,8 @@ COLUMNS = ["split", "one shard's read (median)", "bytes read per shard", "x its 
 
 def run(rows: int, readers: int, repeats: int) -> dict[str, Any]:
     from cocosync.shadowsync.config import DataConfig
-    from cocosync.shadowsync.data import CriteoReader, write_synthetic
+    from cocosync.shadowsync.data.criteo import CriteoReader
+    from cocosync.shadowsync.data.synth import write_synthetic
 
     cfg = DataConfig(table_size=100_000)
     with tempfile.TemporaryDirectory(prefix="cocosync-bench-data-") as tmp:

@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.rpc as rpc
 
-from cocosync.shadowsync.model.embeddings import ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.shard import Shard
+from cocosync.shadowsync.model.transport import RpcRows, serve_shard
 from cocosync.testing.launch import RankPool
 
 __all__ = ["measure_server_costs"]
@@ -41,7 +42,7 @@ def _rank(sizes: tuple[int, ...], calls: int) -> list[float]:
             dist.barrier()
             cpu0 = time.process_time()
             if r == 1:
-                client = ShardedEmbeddings([SHARD_ROWS], DIM, ["w0"])
+                client = ShardedEmbeddings([SHARD_ROWS], DIM, ["w0"], remote=RpcRows(["w0"], DIM))
                 sparse = torch.randperm(SHARD_ROWS)[:n].view(-1, 1)
                 for _ in range(calls):
                     lk = client.fetch(sparse)

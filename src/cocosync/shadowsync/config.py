@@ -49,20 +49,13 @@ __all__ = ["ConfigError", "DataConfig", "SynthConfig", "ModelConfig", "SyncConfi
 class Opt:
     """How a config field appears on the command line (cli/options.py builds the click option from it)."""
 
-    flag: str
-    """the option's name, e.g. '--sync'; a bool field gets '--x/--no-x'."""
-    section: str
-    """the heading it is listed under in --help."""
-    short: str | None = None
-    """a one-letter alias, e.g. '-T'."""
-    choices: tuple[str, ...] | None = None
-    """the values allowed (click.Choice)."""
-    scale: float = 1.0
-    """config value = typed value x scale (e.g. 1e-3: typed in milliseconds, held in seconds)."""
-    shown: str | None = None
-    """what --help shows as the default where the field's default is not it (e.g. 'estimated from the data')."""
-    path: bool = False
-    """the value is a file path (click.Path, no directory)."""
+    flag: str  # the option's name, e.g. '--sync'; a bool field gets '--x/--no-x'
+    section: str  # the heading it is listed under in --help
+    short: str | None = None  # a one-letter alias, e.g. '-T'
+    choices: tuple[str, ...] | None = None  # the values allowed
+    scale: float = 1.0  # config value = typed value x scale (1e-3: typed in milliseconds, held in seconds)
+    shown: str | None = None  # what --help shows as the default where the field's default is not it
+    path: bool = False  # the value is a file path
 
 
 def opt(flag: str, section: str, **kw: Any) -> dict[str, Opt]:
@@ -289,9 +282,8 @@ class ModelConfig:
             raise ValueError(f"{o}.seed={self.seed!r}: expected an int")
 
 
-#: fr-*: worker iterations per sync when `every` is not set. Measured at T=8, 5 seeds, 800k and 1.6M examples
-#: (BENCHMARKS.md): syncing every iteration lost 1.2-1.9% NE; blocks of these sizes 0.4-1.5% at 800k, -0.3 to +1.0%
-#: at 1.6M. BMUF's block momentum grows with the block (`momentum_for`), so its best block is the longest.
+#: fr-*: worker iterations per sync when `every` is not set (the best measured at T=8; a sync every iteration lost
+#: 1.2-1.9% NE). BMUF's block momentum grows with the block (`momentum_for`), so its best block is the longest.
 FOREGROUND_EVERY = {"fr-bmuf": 8, "fr-ma": 4, "fr-easgd": 4}
 
 #: every value accepted by `--sync` / `SyncConfig.algorithm`
@@ -380,10 +372,9 @@ class SyncConfig:
         return m * (1.0 - 1.0 / self.iterations_per_sync) if self.mode == "foreground" else m
 
     def alpha_for(self, trainers: int) -> float:
-        """EASGD's elasticity with `trainers` trainers: the one set, else the measured default (see alpha). Why smaller
-        with T in the shadow: each trainer's sync pulls the scored centre `alpha` of the way to that one replica, so at
-        0.5 the centre is mostly the last two replicas it met; the EASGD paper keeps T x alpha near 0.9 (0.11 at T=8:
-        no better than 0.5 here), 2/T measured best between the two."""
+        """EASGD's elasticity with `trainers` trainers: the one set, else the measured default (see alpha). Smaller with
+        T in the shadow: each sync pulls the scored centre `alpha` of the way to one replica, so at 0.5 the centre is
+        mostly the last two replicas it met."""
         if self.alpha is not None:
             return float(self.alpha)
         return min(0.5, 2.0 / trainers) if self.mode == "shadow" else 0.5

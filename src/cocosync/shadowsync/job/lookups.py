@@ -1,6 +1,7 @@
 """How a job's ranks reach other nodes' embedding rows (multi-node): the node's replica of the hot rows, the lookup
-exchange's process groups and mailboxes (collective: every rank calls these in the same order), and the exchange a
-trainer uses (its own, or its relay to the node's server) or a server runs for its node (node-exchange)."""
+exchange's process groups and mailboxes (collective: every rank calls these in the same order), the transport a
+trainer uses (its own exchange, its relay to the node's server, or RPC) and the exchange a server runs for its node
+(node-exchange)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, choose_hot_rows
 from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
 from cocosync.shadowsync.model.shard import Shard
+from cocosync.shadowsync.model.transport import RemoteRows, RpcRows
 
-__all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_exchange"]
+__all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_transport"]
 
 RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
@@ -85,19 +87,24 @@ def node_exchange(job: Job) -> LookupExchange:
                           labels=[_label(job, r) for r in roles.ranks("embedding")[0::E]])
 
 
-def trainer_exchange(job: Job, t: int) -> LookupExchange | RelayClient | None:
-    """Trainer t's way to other nodes' rows: its own exchange (with trainer t's peers on every node), its relay to
-    the node's server (node-exchange), or None (one node, or RPC)."""
+def trainer_transport(job: Job, t: int, labels: list[str]) -> RemoteRows | None:
+    """Trainer t's transport to other nodes' rows (the one place that chooses): its own lookup exchange (with trainer
+    t's peers on every node), its relay to the node's exchange (node-exchange), RPC to every remote server, or None
+    (one node: every shard is read in place). `labels[s]`: how errors name embedding server s."""
     roles, dim, Tn = job.roles, job.model_cfg.embedding_dim, job.roles.trainers_per_node
+    if roles.topo.nnodes == 1:
+        return None
+    if job.cluster.lookup_transport == "rpc":
+        names = [None if s in job.shards else roles.rpc_name(r) for s, r in enumerate(roles.ranks("embedding"))]
+        return RpcRows(names, dim, max_inflight=job.cluster.max_inflight, group=job.cluster.lookup_batches,
+                       labels=labels)
     if job.exchange.group is not None:
         return LookupExchange(job.exchange.group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
                               servers_per_node=roles.embedding_per_node, dim=dim,
                               interval=job.cluster.exchange_interval,
                               labels=[_label(job, r) for r in roles.ranks("trainer")[t % Tn::Tn]])
-    if job.exchange.mailboxes:
-        host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
-        return RelayClient(job.exchange.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
-                           interval=job.cluster.exchange_interval,
-                           leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
-                           timeout=max(30.0, job.cfg.heartbeat_timeout))
-    return None
+    host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
+    return RelayClient(job.exchange.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
+                       interval=job.cluster.exchange_interval,
+                       leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
+                       timeout=max(30.0, job.cfg.heartbeat_timeout))

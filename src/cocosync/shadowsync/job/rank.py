@@ -83,7 +83,7 @@ from cocosync.shadowsync.data.sources import (
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
-from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_exchange
+from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -91,9 +91,10 @@ from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_sum
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
 from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
-from cocosync.shadowsync.model.embeddings import ShardedEmbeddings, serve_shard
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
+from cocosync.shadowsync.model.transport import serve_shard
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
@@ -332,17 +333,15 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
     labels = [f"{roles.rpc_name(r)} (rank {r}, node {roles.node_of(r)}, host {job.hosts[r]})"
               for r in roles.ranks("embedding")]
-    exchange = trainer_exchange(job, t)
-    hot = job.hot if exchange is not None else None
-    hot_sync = None
+    remote = trainer_transport(job, t, labels)
+    hot, hot_sync = job.hot, None
     if hot is not None and job.hot_group is not None:
         firsts = roles.ranks("trainer")[0::roles.trainers_per_node]
         hot_sync = HotSync(hot, job.hot_group, interval=job.cluster.hot_sync_interval,
                            staleness=job.cluster.hot_staleness,
                            label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
-    tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers,
-                               max_inflight=job.cluster.max_inflight, labels=labels,
-                               group=job.cluster.lookup_batches, exchange=exchange, hot=hot, hot_sync=hot_sync,
+    tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers, remote=remote, labels=labels,
+                               group=job.cluster.lookup_batches, hot=hot, hot_sync=hot_sync,
                                start_window=cfg.workers * (job.cluster.prefetch + 1))
     center = None
     if cfg.sync.method == "easgd":

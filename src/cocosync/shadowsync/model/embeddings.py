@@ -1,23 +1,11 @@
-"""The trainer's client of the embedding tables (shard.py: row hash, shards, the row update), and the servers'
-RPC handlers.
-
-One lookup touches every server (row hash); the price is paid once per batch: the client deduplicates the batch's
-ids and sends one message per server.
-
-A server's shard lives in its node's shared memory (an `Arena.shared_empty`, mapped by every process of the node):
-trainers on the same node read and update it in place, zero-copy, as if it were their own;
-trainers on other nodes go through the lookup exchange (exchange.py: rounds of one gloo all_to_all between the
-trainers of every node, the default) or through torch.distributed.rpc (one message per server and batch, the former
-path, kept as the baseline `--lookup-transport rpc`); with the exchange, the hottest rows are replicated on every
-node instead (hot_rows.py: read and updated in place like a local shard, synchronized in the background). Updates
-are row-wise Adagrad or SGD, Hogwild, through the same `rowwise_update` as the local tables. Each row carries a
-version (its update count): a push reports how many updates its rows received between their fetch and its gradient
-(the staleness of asynchronous lookups).
+"""The trainer's client of the embedding tables: a batch's distinct rows from this node's shards (read and updated
+in place, shared memory), the node's replica of the hot rows, and the other nodes' servers through one transport
+(transport.py); the row-level autograd gather.
 
 `ShardedEmbeddings.fetch` issues a lookup and returns at once; `prefetching(batches)` requests the next batches' rows
-while the current batch trains (ShadowSync's idea on the sparse side). `push` queues row gradients for remote servers:
-they ride on the next lookup to the same server (one message per server and batch: a server's CPU goes mostly to
-per-message overhead, measured by bench/server_costs.py), or go alone once `max_inflight` batches are waiting.
+while the current batch trains (ShadowSync's idea on the sparse side); `push` applies row gradients, the remote ones
+through the transport. Each row carries a version: a push reports how many updates its rows received between their
+fetch and its gradient (the staleness of asynchronous lookups).
 """
 
 from __future__ import annotations
@@ -30,17 +18,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
 
 import torch
-import torch.distributed.rpc as rpc
 
 from cocosync.shadowsync.model.batch_rows import distinct_rows, split_rows
-from cocosync.shadowsync.model.exchange import LookupExchange
-from cocosync.shadowsync.model.served import Served
 from cocosync.shadowsync.model.shard import RowHash, Shard
+from cocosync.shadowsync.model.transport import RemoteRows, ServerLost
 
 if TYPE_CHECKING:
     from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
 
-__all__ = ["ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "serve_shard", "gather_rows"]
+__all__ = ["ShardedEmbeddings", "Lookup", "LookupStats", "ServerLost", "gather_rows"]
 
 class _GatherRows(torch.autograd.Function):
     """rows[index] with the backward as one index_add_ of the gradient rows (autograd's advanced-indexing backward
@@ -63,41 +49,6 @@ def gather_rows(rows: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """`rows[index]` ([U, dim] rows, an integer index of any shape -> [*index.shape, dim]) for training: the batch's
     embedding vectors from its distinct rows, whose gradient sums every use of a row."""
     return _GatherRows.apply(rows, index)
-
-
-class ServerLost(RuntimeError):
-    """A parameter server did not answer (it died, or its machine is unreachable); the message names it."""
-
-
-# ---------------------------------------------------------------------------------------------- server side
-_SERVED: Served[Shard] = Served("embedding server", "a lookup")  # the shards this process serves
-
-
-def _push_bytes(pushes: list) -> int:
-    return sum(ids.numel() * 16 + g.numel() * g.element_size() for ids, g, _ in pushes)
-
-
-def serve_shard(server: int, shard: Shard) -> None:
-    """Make `shard` answer the RPCs addressed to `server` in this process."""
-    _SERVED.serve(server, shard)
-
-
-def _rpc_push_lookup(server: int, pushes: list, ids: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """Apply the pushes [(ids, grads, fetched versions)] that rode along, then look `ids` up: one message per
-    remote server and batch (its summed staleness, rows, versions)."""
-    shard = _SERVED[server]
-    stale = sum(shard.apply(*push) for push in pushes)
-    rows, versions = shard.lookup(ids)
-    return stale, rows, versions
-
-
-def _rpc_rows(server: int) -> torch.Tensor:
-    return _SERVED[server].weight.clone()
-
-
-def _rpc_push(server: int, pushes: list) -> int:
-    shard = _SERVED[server]
-    return sum(shard.apply(*push) for push in pushes)
 
 
 # ---------------------------------------------------------------------------------------------- client side
@@ -151,40 +102,36 @@ class LookupStats:
 
 @dataclass
 class Lookup:
-    """One batch's lookup in flight: distinct global rows, where each batch entry points, and the servers' parts."""
+    """One batch's lookup in flight: distinct global rows, where each batch entry points, and where each row lives."""
 
     uniq: torch.Tensor  # distinct global rows, sorted
     inverse: torch.Tensor  # [B, F]: index into uniq
-    order: torch.Tensor  # permutation of uniq grouping it by server
-    bounds: list[tuple[int, int, int]]  # (server, lo, hi) into order
-    parts: list[Any]  # per bound: a local shard's ids (read at wait) or a Future of a remote (stale, rows, versions)
     issued: float
+    # (server, positions in uniq, local rows) per local shard; the hot rows' (positions in uniq, slots in the node's
+    # replica); the remote rows' positions in uniq
+    local: list[tuple[int, torch.Tensor, torch.Tensor]]
+    hot: tuple[torch.Tensor, torch.Tensor] | None
+    remote_idx: torch.Tensor
+    remote: Any = None  # the transport's Future of the remote rows' (rows, versions); None: none, or arrived
     rows: torch.Tensor | None = None
     versions: torch.Tensor | None = None
-    answered: list[float] = field(default_factory=list)  # when each remote part arrived (an RPC thread notes it)
+    answered: list[float] = field(default_factory=list)  # when the remote rows arrived (the transport's thread)
     within: tuple[Lookup, torch.Tensor] | None = None  # (the lookup of a group of batches, uniq's positions in it)
-    # lookup exchange: (server, positions in uniq, local rows) per local shard; the remote rows' positions, and
-    # the Future of their (rows, versions) from the exchange (None: every row is local); the hot rows' (positions
-    # in uniq, slots in the node's replica)
-    local: list[tuple[int, torch.Tensor, torch.Tensor]] | None = None
-    hot: tuple[torch.Tensor, torch.Tensor] | None = None
-    remote_idx: torch.Tensor | None = None
-    remote: Any = None
 
 
 class ShardedEmbeddings:
     """The tables of a run, sharded by `RowHash` over `servers`: each entry a local `Shard` (same node, shared
-    memory) or the RPC worker name of the server that holds it."""
+    memory, read and updated in place) or a label of a server on another node, whose rows go through `remote`."""
 
-    def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *, max_inflight: int = 4,
-                 labels: Sequence[str] | None = None, group: int = 1, exchange: LookupExchange | None = None,
+    def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *,
+                 remote: RemoteRows | None = None, labels: Sequence[str] | None = None, group: int = 1,
                  hot: HotRows | None = None, hot_sync: HotSync | None = None, start_window: int = 0):
-        """`labels`: how errors name each server (default: its RPC name); `group`: batches whose lookups go in one
-        message per server when prefetching (fewer messages, staler rows); `exchange`: the remote servers are
-        reached through it (their entries in `servers` are then labels only), else by RPC; `hot`: with the
-        exchange, the node's replica of the hot rows, read and updated in place (hot_rows.py); `hot_sync`: its
-        sync, on the node's first trainer (its staleness and costs are reported here); `start_window`: the first
-        lookups whose wait is also counted apart (the first rounds' wait, `LookupStats.start_wait_s`)."""
+        """`remote`: the transport to the other nodes' servers (transport.py; None: every server is local);
+        `labels`: how errors name each server (default: its entry); `group`: batches whose lookups go in one request
+        when prefetching (fewer messages, staler rows); `hot`: the node's replica of the hot rows, read and updated
+        in place (hot_rows.py); `hot_sync`: its sync, on the node's first trainer (its staleness and costs are
+        reported here); `start_window`: the first lookups whose wait is also counted apart (the first rounds' wait,
+        `LookupStats.start_wait_s`)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -194,66 +141,59 @@ class ShardedEmbeddings:
         for r in self.table_rows[:-1]:
             offsets.append(offsets[-1] + r)
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
-        if max_inflight < 1:
-            raise ValueError(f"max_inflight={max_inflight!r} must be >= 1")
         if group < 1:
             raise ValueError(f"group={group!r} must be >= 1 batch per message")
-        self.max_inflight, self.group, self.exchange = max_inflight, group, exchange
-        if hot is not None and exchange is None:
-            raise ValueError("replicated hot rows need the lookup exchange")
+        self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
+        if remote is None and len(self._local_servers) < len(self.servers):
+            raise ValueError("servers on other nodes need a transport (remote=)")
+        if hot is not None and remote is None:
+            raise ValueError("replicated hot rows need the lookup exchange (a transport to the other nodes)")
+        self.group, self.remote = group, remote
         self.hot = hot if hot is not None and len(hot) else None
         self.hot_sync = hot_sync
-        self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
         self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
         self.stats = LookupStats(start_window=start_window)
         self._lock = threading.Lock()
-        self._inflight: collections.deque = collections.deque()
-        self._pending: dict[int, list] = {}  # server -> pushes waiting for the next message to it
 
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, sparse: torch.Tensor) -> Lookup:
-        """Start the lookup of a batch's ids [B, num_tables]: its remote rows as one request to the exchange, or one
-        RPC message per remote server; local shards are read at `wait`."""
-        uniq, inverse = self._distinct(sparse)
-        if self.exchange is not None:
-            return self._fetch_exchange(uniq, inverse.view(sparse.shape))
-        order, bounds = self._by_server(uniq)
-        local_ids = (uniq // self.hash.servers)[order]
-        parts = []
-        now = time.perf_counter()
-        for s, lo, hi in bounds:
-            ids = local_ids[lo:hi]
-            server = self.servers[s]
-            if isinstance(server, Shard):  # read when the batch is due (wait), not when prefetched: fresher rows
-                parts.append(ids)
-            else:
-                with self._lock:
-                    pushes = self._pending.pop(s, [])
-                    self.stats.bytes_sent += _push_bytes(pushes) + ids.numel() * 8
-                    self.stats.messages += 1
-                parts.append(rpc.rpc_async(server, _rpc_push_lookup, args=(s, pushes, ids)))
-        lk = Lookup(uniq, inverse.view(sparse.shape), order, bounds, parts, now)
-        for part in parts:
-            if not isinstance(part, torch.Tensor):  # the round trip proper, not the time until the trainer looks
-                part.add_done_callback(lambda _f, lk=lk: lk.answered.append(time.perf_counter()))
-        return lk
-
-    def _split(self, uniq: torch.Tensor) -> dict:
-        """Lookup fields of the exchange path: where each distinct row lives (batch_rows.split_rows)."""
-        return split_rows(uniq, self.hot, self._is_local, self._local_servers)
-
-    def _fetch_exchange(self, uniq: torch.Tensor, inverse: torch.Tensor) -> Lookup:
-        """The batch's remote rows as one request to the exchange (it splits them by node); local shards at wait."""
-        lk = Lookup(uniq, inverse, uniq, [], [], time.perf_counter(), **self._split(uniq))
+        """Start the lookup of a batch's ids [B, num_tables]: its remote rows as one request to the transport; local
+        shards and hot rows are read at `wait` (fresher rows than at the prefetch)."""
+        uniq, inverse = distinct_rows(sparse, self.offsets)
+        lk = Lookup(uniq, inverse.view(sparse.shape), time.perf_counter(), **self._split(uniq))
         remote_idx = lk.remote_idx
         if remote_idx.numel():
             with self._lock:
                 self.stats.bytes_sent += remote_idx.numel() * 8
-            lk.remote = self.exchange.lookup(uniq[remote_idx])
+            lk.remote = self.remote.lookup(uniq[remote_idx])
             lk.remote.add_done_callback(lambda _f: lk.answered.append(time.perf_counter()))
         return lk
 
-    def _wait_exchange(self, lk: Lookup) -> torch.Tensor:
+    def _split(self, uniq: torch.Tensor) -> dict:
+        """Where each distinct row lives (batch_rows.split_rows): local shards, hot rows, remote."""
+        return split_rows(uniq, self.hot, self._is_local, self._local_servers)
+
+    def fetch_group(self, sparses: list[torch.Tensor]) -> list[Lookup]:
+        """One lookup for several batches (one request for all of them), and a Lookup per batch that takes its rows
+        from it."""
+        if len(sparses) == 1:
+            return [self.fetch(sparses[0])]
+        union = self.fetch(torch.cat(sparses))
+        out = []
+        for sparse in sparses:
+            uniq, inverse = distinct_rows(sparse, self.offsets)
+            within = (union, torch.searchsorted(union.uniq, uniq))
+            out.append(Lookup(uniq, inverse.view(sparse.shape), union.issued, within=within, **self._split(uniq)))
+        return out
+
+    def wait(self, lk: Lookup) -> torch.Tensor:
+        """The batch's distinct rows [U, dim] (in `lk.uniq` order), waiting for the remote ones."""
+        if lk.rows is not None:
+            return lk.rows
+        if lk.within is not None:
+            union, pos = lk.within
+            lk.rows, lk.versions = self.wait(union).index_select(0, pos), union.versions.index_select(0, pos)
+            return lk.rows
         rows = torch.empty(lk.uniq.numel(), self.dim)
         versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
         for s, idx, ids in lk.local:
@@ -268,7 +208,7 @@ class ShardedEmbeddings:
             blocked = time.perf_counter() - t0
             rows[lk.remote_idx], versions[lk.remote_idx] = got_rows, got_versions
         lk.rows, lk.versions, lk.remote = rows, versions, None
-        stale = self.exchange.take_stale()
+        stale = self.remote.take_stale() if self.remote is not None else 0
         with self._lock:
             st = self.stats
             st.count(blocked, lk.uniq.numel(), remote, stale, remote * (self.dim * 4 + 8))
@@ -283,109 +223,25 @@ class ShardedEmbeddings:
         """A remote server of the lookup (errors name it: with two nodes, the only other one)."""
         return int(lk.uniq[lk.remote_idx[0]] % self.hash.servers)
 
-    def _push_exchange(self, lk: Lookup, grads: torch.Tensor) -> None:
-        stale = 0
-        for s, idx, ids in lk.local:
-            stale += self.servers[s].apply(ids, grads.index_select(0, idx), lk.versions[idx])
-        if lk.hot is not None and lk.hot[0].numel():
-            idx, slots = lk.hot
-            stale += self.hot.shard.apply(slots, grads.index_select(0, idx), lk.versions[idx])
-        r = lk.remote_idx
-        if r.numel():
-            self.exchange.push(lk.uniq[r], grads.index_select(0, r), lk.versions[r])
-        with self._lock:
-            st = self.stats
-            st.bytes_sent += r.numel() * (16 + self.dim * 4)
-            st.pushes += 1
-            st.stale_sum += stale
-            st.stale_rows += lk.uniq.numel()
-
-    def _distinct(self, sparse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return distinct_rows(sparse, self.offsets)
-
-    def _by_server(self, uniq: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
-        """A permutation of `uniq` grouping it by server, and each server's (server, lo, hi) range in it."""
-        owner = uniq % self.hash.servers
-        order = torch.argsort(owner, stable=True)
-        bounds, lo = [], 0
-        for s, n in enumerate(torch.bincount(owner, minlength=self.hash.servers).tolist()):
-            if n:
-                bounds.append((s, lo, lo + n))
-                lo += n
-        return order, bounds
-
-    def fetch_group(self, sparses: list[torch.Tensor]) -> list[Lookup]:
-        """One lookup for several batches (one message per server for all of them), and a Lookup per batch that
-        takes its rows from it."""
-        if len(sparses) == 1:
-            return [self.fetch(sparses[0])]
-        union = self.fetch(torch.cat(sparses))
-        out = []
-        for sparse in sparses:
-            uniq, inverse = self._distinct(sparse)
-            within = (union, torch.searchsorted(union.uniq, uniq))
-            if self.exchange is not None:  # the batch's own local/remote split, for its push
-                out.append(Lookup(uniq, inverse, uniq, [], [], union.issued, within=within, **self._split(uniq)))
-                continue
-            order, bounds = self._by_server(uniq)
-            out.append(Lookup(uniq, inverse, order, bounds, [], union.issued, within=within))
-        return out
-
-    def wait(self, lk: Lookup) -> torch.Tensor:
-        """The batch's distinct rows [U, dim] (in `lk.uniq` order), waiting for the remote parts."""
-        if lk.rows is not None:
-            return lk.rows
-        if lk.within is not None:
-            union, pos = lk.within
-            lk.rows, lk.versions = self.wait(union).index_select(0, pos), union.versions.index_select(0, pos)
-            return lk.rows
-        if lk.local is not None:
-            return self._wait_exchange(lk)
-        blocked = 0.0
-        rows = torch.empty(lk.uniq.numel(), self.dim)
-        versions = torch.empty(lk.uniq.numel(), dtype=torch.int64)
-        remote = received = calls = stale = 0
-        for (s, lo, hi), part in zip(lk.bounds, lk.parts):
-            if isinstance(part, torch.Tensor):
-                part = self.servers[s].lookup(part)
-            else:
-                t0 = time.perf_counter()
-                pushed_stale, *part = self._wait(part, s, "a lookup")
-                blocked += time.perf_counter() - t0
-                stale += pushed_stale
-                remote += hi - lo
-                calls += 1
-                received += part[0].numel() * part[0].element_size() + part[1].numel() * 8
-            idx = lk.order[lo:hi]
-            rows[idx] = part[0]
-            versions[idx] = part[1]
-        lk.rows, lk.versions, lk.parts = rows, versions, []
-        with self._lock:
-            st = self.stats
-            st.count(blocked, lk.uniq.numel(), remote, stale, received)
-            st.stale_remote += stale
-            answered = list(lk.answered)[:calls]  # a callback may still be on its way: count it as answered now
-            now = time.perf_counter()
-            st.rpc_s += sum(t - lk.issued for t in answered) + (calls - len(answered)) * (now - lk.issued)
-            st.rpc_calls += calls
-        return rows
+    def _wait(self, future: Any, server: int, what: str) -> Any:
+        try:
+            return future.wait()
+        except ServerLost:
+            raise
+        except RuntimeError as e:
+            raise ServerLost(f"embedding server {self.labels[server]} did not answer {what}: {e}") from None
 
     def snapshot(self) -> torch.Tensor:
         """The whole tables [rows, dim] in global row order: local shards copied, remote ones fetched whole (one
-        message per server)."""
+        request per server)."""
         S = self.hash.servers
         out = torch.empty(self.hash.total_rows, self.dim)
         remote = [s for s, server in enumerate(self.servers) if not isinstance(server, Shard)]
-        if self.exchange is not None:  # every row of the shard, as one lookup
-            futures = [self.exchange.lookup(torch.arange(self.hash.shard_rows(s)) * S + s) for s in remote]
-        else:
-            futures = [rpc.rpc_async(self.servers[s], _rpc_rows, args=(s,)) for s in remote]
-        for s, server in enumerate(self.servers):
-            if isinstance(server, Shard):
-                out[s::S] = server.weight
+        futures = [self.remote.lookup(torch.arange(self.hash.shard_rows(s)) * S + s) for s in remote]
+        for s in self._local_servers:
+            out[s::S] = self.servers[s].weight
         for s, future in zip(remote, futures):
-            got = self._wait(future, s, "a snapshot of its rows")
-            out[s::S] = got[0] if self.exchange is not None else got
+            out[s::S] = self._wait(future, s, "a snapshot of its rows")[0]
         if self.hot is not None:  # the owners' copies of the hot rows are not trained: the node's replica is
             out[self.hot.ids] = self.hot.shard.weight
         return out
@@ -398,7 +254,7 @@ class ShardedEmbeddings:
     def prefetching(self, batches: Iterable[Any], depth: int = 1) -> Iterator[tuple[Any, Lookup]]:
         """(batch, its lookup) pairs, the lookups of the next `depth` batches issued before the current one is
         handed out (deeper hides longer round trips; each batch of depth makes the rows one batch staler), `group`
-        batches per message."""
+        batches per request."""
         if depth < 1:
             raise ValueError(f"prefetch depth={depth!r} must be >= 1")
         it = iter(batches)
@@ -416,86 +272,47 @@ class ShardedEmbeddings:
 
     # -- updates ----------------------------------------------------------------------------------------
     def push(self, lk: Lookup, grads: torch.Tensor) -> None:
-        """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards now; remote rows queued on the
-        exchange (its next round), or with RPC to ride on the next lookup sent to their server (sent alone once
-        `max_inflight` batches of pushes are queued)."""
-        if self.exchange is not None:
-            return self._push_exchange(lk, grads)
+        """Apply the gradient of each distinct row of `lk` ([U, dim]): local shards and hot rows now, remote rows
+        through the transport."""
         stale = 0
-        alone: list = []
+        for s, idx, ids in lk.local:
+            stale += self.servers[s].apply(ids, grads.index_select(0, idx), lk.versions[idx])
+        if lk.hot is not None and lk.hot[0].numel():
+            idx, slots = lk.hot
+            stale += self.hot.shard.apply(slots, grads.index_select(0, idx), lk.versions[idx])
+        r = lk.remote_idx
+        if r.numel():
+            self.remote.push(lk.uniq[r], grads.index_select(0, r), lk.versions[r])
         with self._lock:
-            for s, lo, hi in lk.bounds:
-                idx = lk.order[lo:hi]
-                ids = lk.uniq[idx] // self.hash.servers
-                g, v = grads.index_select(0, idx), lk.versions[idx]
-                if isinstance(self.servers[s], Shard):
-                    stale += self.servers[s].apply(ids, g, v)
-                    continue
-                queue = self._pending.setdefault(s, [])
-                queue.append((ids, g, v))
-                if len(queue) >= max(self.max_inflight, 2 * self.group):
-                    alone.append((s, self._pending.pop(s)))
             st = self.stats
+            st.bytes_sent += r.numel() * (16 + self.dim * 4)
             st.pushes += 1
             st.stale_sum += stale
             st.stale_rows += lk.uniq.numel()
-        self._send_alone(alone)
-
-    def _send_alone(self, batches: list) -> None:
-        """Send queued pushes without a lookup; at most `max_inflight` such messages stay unanswered."""
-        if not batches:
-            return
-        futures = [(s, rpc.rpc_async(self.servers[s], _rpc_push, args=(s, pushes))) for s, pushes in batches]
-        with self._lock:
-            self.stats.bytes_sent += sum(_push_bytes(p) for _, p in batches)
-            self.stats.push_calls += len(futures)
-            self.stats.messages += len(futures)
-            self._inflight.extend(futures)
-            excess = [self._inflight.popleft() for _ in range(max(0, len(self._inflight) - self.max_inflight))]
-        self._retire(excess)
-
-    def _wait(self, future: Any, server: int, what: str) -> Any:
-        try:
-            return future.wait()
-        except RuntimeError as e:
-            raise ServerLost(f"embedding server {self.labels[server]} did not answer {what}: {e}") from None
-
-    def _retire(self, futures: list) -> None:
-        stale = sum(int(self._wait(f, s, "a gradient push")) for s, f in futures)
-        with self._lock:
-            self.stats.stale_sum += stale
-            self.stats.stale_remote += stale
 
     def flush(self) -> None:
-        """Send every queued push and wait for all of them (before reading the tables or reporting)."""
-        if self.exchange is not None:
-            ex = self.exchange
-            ex.flush()
-            with self._lock:
-                st = self.stats
-                stale = ex.take_stale()
-                st.stale_sum += stale
-                st.stale_remote += stale
-                st.rounds, st.messages, st.wire_bytes = ex.rounds, ex.rounds * (ex.n - 1), ex.bytes_sent
-                st.exchange_cpu_s = ex.cpu_s
-                if self.hot_sync is not None:
-                    hs = self.hot_sync
-                    stale = hs.take_stale()
-                    st.stale_sum += stale
-                    st.stale_hot_sync += stale
-                    st.hot_syncs, st.hot_sync_cpu_s, st.hot_sync_bytes = hs.syncs, hs.cpu_s, hs.bytes_sent
-                    st.hot_sync_interval_s, st.hot_sync_longest_gap_s = hs.interval_sum, hs.longest_gap
+        """Every queued push applied on its server (before reading the tables or reporting), and the transport's
+        counters in `stats`."""
+        if self.remote is None:
             return
+        self.remote.flush()
+        c = self.remote.counters()
         with self._lock:
-            queued = list(self._pending.items())
-            self._pending.clear()
-        self._send_alone(queued)
-        with self._lock:
-            futures = list(self._inflight)
-            self._inflight.clear()
-        self._retire(futures)
+            st = self.stats
+            stale = self.remote.take_stale()
+            st.stale_sum += stale
+            st.stale_remote += stale
+            st.rounds, st.messages, st.wire_bytes, st.exchange_cpu_s = c.rounds, c.messages, c.wire_bytes, c.cpu_s
+            st.push_calls = c.push_calls
+            if self.hot_sync is not None:
+                hs = self.hot_sync
+                stale = hs.take_stale()
+                st.stale_sum += stale
+                st.stale_hot_sync += stale
+                st.hot_syncs, st.hot_sync_cpu_s, st.hot_sync_bytes = hs.syncs, hs.cpu_s, hs.bytes_sent
+                st.hot_sync_interval_s, st.hot_sync_longest_gap_s = hs.interval_sum, hs.longest_gap
 
     def close(self) -> None:
-        """This client is done: the lookup exchange (if any) serves the other nodes until they are done too."""
-        if self.exchange is not None:
-            self.exchange.close()
+        """This client is done: its transport (an exchange serves the other nodes until they are done too)."""
+        if self.remote is not None:
+            self.remote.close()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 
+from cocosync.shadowsync.model.transport import TransportCounters
 from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["ExchangeLost", "LookupThread"]
@@ -17,7 +18,12 @@ class ExchangeLost(RuntimeError):
 
 class LookupThread:
     """Subclasses implement `_run` (the thread) and call `_start(name, role)` once their state is set (`role`: its
-    CPU's in the job summary, thread_cpu.py)."""
+    CPU's in the job summary, thread_cpu.py) and keep the counters below."""
+
+    n: int  # the nodes it talks to, itself included
+    rounds: int
+    bytes_sent: int
+    cpu_s: float
 
     def _start(self, name: str, role: str) -> None:
         self._lock = threading.Lock()
@@ -30,6 +36,11 @@ class LookupThread:
 
     def _run(self) -> None:
         raise NotImplementedError
+
+    def counters(self) -> TransportCounters:
+        """What this transport sent to the other nodes."""
+        return TransportCounters(rounds=self.rounds, messages=self.rounds * (self.n - 1), wire_bytes=self.bytes_sent,
+                                 cpu_s=self.cpu_s)
 
     def _check(self) -> None:
         """Under the lock, before queueing: the transport's error, or its end."""
