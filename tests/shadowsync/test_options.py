@@ -62,3 +62,16 @@ def test_the_node_exchange_is_refused_by_name_where_stores_may_be_reordered(monk
     with pytest.raises(ConfigError, match="'aarch64': use 'exchange'"):
         ClusterConfig(lookup_transport="node-exchange")
     assert ClusterConfig(lookup_transport="exchange").lookup_transport == "exchange"
+
+
+def test_a_config_files_cluster_table_sets_the_clusterconfig_and_the_command_line_wins(tmp_path):
+    from cocosync.shadowsync.config import ConfigError
+
+    path = tmp_path / "run.toml"
+    path.write_text('trainers = 3\n[sync]\nalgorithm = "fr-ma"\n[cluster]\nhot_rows = 0\nexchange_interval = 0.01\n')
+    cfg, cluster = job_from_options(str(path), None, {"cluster__exchange_interval": 25.0})
+    assert (cfg.trainers, cfg.sync.algorithm) == (3, "fr-ma")
+    assert cluster == ClusterConfig(hot_rows=0, exchange_interval=0.025)  # the option (ms) over the file (s)
+    path.write_text("[cluster]\nhot_row = 0\n")
+    with pytest.raises(ConfigError, match=r"unknown \[cluster\] key\(s\) \['hot_row'\]"):
+        job_from_options(str(path), None, {})

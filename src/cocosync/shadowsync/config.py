@@ -40,9 +40,10 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 __all__ = ["ConfigError", "DataConfig", "SynthConfig", "ModelConfig", "SyncConfig", "TrainConfig", "ClusterConfig",
-           "Opt", "opt", "load_train_config", "config_from_dict", "config_to_dict", "check_paths", "resume_value",
-           "SYNC_ALGORITHMS", "COLLECTIVE_METHODS", "FOREGROUND_EVERY", "OPTIMIZERS", "TRANSPORTS", "EXCHANGES",
-           "CRITEO_NUM_DENSE", "CRITEO_NUM_SPARSE", "UNLIMITED_WAIT"]
+           "Opt", "opt", "load_train_config", "load_job_config", "read_config_file", "config_from_dict",
+           "config_to_dict", "check_paths", "resume_value", "SYNC_ALGORITHMS", "COLLECTIVE_METHODS",
+           "FOREGROUND_EVERY", "OPTIMIZERS", "TRANSPORTS", "EXCHANGES", "CRITEO_NUM_DENSE", "CRITEO_NUM_SPARSE",
+           "UNLIMITED_WAIT"]
 
 
 @dataclass(frozen=True)
@@ -565,7 +566,30 @@ def config_from_dict(raw: dict, **overrides: Any) -> TrainConfig:
 
 def load_train_config(path: str | Path, **overrides: Any) -> TrainConfig:
     """Read a TrainConfig from a .toml, .json, .yaml/.yml file; `overrides` (e.g. trainers=2, **{'sync.every': 4})
-    win over the file."""
+    win over the file. (A [cluster] table is the job's ClusterConfig: `load_job_config`.)"""
+    raw = read_config_file(path)
+    raw.pop(CLUSTER_TABLE, None)
+    return config_from_dict(raw, **overrides)
+
+
+def load_job_config(path: str | Path, cluster: dict[str, Any], **overrides: Any) -> tuple[TrainConfig, ClusterConfig]:
+    """A config file's TrainConfig and, from its [cluster] table, ClusterConfig (seconds for the intervals);
+    `overrides` and `cluster` (ClusterConfig fields) win over the file."""
+    raw = read_config_file(path)
+    table = raw.pop(CLUSTER_TABLE, None) or {}
+    if not isinstance(table, dict):
+        raise ConfigError(f"cluster={table!r} is invalid: expected a [cluster] table of ClusterConfig fields")
+    known = {f.name for f in dataclasses.fields(ClusterConfig)}
+    if bad := sorted(set(table) - known):
+        raise ConfigError(f"unknown [cluster] key(s) {bad}; allowed: {sorted(known)}")
+    try:
+        return config_from_dict(raw, **overrides), ClusterConfig(**{**table, **cluster})
+    except TypeError as e:
+        raise ConfigError(str(e)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The table of settings in a .toml, .json or .yaml/.yml file (ConfigError naming the file if unreadable)."""
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
@@ -594,12 +618,13 @@ def load_train_config(path: str | Path, **overrides: Any) -> TrainConfig:
         raise ConfigError(f"config file {str(p)!r}: unknown extension {suffix!r}; expected .toml, .json or .yaml")
     if not isinstance(raw, dict):
         raise ConfigError(f"config file {str(p)!r} must hold a table of settings, got {type(raw).__name__}")
-    return config_from_dict(raw, **overrides)
+    return raw
 
 
 #: processors whose stores are not reordered with each other, which the node exchange's rings rely on
 STORE_ORDERED = ("x86_64", "amd64", "i386", "i686")
 EXCHANGES = ("exchange", "node-exchange")  # the lookup exchange per trainer, per node
+CLUSTER_TABLE = "cluster"  # a config file's table of ClusterConfig fields
 TRANSPORTS = (*EXCHANGES, "rpc")
 
 

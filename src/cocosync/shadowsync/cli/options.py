@@ -26,6 +26,7 @@ from cocosync.shadowsync.config import (
     SyncConfig,
     TrainConfig,
     config_from_dict,
+    load_job_config,
     load_train_config,
 )
 from cocosync.shadowsync.errors import debug_mode
@@ -200,13 +201,16 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict[
 
 def job_from_options(config_path: str | None, resume: str | None, params: dict[str, Any],
                      cluster_fields: dict[str, Any] | None = None) -> tuple[TrainConfig, ClusterConfig]:
-    """The TrainConfig and ClusterConfig a command's parsed config options describe (`params`, by param name;
-    `resume`: a run whose config the options override; `cluster_fields`: ClusterConfig fields the command sets
-    itself). ConfigError if bad."""
+    """The TrainConfig and ClusterConfig a command's parsed config options describe (`params`, by param name), over
+    `--config FILE` (its [cluster] table too), over `resume`'s run; `cluster_fields`: ClusterConfig fields the
+    command sets itself. ConfigError if bad."""
     prefix = f"{_CLUSTER}__"
     cluster = dict(cluster_fields or {})
     train = {k: v for k, v in params.items() if not k.startswith(prefix)}
     for k, v in params.items():
         if k.startswith(prefix) and v is not None:
             cluster[k.removeprefix(prefix)] = _BY_PARAM[k].value(v)
-    return config_from_options(config_path, resume, train), ClusterConfig(**cluster)
+    cfg = config_from_options(config_path, resume, train)
+    if config_path:
+        return cfg, load_job_config(config_path, cluster)[1]
+    return cfg, ClusterConfig(**cluster)
