@@ -26,7 +26,8 @@ __all__ = ["main", "rank_job", "CONFIG_OPTION"]
 
 
 CONFIG_OPTION = click.option("--config", "config_path", type=click.Path(dir_okay=False),
-                             help="TOML/JSON/YAML file of TrainConfig fields (the options given win over it).")
+                             help="TOML/JSON/YAML file of the settings below (the TrainConfig fields, and a [cluster] "
+                                  "table of ClusterConfig's); the options given win over it.")
 
 
 @show_defaults
