@@ -1,7 +1,7 @@
 """A ShadowSync job across machines, one process per torchrun rank (`python -m cocosync.shadowsync` under torchrun).
 
-Every process joins the gloo default group (and the RPC world where EASGD or `--lookup-transport rpc` needs it), then
-takes its role (roles.py):
+Every process joins the gloo default group (and the RPC world where EASGD or `--lookup-transport rpc` needs it),
+builds its `Job` (build.py: shards, groups, data plan), then takes its role (roles.py):
 
 * an **embedding server** initializes its shard of the tables (row hash, model/embeddings.py) in the node's shared
   memory (where every process of the node reads and updates it in place) and saves it at checkpoints; with
@@ -28,12 +28,10 @@ import datetime
 import math
 import os
 import shutil
-import socket
 import sys
 import threading
 import time
 import traceback
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -44,9 +42,7 @@ import torch.distributed.rpc as rpc
 from rich.console import Console
 
 from cocosync.runtime.comm import gloo_device, native
-from cocosync.runtime.comm.communicators import register_subgroup
-from cocosync.runtime.comm.shm import Arena, ArenaFull, unlink_pending
-from cocosync.runtime.comm.topology import node_groups, spanning_node_groups
+from cocosync.runtime.comm.shm import ArenaFull, unlink_pending
 from cocosync.shadowsync import thread_cpu
 from cocosync.shadowsync.checkpoint import (
     BEST,
@@ -56,8 +52,6 @@ from cocosync.shadowsync.checkpoint import (
     load_job,
     part_name,
     read_meta,
-    read_positions,
-    resharded_trainers,
     resolve,
     save_job,
 )
@@ -66,51 +60,28 @@ from cocosync.shadowsync.config import (
     UNLIMITED_WAIT,
     ClusterConfig,
     ConfigError,
-    DataConfig,
-    ModelConfig,
     TrainConfig,
     check_paths,
     config_to_dict,
 )
-from cocosync.shadowsync.data.plan import DataPlan, replan
-from cocosync.shadowsync.data.sources import (
-    base_shard_rows,
-    build_configs,
-    eval_batches,
-    trainer_source,
-    with_init_ctr,
-)
+from cocosync.shadowsync.data.sources import build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.job.build import build_job, data_plan, init_rpc, loopback_interfaces
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
-from cocosync.shadowsync.job.lookups import exchange_groups, hosts_exchange, hot_rows, trainer_transport
+from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
-from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
+from cocosync.shadowsync.model.dlrm import FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
-from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
-from cocosync.shadowsync.model.transport import serve_shard
-from cocosync.shadowsync.sync import FlatParams
-from cocosync.shadowsync.sync.base import HierarchicalGroup
-from cocosync.shadowsync.sync.center import CenterShard, RemoteCenter, center_bounds, serve_center
+from cocosync.shadowsync.sync.center import RemoteCenter
 
 __all__ = ["run_cluster"]
-
-_LOOPBACK = ("127.", "localhost", "::1")
-
-
-def _loopback_interfaces() -> None:
-    """gloo and TensorPipe pick an interface from the hostname, which may be a public one: on a loopback
-    rendezvous keep them on `lo` unless the user named an interface."""
-    if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith(_LOOPBACK):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
-
 
 #: seconds a failed server waits before it leaves, so that the trainers report the lost peer first
 SERVER_EXIT_GRACE = 5.0
@@ -129,7 +100,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         resume = resolve(cluster.resume)
         meta = read_meta(resume)
         check_resumable(meta, cfg, resume)
-    _loopback_interfaces()
+    loopback_interfaces()
     link = Link.from_env(topo.rank)
     # --timeout asks the trainers to stop (the launcher, else each trainer itself); the groups' own timeout comes
     # after that stop (without a --timeout: torch's default, a hung peer fails the job after it; the launcher's
@@ -146,15 +117,15 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         if topo.nnodes > 1:  # each machine parsed its own command line
             check_same_job(cfg, cluster, topo)
         if uses_rpc:
-            _init_rpc(cfg, roles)
+            init_rpc(cfg, roles)
         if (roles.role()[0] == "trainer" or hosts_exchange(cluster, roles)) and native.enabled():
             # built before training, not in its first sync
             if link is not None and roles.role()[1] == 0 and not native.is_built():
                 link.set("status", "building the native module once on this machine (~20 s)")
             native.one_shot()
         data, model_cfg = build_configs(cfg)
-        plan = _data_plan(cfg, data, roles, resume, meta) if resume is not None else None
-        job = _setup(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
+        plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
+        job = build_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
                      resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
         kind, index = roles.role()
         exchanged = None  # node-exchange: what this server's exchange did (the summary's exchange counters)
@@ -223,101 +194,6 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     return summary
 
 
-def _init_rpc(cfg: TrainConfig, roles: Roles) -> None:
-    topo = roles.topo
-    with warnings.catch_warnings():  # torch's own RPC init passes its gloo Backend as a group (deprecated use)
-        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
-        # TCP only ("uv"): TensorPipe's shared-memory transport busy-polls a reactor thread per process
-        # (measured: 87% of this machine's CPU in system time with 4 processes), and a node's own shards never
-        # go through RPC
-        rpc.init_rpc(roles.rpc_name(), rank=topo.rank, world_size=topo.world_size,
-                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
-                         init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
-                         _transports=["uv"], _channels=["basic"]))
-
-
-def _setup(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
-           plan: DataPlan | None, link: Link | None, resumed_from: int) -> Job:
-    """Collective over the whole job, in the same order on every rank: shards, EASGD centre, process groups."""
-    topo = roles.topo
-    kind, index = roles.role()
-    E = roles.embedding_per_node
-    rowhash = RowHash(sum(data.table_sizes), E * topo.nnodes)
-    arena = Arena(node_groups())
-    shards: dict[int, Shard] = {}
-    for lr in range(E):  # this node's servers: every local process maps their shards
-        server = topo.node * E + lr
-        n, dim = rowhash.shard_rows(server), model_cfg.embedding_dim
-        weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
-        versions = arena.shared_empty(n, torch.int64)
-        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
-                      weight_decay=cfg.embedding_weight_decay)
-        if (kind, index) == ("embedding", server):
-            weight.copy_(initial_rows(data.table_sizes, dim, init_std=model_cfg.embedding_init_std,
-                                      seed=model_cfg.seed, rowhash=rowhash, server=server))
-            serve_shard(server, shard)
-        shards[server] = shard
-    hot = hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
-    flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
-    center = None
-    if kind == "sync":
-        lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
-        center = CenterShard(flat[lo:hi], index)
-        serve_center(index, center)
-    trainers = roles.ranks("trainer")
-    trainer_group = dist.new_group(trainers)
-    Tn, nnodes = roles.trainers_per_node, topo.nnodes
-    intra = inter = None
-    for node in range(nnodes):  # every rank creates every group, in the same order (new_group is collective)
-        members = trainers[node * Tn:(node + 1) * Tn]
-        g = dist.new_group(members, backend="cocosync") if Tn > 1 else None
-        if node == topo.node:
-            intra = g
-    for i in range(Tn):
-        g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
-        if kind == "trainer" and index % Tn == i:
-            inter = g
-    exchange = exchange_groups(cfg, cluster, roles, data, model_cfg, arena)
-    hot_group = dense_group = None
-    if hot is not None:
-        g = dist.new_group(trainers[0::Tn])
-        if kind == "trainer" and index % Tn == 0:
-            hot_group = g
-    if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
-        # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
-        # runtime's hierarchical communicator), the same fused collective as on one machine
-        node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
-        if kind == "trainer":
-            register_subgroup(spanning_node_groups(trainers, trainer_group, node_gloo[topo.node], inter, Tn))
-            dense_group = trainer_group
-    elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
-        dense_group = HierarchicalGroup(intra, inter, roles.trainers)
-    elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
-        dense_group = trainer_group
-    hosts = [""] * topo.world_size
-    dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
-    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, rowhash=rowhash, shards=shards,
-               trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group, dense_group=dense_group,
-               center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link, resumed_from=resumed_from)
-
-
-def _data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:
-    """The resumed job's data plan: the checkpoint's, or (another trainer or worker count) a new one over the rows
-    its reader shards had not read. Collective (every rank reads the positions)."""
-    old = DataPlan.from_json(meta["data_plan"]) if meta.get("data_plan") else None
-    T, W = roles.trainers, cfg.workers
-    if not resharded_trainers(meta, T, W):
-        return old
-    positions = read_positions(path, meta)
-    plan = replan(old, meta["trainers"] * meta["workers"], positions, T * W,
-                  lambda s, n: base_shard_rows(cfg, data, s, n), int(meta["examples_seen"]))
-    if roles.topo.rank == 0:
-        print(f"resuming {meta['trainers']} x {meta['workers']} reader shards on {T} x {W}: "
-              f"{sum(r for s in plan.shards for _, _, r in s):,} unread rows planned onto the new shards",
-              file=sys.stderr, flush=True)
-    return plan
-
-
 @dataclasses.dataclass
 class _TrainerRun:
     trainer: Trainer
@@ -325,6 +201,7 @@ class _TrainerRun:
     center: RemoteCenter | None
     logger: MetricsLogger | None
     hot_sync: HotSync | None = None  # on a node's first trainer
+    curve: _EvalCurve | None = None  # trainer 0's eval curve (--eval-every)
 
 
 def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
@@ -370,7 +247,7 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
         on_eval = _EvalCurve(job, tables, logger, console)
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every)
-    return _TrainerRun(trainer, tables, center, logger, hot_sync)
+    return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval)
 
 
 class _EvalCurve:
@@ -504,7 +381,7 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
     cfg, roles, trainer, logger = job.cfg, job.roles, run.trainer, run.logger
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
-    curve = trainer.on_eval.best if trainer.on_eval is not None else None
+    curve = run.curve.best if run.curve is not None else None
     scorer = curve or BestModel(job.model_cfg, job.data, [], None, {})
     scorer.flat.flat.copy_(flat)
     ev = evaluate(ServedModel(scorer.model, FullTable(table, job.data.table_sizes)), eval_batches(cfg, job.data))

@@ -1,0 +1,141 @@
+"""Building one rank's `Job` (job.py), collectively and in the same order on every rank: the network interfaces
+of a loopback job, the RPC world, this node's embedding shards in shared memory, EASGD's centre range, the process
+groups (the trainers', the dense sync's, the lookup exchange's, the hot rows'), and a resumed job's data plan."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.rpc as rpc
+
+from cocosync.runtime.comm.communicators import register_subgroup
+from cocosync.runtime.comm.shm import Arena
+from cocosync.runtime.comm.topology import node_groups, spanning_node_groups
+from cocosync.shadowsync.checkpoint import read_positions, resharded_trainers
+from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
+from cocosync.shadowsync.data.plan import DataPlan, replan
+from cocosync.shadowsync.data.sources import base_shard_rows
+from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.link import Link
+from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
+from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.model.dlrm import DLRM
+from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
+from cocosync.shadowsync.model.transport import serve_shard
+from cocosync.shadowsync.sync import FlatParams
+from cocosync.shadowsync.sync.base import HierarchicalGroup
+from cocosync.shadowsync.sync.center import CenterShard, center_bounds, serve_center
+
+__all__ = ["loopback_interfaces", "init_rpc", "build_job", "data_plan"]
+
+_LOOPBACK = ("127.", "localhost", "::1")
+
+
+def loopback_interfaces() -> None:
+    """gloo and TensorPipe pick an interface from the hostname, which may be a public one: on a loopback
+    rendezvous keep them on `lo` unless the user named an interface."""
+    if os.environ.get("MASTER_ADDR", "127.0.0.1").startswith(_LOOPBACK):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
+
+
+def init_rpc(cfg: TrainConfig, roles: Roles) -> None:
+    """Join the job's RPC world (EASGD's sync servers, `--lookup-transport rpc`) under this rank's role name."""
+    topo = roles.topo
+    with warnings.catch_warnings():  # torch's own RPC init passes its gloo Backend as a group (deprecated use)
+        warnings.filterwarnings("ignore", message="You are using a Backend", category=UserWarning)
+        # TCP only ("uv"): TensorPipe's shared-memory transport busy-polls a reactor thread per process
+        # (measured: 87% of this machine's CPU in system time with 4 processes), and a node's own shards never
+        # go through RPC
+        rpc.init_rpc(roles.rpc_name(), rank=topo.rank, world_size=topo.world_size,
+                     rpc_backend_options=rpc.TensorPipeRpcBackendOptions(
+                         init_method="env://", rpc_timeout=max(60.0, cfg.heartbeat_timeout),
+                         _transports=["uv"], _channels=["basic"]))
+
+
+def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
+              plan: DataPlan | None, link: Link | None, resumed_from: int) -> Job:
+    """Collective over the whole job, in the same order on every rank: shards, EASGD centre, process groups."""
+    topo = roles.topo
+    kind, index = roles.role()
+    E = roles.embedding_per_node
+    rowhash = RowHash(sum(data.table_sizes), E * topo.nnodes)
+    arena = Arena(node_groups())
+    shards: dict[int, Shard] = {}
+    for lr in range(E):  # this node's servers: every local process maps their shards
+        server = topo.node * E + lr
+        n, dim = rowhash.shard_rows(server), model_cfg.embedding_dim
+        weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
+        versions = arena.shared_empty(n, torch.int64)
+        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
+                      weight_decay=cfg.embedding_weight_decay)
+        if (kind, index) == ("embedding", server):
+            weight.copy_(initial_rows(data.table_sizes, dim, init_std=model_cfg.embedding_init_std,
+                                      seed=model_cfg.seed, rowhash=rowhash, server=server))
+            serve_shard(server, shard)
+        shards[server] = shard
+    hot = hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
+    flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
+    center = None
+    if kind == "sync":
+        lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
+        center = CenterShard(flat[lo:hi], index)
+        serve_center(index, center)
+    trainers = roles.ranks("trainer")
+    trainer_group = dist.new_group(trainers)
+    Tn, nnodes = roles.trainers_per_node, topo.nnodes
+    intra = inter = None
+    for node in range(nnodes):  # every rank creates every group, in the same order (new_group is collective)
+        members = trainers[node * Tn:(node + 1) * Tn]
+        g = dist.new_group(members, backend="cocosync") if Tn > 1 else None
+        if node == topo.node:
+            intra = g
+    for i in range(Tn):
+        g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
+        if kind == "trainer" and index % Tn == i:
+            inter = g
+    exchange = exchange_groups(cfg, cluster, roles, data, model_cfg, arena)
+    hot_group = dense_group = None
+    if hot is not None:
+        g = dist.new_group(trainers[0::Tn])
+        if kind == "trainer" and index % Tn == 0:
+            hot_group = g
+    if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
+        # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
+        # runtime's hierarchical communicator), the same fused collective as on one machine
+        node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
+        if kind == "trainer":
+            register_subgroup(spanning_node_groups(trainers, trainer_group, node_gloo[topo.node], inter, Tn))
+            dense_group = trainer_group
+    elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
+        dense_group = HierarchicalGroup(intra, inter, roles.trainers)
+    elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
+        dense_group = trainer_group
+    hosts = [""] * topo.world_size
+    dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
+    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, rowhash=rowhash, shards=shards,
+               trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group, dense_group=dense_group,
+               center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link, resumed_from=resumed_from)
+
+
+def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:
+    """The resumed job's data plan: the checkpoint's, or (another trainer or worker count) a new one over the rows
+    its reader shards had not read. Collective (every rank reads the positions)."""
+    old = DataPlan.from_json(meta["data_plan"]) if meta.get("data_plan") else None
+    T, W = roles.trainers, cfg.workers
+    if not resharded_trainers(meta, T, W):
+        return old
+    positions = read_positions(path, meta)
+    plan = replan(old, meta["trainers"] * meta["workers"], positions, T * W,
+                  lambda s, n: base_shard_rows(cfg, data, s, n), int(meta["examples_seen"]))
+    if roles.topo.rank == 0:
+        print(f"resuming {meta['trainers']} x {meta['workers']} reader shards on {T} x {W}: "
+              f"{sum(r for s in plan.shards for _, _, r in s):,} unread rows planned onto the new shards",
+              file=sys.stderr, flush=True)
+    return plan
