@@ -1,4 +1,4 @@
-"""A scaling model of the lookup exchange (issue 31), from what `cocosync bench lookups` measures.
+"""A scaling model of the lookup exchange, from what `cocosync bench lookups` measures.
 
 The exchange's costs are per *round* and per *row*, not per message (model/exchange.py): each trainer's exchange
 thread runs one gloo all_to_all with the other nodes every `interval` (packing, serving the peers' rows, unpacking),

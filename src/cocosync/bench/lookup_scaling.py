@@ -1,6 +1,6 @@
 """`cocosync bench lookups`: CPU per example of a ShadowSync job on 1, 2, 4 ... torchrun nodes (loopback), for each
 lookup transport (the exchange, RPC; the exchange with and without replicated hot rows), and the straight-line
-projection to 32 and 128 machines (issue 31).
+projection to 32 and 128 machines.
 
 Each node runs one embedding server and `--trainers-per-node` trainers (`--sync none`: the lookups alone). A
 configuration's **CPU per example** is the CPU-seconds of every process (set-up excluded) per *extra* example between
@@ -474,7 +474,7 @@ def lookups_cmd(nodes: str, transports: str, hot_rows: str, hot_staleness: str, 
                 launcher: str, trainers_per_node: int, repeats: int,
                 eval_examples: int, exchange_interval: float | None, prefetch: int | None, parallel: bool,
                 side_by_side: bool, time_limit: float | None, out: str, json_path: str | None) -> None:
-    """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport (issue 31)."""
+    """CPU per example of a ShadowSync job on 1, 2, 4 ... loopback nodes, per lookup transport."""
     from rich.console import Console
 
     from cocosync.bench.common import markdown_table, print_table, save_figure, write_json

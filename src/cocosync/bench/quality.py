@@ -8,7 +8,7 @@ Reported per (algorithm, T): mean eval NE over the seeds, the spread, and the ch
 (paired, then averaged) with its 90% confidence interval over the seeds (Student's t). A T >= 2 run is not
 reproducible (its shadow thread's timing differs run to run) and a final model's eval NE moves ~1% between nearby
 stopping points, so the verdict is three-way: PASS when the interval's upper end is within the target (0.5% up to
-T=8, 1% beyond: issue 32), FAIL when its lower end is above it, else UNRESOLVED, with the seeds that would resolve it
+T=8, 1% beyond), FAIL when its lower end is above it, else UNRESOLVED, with the seeds that would resolve it
 at the measured spread. Also per row: the median sync gap (iterations) and the embedding rows' staleness (updates a
 pushed row received since its fetch: how many other trainers' updates a row's gradient lands on, which grows with
 the trainers that truly run at once, not with T alone). Written: the table (and its markdown), quality.json and
@@ -16,8 +16,8 @@ quality.png (NE change vs T, one line per algorithm, the intervals as bars).
 
 `--examples` takes several run lengths (e.g. 1600000,3200000): every configuration and its T=1 reference at each,
 seed-major, one row per (algorithm, T, length) and one plot panel per length. At equal total examples a T-trainer
-run gives each replica 1/T of them, and the loss against one trainer shrinks as that share grows (BENCHMARKS.md,
-issue 32), so the rows also name the examples per trainer.
+run gives each replica 1/T of them, and the loss against one trainer shrinks as that share grows (BENCHMARKS.md),
+so the rows also name the examples per trainer.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ DEFAULT_ALGORITHMS = tuple(a for a in SYNC_ALGORITHMS if a != "none" and not a.e
 
 
 def tolerance(trainers: int) -> float:
-    """The NE change against one trainer that counts as holding quality (issue 32): 0.5% up to T=8, 1% beyond."""
+    """The NE change against one trainer that counts as holding quality: 0.5% up to T=8, 1% beyond."""
     return 0.005 if trainers <= 8 else 0.01
 
 
@@ -336,7 +336,7 @@ def _reach(mid: float, end: float) -> float:
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-quality", show_default=True)
 def quality_cmd(trainers: str, algorithms: str, seeds: int, examples: str, eval_examples: int, reference_jobs: int,
                 time_limit: float | None, out: str) -> None:
-    """Eval NE vs trainer count for every sync algorithm at equal total examples (issue 32's quality targets)."""
+    """Eval NE vs trainer count for every sync algorithm at equal total examples, against the quality targets."""
     from rich.console import Console
 
     try:

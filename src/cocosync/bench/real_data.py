@@ -6,7 +6,7 @@ regularization C picked on valid, scored on test. The DLRM: the `cocosync train`
 movielens` prints (every other setting at its --help default), one run per seed, subprocesses as a user runs them;
 its eval curve on valid keeps the best model, which is then scored on test (rows neither model was chosen on).
 Logistic regression (lbfgs) is deterministic, so it runs once. PASS when the DLRM's mean test NE is at least 1%
-below the baseline's (issue 32). Written: real-data.json, the table and its markdown.
+below the baseline's. Written: real-data.json, the table and its markdown.
 """
 
 from __future__ import annotations
@@ -130,7 +130,7 @@ def _markdown(res: dict) -> str:
               help="where the data's wheel is kept.  [default: ~/.cache/cocosync]")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-real-data", show_default=True)
 def real_data_cmd(seeds: int, cache: str | None, out: str) -> None:
-    """The DLRM against logistic regression on real ratings as clicks (MovieLens-100K), test NE (issue 32)."""
+    """The DLRM against logistic regression on real ratings as clicks (MovieLens-100K), test NE."""
     from rich.console import Console
 
     from cocosync.shadowsync.data.movielens import MovieLensError

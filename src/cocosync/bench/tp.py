@@ -183,7 +183,7 @@ def run_tp(shapes: list[tuple[int, int, int]], chunks: int, repeats: int, P: int
     return result
 
 
-TARGET = 1.5  # issue 5: the block (forward) >= 1.5x faster than eager + gloo
+TARGET = 1.5  # the block (forward) >= 1.5x faster than eager + gloo
 
 
 def targets(result: dict[str, Any]) -> dict[str, dict[str, Any]]:

@@ -447,7 +447,7 @@ class TrainConfig:
     timeout: float | None = field(default=None, metadata=opt("--timeout", "Run", shown="no limit"))
     """seconds after which the trainers are asked to stop with a checkpoint and the summary, as Ctrl-C does, counted
     from the launch (`cocosync train`), the rendezvous (`--nnodes`) or each trainer's start (plain torchrun); unset:
-    no limit. A limit of this session: a resumed run does not inherit it."""
+    no limit. A limit of this launch: a resumed run does not inherit it."""
     heartbeat_timeout: float = field(default=30.0, metadata=opt("--heartbeat-timeout", "Run"))
     """seconds without a heartbeat from a trainer (each beats from a thread of its own, whatever its training does)
     after which the run fails naming that trainer (stopped, hung, swapped out)."""
@@ -670,7 +670,7 @@ class ClusterConfig:
     checkpoint_every: int | None = field(default=None, metadata=opt("--checkpoint-every", "Checkpoints and eval"))
     """also checkpoint every this many examples of the job (each trainer pauses at its share of the mark)."""
     stop_after: int | None = field(default=None, metadata=opt("--stop-after", "Checkpoints and eval"))
-    """stop with a checkpoint once the job has seen this many examples, earlier sessions of a resumed run included."""
+    """stop with a checkpoint once the job has seen this many examples, the runs a resumed run continues included."""
 
     def __post_init__(self) -> None:
         for name in ("embedding_servers", "max_inflight", "lookup_batches"):

@@ -181,7 +181,7 @@ def _print_result(console, result) -> None:
             table.add_row(k, _fmt(v, spec))
     console.print(table)
     if s.get("resumed_from"):
-        console.print(f"resumed after {s['resumed_from']:,} examples of an earlier session"
+        console.print(f"resumed after {s['resumed_from']:,} examples of the run it resumed"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
     if result.interrupted or s.get("stopped"):
         console.print((f"[yellow]stopped by {result.stop_reason or 'a signal'}: the numbers cover the examples "

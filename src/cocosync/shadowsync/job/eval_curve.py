@@ -33,7 +33,7 @@ def score(model: torch.nn.Module, batches: list, seen: int) -> dict:
 
 
 def previous_best(out: Path) -> float:
-    """The eval NE of <out>/checkpoints/best (a resumed run keeps an earlier session's best), inf when none."""
+    """The eval NE of <out>/checkpoints/best (a resumed run keeps the best of the run it resumed), inf when none."""
     try:
         return float(json.loads((out / "checkpoints" / BEST / "meta.json").read_text())["eval"]["eval_ne"])
     except (OSError, ValueError, KeyError, TypeError):  # none, or unreadable: the next eval replaces it

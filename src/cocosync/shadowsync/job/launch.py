@@ -165,7 +165,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     """Train `cfg` on this machine: 1 embedding server + `cfg.trainers` trainers (+ EASGD's sync server), W Hogwild
     workers each, as the multi-machine job with one node. `resume`: a checkpoint directory or a run directory
     (its latest checkpoint; another trainer or worker count is planned onto); `checkpoint_every`: also checkpoint
-    every this many examples; `stop_after`: stop with a checkpoint once the run (earlier sessions included) has seen
+    every this many examples; `stop_after`: stop with a checkpoint once the run (the runs it resumed included) has seen
     this many examples; `eval_every`: score trainer 0's replica on the held-out set every this many examples (an eval
     curve; the best model is kept as checkpoints/best). `cluster` sets the rest (servers, prefetch, ...)."""
     console = console or Console(stderr=True)

@@ -249,7 +249,7 @@ class Monitor:
         return None
 
     def _progress(self) -> tuple[int, float, float | None]:
-        """(examples trained in this session, examples/s: the trainers' rates since their first example, as of their
+        """(examples trained since this launch, examples/s: the trainers' rates since their first example, as of their
         last records, summed; mean train NE of the trainers)."""
         recs = [self._get(f"progress/{t}") for t in range(self.cfg.trainers)]
         recs = [r for r in recs if r]
