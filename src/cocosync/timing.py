@@ -39,17 +39,8 @@ def stats(samples: Sequence[float]) -> Stats:
 def time_calls(fn: Callable[[], Any], repeats: int, *, warmup: int = 1,
                before: Callable[[], Any] | None = None) -> list[float]:
     """Run fn warmup + repeats times; return the `repeats` wall times. `before` (untimed) runs before each call,
-    e.g. a barrier so that every rank starts together."""
-    out = []
-    for i in range(warmup + repeats):
-        if before is not None:
-            before()
-        t0 = time.perf_counter()
-        fn()
-        dt = time.perf_counter() - t0
-        if i >= warmup:
-            out.append(dt)
-    return out
+    e.g. a barrier so that every rank starts together. (`time_interleaved` with one case.)"""
+    return time_interleaved({0: fn}, repeats, warmup=warmup, before=before)[0]
 
 
 def time_blocks(cases: dict[Any, Callable[[], Any]], repeats: int, *, block: int = 4,

@@ -65,10 +65,12 @@ class ConfigOption:
         return typed * self.spec.scale
 
 
+_CONFIG_SOURCE = ast.parse(inspect.getsource(config_module))  # the field docstrings are the options' help
+
+
 def _field_docs(cls: type) -> dict[str, str]:
     """{field: its docstring (the string literal after its annotation), whitespace collapsed}."""
-    tree = ast.parse(inspect.getsource(config_module))
-    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
+    node = next(n for n in _CONFIG_SOURCE.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     docs = {}
     for a, b in zip(node.body, node.body[1:]):
         if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
