@@ -1,59 +1,54 @@
-"""DLRM: shapes, dense/embedding split, shared external embedding weights, learning on synthetic data."""
+"""The built-in models, the table API (KeyedJaggedTensor, EmbeddingBagCollection) and the sharded path: a model's
+collections swapped for the job's stores score exactly as the model with its own tables, for single- and
+multi-valued features, sum and mean pooling, and tables of different widths."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
-from cocosync.shadowsync.config import DataConfig, ModelConfig
+from cocosync.shadowsync.config import DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.synth import EVAL, make_synthetic_dataset
+from cocosync.shadowsync.job.run_model import Scorer, dense_parameters, run_model
 from cocosync.shadowsync.metrics import evaluate
-from cocosync.shadowsync.model.dlrm import DLRM, new_embedding_weights
+from cocosync.shadowsync.model.dlrm import DLRM
+from cocosync.shadowsync.model.embeddings import gather_rows
+from cocosync.shadowsync.model.factory import BUILTINS, build_model, factory_spec, resolve_factory
+from cocosync.shadowsync.model.inputs import Feature, ModelInputs
+from cocosync.shadowsync.model.shard import rowwise_update
+from cocosync.shadowsync.model.sharding import TablePlan, load_tables, shard_model, table_weights
+from cocosync.shadowsync.model.tables import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 DATA = DataConfig(table_size=2000)
+KEYS = [f"C{i + 1}" for i in range(26)]
 
 
-def _inputs(b=5):
+def _inputs(config: ModelConfig | None = None) -> ModelInputs:
+    return ModelInputs(tuple(f"I{i + 1}" for i in range(13)), tuple(Feature(k, 2000) for k in KEYS),
+                       config or ModelConfig())
+
+
+def _batch(b=5):
     g = torch.Generator().manual_seed(0)
-    return torch.rand(b, 13, generator=g), torch.randint(0, 2000, (b, 26), generator=g)
+    return torch.rand(b, 13, generator=g), KeyedJaggedTensor.from_dense(KEYS, torch.randint(0, 2000, (b, 26),
+                                                                                            generator=g))
 
 
-def test_shapes_and_parameter_split():
-    m = DLRM(ModelConfig(), DATA)
-    dense, sparse = _inputs()
-    out = m(dense, sparse)
+def test_dlrm_shapes_parameter_split_and_init():
+    m = DLRM(_inputs())
+    dense, features = _batch()
+    out = m(dense, features)
     assert out.shape == (5,) and out.dtype == torch.float32
     assert torch.allclose(torch.sigmoid(out), torch.full((5,), 0.04), atol=0.03)  # init_ctr bias
-    assert len(m.embeddings) == 26 and all(isinstance(e, torch.nn.EmbeddingBag) for e in m.embeddings)
-    dense_ids = {id(p) for p in m.dense_parameters()}
-    emb_ids = {id(p) for p in m.embedding_parameters()}
-    assert not dense_ids & emb_ids and dense_ids | emb_ids == {id(p) for p in m.parameters()}
+    tables = {id(w) for w in table_weights(m).values()}
+    dense_ids = {id(p) for p in dense_parameters(m)}
+    assert len(tables) == 26 and not dense_ids & tables and dense_ids | tables == {id(p) for p in m.parameters()}
     assert m.top[0].in_features == 16 + 27 * 26 // 2
-    with pytest.raises(ValueError, match=r"dense has shape \(5, 12\)"):
-        m(dense[:, :12], sparse)
-
-
-def test_same_seed_same_init():
-    a, b = DLRM(ModelConfig(seed=3), DATA), DLRM(ModelConfig(seed=3), DATA)
+    a, b = build_model("dlrm", _inputs(ModelConfig(seed=3))), build_model("dlrm", _inputs(ModelConfig(seed=3)))
     assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
-    c = DLRM(ModelConfig(seed=4), DATA)
-    assert not torch.equal(a.dense_parameters()[0], c.dense_parameters()[0])
-
-
-def test_external_embedding_weights_are_shared_not_copied():
-    weights = [w.share_memory_() for w in new_embedding_weights(ModelConfig(), DATA)]
-    m1 = DLRM(ModelConfig(), DATA, embedding_weights=weights, sparse=True)
-    m2 = DLRM(ModelConfig(), DATA, embedding_weights=weights)
-    assert all(e.weight.data_ptr() == w.data_ptr() for e, w in zip(m1.embeddings, weights))
-    dense, sparse = _inputs()
-    m1(dense, sparse).sum().backward()
-    assert m1.embeddings[0].weight.grad.is_sparse
-    with torch.no_grad():
-        for e in m1.embeddings:  # an update through one model is seen by the other and by the owner
-            e.weight.add_(1.0)
-    assert torch.equal(m2.embeddings[3].weight, weights[3]) and weights[3].is_shared()
-    with pytest.raises(ValueError, match=r"embedding_weights\[0\] is \(10, 16\)"):
-        DLRM(ModelConfig(), DATA, embedding_weights=[torch.zeros(10, 16)] * 26)
+    c = build_model("dlrm", _inputs(ModelConfig(seed=4)))
+    assert not torch.equal(dense_parameters(a)[0], dense_parameters(c)[0])
 
 
 @pytest.fixture
@@ -65,11 +60,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_sgd_on_synthetic_data_reduces_ne(one_thread):
+def test_adagrad_on_synthetic_data_reduces_ne(one_thread):
     torch.manual_seed(0)
     train = make_synthetic_dataset(64_000, seed=0, data=DATA)  # 250 steps of 256
     held_out = make_synthetic_dataset(10_000, seed=0, data=DATA, split=EVAL)
-    m = DLRM(ModelConfig(sparse_gradients=True), DATA)
+    m = Scorer(run_model(TrainConfig(data_options={"table_size": 2000}), DATA, ModelConfig(), sharded=False))
     opt = torch.optim.Adagrad(m.parameters(), lr=0.1)
     before = evaluate(m, held_out.batches(4096))
     for b in train.batches(256):
@@ -83,8 +78,6 @@ def test_sgd_on_synthetic_data_reduces_ne(one_thread):
 
 
 def test_gather_rows_equals_advanced_indexing_forward_and_backward():
-    from cocosync.shadowsync.model.embeddings import gather_rows
-
     g = torch.Generator().manual_seed(0)
     rows = torch.randn(50, 8, generator=g, requires_grad=True)
     index = torch.randint(0, 50, (32, 5), generator=g)  # rows used many times: their gradients sum
@@ -97,14 +90,120 @@ def test_gather_rows_equals_advanced_indexing_forward_and_backward():
     assert torch.equal(g_ours, g_ref) and g_ours.abs().sum() > 0
 
 
-def test_interaction_equals_the_upper_triangle_of_the_products_forward_and_backward():
-    model = DLRM(ModelConfig(), DATA)
+def test_keyed_jagged_tensor_layout():
+    kjt = KeyedJaggedTensor.from_lists({"a": [[1, 2], [], [3]], "b": [[4], [5], [6]]})
+    assert kjt.keys() == ("a", "b") and kjt.stride() == 3
+    assert kjt.lengths().tolist() == [2, 0, 1, 1, 1, 1] and kjt.values().tolist() == [1, 2, 3, 4, 5, 6]
+    assert kjt["a"].to_list() == [[1, 2], [], [3]] and kjt["b"].offsets().tolist() == [0, 1, 2, 3]
+    assert kjt.length_per_key() == [3, 3]
+    assert kjt.head(2)["a"].to_list() == [[1, 2], []] and kjt.head(2)["b"].to_list() == [[4], [5]]
+    dense = KeyedJaggedTensor.from_dense(["a", "b"], torch.tensor([[1, 4], [2, 5]]))
+    assert dense.values().tolist() == [1, 2, 4, 5] and dense.lengths().tolist() == [1, 1, 1, 1]
+    with pytest.raises(KeyError, match="no feature 'c'"):
+        kjt["c"]
+    with pytest.raises(ValueError, match="pooling='max'"):
+        EmbeddingBagConfig("t", 10, 4, ("a",), "max")
+
+
+class _Mixed(nn.Module):
+    """Two collections, tables of widths 3 and 8 (one shared by two features), sum and mean pooling."""
+
+    def __init__(self):
+        super().__init__()
+        self.users = EmbeddingBagCollection([EmbeddingBagConfig("u", 40, 3, ("user",))])
+        self.items = EmbeddingBagCollection([EmbeddingBagConfig("tags", 30, 8, ("tags", "history"), "mean"),
+                                             EmbeddingBagConfig("cat", 20, 8, ("cat",))])
+        self.head = nn.Linear(2 + 3 + 8 * 3, 1)
+
+    def forward(self, dense, features):
+        x = torch.cat([dense, self.users(features).values(), self.items(features).values()], dim=1)
+        return self.head(x).squeeze(1)
+
+
+def _jagged(g, B=6):
+    lists = {"user": [[int(torch.randint(0, 40, (), generator=g))] for _ in range(B)],
+             "tags": [torch.randint(0, 30, (int(n),), generator=g).tolist()
+                      for n in torch.randint(0, 5, (B,), generator=g)],
+             "history": [torch.randint(0, 30, (int(n),), generator=g).tolist()
+                         for n in torch.randint(0, 4, (B,), generator=g)],
+             "cat": [[int(torch.randint(0, 20, (), generator=g))] for _ in range(B)]}
+    return KeyedJaggedTensor.from_lists(lists)
+
+
+def _sharded_logits(model, plan, table, dense, features):
+    """The job's path: distinct global rows looked up from the whole row space, pooled by the plan."""
+    ids = plan.row_ids(features)
+    uniq, inverse = torch.unique(ids.view(-1), return_inverse=True)
+    rows = table[uniq].clone().requires_grad_()
+    return model(dense, plan.looked_up(features, rows, inverse.view(ids.shape))), rows, uniq
+
+
+def test_sharded_model_scores_as_the_model_with_its_own_tables():
+    torch.manual_seed(0)
+    plain = _Mixed()
+    plan = TablePlan.of(plain)
+    assert plan.width == 8 and plan.padded and plan.features == ("user", "tags", "history", "cat")
+    table = torch.randn(plan.total_rows, plan.width)
+    load_tables(plain, plan, table)
+    sharded, _ = shard_model(_Mixed())
+    sharded.load_state_dict({k: v for k, v in plain.state_dict().items() if "embedding_bags" not in k})
+    assert not table_weights(sharded) and len(dense_parameters(sharded)) == 2
     g = torch.Generator().manual_seed(1)
-    t = torch.randn(6, 1 + DATA.num_sparse, model.config.embedding_dim, generator=g, requires_grad=True)
-    x = t[:, 0]
-    ours = model._interact(x, t)
-    n = t.shape[1]
-    rows, cols = torch.triu_indices(n, n, offset=1)
-    ref = model.top(torch.cat([x, torch.bmm(t, t.transpose(1, 2))[:, rows, cols]], dim=1)).squeeze(1)
-    assert torch.equal(ours, ref)
-    assert torch.equal(torch.autograd.grad(ours.sum(), t)[0], torch.autograd.grad(ref.sum(), t)[0])
+    for features in (_jagged(g), _jagged(g, B=1)):
+        dense = torch.randn(features.stride(), 2, generator=g)
+        want = plain(dense, features)
+        got, rows, uniq = _sharded_logits(sharded, plan, table, dense, features)
+        torch.testing.assert_close(got, want)
+        # the gradient of each distinct row equals the plain tables' gradient at that row
+        want_grads = torch.autograd.grad(want.sum(), list(table_weights(plain).values()))
+        full = torch.zeros(plan.total_rows, plan.width)
+        for t, (start, g_t) in enumerate(zip(plan.table_offsets.tolist(), want_grads)):
+            full[start:start + plan.tables[t].rows, :plan.tables[t].dim] = g_t
+        (got_grad,) = torch.autograd.grad(got.sum(), rows)
+        torch.testing.assert_close(got_grad, full[uniq])
+
+
+def test_fill_padding_keeps_rowwise_adagrad_exact_for_narrow_tables():
+    torch.manual_seed(0)
+    plan = TablePlan.of(_Mixed())
+    uniq = torch.tensor([0, 5, 39, 40, 75])  # rows of the 3-wide table, then of the 8-wide ones
+    g = torch.randn(5, 8)
+    g[:3, 3:] = 0  # what autograd gives the padding
+    w = torch.randn(5, 8)
+    narrow_w, narrow_acc = w[:3, :3].clone(), torch.zeros(3)
+    rowwise_update(narrow_w, narrow_acc, torch.arange(3), g[:3, :3].clone(), "adagrad", 0.1, 1e-8)
+    plan.fill_padding(uniq, g)
+    padded_w, acc = w.clone(), torch.zeros(5)
+    rowwise_update(padded_w, acc, torch.arange(5), g.clone(), "adagrad", 0.1, 1e-8)
+    torch.testing.assert_close(padded_w[:3, :3], narrow_w)
+    torch.testing.assert_close(acc[:3], narrow_acc)
+
+
+@pytest.mark.parametrize("name", sorted(BUILTINS))
+def test_builtin_models_sharded_equal_plain(name):
+    inputs = ModelInputs(("a", "b"), (Feature("x", 50), Feature("y", 30, True), Feature("z", 20)),
+                         ModelConfig(embedding_dim=4, bottom_mlp=(8, 4), top_mlp=(8,)))
+    plain = build_model(name, inputs)
+    plan = TablePlan.of(plain)
+    table = torch.randn(plan.total_rows, plan.width)
+    load_tables(plain, plan, table)
+    sharded, _ = shard_model(build_model(name, inputs))
+    features = KeyedJaggedTensor.from_lists({"x": [[1], [2], [3]], "y": [[1, 2, 3], [], [29]], "z": [[0], [5], [19]]})
+    dense = torch.randn(3, 2)
+    got, _, _ = _sharded_logits(sharded, plan, table, dense, features)
+    assert got.shape == (3,)
+    torch.testing.assert_close(got, plain(dense, features))
+
+
+def test_factory_specs_resolve_and_name_what_is_wrong(tmp_path):
+    assert resolve_factory("dcn") is BUILTINS["dcn"] and factory_spec(BUILTINS["deepfm"]) == "deepfm"
+    (tmp_path / "mine.py").write_text("from cocosync.shadowsync.model.dlrm import DLRM\n"
+                                      "def make(inputs):\n    return DLRM(inputs)\n")
+    assert resolve_factory(f"{tmp_path}/mine.py:make")(_inputs()).__class__.__name__ == "DLRM"
+    from cocosync.shadowsync.config import ConfigError
+    with pytest.raises(ConfigError, match="no 'nope'"):
+        resolve_factory(f"{tmp_path}/mine.py:nope")
+    with pytest.raises(ConfigError, match="cannot import 'no_such_pkg.models'"):
+        resolve_factory("no_such_pkg.models:make")
+    with pytest.raises(ConfigError, match="expected a built-in"):
+        resolve_factory("resnet")

@@ -14,5 +14,14 @@ many (a single-machine run is the multi-machine job with one node), by layer:
 """
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
+from cocosync.shadowsync.model.inputs import Feature, ModelInputs
+from cocosync.shadowsync.model.tables import (
+    EmbeddingBagCollection,
+    EmbeddingBagConfig,
+    JaggedTensor,
+    KeyedJaggedTensor,
+    KeyedTensor,
+)
 
-__all__ = ["DataConfig", "ModelConfig", "SynthConfig"]
+__all__ = ["DataConfig", "ModelConfig", "SynthConfig", "EmbeddingBagCollection", "EmbeddingBagConfig",
+           "KeyedJaggedTensor", "KeyedTensor", "JaggedTensor", "ModelInputs", "Feature"]

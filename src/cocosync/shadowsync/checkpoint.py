@@ -43,7 +43,10 @@ __all__ = ["CheckpointError", "Stateful", "Snapshot", "part_name", "save_job", "
            "read_meta", "check_resumable", "resharded_trainers", "read_positions", "save_best", "load_weights",
            "read_tensors", "BEST"]
 
-RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model", "data_options", "embedding_optimizer")
+RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model_factory", "model", "data_options",
+               "embedding_optimizer")
+#: settings added since checkpoints were first written: an older checkpoint had the value here
+_RESUME_DEFAULTS = {"model_factory": "dlrm"}
 BEST = "best"  # checkpoints/best: the best-eval model
 
 
@@ -222,6 +225,7 @@ def check_resumable(meta: dict, cfg: TrainConfig, path: Path) -> None:
                           "or reader state); resume from the run directory (its checkpoints/latest), score this one "
                           "with `cocosync eval`")
     old, new = meta["config"], config_to_dict(cfg)
+    old = {**_RESUME_DEFAULTS, **old}
     for key in RESUME_KEYS:
         if key not in old:
             raise CheckpointError(f"cannot resume {str(path)!r}: its meta.json has no {key!r} in its config")

@@ -177,11 +177,46 @@ class DataConfig:
     a little early."""
     synth: SynthConfig = field(default_factory=SynthConfig)
     """The synthetic teacher, used where a path is None."""
+    label_column: str | None = field(default=None, metadata=opt("--label", "Data", shown="label, click or target"))
+    """Parquet/CSV: the label column (0/1)."""
+    categorical_columns: tuple[str, ...] = field(default=(), metadata=opt("--categorical", "Data",
+                                                                          shown="strings and *_id integers"))
+    """Parquet/CSV: the categorical columns, comma-separated (hashed into their table's rows)."""
+    list_columns: tuple[str, ...] = field(default=(), metadata=opt("--list-columns", "Data", shown="list-typed"))
+    """Parquet/CSV: the columns holding lists of categorical values (a CSV cell joins them with '|')."""
+    dense_columns: tuple[str, ...] = field(default=(), metadata=opt("--dense", "Data", shown="the other numbers"))
+    """Parquet/CSV: the dense columns, comma-separated."""
+    dense_transform: str = field(default="standardize", metadata=opt("--dense-transform", "Data"))
+    """Parquet/CSV: the dense columns' transform, 'standardize', 'log' (sign(x) log(1 + |x|)) or 'none', for all or
+    per column ('age=log,price=none'; the others standardize)."""
+    max_table_rows: int = field(default=1 << 20, metadata=opt("--max-table-rows", "Model"))
+    """Parquet/CSV: the most rows a table sized from the data gets (2 x its distinct values in the first 100k rows,
+    rounded up to a power of two); --table-size sets the rows instead."""
+    schema: dict | None = None
+    """Parquet/CSV: the file's schema (TabularSchema.to_dict(): label, dense columns, features and their rows), found
+    from the file when the run starts and kept in the run's config."""
 
     def __post_init__(self) -> None:
         o = "DataConfig"
+        for name in ("categorical_columns", "list_columns", "dense_columns"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = tuple(v.strip() for v in value.split(",") if v.strip())
+            if isinstance(value, list):
+                value = tuple(value)
+            if not isinstance(value, tuple) or not all(isinstance(v, str) and v for v in value):
+                raise ValueError(f"{o}.{name}={value!r}: expected column names")
+            setattr(self, name, value)
+        _positive_int(o, "max_table_rows", self.max_table_rows)
+        if self.schema is not None:
+            if not isinstance(self.schema, dict) or not isinstance(self.schema.get("features"), list):
+                raise ValueError(f"{o}.schema={self.schema!r}: expected a data schema table")
+            self.num_dense = len(self.schema["dense"])
+            self.num_sparse = len(self.schema["features"])
+            self.table_size = tuple(int(f["rows"]) for f in self.schema["features"])
         for name in ("num_dense", "num_sparse", "batch_size", "eval_rows"):
-            _positive_int(o, name, getattr(self, name))
+            if not (name == "num_dense" and self.schema is not None and self.num_dense == 0):
+                _positive_int(o, name, getattr(self, name))
         if self.train_rows is not None:
             _positive_int(o, "train_rows", self.train_rows)
         self.table_size = _per_feature(o, "table_size", self.table_size, self.num_sparse, _check_table_size)
@@ -403,7 +438,8 @@ class TrainConfig:
     """One ShadowSync training run on this machine."""
 
     data: str = field(default="synthetic", metadata=opt("--data", "Data"))
-    """'synthetic' (generated in memory, with a known Bayes NE) or a Criteo-format TSV file (.gz accepted)."""
+    """'synthetic' (generated in memory, with a known Bayes NE), a Parquet (.parquet) or CSV (.csv) file with named
+    columns, or a Criteo-format TSV file (.gz accepted)."""
     examples: int = field(default=600_000, metadata=opt("--examples", "Data"))
     """training examples over all trainers in one pass (the data set's size: rows of PATH, or synthetic draws)."""
     epochs: int = field(default=1, metadata=opt("--epochs", "Data"))
@@ -453,6 +489,10 @@ class TrainConfig:
     after which the run fails naming that trainer (stopped, hung, swapped out)."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
+    model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))
+    """the model: a built-in ('dlrm', 'dcn', 'deepfm') or your factory as 'package.module:function' or
+    'path/to/file.py:function', called with the data's ModelInputs and returning a torch.nn.Module whose tables are
+    EmbeddingBagCollections (importable by every rank)."""
     model: dict = field(default_factory=dict)
     """overrides of ModelConfig fields (e.g. {'embedding_dim': 16}); checked against ModelConfig."""
     data_options: dict = field(default_factory=dict)
@@ -493,6 +533,8 @@ class TrainConfig:
         for name in ("dense_weight_decay", "embedding_weight_decay"):
             v = getattr(self, name)
             _check(_is_number(v) and v >= 0, name, v, "a finite number >= 0")
+        _check(isinstance(self.model_factory, str) and bool(self.model_factory), "model_factory", self.model_factory,
+               "a built-in model's name or 'package.module:function'")
         _check(isinstance(self.model, dict), "model", self.model, "a table of ModelConfig overrides")
         _check(isinstance(self.data_options, dict), "data_options", self.data_options,
                "a table of DataConfig overrides")
@@ -501,11 +543,11 @@ class TrainConfig:
 def check_paths(cfg: TrainConfig) -> None:
     """The files a run reads exist (checked before anything is spawned), or ConfigError naming them."""
     if cfg.data != "synthetic" and Path(cfg.data).is_dir():
-        raise ConfigError(f"data={cfg.data!r} is a directory; expected 'synthetic' or a Criteo-format TSV file "
-                          "(.gz accepted)")
+        raise ConfigError(f"data={cfg.data!r} is a directory; expected 'synthetic', a Parquet or CSV file, "
+                          "or a Criteo-format TSV file (.gz accepted)")
     if cfg.data != "synthetic" and not Path(cfg.data).is_file():
-        raise ConfigError(f"data={cfg.data!r}: no such file; expected 'synthetic' or a Criteo-format TSV file "
-                          "(.gz accepted)")
+        raise ConfigError(f"data={cfg.data!r}: no such file; expected 'synthetic', a Parquet or CSV file, "
+                          "or a Criteo-format TSV file (.gz accepted)")
     eval_path = cfg.data_options.get("eval_path")
     if eval_path is not None and Path(str(eval_path)).is_dir():
         raise ConfigError(f"data_options.eval_path={eval_path!r} is a directory; expected a Criteo-format TSV file")

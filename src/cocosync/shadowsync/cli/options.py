@@ -110,6 +110,16 @@ def _widths(ctx: click.Context, param: click.Parameter, value: str | None) -> li
     return sizes
 
 
+def _names(ctx: click.Context, param: click.Parameter, value: str | None) -> list[str] | None:
+    """'a,b' -> ['a', 'b'] (column names)."""
+    if value is None:
+        return None
+    names = [v.strip() for v in value.split(",") if v.strip()]
+    if not names:
+        raise click.BadParameter(f"{value!r}: expected comma-separated column names")
+    return names
+
+
 def _shown(value: object) -> str | None:
     if value is None:
         return None
@@ -130,6 +140,8 @@ def _click_option(o: ConfigOption) -> Callable:
     kw: dict[str, Any] = {"default": None, "show_default": shown, "help": o.help}
     if kind == "bool":
         return click.option(f"{spec.flag}/--no-{spec.flag[2:]}", o.param, **kw)
+    if kind.startswith("tuple[str"):
+        return click.option(*names, o.param, callback=_names, **kw)
     if kind.startswith("tuple"):
         return click.option(*names, o.param, callback=_widths, **kw)
     if spec.choices:

@@ -10,9 +10,12 @@ from cocosync.shadowsync.config import ConfigError, DataConfig, ModelConfig, Tra
 from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.plan import DataPlan, PlannedSource
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
+from cocosync.shadowsync.data.tabular import TabularError, TabularReader, TabularSchema, data_format, infer_schema
+from cocosync.shadowsync.model.inputs import Feature, ModelInputs
 
-__all__ = ["build_configs", "with_init_ctr", "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source",
-           "base_shard_rows", "trainer_source", "eval_batches", "first_sparse"]
+__all__ = ["build_configs", "model_inputs", "with_schema", "tabular_schema", "open_reader", "with_init_ctr",
+           "estimate_ctr", "InMemorySource", "FileSource", "Epochs", "make_source", "base_shard_rows", "trainer_source",
+           "eval_batches", "first_sparse"]
 
 
 def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
@@ -35,15 +38,59 @@ def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
     return data, model
 
 
+def tabular_schema(data: DataConfig) -> TabularSchema | None:
+    """The schema of a Parquet/CSV run (None: Criteo-format or synthetic data)."""
+    return TabularSchema.from_dict(data.schema) if data.schema is not None else None
+
+
+def model_inputs(cfg: TrainConfig, data: DataConfig, model_cfg: ModelConfig) -> ModelInputs:
+    """What the run's model is built for: the data's dense columns and categorical features (a Parquet/CSV file's
+    schema; Criteo layout: I1..In and C1..Cm, each hashed into its table's rows)."""
+    schema = tabular_schema(data)
+    if schema is not None:
+        return ModelInputs(tuple(d.name for d in schema.dense),
+                           tuple(Feature(f.name, f.rows, f.multi_valued) for f in schema.features), model_cfg)
+    features = tuple(Feature(f"C{i + 1}", rows) for i, rows in enumerate(data.table_sizes))
+    return ModelInputs(tuple(f"I{i + 1}" for i in range(data.num_dense)), features, model_cfg)
+
+
+def with_schema(cfg: TrainConfig) -> TrainConfig:
+    """cfg with the schema of its Parquet/CSV data (`data_options.schema`) found from the file when not given, so
+    that every rank, the saved config and a later scoring read the file alike; cfg itself for other data."""
+    if cfg.data == "synthetic" or data_format(cfg.data) == "criteo" or "schema" in cfg.data_options:
+        return cfg
+    data, _ = build_configs(cfg)
+    table_size = cfg.data_options.get("table_size")
+    try:
+        schema = infer_schema(cfg.data, label=data.label_column, categorical=data.categorical_columns,
+                              list_columns=data.list_columns, dense=data.dense_columns,
+                              dense_transform=data.dense_transform, max_table_rows=data.max_table_rows,
+                              table_size=table_size if table_size is not None else None)
+    except TabularError as e:
+        raise ConfigError(str(e)) from None
+    return dataclasses.replace(cfg, data_options={**cfg.data_options, "schema": schema.to_dict()})
+
+
+def open_reader(paths: Any, data: DataConfig, **kw: Any) -> Any:
+    """A reader of `paths` in the run's format: TabularReader for a Parquet/CSV run, else CriteoReader (keywords:
+    shard, batch_size, skip_rows, max_rows, split)."""
+    schema = tabular_schema(data)
+    if schema is None:
+        return CriteoReader(paths, data, **kw)
+    kw.pop("split", None)
+    kw.setdefault("batch_size", data.batch_size)
+    return TabularReader(paths, schema, **kw)
+
+
 def estimate_ctr(data: DataConfig, rows: int = 100_000) -> float:
     """The click rate of the first `rows` training rows (of the budget), or the synthetic teacher's."""
     if data.train_path is None:
         return data.synth.ctr
     clicks = seen = 0
     try:
-        for b in CriteoReader(data.train_path, data, batch_size=8192, max_rows=min(rows, data.train_rows or rows)):
+        for b in open_reader(data.train_path, data, batch_size=8192, max_rows=min(rows, data.train_rows or rows)):
             clicks, seen = clicks + float(b.label.sum()), seen + len(b)
-    except CriteoFormatError as e:  # found before any process starts: one line, not a traceback
+    except (CriteoFormatError, TabularError) as e:  # found before any process starts: one line, not a traceback
         raise ConfigError(f"data={data.train_path!r} cannot be trained on: {e}") from None
     if not seen:
         raise ConfigError(f"{data.train_path!r} has no readable training rows")
@@ -102,7 +149,7 @@ class FileSource:
 
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
         n = self.shard_rows(shard, shards)
-        yield from CriteoReader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
+        yield from open_reader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
                                 skip_rows=start, max_rows=max(0, n - start), split=self.data.reader_split)
 
 
@@ -170,7 +217,7 @@ def first_sparse(cfg: TrainConfig, data: DataConfig, rows: int) -> Any:
     """The sparse ids [n, tables] of the first `rows` training rows (fewer if the budget or the file has fewer)."""
     n = max(1, min(rows, cfg.examples))
     if data.train_path is not None:
-        got = [b.sparse for b in CriteoReader(data.train_path, data, batch_size=n, max_rows=n)]
+        got = [b.sparse for b in open_reader(data.train_path, data, batch_size=n, max_rows=n)]
         return got[0] if got else None
     return next(iter(SyntheticStream(data, seed=data.seed, split=TRAIN, rows=cfg.examples, batch_size=n,
                                      max_rows=n))).sparse
@@ -182,9 +229,9 @@ def eval_batches(cfg: TrainConfig, data: DataConfig) -> list[Any]:
     if data.train_path is None and data.eval_path is None:
         return list(make_synthetic_dataset(data.eval_rows, data.seed, data, split=EVAL).batches(4096))
     if data.eval_path is not None:
-        reader = CriteoReader(data.eval_path, data, batch_size=4096, max_rows=data.eval_rows)
+        reader = open_reader(data.eval_path, data, batch_size=4096, max_rows=data.eval_rows)
     else:
-        reader = CriteoReader(data.train_path, data, batch_size=4096, skip_rows=cfg.examples, max_rows=data.eval_rows)
+        reader = open_reader(data.train_path, data, batch_size=4096, skip_rows=cfg.examples, max_rows=data.eval_rows)
     out = list(reader)
     if not out:
         raise ConfigError(f"no held-out examples: {data.train_path!r} has no rows after the first "

@@ -25,7 +25,7 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
 from cocosync.shadowsync.job.roles import Roles
-from cocosync.shadowsync.model.dlrm import DLRM
+from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
 from cocosync.shadowsync.model.transport import serve_shard
 from cocosync.shadowsync.sync import FlatParams
@@ -65,23 +65,25 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     topo = roles.topo
     kind, index = roles.role()
     E = roles.embedding_per_node
-    rowhash = RowHash(sum(data.table_sizes), E * topo.nnodes)
+    model = run_model(cfg, data, model_cfg)
+    tables = model.plan
+    rowhash = RowHash(tables.total_rows, E * topo.nnodes)
     arena = Arena(node_groups())
     shards: dict[int, Shard] = {}
     for lr in range(E):  # this node's servers: every local process maps their shards
         server = topo.node * E + lr
-        n, dim = rowhash.shard_rows(server), model_cfg.embedding_dim
+        n, dim = rowhash.shard_rows(server), tables.width
         weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
         versions = arena.shared_empty(n, torch.int64)
         shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
                       weight_decay=cfg.embedding_weight_decay)
         if (kind, index) == ("embedding", server):
-            weight.copy_(initial_rows(data.table_sizes, dim, init_std=model_cfg.embedding_init_std,
+            weight.copy_(initial_rows(tables.table_rows, dim, init_std=model_cfg.embedding_init_std,
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
-    hot = hot_rows(cfg, cluster, data, model_cfg, arena) if topo.nnodes > 1 else None
-    flat = FlatParams(DLRM(model_cfg, data, external_embeddings=True).dense_parameters()).flat
+    hot = hot_rows(cfg, cluster, data, model, arena) if topo.nnodes > 1 else None
+    flat = FlatParams(model.dense_parameters()).flat
     center = None
     if kind == "sync":
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
@@ -100,7 +102,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
         if kind == "trainer" and index % Tn == i:
             inter = g
-    exchange = exchange_groups(cfg, cluster, roles, data, model_cfg, arena)
+    exchange = exchange_groups(cfg, cluster, roles, tables, arena)
     hot_group = dense_group = None
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
@@ -119,9 +121,10 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         dense_group = trainer_group
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
-    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, rowhash=rowhash, shards=shards,
-               trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group, dense_group=dense_group,
-               center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link, resumed_from=resumed_from)
+    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
+               shards=shards, trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group,
+               dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,
+               resumed_from=resumed_from)
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -13,13 +13,14 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from cocosync.shadowsync.checkpoint import BEST, save_best
+from cocosync.shadowsync.config import DataConfig, ModelConfig, TrainConfig
+from cocosync.shadowsync.job.run_model import Scorer, scorer
 from cocosync.shadowsync.metrics import evaluate
-from cocosync.shadowsync.model.dlrm import DLRM, FullTable, ServedModel
+from cocosync.shadowsync.model.sharding import load_tables
 from cocosync.shadowsync.sync import FlatParams
 
 __all__ = ["score", "describe", "previous_best", "BestModel", "score_checkpoint"]
@@ -49,16 +50,21 @@ def describe(rec: dict) -> str:
 class BestModel:
     """Scores snapshots of (dense parameters, tables) and keeps the best as checkpoints/best (when `out` is set)."""
 
-    def __init__(self, model_cfg: Any, data: Any, batches: list, out: Path | None, meta: dict):
-        self.model = DLRM(model_cfg, data, external_embeddings=True)
-        self.flat = FlatParams(self.model.dense_parameters())
-        self.table_rows, self.batches, self.out, self.meta = list(data.table_sizes), batches, out, meta
+    def __init__(self, cfg: TrainConfig, data: DataConfig, model_cfg: ModelConfig, batches: list, out: Path | None,
+                 meta: dict):
+        self.scorer = scorer(cfg, data, model_cfg)
+        self.flat = FlatParams(self.scorer.run.dense_parameters())
+        self.batches, self.out, self.meta = batches, out, meta
         self.best = previous_best(out) if out is not None else math.inf
+
+    def load(self, flat: torch.Tensor, table: torch.Tensor) -> Scorer:
+        """The model with this snapshot's dense parameters and tables."""
+        self.flat.flat.copy_(flat)
+        return load_tables(self.scorer, self.scorer.run.plan, table)
 
     def score(self, flat: torch.Tensor, table: torch.Tensor, seen: int) -> dict:
         """The eval record of this snapshot, with best=True when it was kept as the best model."""
-        self.flat.flat.copy_(flat)
-        rec = score(ServedModel(self.model, FullTable(table, self.table_rows)), self.batches, seen)
+        rec = score(self.load(flat, table), self.batches, seen)
         self.keep(rec, flat, table)
         return rec
 
@@ -81,15 +87,13 @@ def score_checkpoint(checkpoint: str | os.PathLike, data: str | None = None, exa
     meta = read_meta(path)
     cfg = config_from_dict(meta["config"])
     data_cfg, model_cfg = build_configs(cfg)
-    model = DLRM(model_cfg, data_cfg, external_embeddings=True)
-    flat = FlatParams(model.dense_parameters())
-    table, dense = load_weights(path, meta, dim=model_cfg.embedding_dim, dense_params=flat.flat.numel())
-    flat.flat.copy_(dense)
     if examples is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_rows=examples)
     if data is not None:
         data_cfg = dataclasses.replace(data_cfg, eval_path=data, eval_rows=examples or data_cfg.eval_rows)
-    ev = evaluate(ServedModel(model, FullTable(table, data_cfg.table_sizes)), eval_batches(cfg, data_cfg))
+    best = BestModel(cfg, data_cfg, model_cfg, [], None, {})
+    table, dense = load_weights(path, meta, dim=best.scorer.run.plan.width, dense_params=best.flat.flat.numel())
+    ev = evaluate(best.load(dense, table), eval_batches(cfg, data_cfg))
     ev["excess_ne"] = ev["ne"] - ev["bayes_ne"] if math.isfinite(ev["bayes_ne"]) else float("nan")
     name = "best eval" if meta.get("best") else f"{cfg.sync.algorithm} T={meta['trainers']}"
     return {"name": name, **ev, "trained_examples": int(meta["examples_seen"]), "path": str(path)}

@@ -16,6 +16,7 @@ from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.hot_rows import HotRows
 from cocosync.shadowsync.model.node_relay import Mailbox
 from cocosync.shadowsync.model.shard import RowHash, Shard
+from cocosync.shadowsync.model.sharding import TablePlan
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard
 
@@ -41,6 +42,8 @@ class Job:
     roles: Roles
     data: DataConfig
     model_cfg: ModelConfig
+    tables: TablePlan
+    """the model's tables as the job stores them (one row space, `tables.width` wide)."""
     rowhash: RowHash
     shards: dict[int, Shard]
     """this node's embedding shards (shared memory), by server index."""

@@ -45,14 +45,15 @@ from cocosync.shadowsync.config import (
     TrainConfig,
     check_paths,
 )
-from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader
-from cocosync.shadowsync.data.sources import build_configs, with_init_ctr
+from cocosync.shadowsync.data.criteo import CriteoFormatError
+from cocosync.shadowsync.data.sources import build_configs, open_reader, tabular_schema, with_init_ctr, with_schema
+from cocosync.shadowsync.data.tabular import TabularError, count_rows
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
 from cocosync.shadowsync.job.monitor import Monitor
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_rank
+from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
-from cocosync.shadowsync.model.dlrm import DLRM
 
 __all__ = ["RunResult", "run_training", "OutputLock", "crowded_shadow_advice"]
 
@@ -181,8 +182,10 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     check_paths(cfg)  # everything a rank reads is checked before a process starts
     if cluster.resume is not None:
         cluster.resume = str(check_resume(cfg, cluster))
-    cfg = with_init_ctr(cfg)  # (reads the data's first rows: a file that is not Criteo's is named here)
+    # (reads the data's first rows: a file that is not Criteo's is named here)
+    cfg = with_init_ctr(with_schema(cfg))
     cfg = _fit_examples_to_data(cfg, console)
+    _describe_data(cfg, console)
     _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
     if _warm():  # (not before the checks: a refused run starts no process)
@@ -230,6 +233,18 @@ def _check_work_left(seen: int, cfg: TrainConfig, stop_after: int | None, path: 
                           "later --stop-after")
 
 
+def _describe_data(cfg: TrainConfig, console: Any) -> None:
+    """The run's first lines: a Parquet/CSV file's schema (its tables sized from the data) and the model's tables."""
+    data, model_cfg = build_configs(cfg)
+    schema = tabular_schema(data)
+    if schema is not None:
+        console.print(escape(f"{cfg.data}: {schema.format}, {schema.describe()}"), soft_wrap=True)
+    if schema is not None or cfg.model_factory != "dlrm":
+        model = run_model(cfg, data, model_cfg, sharded=False)
+        console.print(escape(f"model {cfg.model_factory}: {sum(p.numel() for p in model.dense_parameters()):,} dense "
+                             f"parameters\n{model.plan.describe()}"), soft_wrap=True)
+
+
 def _count_lines(path: str) -> int:
     n, last = 0, b"\n"
     with open(path, "rb") as f:
@@ -245,7 +260,7 @@ def _fit_examples_to_data(cfg: TrainConfig, console: Any) -> TrainConfig:
     data, _ = build_configs(cfg)
     if data.train_path is None or str(data.train_path).endswith(".gz"):
         return cfg
-    rows = _count_lines(data.train_path)
+    rows = _count_lines(data.train_path) if tabular_schema(data) is None else count_rows(data.train_path)
     if data.eval_path is None and rows <= cfg.examples:
         raise ConfigError(f"{data.train_path!r} has {rows:,} lines and --examples is {cfg.examples:,}: no rows are "
                           "left after the budget for the held-out set; pass --eval-data, or --examples below "
@@ -263,8 +278,8 @@ def _check_eval_data(cfg: TrainConfig) -> None:
     if data.eval_path is None:
         return
     try:
-        first = next(iter(CriteoReader(data.eval_path, data, batch_size=1024, max_rows=1024)), None)
-    except CriteoFormatError as e:
+        first = next(iter(open_reader(data.eval_path, data, batch_size=1024, max_rows=1024)), None)
+    except (CriteoFormatError, TabularError) as e:
         raise ConfigError(f"--eval-data {data.eval_path!r} cannot be scored on: {e}") from None
     if first is None:
         raise ConfigError(f"--eval-data {data.eval_path!r} has no readable rows")
@@ -275,8 +290,9 @@ def _check_shared_memory(cfg: TrainConfig, cluster: ClusterConfig) -> None:
     Adagrad accumulator, row versions) plus the trainers' dense sync buffers (a few copies of the dense parameters
     each; an estimate: the ranks check every segment again as they create it)."""
     data, model_cfg = build_configs(cfg)
-    rows, dim = sum(data.table_sizes), model_cfg.embedding_dim
-    dense = sum(p.numel() for p in DLRM(model_cfg, data, external_embeddings=True).dense_parameters())
+    model = run_model(cfg, data, model_cfg)
+    rows, dim = model.plan.total_rows, model.plan.width
+    dense = sum(p.numel() for p in model.dense_parameters())
     tables = rows * (dim * 4 + 4 + 8)
     need = tables + 4 * cfg.trainers * dense * 4
     free, total = shm_space()

@@ -5,19 +5,20 @@ trainer uses (its own exchange, its relay to the node's server, or RPC) and the 
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.shm import Arena
-from cocosync.shadowsync.config import EXCHANGES, ClusterConfig, DataConfig, ModelConfig, TrainConfig
+from cocosync.shadowsync.config import EXCHANGES, ClusterConfig, DataConfig, TrainConfig
 from cocosync.shadowsync.data.sources import first_sparse
 from cocosync.shadowsync.job.job import ExchangeGroups, Job
 from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.job.run_model import RunModel
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HOT_SAMPLE_ROWS, HotRows, choose_hot_rows
 from cocosync.shadowsync.model.node_relay import Mailbox, RelayClient, RelayHost, mailbox_nbytes
 from cocosync.shadowsync.model.shard import Shard
+from cocosync.shadowsync.model.sharding import TablePlan
 from cocosync.shadowsync.model.transport import RemoteRows, RpcRows
 
 __all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_transport"]
@@ -25,7 +26,7 @@ __all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "tr
 RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
 
-def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model_cfg: ModelConfig,
+def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel,
              arena: Arena) -> HotRows | None:
     """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
     choice from the first training rows, broadcast (collective over the job)."""
@@ -33,11 +34,12 @@ def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model_c
         return None
     ids = [None]
     if dist.get_rank() == 0:
-        offsets = torch.tensor([0, *np.cumsum(data.table_sizes)[:-1].tolist()], dtype=torch.int64)
         sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
-        ids = [choose_hot_rows(sample, offsets, cluster.hot_rows) if sample is not None else torch.empty(0)]
+        rows = model.plan.row_ids(model.features(sample)) if sample is not None else None
+        ids = [choose_hot_rows(rows, torch.zeros(rows.shape[1], dtype=torch.int64), cluster.hot_rows)
+               if rows is not None else torch.empty(0)]
     dist.broadcast_object_list(ids, src=0)
-    H, dim = ids[0].numel(), model_cfg.embedding_dim
+    H, dim = ids[0].numel(), model.plan.width
     if not H:
         return None
     shard = Shard(arena.shared_empty((H, dim)), arena.shared_empty(H), arena.shared_empty(H, torch.int64),
@@ -45,7 +47,7 @@ def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model_c
     return HotRows(ids[0], shard)
 
 
-def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig,
+def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, tables: TablePlan,
                     arena: Arena) -> ExchangeGroups:
     """The exchange's own groups (a thread of its own uses them): trainer i of every node, or the nodes' first
     servers and a mailbox per local trainer (node-exchange); this rank's of them. Collective."""
@@ -61,7 +63,7 @@ def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data
                 mine = g
         return ExchangeGroups(mine)
     g = dist.new_group(roles.ranks("embedding")[0::E])
-    slot = mailbox_nbytes(RELAY_BATCHES * cfg.batch_size * len(data.table_sizes), model_cfg.embedding_dim)
+    slot = mailbox_nbytes(RELAY_BATCHES * cfg.batch_size * len(tables.features), tables.width)
     boxes = tuple(Mailbox.of(arena.shared_empty(Mailbox.nbytes(slot), torch.uint8), slot) for _ in range(Tn))
     return ExchangeGroups(g if hosts_exchange(cluster, roles) else None, boxes)
 
@@ -79,7 +81,7 @@ def _label(job: Job, r: int) -> str:
 
 def node_exchange(job: Job) -> LookupExchange:
     """The node's lookup exchange on its first embedding server: every trainer of the node relays through it."""
-    roles, dim = job.roles, job.model_cfg.embedding_dim
+    roles, dim = job.roles, job.tables.width
     E = roles.embedding_per_node
     return LookupExchange(job.exchange.group, job.shards, servers=E * roles.topo.nnodes, servers_per_node=E,
                           dim=dim, interval=job.cluster.exchange_interval,
@@ -91,7 +93,7 @@ def trainer_transport(job: Job, t: int, labels: list[str]) -> RemoteRows | None:
     """Trainer t's transport to other nodes' rows (the one place that chooses): its own lookup exchange (with trainer
     t's peers on every node), its relay to the node's exchange (node-exchange), RPC to every remote server, or None
     (one node: every shard is read in place). `labels[s]`: how errors name embedding server s."""
-    roles, dim, Tn = job.roles, job.model_cfg.embedding_dim, job.roles.trainers_per_node
+    roles, dim, Tn = job.roles, job.tables.width, job.roles.trainers_per_node
     if roles.topo.nnodes == 1:
         return None
     if job.cluster.lookup_transport == "rpc":

@@ -64,7 +64,13 @@ from cocosync.shadowsync.config import (
     check_paths,
     config_to_dict,
 )
-from cocosync.shadowsync.data.sources import build_configs, eval_batches, trainer_source, with_init_ctr
+from cocosync.shadowsync.data.sources import (
+    build_configs,
+    eval_batches,
+    trainer_source,
+    with_init_ctr,
+    with_schema,
+)
 from cocosync.shadowsync.job.build import build_job, data_plan, init_rpc, loopback_interfaces
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.job import Job
@@ -76,7 +82,6 @@ from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
-from cocosync.shadowsync.model.dlrm import FullTable, ServedModel
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.sync.center import RemoteCenter
@@ -94,7 +99,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
-    cfg = with_init_ctr(cfg)  # every process reads the same first rows: the same value
+    cfg = with_init_ctr(with_schema(cfg))  # every process reads the same first rows: the same value
     resume = meta = None
     if cluster.resume is not None:  # checked on every rank before anything starts: all fail alike
         resume = resolve(cluster.resume)
@@ -217,7 +222,7 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
         hot_sync = HotSync(hot, job.hot_group, interval=job.cluster.hot_sync_interval,
                            staleness=job.cluster.hot_staleness,
                            label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
-    tables = ShardedEmbeddings(data.table_sizes, job.model_cfg.embedding_dim, servers, remote=remote, labels=labels,
+    tables = ShardedEmbeddings(job.tables.table_rows, job.tables.width, servers, remote=remote, labels=labels,
                                group=job.cluster.lookup_batches, hot=hot, hot_sync=hot_sync,
                                start_window=cfg.workers * (job.cluster.prefetch + 1))
     center = None
@@ -257,7 +262,8 @@ class _EvalCurve:
     def __init__(self, job: Job, tables: ShardedEmbeddings, logger: MetricsLogger, console: Any):
         self.job, self.tables, self.logger, self.console = job, tables, logger, console
         out = Path(job.cfg.out_dir) if job.cfg.checkpoint else None
-        self.best = BestModel(job.model_cfg, job.data, eval_batches(job.cfg, job.data), out, _meta(job, 0, True))
+        self.best = BestModel(job.cfg, job.data, job.model_cfg, eval_batches(job.cfg, job.data), out,
+                              _meta(job, 0, True))
 
     def __call__(self, dense: torch.Tensor, read: int) -> None:
         seen = read * self.job.roles.trainers + self.job.examples_before  # the job's examples, from this trainer's
@@ -285,7 +291,7 @@ def _meta(job: Job, seen: int, stopped: bool) -> dict:
     roles = job.roles
     return {"config": config_to_dict(job.cfg), "trainers": roles.trainers, "workers": job.cfg.workers,
             "embedding_servers": job.rowhash.servers, "sync_servers": roles.sync_per_node * roles.topo.nnodes,
-            "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.data.table_sizes),
+            "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.tables.table_rows),
             "examples_seen": seen, "stopped": stopped,
             **({"data_plan": job.plan.as_json()} if job.plan is not None else {})}
 
@@ -382,9 +388,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
     curve = run.curve.best if run.curve is not None else None
-    scorer = curve or BestModel(job.model_cfg, job.data, [], None, {})
-    scorer.flat.flat.copy_(flat)
-    ev = evaluate(ServedModel(scorer.model, FullTable(table, job.data.table_sizes)), eval_batches(cfg, job.data))
+    scorer = curve or BestModel(cfg, job.data, job.model_cfg, [], None, {})
+    ev = evaluate(scorer.load(flat, table), eval_batches(cfg, job.data))
     examples = sum(r["examples"] for r in results)
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     gaps = [r["sync_gap"] for r in results if math.isfinite(r["sync_gap"])]

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.data.sources import build_configs
-from cocosync.shadowsync.model.dlrm import DLRM
-from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings, gather_rows
+from cocosync.shadowsync.job.run_model import run_model
+from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.thread_cpu import in_role
 
@@ -141,8 +141,9 @@ class Trainer:
         if on_eval is not None and (eval_every is None or eval_every < 1):
             raise ValueError(f"eval_every={eval_every!r}: expected examples >= 1 with on_eval")
         self.on_eval, self.eval_every = on_eval, eval_every
-        self.model = DLRM(self.model_cfg, self.data, external_embeddings=True)
-        self.dense = self.model.dense_parameters()
+        self.run = run_model(cfg, self.data, self.model_cfg)
+        self.model, self.plan = self.run.model, self.run.plan
+        self.dense = self.run.dense_parameters()
         self.flat = FlatParams(self.dense)
         self.flat.flat.copy_(state.init_dense)  # every replica starts from the same point
         self.accumulator = torch.zeros_like(self.flat.flat)  # dense Adagrad state (local to the trainer)
@@ -164,12 +165,15 @@ class Trainer:
     def train_step(self, batch: Any, lookup: Lookup | None = None) -> float:
         """Forward, backward, and lock-free updates of the dense replica and of the batch's embedding rows (pushed
         to their shards as gradients: in place on this node's, queued for remote ones; `lookup`: a prefetched fetch)."""
-        lookup = lookup or self.remote.fetch(batch.sparse)
+        features = self.run.features(batch.sparse)
+        lookup = lookup or self.remote.fetch(self.plan.row_ids(features))
         rows = self.remote.wait(lookup).requires_grad_()
-        logits = self.model.forward_pooled(batch.dense, gather_rows(rows, lookup.inverse))
+        logits = self.model(batch.dense, self.plan.looked_up(features, rows, lookup.inverse)).view(-1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.label)
-        grads = torch.autograd.grad(loss, self.dense + [rows])
-        self.remote.push(lookup, grads[-1])
+        grads = torch.autograd.grad(loss, self.dense + [rows], allow_unused=True)
+        row_grads = grads[-1] if grads[-1] is not None else torch.zeros_like(rows)
+        self.plan.fill_padding(lookup.uniq, row_grads)
+        self.remote.push(lookup, row_grads)
         with torch.no_grad():
             g = self.flat.flatten_grads(grads[:len(self.dense)])
             if self.cfg.dense_weight_decay:  # L2, as torch.optim.Adagrad/SGD's weight_decay
@@ -207,7 +211,8 @@ class Trainer:
         fr = self.cfg.sync.mode == "foreground"
         batches = self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
         if self.prefetch > 0:
-            pairs = self.remote.prefetching(batches, depth=self.prefetch)
+            pairs = self.remote.prefetching(batches, lambda b: self.plan.row_ids(self.run.features(b.sparse)),
+                                            depth=self.prefetch)
         else:
             pairs = ((b, None) for b in batches)
         try:

@@ -15,7 +15,7 @@ import itertools
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -153,14 +153,16 @@ class ShardedEmbeddings:
         self.hot_sync = hot_sync
         self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
         self.stats = LookupStats(start_window=start_window)
+        self._no_offsets: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
 
     # -- lookups ----------------------------------------------------------------------------------------
-    def fetch(self, sparse: torch.Tensor) -> Lookup:
-        """Start the lookup of a batch's ids [B, num_tables]: its remote rows as one request to the transport; local
-        shards and hot rows are read at `wait` (fresher rows than at the prefetch)."""
-        uniq, inverse = distinct_rows(sparse, self.offsets)
-        lk = Lookup(uniq, inverse.view(sparse.shape), time.perf_counter(), **self._split(uniq))
+    def fetch(self, ids: torch.Tensor) -> Lookup:
+        """Start the lookup of a batch's global rows (any 2-d shape: [B, features], or [ids, 1]): its remote rows as
+        one request to the transport; local shards and hot rows are read at `wait` (fresher rows than at the
+        prefetch)."""
+        uniq, inverse = distinct_rows(ids, self._zeros(ids))
+        lk = Lookup(uniq, inverse.view(ids.shape), time.perf_counter(), **self._split(uniq))
         remote_idx = lk.remote_idx
         if remote_idx.numel():
             with self._lock:
@@ -169,21 +171,29 @@ class ShardedEmbeddings:
             lk.remote.add_done_callback(lambda _f: lk.answered.append(time.perf_counter()))
         return lk
 
+    def _zeros(self, ids: torch.Tensor) -> torch.Tensor:
+        """No per-column offsets (the ids are global rows already), one per column of `ids`."""
+        cols = ids.shape[1]
+        zeros = self._no_offsets.get(cols)
+        if zeros is None:
+            zeros = self._no_offsets[cols] = torch.zeros(cols, dtype=torch.int64)
+        return zeros
+
     def _split(self, uniq: torch.Tensor) -> dict:
         """Where each distinct row lives (batch_rows.split_rows): local shards, hot rows, remote."""
         return split_rows(uniq, self.hot, self._is_local, self._local_servers)
 
     def fetch_group(self, sparses: list[torch.Tensor]) -> list[Lookup]:
-        """One lookup for several batches (one request for all of them), and a Lookup per batch that takes its rows
-        from it."""
+        """One lookup for several batches' global rows (one request for all of them), and a Lookup per batch that
+        takes its rows from it."""
         if len(sparses) == 1:
             return [self.fetch(sparses[0])]
         union = self.fetch(torch.cat(sparses))
         out = []
-        for sparse in sparses:
-            uniq, inverse = distinct_rows(sparse, self.offsets)
+        for ids in sparses:
+            uniq, inverse = distinct_rows(ids, self._zeros(ids))
             within = (union, torch.searchsorted(union.uniq, uniq))
-            out.append(Lookup(uniq, inverse.view(sparse.shape), union.issued, within=within, **self._split(uniq)))
+            out.append(Lookup(uniq, inverse.view(ids.shape), union.issued, within=within, **self._split(uniq)))
         return out
 
     def wait(self, lk: Lookup) -> torch.Tensor:
@@ -246,15 +256,16 @@ class ShardedEmbeddings:
             out[self.hot.ids] = self.hot.shard.weight
         return out
 
-    def lookup(self, sparse: torch.Tensor) -> torch.Tensor:
-        """Embedding vectors [B, num_tables, dim] of a batch, synchronously (evaluation)."""
-        lk = self.fetch(sparse)
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """The rows [*ids.shape, dim] of global rows `ids`, synchronously (evaluation)."""
+        lk = self.fetch(ids)
         return self.wait(lk)[lk.inverse]
 
-    def prefetching(self, batches: Iterable[Any], depth: int = 1) -> Iterator[tuple[Any, Lookup]]:
+    def prefetching(self, batches: Iterable[Any], ids_of: Callable[[Any], torch.Tensor],
+                    depth: int = 1) -> Iterator[tuple[Any, Lookup]]:
         """(batch, its lookup) pairs, the lookups of the next `depth` batches issued before the current one is
         handed out (deeper hides longer round trips; each batch of depth makes the rows one batch staler), `group`
-        batches per request."""
+        batches per request; `ids_of(batch)`: its global rows."""
         if depth < 1:
             raise ValueError(f"prefetch depth={depth!r} must be >= 1")
         it = iter(batches)
@@ -265,7 +276,7 @@ class ShardedEmbeddings:
                 group = list(itertools.islice(it, self.group))
                 done = len(group) < self.group
                 if group:
-                    ahead.extend(zip(group, self.fetch_group([b.sparse for b in group])))
+                    ahead.extend(zip(group, self.fetch_group([ids_of(b) for b in group])))
             if not ahead:
                 return
             yield ahead.popleft()
