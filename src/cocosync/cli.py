@@ -22,6 +22,7 @@ from cocosync.bench.shadowsync import shadowsync as shadowsync_cmd
 from cocosync.bench.sync import sync_cmd
 from cocosync.bench.tp import tp_cmd
 from cocosync.shadowsync.cli.data import data
+from cocosync.shadowsync.cli.export import export, predict
 from cocosync.shadowsync.cli.train import eval_checkpoint, train
 from cocosync.show_cli import show
 from cocosync.tune.cli import tune_cmd
@@ -50,7 +51,7 @@ def demo() -> None:
         raise SystemExit(1)
 
 
-for _cmd in (train, eval_checkpoint, data, show, tune_cmd):
+for _cmd in (train, eval_checkpoint, export, predict, data, show, tune_cmd):
     main.add_command(_cmd)
 for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, quality_cmd, lookups_cmd, sync_cmd,
              data_split_cmd, real_data_cmd, job_start_cmd):

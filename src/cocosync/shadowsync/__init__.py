@@ -13,7 +13,9 @@ many (a single-machine run is the multi-machine job with one node), by layer:
   (`errors`) and the CLI (`cli`, its options generated from `config`).
 """
 
-from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
+from cocosync.shadowsync.api import train
+from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, SyncConfig, SynthConfig, TrainConfig
+from cocosync.shadowsync.export import export_model, load_model
 from cocosync.shadowsync.model.inputs import Feature, ModelInputs
 from cocosync.shadowsync.model.tables import (
     EmbeddingBagCollection,
@@ -23,5 +25,6 @@ from cocosync.shadowsync.model.tables import (
     KeyedTensor,
 )
 
-__all__ = ["DataConfig", "ModelConfig", "SynthConfig", "EmbeddingBagCollection", "EmbeddingBagConfig",
+__all__ = ["train", "export_model", "load_model", "TrainConfig", "SyncConfig", "ClusterConfig", "DataConfig",
+           "ModelConfig", "SynthConfig", "EmbeddingBagCollection", "EmbeddingBagConfig",
            "KeyedJaggedTensor", "KeyedTensor", "JaggedTensor", "ModelInputs", "Feature"]

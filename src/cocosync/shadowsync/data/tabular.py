@@ -31,7 +31,7 @@ from cocosync.shadowsync.data.criteo import Batch, hash_tokens
 from cocosync.shadowsync.model.tables import KeyedJaggedTensor
 
 __all__ = ["DenseColumn", "FeatureColumn", "TabularSchema", "TabularError", "TabularReader", "infer_schema",
-           "data_format", "count_rows", "TRANSFORMS", "LABEL_NAMES"]
+           "data_format", "count_rows", "column_names", "TRANSFORMS", "LABEL_NAMES"]
 
 log = logging.getLogger("cocosync.shadowsync.data")
 
@@ -160,6 +160,11 @@ def _arrow_schema(path: str) -> Any:
     return first.schema
 
 
+def column_names(path: str) -> list[str]:
+    """The columns of a Parquet/CSV file."""
+    return list(_arrow_schema(path).names)
+
+
 def count_rows(path: str) -> int:
     """Rows of a Parquet file (its metadata) or a CSV file (lines after the header)."""
     if data_format(path) == "parquet":
@@ -245,6 +250,7 @@ class TabularReader:
         for p in self.paths:
             if not os.path.isfile(p):
                 raise FileNotFoundError(f"TabularReader: no such data file: {p!r}")
+        self._table: Any = None
         self.schema, self.shard, self.batch_size = schema, shard, batch_size
         self.skip_rows, self.max_rows, self.require_label = skip_rows, max_rows, require_label
         self._keys = tuple(f.name for f in schema.features)
@@ -253,8 +259,25 @@ class TabularReader:
         self.position = self.bad_lines = 0
         self.bad_examples: list[tuple[int, str]] = []
 
-    def _columns(self, path: str) -> list[str]:
-        names = _arrow_schema(path).names
+    @classmethod
+    def of_rows(cls, table: Any, schema: TabularSchema, *, batch_size: int = 4096) -> "TabularReader":
+        """A reader of rows in memory (a pyarrow.Table, or a {column: values} dict), the label optional."""
+        pa, _ = _pa()
+        reader = cls([], schema, batch_size=batch_size, require_label=False)
+        reader._table = table if isinstance(table, pa.Table) else pa.table(dict(table))
+        return reader
+
+    def _record_batches(self) -> Iterator[tuple[str, Iterator[Any]]]:
+        if self._table is not None:
+            self._columns("the rows", self._table.schema.names)
+            yield "the rows", iter(self._table.to_batches(_ARROW_ROWS))
+            return
+        lists = [f.name for f in self.schema.features if f.multi_valued]
+        for path in self.paths:
+            yield path, _arrow_batches(path, self._columns(path, _arrow_schema(path).names),
+                                       lists if data_format(path) == "csv" else ())
+
+    def _columns(self, path: str, names: list[str]) -> list[str]:
         want = self.schema.columns if self.require_label else self.schema.columns[1:]
         if missing := [c for c in want if c not in names]:
             raise TabularError(f"{path}: no column(s) {missing} of the run's schema; the file has {names}")
@@ -267,10 +290,8 @@ class TabularReader:
         delivered, seen = 0, 0
         pending: list[_Rows] = []
         n_pending = 0
-        lists = [f.name for f in self.schema.features if f.multi_valued]
-        for path in self.paths:
-            columns = self._columns(path)
-            for rb in _arrow_batches(path, columns, lists if data_format(path) == "csv" else ()):
+        for path, record_batches in self._record_batches():
+            for rb in record_batches:
                 first = (index - seen) % count
                 seen += rb.num_rows
                 if first >= rb.num_rows:

@@ -1,9 +1,11 @@
 """Which model a run trains: a built-in by name (`BUILTINS`) or the user's factory as `package.module:function` (or
 `path/to/file.py:function`), importable by every rank; `build_model` calls it with the run's `ModelInputs`, seeded,
-so that every rank builds the same initial model."""
+so that every rank builds the same initial model. A factory in a script is loaded by file in every rank, as
+multiprocessing's spawn loads a script: what the script runs must be under `if __name__ == "__main__":`."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import inspect
@@ -23,6 +25,7 @@ from cocosync.shadowsync.model.inputs import ModelInputs
 __all__ = ["BUILTINS", "Factory", "resolve_factory", "factory_spec", "build_model"]
 
 Factory = Callable[[ModelInputs], nn.Module]
+_FILE_MODULE = "cocosync_model_file_"  # the module name a factory's file is loaded under
 
 #: the built-in models by name
 BUILTINS: dict[str, Factory] = {"dlrm": DLRM, "dcn": DCN, "deepfm": DeepFM}
@@ -40,7 +43,7 @@ def resolve_factory(spec: str) -> Factory:
         path = Path(where)
         if not path.is_file():
             raise ConfigError(f"model={spec!r}: no such file {where!r}")
-        mod_name = f"cocosync_user_model_{abs(hash(str(path.resolve())))}"
+        mod_name = f"{_FILE_MODULE}{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:16]}"
         module = sys.modules.get(mod_name)
         if module is None:
             loader = importlib.util.spec_from_file_location(mod_name, path)
@@ -75,7 +78,7 @@ def factory_spec(factory: Factory | str) -> str:
     if not module or "<" in qualname:
         raise ConfigError(f"model factory {factory!r} must be defined at the top level of a module (not a lambda or "
                           "a nested function): every rank imports it")
-    if module == "__main__":
+    if module == "__main__" or module.startswith(_FILE_MODULE):
         file = inspect.getsourcefile(factory)
         if file is None:
             raise ConfigError(f"model factory {qualname!r} is in __main__ without a file: define it in a module")

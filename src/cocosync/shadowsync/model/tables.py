@@ -259,8 +259,8 @@ class EmbeddingBagCollection(nn.Module):
             bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling)
             nn.init.normal_(bag.weight, std=init_std)
             if hasattr(self.embedding_bags, t.name) or "." in t.name:
-                raise ValueError(f"EmbeddingBagCollection: table name {t.name!r} cannot name a module (a torch.nn.Module "
-                                 "attribute, or a dot): rename the table")
+                raise ValueError(f"EmbeddingBagCollection: table name {t.name!r} cannot name a module (a"
+                                 " torch.nn.Module attribute, or a dot): rename the table")
             self.embedding_bags.add_module(t.name, bag)
 
     def feature_names(self) -> tuple[str, ...]:
