@@ -92,7 +92,7 @@ def _lost_peer_rank() -> str:
     text = "no error"
     try:
         for _ in range(500):
-            client.lookup(sparse)
+            client.lookup(sparse + client.offsets)
     except ServerLost as e:
         text = str(e)
     return text

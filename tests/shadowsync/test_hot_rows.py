@@ -63,7 +63,7 @@ def _hot_rank(optimizer: str, steps: int) -> dict:
     updates = []
     for _ in range(steps):
         sparse = torch.stack([torch.randint(0, r, (6,), generator=gen) for r in ROWS], dim=1)
-        lk = client.fetch(sparse)
+        lk = client.fetch(sparse + client.offsets)
         client.wait(lk)
         grads = torch.randn(lk.uniq.numel(), DIM, generator=gen)
         client.push(lk, grads)

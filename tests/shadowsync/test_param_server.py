@@ -50,7 +50,7 @@ def _drive(client: ShardedEmbeddings, local: ReferenceTables, steps: int, in_ord
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         sparse = torch.stack([torch.randint(0, r, (9,), generator=gen) for r in ROWS], dim=1)  # duplicates on purpose
-        lk = client.fetch(sparse)
+        lk = client.fetch(sparse + client.offsets)  # the job's global rows: ids + their table's first row
         rows = client.wait(lk)
         expected = torch.stack([local.tables[t][sparse[:, t]] for t in range(len(ROWS))], dim=1)
         if in_order:
@@ -62,7 +62,7 @@ def _drive(client: ShardedEmbeddings, local: ReferenceTables, steps: int, in_ord
         local.apply_rows(lk.uniq, grads)
     client.flush()
     every = torch.stack([torch.arange(sum(ROWS)) % r for r in ROWS], dim=1)
-    got = client.lookup(every)
+    got = client.lookup(every + client.offsets)
     for t in range(len(ROWS)):
         want = local.tables[t][every[:, t]]
         assert torch.equal(got[:, t], want) if in_order else torch.allclose(got[:, t], want, rtol=1e-5, atol=1e-6)
@@ -123,7 +123,7 @@ def test_a_group_of_batches_shares_one_lookup_and_each_batch_gets_its_own_rows()
     gen = torch.Generator().manual_seed(1)
     batches = [_Batch(torch.stack([torch.randint(0, r, (5,), generator=gen) for r in ROWS], dim=1)) for _ in range(7)]
     seen = 0
-    for batch, lk in client.prefetching(batches, depth=2):
+    for batch, lk in client.prefetching(batches, lambda b: b.sparse + client.offsets, depth=2):
         rows = client.wait(lk)
         expected = torch.stack([local.tables[t][batch.sparse[:, t]] for t in range(len(ROWS))], dim=1)
         assert torch.equal(rows[lk.inverse], expected)  # nothing pushed yet: the group's rows are the tables'
@@ -140,7 +140,7 @@ def test_staleness_counts_updates_between_fetch_and_push():
     rowhash = RowHash(sum(ROWS), 1)
     client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, "sgd"))
     sparse = torch.zeros(2, len(ROWS), dtype=torch.int64)
-    first, second = client.fetch(sparse), client.fetch(sparse)  # both read the same rows at version 0
+    first, second = client.fetch(sparse + client.offsets), client.fetch(sparse + client.offsets)  # both read the same rows at version 0
     client.wait(first), client.wait(second)
     client.push(first, torch.ones(first.uniq.numel(), DIM))
     client.push(second, torch.ones(second.uniq.numel(), DIM))  # each of its rows got one update since the fetch

@@ -38,13 +38,13 @@ def test_schema_from_types_and_sample(parquet):
     assert s.label == "click" and s.format == "parquet" and s.sample_rows == 1000
     assert [(d.name, d.transform) for d in s.dense] == [("price", "none"), ("age", "standardize")]
     kinds = {f.name: (f.multi_valued, f.distinct, f.rows) for f in s.features}
-    assert kinds["color"] == (False, 3, 16)  # at least 16 rows
+    assert kinds["color"] == (False, 3, 128)  # the power of two >= 32 rows per distinct value
     distinct = len(set(_table()["user_id"].to_pylist()))
-    assert kinds["user_id"] == (False, distinct, 1024)  # the power of two >= 2 x distinct
+    assert kinds["user_id"] == (False, distinct, 16384)
     assert kinds["tags"][:2] == (True, 20)
     assert "tags[list]" in s.describe() and "price (none)" in s.describe()
     assert [f.rows for f in infer_schema(parquet, table_size=64).features] == [64, 64, 64]  # the user's rows win
-    assert infer_schema(parquet, max_table_rows=512).features[1].rows == 512
+    assert infer_schema(parquet, max_table_rows=512).features[1].rows == 512  # the cap
     named = infer_schema(parquet, categorical=["age"], dense=["price"])
     assert [d.name for d in named.dense] == ["price"] and "age" in [f.name for f in named.features]
 
@@ -75,7 +75,7 @@ def test_reader_batches_values_and_shards(parquet):
     assert float(b0.dense[:, 0].min()) < 0  # as they are, not clamped
     tags = b0.sparse["tags"]
     assert tags.lengths.tolist() == [len(v) for v in t["tags"].to_pylist()[:128]]
-    assert b0.sparse.keys() == ("color", "user_id", "tags") and int(b0.sparse.values().max()) < 1024
+    assert b0.sparse.keys() == ("color", "user_id", "tags") and int(b0.sparse.values().max()) < 16384
     labels = torch.cat([b.label for b in whole])
     assert torch.equal(labels, torch.tensor(t["click"].to_numpy(), dtype=torch.float32))
     # three shards partition the rows: every row once, interleaved
@@ -93,7 +93,7 @@ def test_csv_lists_and_hashing_agree_with_parquet(parquet, tmp_path):
     flat = t.set_column(5, "tags", pa.array(["|".join(v) for v in t["tags"].to_pylist()]))
     pcsv.write_csv(flat, csv)
     s_pq = infer_schema(parquet)
-    s_csv = infer_schema(str(csv), list_columns=["tags"], table_size=[16, 1024, 64])
+    s_csv = infer_schema(str(csv), list_columns=["tags"], table_size=[128, 16384, 1024])
     assert [f.multi_valued for f in s_csv.features] == [False, False, True] and count_rows(str(csv)) == 200
     pq.write_table(t, tmp_path / "small.parquet")
     a = next(iter(TabularReader(str(tmp_path / "small.parquet"), s_pq, batch_size=200)))
@@ -120,3 +120,20 @@ def test_bad_labels_are_counted_and_a_missing_column_named(parquet, tmp_path):
     rows = TabularReader.of_rows({"price": [1.0], "age": [30], "color": ["red"], "user_id": [7], "tags": [["t1"]]}, s)
     (b,) = list(rows)
     assert len(b) == 1 and b.sparse["tags"].lengths.tolist() == [1]
+
+
+def test_data_inspect_reads_parquet_and_criteo_files_of_any_width(parquet, tmp_path):
+    from click.testing import CliRunner
+
+    from cocosync.cli import main
+
+    res = CliRunner().invoke(main, ["data", "inspect", parquet])
+    assert res.exit_code == 0, res.output
+    assert "tags[list]" in res.output and "1,000" in res.output
+    tsv = tmp_path / "narrow.tsv"  # label, 4 integers, 6 categoricals: 11 columns
+    rng = np.random.default_rng(0)
+    tsv.write_text("".join(f"{rng.integers(0, 2)}\t" + "\t".join(str(v) for v in rng.integers(0, 99, 4)) + "\t"
+                           + "\t".join(f"a{v}" for v in rng.integers(0, 9, 6)) + "\n" for _ in range(300)))
+    res = CliRunner().invoke(main, ["data", "inspect", str(tsv)])
+    assert res.exit_code == 0, res.output
+    assert "4 integer and 6 categorical columns" in res.output and "300" in res.output

@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from cocosync.runtime.comm.shm import leftover_segments
 from cocosync.shadowsync import load_model
 from cocosync.shadowsync.metrics import normalized_entropy
 from cocosync.testing.multinode import run_nodes
-from cocosync.runtime.comm.shm import leftover_segments
 
 MODEL = textwrap.dedent('''
     import torch

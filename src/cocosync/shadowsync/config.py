@@ -190,7 +190,7 @@ class DataConfig:
     """Parquet/CSV: the dense columns' transform, 'standardize', 'log' (sign(x) log(1 + |x|)) or 'none', for all or
     per column ('age=log,price=none'; the others standardize)."""
     max_table_rows: int = field(default=1 << 20, metadata=opt("--max-table-rows", "Model"))
-    """Parquet/CSV: the most rows a table sized from the data gets (2 x its distinct values in the first 100k rows,
+    """Parquet/CSV: the most rows a table sized from the data gets (32 x its distinct values in the first 100k rows,
     rounded up to a power of two); --table-size sets the rows instead."""
     schema: dict | None = None
     """Parquet/CSV: the file's schema (TabularSchema.to_dict(): label, dense columns, features and their rows), found

@@ -13,7 +13,7 @@ __all__ = ["data"]
 
 @click.group()
 def data() -> None:
-    """Click-through-rate data: synthesize (Criteo format, known Bayes NE) and inspect."""
+    """Click-through-rate data: synthesize (Criteo format, known Bayes NE), convert MovieLens, inspect."""
 
 
 @data.command()
@@ -57,36 +57,81 @@ def synth(out: str, rows: int, eval_rows: int, seed: int, teacher_seed: int, ctr
     Console().print(summary_table(results, title=escape(f"synthetic data in {out}")))
 
 
+def _criteo_shape(path: str, lines: int = 100) -> tuple[int, int]:
+    """(integer columns, categorical columns) of a Criteo-layout file from its first lines: after the label, the
+    longest run of columns that hold only integers (or nothing), then the rest."""
+    import gzip
+    import itertools
+    import re
+
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        rows = [line.rstrip("\n").split("\t") for line in itertools.islice(f, lines) if line.strip()]
+    if not rows:
+        raise click.ClickException(f"{path}: no lines")
+    fields = max(set(len(r) for r in rows), key=[len(r) for r in rows].count)
+    is_int = re.compile(r"-?[0-9]*$")
+    dense = 0
+    while 1 + dense < fields and all(len(r) != fields or is_int.match(r[1 + dense]) for r in rows):
+        dense += 1
+    return dense, fields - 1 - dense
+
+
 @data.command()
 @click.argument("paths", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--table-size", type=click.IntRange(min=2), default=10_000, show_default=True)
 @click.option("--max-rows", type=click.IntRange(min=1), default=None, help="Read at most this many rows.")
 def inspect(paths: tuple[str, ...], table_size: int, max_rows: int | None) -> None:
-    """Read Criteo-format file(s): rows, click rate, malformed lines, read speed, Bayes NE if known."""
+    """Read data file(s) as training reads them: Parquet/CSV (the schema found, as `cocosync train` finds it) or
+    Criteo layout (its integer and categorical columns counted from the first lines): rows, click rate, bad rows,
+    read speed, Bayes NE if known."""
     import numpy as np
     from rich.console import Console
+    from rich.markup import escape
 
     from cocosync.shadowsync.config import DataConfig
     from cocosync.shadowsync.data.criteo import CriteoReader
+    from cocosync.shadowsync.data.tabular import TabularError, TabularReader, data_format, infer_schema
     from cocosync.shadowsync.metrics import bayes_ne, summary_table
 
-    reader = CriteoReader(list(paths), DataConfig(table_size=table_size, max_bad_fraction=1.0),
-                          batch_size=65536, max_rows=max_rows)
+    console = Console()
+    formats = {data_format(p) for p in paths}
+    if len(formats) > 1:
+        raise click.UsageError(f"the files are of different formats ({', '.join(sorted(formats))}): inspect one kind")
+    if formats == {"criteo"}:
+        num_dense, num_sparse = _criteo_shape(paths[0])
+        config = DataConfig(table_size=table_size, max_bad_fraction=1.0, num_dense=max(1, num_dense),
+                            num_sparse=max(1, num_sparse), train_path=tuple(paths))
+        reader = CriteoReader(list(paths), config, batch_size=65536, max_rows=max_rows)
+        console.print(f"Criteo layout: label, {num_dense} integer and {num_sparse} categorical columns")
+        features = num_sparse
+    else:
+        try:
+            schema = infer_schema(paths[0])
+        except TabularError as e:
+            raise click.ClickException(str(e)) from None
+        console.print(escape(f"{schema.format}: {schema.describe()}"), soft_wrap=True)
+        reader = TabularReader(list(paths), schema, batch_size=65536, max_rows=max_rows)
+        features = 0
     t0 = time.perf_counter()
     labels, probs, missing = [], [], 0
-    for b in reader:
-        labels.append(b.label.numpy())
-        missing += int((b.sparse == 0).sum())
-        if b.prob is not None:
-            probs.append(b.prob.numpy())
+    try:
+        for b in reader:
+            labels.append(b.label.numpy())
+            if features:
+                missing += int((b.sparse == 0).sum())
+            if b.prob is not None:
+                probs.append(b.prob.numpy())
+    except (TabularError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
     seconds = time.perf_counter() - t0
     y = np.concatenate(labels) if labels else np.zeros(0)
-    row = {"rows": int(y.size), "ctr": float(y.mean()) if y.size else float("nan"),
-           "bad_lines": reader.bad_lines, "missing_cat": missing / max(1, y.size * reader.config.num_sparse),
+    row = {"rows": int(y.size), "ctr": float(y.mean()) if y.size else float("nan"), "bad_lines": reader.bad_lines,
            "rows_per_s": y.size / seconds if seconds > 0 else float("nan")}
+    if features:
+        row["missing_cat"] = missing / max(1, y.size * features)
     if probs and 0 < row["ctr"] < 1:
         row["bayes_ne"] = bayes_ne(y, np.concatenate(probs))
-    console = Console()
     console.print(summary_table([row], title=", ".join(paths)))
     for line_no, reason in reader.bad_examples:
         console.print(f"  line {line_no}: {reason}", markup=False)
@@ -98,21 +143,25 @@ def inspect(paths: tuple[str, ...], table_size: int, max_rows: int | None) -> No
               help="where the downloaded wheel is kept.  [default: ~/.cache/cocosync]")
 @click.option("--split-seed", type=int, default=0, show_default=True, help="seed of the train/valid/test split.")
 @click.option("--rows", type=click.IntRange(min=10), default=None, help="a sample: this many ratings in all.")
-def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) -> None:
+@click.option("--format", "fmt", type=click.Choice(["parquet", "tsv"]), default="parquet", show_default=True,
+              help="parquet: named columns, genres as one list-valued feature; tsv: the Criteo format (genres as 19 "
+                   "flags and the first genre).")
+def movielens(out: str, cache: str | None, split_seed: int, rows: int | None, fmt: str) -> None:
     """Real ratings as click data: write MovieLens-100K (GroupLens; fetched from the RecBole wheel on PyPI) as
-    OUT/{train,valid,test}.tsv in the Criteo format (a click: rating >= 4; 21 integer and 8 categorical features;
-    80/10/10 split) and OUT/meta.json, and print the command that trains on it."""
+    OUT/{train,valid,test}.parquet (label, age, year, user_id, movie_id, gender, occupation, zip, genres) or .tsv in
+    the Criteo format (21 integer and 8 categorical features), a click being a rating >= 4, 80/10/10 split, and
+    OUT/meta.json; print the command that trains on it."""
     from pathlib import Path
 
     from rich.console import Console
     from rich.markup import escape
 
-    from cocosync.shadowsync.data.movielens import MovieLensError, fetch_wheel, write_ctr
+    from cocosync.shadowsync.data.movielens import MovieLensError, fetch_wheel, write_ctr, write_parquet
     from cocosync.shadowsync.metrics import summary_table
 
     try:
-        meta = write_ctr(Path(out), fetch_wheel(Path(cache) if cache else None), split_seed=split_seed,
-                         max_rows=rows)
+        write = write_parquet if fmt == "parquet" else write_ctr
+        meta = write(Path(out), fetch_wheel(Path(cache) if cache else None), split_seed=split_seed, max_rows=rows)
     except MovieLensError as e:
         raise click.ClickException(str(e)) from None
     console = Console()
@@ -124,12 +173,16 @@ def movielens(out: str, cache: str | None, split_seed: int, rows: int | None) ->
     console.print(escape(train_command(meta)), soft_wrap=True, markup=False)
 
 
-def train_command(meta: dict) -> str:
-    """The `cocosync train` line for a converted data set (its shape, valid as the eval curve's held-out set, and
-    tables sized for its categoricals)."""
+def train_command(meta: dict, model: str | None = None) -> str:
+    """The `cocosync train` line for a converted data set (valid as the eval curve's held-out set; a TSV's shape and
+    tables sized for its categoricals, a Parquet file's found from it)."""
     import shlex
 
     f = meta["files"]
+    if meta.get("format") == "parquet":
+        return shlex.join(["cocosync", "train", "--data", f["train"]["path"], "--eval-data", f["valid"]["path"],
+                           "--eval-examples", str(f["valid"]["rows"]), "--epochs", str(meta["epochs"]),
+                           "--eval-every", str(meta["eval_every"]), *(["--model", model] if model else [])])
     return shlex.join(["cocosync", "train", "--data", f["train"]["path"], "--eval-data", f["valid"]["path"],
                        "--num-dense", str(meta["num_dense"]), "--num-sparse", str(meta["num_sparse"]),
                        "--eval-examples", str(f["valid"]["rows"]), "--epochs", str(meta["epochs"]),

@@ -31,7 +31,10 @@ def _split_note(cfg: TrainConfig) -> str:
     if cfg.data == "synthetic":
         return ""
     from cocosync.shadowsync.data.sources import build_configs
+    from cocosync.shadowsync.data.tabular import data_format
 
+    if data_format(cfg.data) != "criteo":
+        return f" ({data_format(cfg.data)}: workers read interleaved rows)"
     try:
         split = build_configs(cfg)[0].reader_split
     except ConfigError as e:

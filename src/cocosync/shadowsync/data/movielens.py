@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 __all__ = ["WHEEL", "NUM_DENSE", "NUM_SPARSE", "MovieLensError", "fetch_wheel", "read_ratings", "write_ctr",
-           "table_size_for", "default_cache"]
+           "write_parquet", "table_size_for", "default_cache"]
 
 WHEEL = {"package": "recbole", "version": "1.2.1", "file": "recbole-1.2.1-py3-none-any.whl",
          "sha256": "9c9948202011f37eb0a7c6768129313f00d6403ad221ec940d5e2d5d5f33a407"}
@@ -129,14 +129,8 @@ def write_ctr(out: Path, wheel: Path, *, split_seed: int = 0, valid: float = 0.1
               max_rows: int | None = None) -> dict:
     """Write out/{train,valid,test}.tsv (Criteo format: label, NUM_DENSE integers, NUM_SPARSE categoricals) and
     out/meta.json; `max_rows`: the first rows of the permutation only (a small sample). Returns the meta."""
-    if not (0 < valid < 1 and 0 < test < 1 and valid + test < 1):
-        raise ValueError(f"valid={valid!r}, test={test!r}: expected fractions in (0, 1) summing to less than 1")
     ratings, users, movies = read_ratings(wheel)
-    order = np.random.default_rng(split_seed).permutation(len(ratings))
-    if max_rows is not None:
-        order = order[:max_rows]
-    n_test, n_valid = int(len(order) * test), int(len(order) * valid)
-    parts = {"test": order[:n_test], "valid": order[n_test:n_test + n_valid], "train": order[n_test + n_valid:]}
+    parts = _split(ratings, split_seed, valid, test, max_rows)
     out.mkdir(parents=True, exist_ok=True)
     files = {}
     for name in SPLITS:
@@ -153,5 +147,48 @@ def write_ctr(out: Path, wheel: Path, *, split_seed: int = 0, valid: float = 0.1
             "label": "rating >= 4", "num_dense": NUM_DENSE, "num_sparse": NUM_SPARSE, "split_seed": split_seed,
             "files": files, "epochs": EPOCHS, "eval_every": max(100, files["train"]["rows"] // 10),
             "cardinality": cardinality, "table_size": table_size_for(max(cardinality))}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+def _split(ratings: list, split_seed: int, valid: float, test: float, max_rows: int | None) -> dict[str, np.ndarray]:
+    if not (0 < valid < 1 and 0 < test < 1 and valid + test < 1):
+        raise ValueError(f"valid={valid!r}, test={test!r}: expected fractions in (0, 1) summing to less than 1")
+    order = np.random.default_rng(split_seed).permutation(len(ratings))
+    if max_rows is not None:
+        order = order[:max_rows]
+    n_test, n_valid = int(len(order) * test), int(len(order) * valid)
+    return {"test": order[:n_test], "valid": order[n_test:n_test + n_valid], "train": order[n_test + n_valid:]}
+
+
+def write_parquet(out: Path, wheel: Path, *, split_seed: int = 0, valid: float = 0.1, test: float = 0.1,
+                  max_rows: int | None = None) -> dict:
+    """Write out/{train,valid,test}.parquet with named columns (the same rows and split as `write_ctr`): label, age
+    and year (dense), user_id, movie_id, gender, occupation, zip (strings) and genres (a list of strings, the
+    movie's every genre), and out/meta.json. Returns the meta."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ratings, users, movies = read_ratings(wheel)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {}
+    for name, rows in _split(ratings, split_seed, valid, test, max_rows).items():
+        picked = [ratings[i] for i in rows.tolist()]
+        user = [users[r[0]] for r in picked]
+        movie = [movies[r[1]] for r in picked]
+        table = pa.table({
+            "label": pa.array([1 if float(r[2]) >= 4 else 0 for r in picked], pa.int8()),
+            "age": pa.array([float(u[1]) for u in user]),
+            "year": pa.array([float(m[2]) if m[2].isdigit() else None for m in movie], pa.float64()),
+            "user_id": ["u" + r[0] for r in picked], "movie_id": ["m" + r[1] for r in picked],
+            "gender": [u[2] for u in user], "occupation": [u[3] for u in user], "zip": [u[4] for u in user],
+            "genres": [m[3].split() for m in movie]})
+        path = out / f"{name}.parquet"
+        pq.write_table(table, path)
+        files[name] = {"path": str(path), "rows": table.num_rows,
+                       "ctr": float(np.mean(table["label"].to_numpy())) if table.num_rows else 0.0}
+    meta = {"source": f"MovieLens-100K (GroupLens), from PyPI {WHEEL['package']}=={WHEEL['version']}",
+            "label": "rating >= 4", "format": "parquet", "split_seed": split_seed, "files": files, "epochs": EPOCHS,
+            "eval_every": max(100, files["train"]["rows"] // 10)}
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
     return meta

@@ -240,7 +240,7 @@ def _describe_data(cfg: TrainConfig, console: Any) -> None:
     if schema is not None:
         console.print(escape(f"{cfg.data}: {schema.format}, {schema.describe()}"), soft_wrap=True)
     if schema is not None or cfg.model_factory != "dlrm":
-        model = run_model(cfg, data, model_cfg, sharded=False)
+        model = run_model(cfg, data, model_cfg)
         console.print(escape(f"model {cfg.model_factory}: {sum(p.numel() for p in model.dense_parameters()):,} dense "
                              f"parameters\n{model.plan.describe()}"), soft_wrap=True)
 
@@ -260,13 +260,15 @@ def _fit_examples_to_data(cfg: TrainConfig, console: Any) -> TrainConfig:
     data, _ = build_configs(cfg)
     if data.train_path is None or str(data.train_path).endswith(".gz"):
         return cfg
-    rows = _count_lines(data.train_path) if tabular_schema(data) is None else count_rows(data.train_path)
+    tabular = tabular_schema(data) is not None
+    rows = count_rows(data.train_path) if tabular else _count_lines(data.train_path)
+    unit = "rows" if tabular else "lines"
     if data.eval_path is None and rows <= cfg.examples:
-        raise ConfigError(f"{data.train_path!r} has {rows:,} lines and --examples is {cfg.examples:,}: no rows are "
+        raise ConfigError(f"{data.train_path!r} has {rows:,} {unit} and --examples is {cfg.examples:,}: no rows are "
                           "left after the budget for the held-out set; pass --eval-data, or --examples below "
                           f"{rows:,}")
     if rows < cfg.examples:
-        console.print(f"[yellow]{escape(str(data.train_path))} has {rows:,} lines, fewer than --examples "
+        console.print(f"[yellow]{escape(str(data.train_path))} has {rows:,} {unit}, fewer than --examples "
                       f"{cfg.examples:,}: training on all {rows:,}", soft_wrap=True)
         return dataclasses.replace(cfg, examples=rows)
     return cfg

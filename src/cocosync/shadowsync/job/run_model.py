@@ -4,6 +4,7 @@ and a dense state loaded. The batches' categorical features are put in the table
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -14,7 +15,7 @@ from cocosync.shadowsync.data.sources import model_inputs
 from cocosync.shadowsync.model.factory import build_model
 from cocosync.shadowsync.model.inputs import ModelInputs
 from cocosync.shadowsync.model.sharding import TablePlan, load_tables, shard_model, table_weights
-from cocosync.shadowsync.model.tables import KeyedJaggedTensor
+from cocosync.shadowsync.model.tables import KeyedJaggedTensor, tables_on_meta
 from cocosync.shadowsync.sync import FlatParams
 
 __all__ = ["RunModel", "run_model", "dense_parameters", "Scorer", "scorer"]
@@ -56,7 +57,8 @@ class RunModel:
 def run_model(cfg: TrainConfig, data: DataConfig, model_cfg: ModelConfig, *, sharded: bool = True) -> RunModel:
     """The run's model for its data, checked against the data (every table feature present, enough rows)."""
     inputs = model_inputs(cfg, data, model_cfg)
-    model = build_model(cfg.model_factory, inputs)
+    with tables_on_meta() if sharded else contextlib.nullcontext():  # the stores hold the rows, not the model
+        model = build_model(cfg.model_factory, inputs)
     plan = TablePlan.of(model)
     known = {f.name: f for f in inputs.features}
     for t in plan.tables:

@@ -14,17 +14,31 @@ TorchRec's DistributedModelParallel does; the same model with its full tables lo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
+from typing import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 __all__ = ["EmbeddingBagConfig", "KeyedJaggedTensor", "JaggedTensor", "KeyedTensor", "EmbeddingBagCollection",
-           "POOLINGS"]
+           "POOLINGS", "tables_on_meta"]
 
 POOLINGS = ("sum", "mean")
+_TABLES_ON_META = contextvars.ContextVar("tables_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def tables_on_meta() -> Iterator[None]:
+    """Collections built inside allocate no rows (their tables on the meta device): a job builds the model only to
+    swap its tables for the job's stores, whose rows it allocates itself."""
+    token = _TABLES_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _TABLES_ON_META.reset(token)
 
 
 @dataclass(frozen=True)
@@ -255,8 +269,9 @@ class EmbeddingBagCollection(nn.Module):
             dup = sorted({f for f in features if features.count(f) > 1})
             raise ValueError(f"EmbeddingBagCollection: feature(s) {dup} are served by more than one table")
         self.embedding_bags = _Bags()
+        device = torch.device("meta") if _TABLES_ON_META.get() else None
         for t in self.tables:
-            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling)
+            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device=device)
             nn.init.normal_(bag.weight, std=init_std)
             if hasattr(self.embedding_bags, t.name) or "." in t.name:
                 raise ValueError(f"EmbeddingBagCollection: table name {t.name!r} cannot name a module (a"
