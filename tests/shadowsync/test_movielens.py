@@ -120,3 +120,26 @@ def test_a_sample_of_the_real_ratings_trains_and_scores_against_the_baseline(rea
     # a curve point's examples are trainer 0's reader position x T (the trainers' shares differ by a row or two: a
     # point at the very end read 16,000 for a 15,998-example run once in CI), so within the same 100 as the total
     assert 0 < run["best_examples"] <= run["examples"] + 100 and abs(run["examples"] - 16_000) < 100
+
+
+def test_parquet_converter_keeps_the_split_and_makes_genres_one_list(tmp_path):
+    import pyarrow.parquet as pq
+
+    from cocosync.shadowsync.data.movielens import write_parquet
+    from cocosync.shadowsync.data.tabular import infer_schema
+
+    wheel = tmp_path / "fake.whl"
+    _fake_wheel(wheel)
+    tsv = write_ctr(tmp_path / "tsv", wheel, split_seed=3)
+    meta = write_parquet(tmp_path / "pq", wheel, split_seed=3)
+    assert {k: f["rows"] for k, f in meta["files"].items()} == {k: f["rows"] for k, f in tsv["files"].items()}
+    t = pq.read_table(meta["files"]["test"]["path"])
+    lines = [line.split("\t") for line in (tmp_path / "tsv" / "test.tsv").read_text().splitlines()]
+    assert t["user_id"].to_pylist() == [f[1 + NUM_DENSE] for f in lines]  # the same rows, in the same order
+    assert [int(v) for v in t["label"].to_pylist()] == [int(f[0]) for f in lines]
+    assert all(len(g) == 2 for g in t["genres"].to_pylist())  # every genre of the movie, not the first
+    schema = infer_schema(meta["files"]["train"]["path"])
+    assert [f.name for f in schema.features if f.multi_valued] == ["genres"]
+    assert [d.name for d in schema.dense] == ["age", "year"]
+    assert "--model" not in train_command(meta) and "--model', 'dcn" not in train_command(meta, "dcn")
+    assert train_command(meta, "dcn").endswith("--model dcn")

@@ -5,6 +5,7 @@ and a dense state loaded. The batches' categorical features are put in the table
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -27,7 +28,7 @@ def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
     return [p for p in model.parameters() if id(p) not in tables and p.requires_grad]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True)  # (not slots: the cached keys)
 class RunModel:
     """The model of a run (`sharded`: its collections swapped for the job's stores), its tables' plan, its inputs."""
 
@@ -38,11 +39,14 @@ class RunModel:
     def dense_parameters(self) -> list[nn.Parameter]:
         return dense_parameters(self.model)
 
+    @functools.cached_property
+    def _data_keys(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.inputs.features)
+
     def features(self, sparse: torch.Tensor | KeyedJaggedTensor) -> KeyedJaggedTensor:
         """A batch's categorical features ([B, F] ids in the data's order, or a KeyedJaggedTensor) in the order of
         the model's tables."""
-        kjt = (KeyedJaggedTensor.from_dense([f.name for f in self.inputs.features], sparse)
-               if isinstance(sparse, torch.Tensor) else sparse)
+        kjt = KeyedJaggedTensor.from_dense(self._data_keys, sparse) if isinstance(sparse, torch.Tensor) else sparse
         want = self.plan.features
         if kjt.keys() == want:
             return kjt
