@@ -8,7 +8,7 @@ from cocosync.cli import main
 
 
 def test_bench_features_trains_both_files_and_relates_them(tmp_path):
-    res = CliRunner().invoke(main, ["bench", "features", "--rows", "12000", "--max-values", "5", "--repeats", "1",
+    res = CliRunner().invoke(main, ["bench", "features", "--rows", "10000", "--max-values", "5", "--repeats", "1",
                                     "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
     doc = json.loads((tmp_path / "features.json").read_text())

@@ -140,7 +140,8 @@ def test_staleness_counts_updates_between_fetch_and_push():
     rowhash = RowHash(sum(ROWS), 1)
     client = ShardedEmbeddings(ROWS, DIM, _shards(rowhash, "sgd"))
     sparse = torch.zeros(2, len(ROWS), dtype=torch.int64)
-    first, second = client.fetch(sparse + client.offsets), client.fetch(sparse + client.offsets)  # both read the same rows at version 0
+    ids = sparse + client.offsets
+    first, second = client.fetch(ids), client.fetch(ids)  # both read the same rows at version 0
     client.wait(first), client.wait(second)
     client.push(first, torch.ones(first.uniq.numel(), DIM))
     client.push(second, torch.ones(second.uniq.numel(), DIM))  # each of its rows got one update since the fetch

@@ -112,7 +112,15 @@ def test_bad_labels_are_counted_and_a_missing_column_named(parquet, tmp_path):
     pq.write_table(t.set_column(0, "click", pa.array(labels)), bad)
     s = infer_schema(parquet)
     r = TabularReader(str(bad), s, batch_size=1000)
-    assert sum(len(b) for b in r) == 298 and r.bad_lines == 2 and r.bad_examples[0][0] == 5
+    assert sum(len(b) for b in r) == 298 and r.bad_lines == 2
+    assert r.bad_examples == [(6, "label 2.0, expected 0 or 1"), (78, "label nan, expected 0 or 1")]
+    shard = TabularReader(str(bad), s, shard=(0, 2), batch_size=1000)  # rows 0, 2, 4, ...: neither bad row
+    assert sum(len(b) for b in shard) == 150 and shard.bad_lines == 0
+    shard = TabularReader(str(bad), s, shard=(1, 2), batch_size=1000)  # rows 1, 3, 5, ...: named by the file's
+    assert sum(len(b) for b in shard) == 148 and [n for n, _ in shard.bad_examples] == [6, 78]
+    scored = TabularReader(str(bad), s, batch_size=1000, require_label=False)  # scoring keeps every row
+    (b,) = list(scored)
+    assert len(b) == 300 and b.label[5] == 2.0 and torch.isnan(b.label[77])
     other = tmp_path / "other.parquet"
     pq.write_table(t.drop(["color"]), other)
     with pytest.raises(TabularError, match=r"no column\(s\) \['color'\] of the run's schema"):

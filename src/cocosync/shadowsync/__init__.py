@@ -13,9 +13,9 @@ many (a single-machine run is the multi-machine job with one node), by layer:
   (`errors`) and the CLI (`cli`, its options generated from `config`).
 """
 
-from cocosync.shadowsync.api import train
+from typing import Any
+
 from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, SyncConfig, SynthConfig, TrainConfig
-from cocosync.shadowsync.export import export_model, load_model
 from cocosync.shadowsync.model.inputs import Feature, ModelInputs
 from cocosync.shadowsync.model.tables import (
     EmbeddingBagCollection,
@@ -28,3 +28,17 @@ from cocosync.shadowsync.model.tables import (
 __all__ = ["train", "export_model", "load_model", "TrainConfig", "SyncConfig", "ClusterConfig", "DataConfig",
            "ModelConfig", "SynthConfig", "EmbeddingBagCollection", "EmbeddingBagConfig",
            "KeyedJaggedTensor", "KeyedTensor", "JaggedTensor", "ModelInputs", "Feature"]
+
+
+def __getattr__(name: str) -> Any:
+    """`train`, `export_model` and `load_model` import the job (torch.distributed's launcher) when first used, so that
+    a process that needs only the config or the table API does not."""
+    if name == "train":
+        from cocosync.shadowsync.api import train
+
+        return train
+    if name in ("export_model", "load_model"):
+        from cocosync.shadowsync import export
+
+        return getattr(export, name)
+    raise AttributeError(f"module 'cocosync.shadowsync' has no attribute {name!r}")

@@ -301,8 +301,10 @@ class TabularReader:
                 seen += rb.num_rows
                 if first >= rb.num_rows:
                     continue
-                rb = rb.take(np.arange(first, rb.num_rows, count))
-                rows = self._convert(rb, path, seen - rb.num_rows)
+                start = seen - rb.num_rows  # the file's index of this record batch's first row
+                taken = np.arange(first, rb.num_rows, count)
+                rb = rb.take(taken)
+                rows = self._convert(rb, path, start + taken)
                 skip = min(len(rows), max(0, self.skip_rows - self.position))
                 self.position += skip
                 if skip:
@@ -328,10 +330,12 @@ class TabularReader:
             self.position += n_pending
             yield self._batch(_Rows.concat(pending))
         if self.bad_lines:
-            log.warning("%s: skipped %d rows without a 0/1 label (shard %d of %d); first: %s", ", ".join(self.paths),
+            log.warning("%s: skipped %d rows without a 0/1 label (shard %d of %d); first (row numbers from 1): %s",
+                        ", ".join(self.paths),
                         self.bad_lines, index, count, "; ".join(f"row {r}: {why}" for r, why in self.bad_examples[:3]))
 
-    def _convert(self, rb: Any, path: str, _first_row: int) -> _Rows:
+    def _convert(self, rb: Any, path: str, row_numbers: np.ndarray) -> _Rows:
+        """The record batch's rows as arrays (`row_numbers`: their 0-based index over the files, to name bad ones)."""
         pa, pc = _pa()
         s = self.schema
         n = rb.num_rows
@@ -339,10 +343,11 @@ class TabularReader:
         if s.label in names:
             raw = rb.column(names.index(s.label))
             try:
-                label = np.asarray(pc.cast(raw, pa.float32()).fill_null(-1.0))
-            except pa.ArrowInvalid:
+                label = np.asarray(pc.cast(raw, pa.float32()).fill_null(math.nan))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                 raise TabularError(f"{path}: label column {s.label!r} is {raw.type}, expected 0/1 numbers") from None
-            ok = (label == 0) | (label == 1)
+            # scoring keeps every row (an unknown label is NaN); training skips and counts rows without a 0/1 label
+            ok = (label == 0) | (label == 1) if self.require_label else np.ones(n, dtype=bool)
         else:
             label, ok = np.zeros(n, dtype=np.float32), np.ones(n, dtype=bool)
         dense = np.zeros((n, len(s.dense)), dtype=np.float32)
@@ -374,7 +379,8 @@ class TabularReader:
             bad = np.flatnonzero(~ok)
             self.bad_lines += len(bad)
             for b in bad[:max(0, 10 - len(self.bad_examples))]:
-                self.bad_examples.append((int(b), f"label {rb.column(names.index(s.label))[int(b)]!r}"))
+                value = rb.column(names.index(s.label))[int(b)].as_py()
+                self.bad_examples.append((int(row_numbers[b]) + 1, f"label {value!r}, expected 0 or 1"))
             keep = np.flatnonzero(ok)
             rows = _Rows(label[keep], dense[keep], single[keep],
                          [_take_lists(v, ln, keep) for v, ln in lists])
