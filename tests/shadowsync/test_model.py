@@ -17,7 +17,7 @@ from cocosync.shadowsync.model.embeddings import gather_rows
 from cocosync.shadowsync.model.factory import BUILTINS, build_model, factory_spec, resolve_factory
 from cocosync.shadowsync.model.inputs import Feature, ModelInputs
 from cocosync.shadowsync.model.shard import rowwise_update
-from cocosync.shadowsync.model.sharding import TablePlan, load_tables, shard_model, table_weights
+from cocosync.shadowsync.model.sharding import TablePlan, active, load_tables, shard_model, table_weights
 from cocosync.shadowsync.model.tables import EmbeddingBagCollection, EmbeddingBagConfig, KeyedJaggedTensor
 
 DATA = DataConfig(table_size=2000)
@@ -135,7 +135,9 @@ def _sharded_logits(model, plan, table, dense, features):
     ids = plan.row_ids(features)
     uniq, inverse = torch.unique(ids.view(-1), return_inverse=True)
     rows = table[uniq].clone().requires_grad_()
-    return model(dense, plan.looked_up(features, rows, inverse.view(ids.shape))), rows, uniq
+    looked = plan.looked_up(features, rows, inverse.view(ids.shape))
+    with active(looked):
+        return model(dense, looked), rows, uniq
 
 
 def test_sharded_model_scores_as_the_model_with_its_own_tables():
@@ -161,6 +163,44 @@ def test_sharded_model_scores_as_the_model_with_its_own_tables():
             full[start:start + plan.tables[t].rows, :plan.tables[t].dim] = g_t
         (got_grad,) = torch.autograd.grad(got.sum(), rows)
         torch.testing.assert_close(got_grad, full[uniq])
+
+
+class _PlainBags(nn.Module):
+    """Tables as plain torch.nn.EmbeddingBag modules (each serving the feature of its attribute's name) beside a
+    collection."""
+
+    def __init__(self):
+        super().__init__()
+        self.user = nn.EmbeddingBag(40, 4, mode="sum")
+        self.tags = nn.EmbeddingBag(30, 6, mode="mean")
+        self.rest = EmbeddingBagCollection([EmbeddingBagConfig("c", 30, 6, ("cat", "history"))])
+        self.head = nn.Linear(2 + 4 + 6 + 12, 1)
+
+    def forward(self, dense, features):
+        user, tags = features["user"], features["tags"]
+        x = [dense, self.user(user.values, user.offsets()[:-1]), self.tags(tags.values, tags.offsets()[:-1]),
+             self.rest(features).values()]
+        return self.head(torch.cat(x, dim=1)).squeeze(1)
+
+
+def test_plain_embedding_bags_are_tables_too():
+    torch.manual_seed(0)
+    plain = _PlainBags()
+    plan = TablePlan.of(plain)
+    assert [(t.name, t.features, t.pooling, t.bag) for t in plan.tables] == [
+        ("user", ("user",), "sum", True), ("tags", ("tags",), "mean", True), ("c", ("cat", "history"), "sum", False)]
+    table = torch.randn(plan.total_rows, plan.width)
+    load_tables(plain, plan, table)
+    sharded, _ = shard_model(_PlainBags())
+    sharded.load_state_dict({k: v for k, v in plain.state_dict().items() if k.startswith("head")}, strict=False)
+    assert [n for n, _ in sharded.named_parameters()] == ["head.weight", "head.bias"]
+    features = _jagged(torch.Generator().manual_seed(2)).to_dict()
+    features = KeyedJaggedTensor.from_lists({k: features[k].to_list() for k in plan.features})
+    dense = torch.randn(features.stride(), 2)
+    got, _, _ = _sharded_logits(sharded, plan, table, dense, features)
+    torch.testing.assert_close(got, plain(dense, features))
+    with pytest.raises(TypeError, match="only while the job trains"):
+        sharded(dense, features)
 
 
 def test_fill_padding_keeps_rowwise_adagrad_exact_for_narrow_tables():
@@ -207,3 +247,31 @@ def test_factory_specs_resolve_and_name_what_is_wrong(tmp_path):
         resolve_factory("no_such_pkg.models:make")
     with pytest.raises(ConfigError, match="expected a built-in"):
         resolve_factory("resnet")
+
+
+def test_a_snapshot_loads_into_plain_bags_and_collections_alike(tmp_path):
+    from cocosync.shadowsync.data.sources import build_configs
+    from cocosync.shadowsync.job.eval_curve import BestModel
+
+    (tmp_path / "m.py").write_text(
+        "import torch\nfrom torch import nn\nfrom cocosync.shadowsync import EmbeddingBagCollection, "
+        "EmbeddingBagConfig\n\n"
+        "class M(nn.Module):\n"
+        "    def __init__(self, inputs):\n"
+        "        super().__init__()\n"
+        "        self.C1 = nn.EmbeddingBag(inputs.feature('C1').rows, 4, mode='sum')\n"
+        "        self.rest = EmbeddingBagCollection([EmbeddingBagConfig('t2', inputs.feature('C2').rows, 8, ['C2'])])\n"
+        "        self.out = nn.Linear(inputs.num_dense + 12, 1)\n\n"
+        "    def forward(self, dense, f):\n"
+        "        c1 = self.C1(f['C1'].values, f['C1'].offsets()[:-1])\n"
+        "        return self.out(torch.cat([dense, c1, self.rest(f).values()], 1)).squeeze(1)\n\n"
+        "def make(inputs):\n    return M(inputs)\n")
+    cfg = TrainConfig(model_factory=f"{tmp_path}/m.py:make", data_options={"table_size": 50})
+    data, model_cfg = build_configs(cfg)
+    best = BestModel(cfg, data, model_cfg, [], None, {})
+    plan = best.scorer.run.plan
+    assert [t.name for t in plan.tables] == ["C1", "t2"] and plan.width == 8
+    table = torch.randn(plan.total_rows, plan.width)
+    model = best.load(torch.zeros(best.flat.flat.numel()), table).model
+    assert torch.equal(model.C1.weight, table[:50, :4]) and torch.equal(model.rest.embedding_bags["t2"].weight,
+                                                                        table[50:100])

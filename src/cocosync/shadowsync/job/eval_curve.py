@@ -60,7 +60,8 @@ class BestModel:
     def load(self, flat: torch.Tensor, table: torch.Tensor) -> Scorer:
         """The model with this snapshot's dense parameters and tables."""
         self.flat.flat.copy_(flat)
-        return load_tables(self.scorer, self.scorer.run.plan, table)
+        load_tables(self.scorer.model, self.scorer.run.plan, table)
+        return self.scorer
 
     def score(self, flat: torch.Tensor, table: torch.Tensor, seen: int) -> dict:
         """The eval record of this snapshot, with best=True when it was kept as the best model."""

@@ -28,6 +28,7 @@ from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
+from cocosync.shadowsync.model.sharding import active
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.thread_cpu import in_role
 
@@ -168,7 +169,9 @@ class Trainer:
         features = self.run.features(batch.sparse)
         lookup = lookup or self.remote.fetch(self.plan.row_ids(features))
         rows = self.remote.wait(lookup).requires_grad_()
-        logits = self.model(batch.dense, self.plan.looked_up(features, rows, lookup.inverse)).view(-1)
+        looked = self.plan.looked_up(features, rows, lookup.inverse)
+        with active(looked):  # (a plain EmbeddingBag of the model returns its feature's vectors of this batch)
+            logits = self.model(batch.dense, looked).view(-1)
         loss = F.binary_cross_entropy_with_logits(logits, batch.label)
         grads = torch.autograd.grad(loss, self.dense + [rows], allow_unused=True)
         row_grads = grads[-1] if grads[-1] is not None else torch.zeros_like(rows)

@@ -10,28 +10,34 @@ square of its real gradient, so the accumulator's mean over the stored width equ
 width; the padding columns are never read.
 
 `shard_model` replaces each collection by a `ShardedCollection` that pools from the rows a lookup fetched
-(`TablePlan.looked_up`); every other parameter of the model stays: the dense part that the sync averages.
+(`TablePlan.looked_up`), and each plain torch.nn.EmbeddingBag by a `ShardedBag` that returns its feature's pooled
+vectors of the batch being trained (`active`); every other parameter of the model stays: the dense part that the
+sync averages.
 `load_tables` does the reverse: the model's own collections take the full tables (scoring, export).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from cocosync.shadowsync.model.embeddings import gather_rows
-from cocosync.shadowsync.model.tables import EmbeddingBagCollection, KeyedJaggedTensor, KeyedTensor
+from cocosync.shadowsync.model.tables import POOLINGS, EmbeddingBagCollection, KeyedJaggedTensor, KeyedTensor
 
-__all__ = ["TableSpec", "TablePlan", "ShardedCollection", "LookedUp", "shard_model", "load_tables", "table_weights"]
+__all__ = ["TableSpec", "TablePlan", "ShardedCollection", "ShardedBag", "LookedUp", "active", "shard_model",
+           "load_tables", "table_weights"]
 
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One table of the plan: its collection's module path, name, rows, width, pooling and features."""
+    """One table of the plan: the module path of its collection (or of the plain EmbeddingBag it is), name, rows,
+    width, pooling and features."""
 
     module: str
     name: str
@@ -39,6 +45,7 @@ class TableSpec:
     dim: int
     pooling: str
     features: tuple[str, ...]
+    bag: bool = False
 
 
 class LookedUp(KeyedJaggedTensor):
@@ -89,9 +96,21 @@ class TablePlan:
 
     @classmethod
     def of(cls, model: nn.Module) -> "TablePlan":
-        """The tables of every EmbeddingBagCollection in `model`, in module order."""
-        specs = [TableSpec(path, t.name, t.num_embeddings, t.embedding_dim, t.pooling, t.feature_names)
-                 for path, m in model.named_modules() if isinstance(m, EmbeddingBagCollection) for t in m.tables]
+        """The tables of every EmbeddingBagCollection in `model`, and every torch.nn.EmbeddingBag outside one (a
+        table named by its module path, serving the feature of its attribute's name), in module order."""
+        specs = []
+        inside: set[int] = set()
+        for path, m in model.named_modules():
+            if isinstance(m, EmbeddingBagCollection):
+                specs += [TableSpec(path, t.name, t.num_embeddings, t.embedding_dim, t.pooling, t.feature_names)
+                          for t in m.tables]
+                inside.update(id(b) for b in m.modules())
+            elif isinstance(m, nn.EmbeddingBag) and id(m) not in inside:
+                if m.mode not in POOLINGS or m.padding_idx is not None:
+                    raise ValueError(f"{path}: an EmbeddingBag with mode={m.mode!r}, padding_idx={m.padding_idx!r}; "
+                                     f"the job's tables pool by {POOLINGS} without a padding row")
+                specs.append(TableSpec(path, path, m.num_embeddings, m.embedding_dim, m.mode,
+                                       (path.rpartition(".")[2],), bag=True))
         return cls(specs)
 
     def describe(self) -> str:
@@ -158,6 +177,44 @@ class TablePlan:
         return out
 
 
+_ACTIVE: contextvars.ContextVar[LookedUp | None] = contextvars.ContextVar("looked_up", default=None)
+
+
+@contextlib.contextmanager
+def active(features: LookedUp) -> Iterator[None]:
+    """The batch whose pooled vectors the model's `ShardedBag`s return while the model runs on it (this thread)."""
+    token = _ACTIVE.set(features)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+class ShardedBag(nn.Module):
+    """Stands for a torch.nn.EmbeddingBag whose table lives in the job's stores: called as the bag was (ids and
+    offsets of its feature), it returns that feature's pooled vectors of the batch being trained (`active`)."""
+
+    def __init__(self, feature: str, path: str):
+        super().__init__()
+        self.feature, self.path = feature, path
+
+    def forward(self, input: torch.Tensor, offsets: torch.Tensor | None = None,
+                per_sample_weights: torch.Tensor | None = None) -> torch.Tensor:
+        looked = _ACTIVE.get()
+        if looked is None:
+            raise TypeError(f"{self.path}: this EmbeddingBag's table lives on the job's embedding servers; it is "
+                            "called only while the job trains the model")
+        if per_sample_weights is not None:
+            raise ValueError(f"{self.path}: per_sample_weights are not supported for tables the job stores")
+        bags = input.shape[0] if input.dim() == 2 else (offsets.numel() if offsets is not None else 0)
+        pooled = looked.pooled[self.feature]
+        if bags not in (pooled.shape[0], pooled.shape[0] + 1):
+            raise ValueError(f"{self.path}: called with {bags} bags, but the batch has {pooled.shape[0]} rows: pass "
+                             f"it the batch's feature {self.feature!r} (features[{self.feature!r}].values and its "
+                             "offsets)")
+        return pooled
+
+
 class ShardedCollection(nn.Module):
     """Stands for an EmbeddingBagCollection whose tables live in the job's stores: forward(features) returns the
     pooled vectors of its features that the trainer's lookup attached (`LookedUp`)."""
@@ -183,19 +240,27 @@ def shard_model(model: nn.Module) -> tuple[nn.Module, TablePlan]:
     """`model` with its EmbeddingBagCollections swapped for ShardedCollections (in place), and their plan. The model
     itself may not be a collection."""
     plan = TablePlan.of(model)
-    for path in dict.fromkeys(t.module for t in plan.tables):
-        if not path:
+    for t in plan.tables:
+        if not t.module:
             raise ValueError("the model is an EmbeddingBagCollection itself: ShadowSync trains a model that holds "
                              "one (with dense layers after it)")
-        ebc = model.get_submodule(path)
-        _swap(model, path, ShardedCollection(ebc.feature_names(), path))
+        if t.bag:
+            _swap(model, t.module, ShardedBag(t.features[0], t.module))
+        elif not isinstance(model.get_submodule(t.module), ShardedCollection):
+            _swap(model, t.module, ShardedCollection(model.get_submodule(t.module).feature_names(), t.module))
     return model, plan
 
 
 def table_weights(model: nn.Module) -> dict[str, nn.Parameter]:
-    """The weight of every table of the model's EmbeddingBagCollections, by table name."""
-    return {t.name: m.embedding_bags[t.name].weight for m in model.modules() if isinstance(m, EmbeddingBagCollection)
-            for t in m.tables}
+    """The weight of every table of the model (TablePlan.of's tables), by table name."""
+    out, inside = {}, set()
+    for path, m in model.named_modules():
+        if isinstance(m, EmbeddingBagCollection):
+            out.update({t.name: m.embedding_bags[t.name].weight for t in m.tables})
+            inside.update(id(b) for b in m.modules())
+        elif isinstance(m, nn.EmbeddingBag) and id(m) not in inside:
+            out[path] = m.weight
+    return out
 
 
 @torch.no_grad()
