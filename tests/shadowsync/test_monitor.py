@@ -35,6 +35,7 @@ def test_labels_number_the_roles_node_by_node(tmp_path):
 def test_only_this_machines_trainers_are_watched_and_killed(tmp_path):
     store = dist.HashStore()
     m = _monitor(tmp_path, store)
+    m.started -= 10  # launched 10 s ago: the backdated heartbeats below are this job's
     p = m.store
     sleepers = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
     try:
@@ -56,6 +57,33 @@ def test_only_this_machines_trainers_are_watched_and_killed(tmp_path):
         for s in sleepers:
             s.kill()
             s.wait()
+
+
+def test_the_store_is_untrusted_no_planted_pid_is_signalled_and_no_planted_beat_fails_the_job(tmp_path):
+    """Anyone who reaches the store can write it: a pid there is signalled only if this launcher started that
+    process, and a heartbeat from before the launch, or not a number, is not a trainer's."""
+    m = _monitor(tmp_path, dist.HashStore())
+    p = m.store
+    # an unrelated process (its parent exits at once: not this process's descendant)
+    out = subprocess.run(["sh", "-c", "sleep 60 >/dev/null 2>&1 & echo $!"], capture_output=True, text=True)
+    stranger = int(out.stdout.strip())
+    try:
+        p.set("pid/5", str(stranger))
+        p.set("pid/4", "not a pid")
+        p.set("beat/3", "0")  # planted before the ranks start: 'no heartbeat for days'
+        p.set("beat/2", "soon")
+        assert m._stalled() is None  # no false failure
+        m.kill_ranks()
+        time.sleep(0.2)
+        assert subprocess.run(["kill", "-0", str(stranger)]).returncode == 0  # still alive: never signalled
+        assert m._pid(5) is None and m._pid(4) is None
+        mine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # what the agent starts
+        p.set("pid/5", str(mine.pid))  # the real rank overwrites the planted pid
+        assert m._pid(5) == mine.pid
+        m.kill_ranks()
+        assert mine.wait(10) == -9
+    finally:
+        subprocess.run(["kill", "-9", str(stranger)])
 
 
 def test_progress_is_the_whole_jobs_and_a_stop_elsewhere_is_learnt(tmp_path):

@@ -89,6 +89,29 @@ def unlink_pending() -> None:
         _unlink(path)
 
 
+def parent_pid(pid: int) -> int | None:
+    """The parent of process `pid` (/proc), None when it is gone or unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return int(f.read().rsplit(b")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def is_descendant(pid: int, ancestor: int | None = None) -> bool:
+    """Whether process `pid` descends from `ancestor` (default: this process): a child, a child's child, ..."""
+    ancestor = os.getpid() if ancestor is None else ancestor
+    seen = 0
+    while pid > 1 and seen < 64:
+        parent = parent_pid(pid)
+        if parent is None:
+            return False
+        if parent == ancestor:
+            return True
+        pid, seen = parent, seen + 1
+    return False
+
+
 def pid_alive(pid: int) -> bool:
     """False when the process is gone or a zombie (killed, not yet reaped by its parent)."""
     if pid <= 0:  # not published yet

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from cocosync.runtime.comm.shm import pid_alive
+from cocosync.runtime.comm.shm import is_descendant, pid_alive
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig
@@ -58,6 +58,7 @@ class Monitor:
         self.agent_store = ranks is not None  # the rendezvous store of an agent: it leaves as the agent ends
         self.trainers_done = False  # every trainer of this machine said it is done
         self._pids: dict[int, int] = {}  # this machine's ranks' pids, as each said it
+        self.started = time.monotonic()  # a heartbeat from before is not one of this job's trainers
         self.first_failure: str | None = None  # across machines: the job's first failure, on any machine
         self.logs = Path(cfg.out_dir) / "logs"
         self.failure: str | None = None
@@ -98,13 +99,26 @@ class Monitor:
         """Every rank of this machine said its pid and none runs any more. Across machines the job's store may then
         leave with the agent that hosts it at any moment, and a read of a store that left makes c10d log a C++ stack
         trace (it did after 2 of 3 jobs that succeeded): the monitor stops reading it."""
-        pids = [self._pid(rank) for rank in self.ranks]
+        # a verified pid (read once), else what the store says (a rank gone before it was verified; only read here,
+        # nothing is signalled on it)
+        pids = [self._pid(rank) or self._said_pid(rank) for rank in self.ranks]
         return None not in pids and not any(map(pid_alive, pids))
 
+    def _said_pid(self, rank: int) -> int | None:
+        try:
+            pid = int(self._get(f"pid/{rank}") or 0)
+        except (TypeError, ValueError):
+            return None
+        return pid if pid > 1 else None
+
     def _pid(self, rank: int) -> int | None:
-        """The pid rank `rank` said (read once), or None before it said it."""
-        if rank not in self._pids and (pid := self._get(f"pid/{rank}")):
-            self._pids[rank] = int(pid)
+        """The pid rank `rank` said (read once), or None before it said it. The store is untrusted (anyone who can
+        reach it can write it): a pid is taken only if it is a process this launcher started (its agent's worker,
+        or the warm fork server's child), so the monitor never signals another process."""
+        if rank not in self._pids:
+            pid = self._said_pid(rank)
+            if pid is not None and is_descendant(pid):
+                self._pids[rank] = pid
         return self._pids.get(rank)
 
     def kill_ranks(self) -> None:
@@ -236,7 +250,13 @@ class Monitor:
             done += beat == b"done"
             if beat is None or beat == b"done":
                 continue
-            age = now - float(beat)
+            try:  # (untrusted: a value that is no reading of this machine's clock since the launch is no heartbeat)
+                at = float(beat)
+            except ValueError:
+                continue
+            if not self.started <= at <= now or self._pid(rank) is None:  # (no pid of ours said yet: not started)
+                continue
+            age = now - at
             if age > self.cfg.heartbeat_timeout:
                 pid = self._pid(rank)
                 why = (f"no heartbeat for {age:.0f}s (--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the "
