@@ -40,8 +40,8 @@ from cocosync.shadowsync.model.shard import RowHash
 from cocosync.shadowsync.sync.center import center_bounds
 
 __all__ = ["CheckpointError", "Stateful", "Snapshot", "part_name", "save_job", "load_job", "load_parts", "resolve",
-           "read_meta", "check_resumable", "resharded_trainers", "read_positions", "save_best", "load_weights",
-           "read_tensors", "BEST"]
+           "resumed_run_dir", "read_meta", "check_resumable", "resharded_trainers", "read_positions", "save_best",
+           "load_weights", "read_tensors", "BEST"]
 
 RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model_factory", "model", "data_options",
                "embedding_optimizer")
@@ -215,6 +215,16 @@ def read_meta(path: Path) -> dict:
     if not isinstance(meta, dict) or not {"config", "trainers", "embedding_servers"} <= meta.keys():
         raise CheckpointError(f"checkpoint {str(path)!r}: meta.json is not a cocosync checkpoint's")
     return meta
+
+
+def resumed_run_dir(path: Path, named: str | os.PathLike) -> Path:
+    """Where a resumed run writes when no --out is given: the run directory holding the checkpoint `path` (what the
+    user named, `named`), never the directory the checkpoint's run once wrote to (a copy of a run resumes into the
+    copy). ConfigError for a checkpoint outside a run directory."""
+    if path.parent.name == "checkpoints":
+        return path.parent.parent
+    raise ConfigError(f"resuming {str(named)!r}: it is not inside a run directory (<run>/checkpoints/...), so there is "
+                      "no run to continue in; name where this run writes with --out")
 
 
 def check_resumable(meta: dict, cfg: TrainConfig, path: Path) -> None:

@@ -16,7 +16,7 @@ import click
 from rich.console import Console
 
 from cocosync.shadowsync import config as config_module
-from cocosync.shadowsync.checkpoint import read_meta, resolve
+from cocosync.shadowsync.checkpoint import read_meta, resolve, resumed_run_dir
 from cocosync.shadowsync.config import (
     ClusterConfig,
     ConfigError,
@@ -199,8 +199,11 @@ def config_from_options(config_path: str | None, resume: str | None, opts: dict[
     try:
         if config_path:
             cfg = load_train_config(config_path, **overrides)
-        elif resume:  # the run's settings, less the session's own limit
-            saved = {k: v for k, v in read_meta(resolve(resume))["config"].items() if k != "timeout"}
+        elif resume:  # the run's settings, less the session's own limit; written where the user points
+            path = resolve(resume)
+            saved = {k: v for k, v in read_meta(path)["config"].items() if k != "timeout"}
+            if "out_dir" not in overrides:
+                saved["out_dir"] = str(resumed_run_dir(path, resume))
             cfg = config_from_dict(saved, **overrides)
         else:
             cfg = config_from_dict({}, **overrides)

@@ -65,7 +65,8 @@ def _split_note(cfg: TrainConfig) -> str:
 @config_options
 def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None, **params: Any) -> None:
-    """Train a DLRM with T trainers x W Hogwild workers and ShadowSync (shared embeddings, dense sync).
+    """Train a model (the DLRM, or --model) with T trainers x W Hogwild workers and ShadowSync (shared embeddings,
+    dense sync).
 
     Ctrl-C stops the trainers cleanly and keeps what was measured (metrics, summary, checkpoint);
     a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun's agent for this
