@@ -40,7 +40,9 @@ def _run(name: str, base: dict, out: Path, console: Any, **kw: Any) -> dict:
     s["k"] = cfg.sync.iterations_per_sync if cfg.sync.mode == "foreground" else None
     s["interval"] = cfg.sync.interval if cfg.sync.mode == "shadow" else None
     s["records"] = res.records
-    console.print(f"  {name:28s} EPS {s['eps']:9,.0f}  eval NE {s['eval_ne']:.4f}  gap {s['sync_gap']:.2f}")
+    gap = s.get("sync_gap")  # (None without a sync: the summary holds NaN as null)
+    gap_text = f"{gap:.2f}" if isinstance(gap, (int, float)) and math.isfinite(gap) else "-"
+    console.print(f"  {name:28s} EPS {s['eps']:9,.0f}  eval NE {s['eval_ne']:.4f}  gap {gap_text}")
     return s
 
 
@@ -70,7 +72,7 @@ def run_suite(*, examples: int, eval_examples: int, trainers: list[int], interva
                 key = f"{fr} T={T}"
                 if key not in matched_k:
                     gap = shadow["sync_gap"]
-                    matched_k[key] = max(1, round(gap)) if math.isfinite(gap) else 1
+                    matched_k[key] = max(1, round(gap)) if isinstance(gap, (int, float)) and math.isfinite(gap) else 1
                 k = matched_k[key]
                 if k > 1 and matched:
                     go(f"{fr} k={k} T={T}", trainers=T, sync={"algorithm": fr, "every": k})
