@@ -309,3 +309,12 @@ def test_a_machine_shape_without_a_trainer_is_refused_before_the_rendezvous(tmp_
     assert res.returncode == 2, res.stderr[-2000:]
     assert "--nproc-per-node=2 leaves no trainer" in res.stderr and "expected nproc-per-node >= 3" in res.stderr
     assert "Traceback" not in res.stderr and "waiting for" not in res.stderr
+
+
+def test_a_config_nested_thousands_deep_is_one_line_and_yaml_configs_are_read(tmp_path):
+    deep = _config(tmp_path, '{"a":' * 100_000 + "1" + "}" * 100_000, "deep.json")
+    _one_error(_train(tmp_path, "--config", deep), "nested too deeply", "deep.json")
+    from cocosync.shadowsync.config import load_train_config
+
+    cfg = load_train_config(_config(tmp_path, "trainers: 3\nsync:\n  algorithm: shadow-ma\n", "run.yaml"))
+    assert cfg.trainers == 3 and cfg.sync.algorithm == "shadow-ma"

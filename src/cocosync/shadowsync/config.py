@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from cocosync.shadowsync.errors import ConfigError
 
 if sys.version_info >= (3, 11):
@@ -635,7 +637,21 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
+    try:
+        text = p.read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e}") from None
+    try:
+        raw = _parse_config(p, text)
+    except RecursionError:  # a crafted file nested thousands deep: the parsers recurse per level
+        raise ConfigError(f"config file {str(p)!r} is nested too deeply to be a config (tables of settings nest two "
+                          "levels)") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of settings, got {type(raw).__name__}")
+    return raw
+
+
+def _parse_config(p: Path, text: str) -> Any:
     suffix = p.suffix.lower()
     if suffix == ".toml":
         try:
@@ -649,17 +665,11 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
             raise ConfigError(f"config file {str(p)!r}: JSON syntax error: {e}") from None
     elif suffix in (".yaml", ".yml"):
         try:
-            import yaml  # type: ignore[import-not-found]
-        except ImportError:
-            raise ConfigError(f"{str(p)!r} is YAML but PyYAML is not installed; use .toml or .json") from None
-        try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"config file {str(p)!r}: YAML syntax error: {e}") from None
     else:
         raise ConfigError(f"config file {str(p)!r}: unknown extension {suffix!r}; expected .toml, .json or .yaml")
-    if not isinstance(raw, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a table of settings, got {type(raw).__name__}")
     return raw
 
 
