@@ -318,3 +318,15 @@ def test_a_config_nested_thousands_deep_is_one_line_and_yaml_configs_are_read(tm
 
     cfg = load_train_config(_config(tmp_path, "trainers: 3\nsync:\n  algorithm: shadow-ma\n", "run.yaml"))
     assert cfg.trainers == 3 and cfg.sync.algorithm == "shadow-ma"
+
+
+def test_a_truncated_gzip_file_is_one_line_naming_it(tmp_path):
+    import gzip
+
+    full = tmp_path / "full.tsv.gz"
+    with gzip.open(full, "wt") as f:
+        f.write("".join(f"{i % 2}\t" + "\t".join(["1"] * 13 + ["a"] * 26) + "\n" for i in range(20_000)))
+    cut = tmp_path / "cut.tsv.gz"
+    cut.write_bytes(full.read_bytes()[:2000])
+    _one_error(_train(tmp_path, "--data", str(cut), "--examples", "10000"), "cut.tsv.gz",
+               "truncated or damaged gzip file")

@@ -25,6 +25,7 @@ import gzip
 import logging
 import os
 import re
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
@@ -292,7 +293,11 @@ class CriteoReader:
         line_no, rest = 1, b""
         with opener(path, "rb") as f:
             while True:
-                block = f.read(self.chunk_bytes)
+                try:
+                    block = f.read(self.chunk_bytes)
+                except (EOFError, gzip.BadGzipFile, zlib.error) as e:  # (click would show an EOFError as 'Aborted!')
+                    raise CriteoFormatError(f"{path}: a truncated or damaged gzip file ({e}; {line_no - 1:,} lines "
+                                            "read before it)") from None
                 if not block:
                     break
                 block = rest + block
