@@ -330,3 +330,18 @@ def test_a_truncated_gzip_file_is_one_line_naming_it(tmp_path):
     cut.write_bytes(full.read_bytes()[:2000])
     _one_error(_train(tmp_path, "--data", str(cut), "--examples", "10000"), "cut.tsv.gz",
                "truncated or damaged gzip file")
+
+
+def test_an_out_directory_that_cannot_be_written_is_one_line(tmp_path):
+    (tmp_path / "afile").write_text("")
+    res = CliRunner().invoke(cli, ["train", "--no-progress", "--out", str(tmp_path / "afile" / "run")])
+    _one_error(res, "cannot be written", "afile")
+    ro = tmp_path / "ro"  # a read-only file system, where this machine lets a test mount one
+    ro.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(ro)], capture_output=True).returncode:
+        return
+    try:
+        res = CliRunner().invoke(cli, ["train", "--no-progress", "--out", str(ro / "run")])
+        _one_error(res, "cannot be written: Read-only file system")
+    finally:
+        subprocess.run(["umount", str(ro)])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import platform
 import sys
 from dataclasses import dataclass, field
@@ -558,6 +559,20 @@ def check_paths(cfg: TrainConfig) -> None:
     out = Path(cfg.out_dir)
     if out.exists() and not out.is_dir():
         raise ConfigError(f"out_dir={cfg.out_dir!r} is a file; expected a directory (it is created if missing)")
+    check_writable(out, "out_dir")
+
+
+def check_writable(out: Path, name: str) -> None:
+    """`out` exists (created if missing) and takes a file, or ConfigError naming it and the cause (a read-only file
+    system, no permission, no space)."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{name}={str(out)!r} cannot be written: {e.strerror or e} (choose another directory with "
+                          "--out)") from None
 
 
 def resume_value(config: dict, key: str) -> Any:
