@@ -345,3 +345,23 @@ def test_an_out_directory_that_cannot_be_written_is_one_line(tmp_path):
         _one_error(res, "cannot be written: Read-only file system")
     finally:
         subprocess.run(["umount", str(ro)])
+
+
+def test_a_run_that_finished_says_so_and_only_a_stopped_one_says_stopped(tmp_path):
+    from cocosync.shadowsync.data.synth import write_synthetic
+
+    write_synthetic(tmp_path / "train.tsv", 20_000, 0)
+    write_synthetic(tmp_path / "eval.tsv", 2_000, 1)
+    common = ["train", "--no-progress", "--data", str(tmp_path / "train.tsv"), "--eval-data",
+              str(tmp_path / "eval.tsv"), "--examples", "20000", "--eval-examples", "2000"]
+    done = subprocess.run([sys.executable, "-m", "cocosync.cli", *common, "--out", str(tmp_path / "a")],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "stopped" not in done.stderr  # (it said 'stopped at --stop-after' with no --stop-after given)
+    import json
+
+    seen = json.loads((tmp_path / "a" / "summary.json").read_text())["examples"]
+    assert seen == 20_000 or f"finished, {20_000 - seen:,} examples short of the budget" in done.stderr
+    stopped = subprocess.run([sys.executable, "-m", "cocosync.cli", *common, "--out", str(tmp_path / "b"),
+                              "--stop-after", "8000"], capture_output=True, text=True, timeout=240)
+    assert stopped.returncode == 0 and "stopped at --stop-after; continue with" in stopped.stderr

@@ -187,6 +187,9 @@ def _print_result(console, result) -> None:
     if s.get("resumed_from"):
         console.print(f"resumed after {s['resumed_from']:,} examples of the run it resumed"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
+    if s.get("short_by"):
+        console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader's byte range held fewer "
+                      "lines than its share (--data-split lines reads the budget exactly)", soft_wrap=True)
     if result.interrupted or s.get("stopped"):
         console.print((f"[yellow]stopped by {result.stop_reason or 'a signal'}: the numbers cover the examples "
                        "trained before the stop" if result.interrupted else "stopped at --stop-after")

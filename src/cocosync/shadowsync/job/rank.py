@@ -374,6 +374,12 @@ def _progress(job: Job, t: int, logger: MetricsLogger | None, console: Any):
     return emit
 
 
+def _stop_requested(job: Job, trainer: Trainer) -> bool:
+    """Whether this run was asked to stop before the budget's end: --stop-after below it, or the stop flag."""
+    stop_after = job.cluster.stop_after
+    return bool(trainer.state.stop[0]) or (stop_after is not None and stop_after < job.cfg.total_examples)
+
+
 def _stop_after(stop: torch.Tensor, seconds: float) -> None:
     """Raise the workers' stop flag after `seconds` (what a launcher's --timeout does through the store)."""
     timer = threading.Timer(seconds, stop.fill_, args=(1,))
@@ -406,7 +412,10 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
-        "resumed_from": resumed, "stopped": seen < cfg.total_examples,
+        # stopped: before the budget's end by a request (--stop-after, Ctrl-C, SIGTERM, --timeout); short_by: a run
+        # that read its shards to their end and fell short of the budget (a byte range holding fewer lines)
+        "resumed_from": resumed, "stopped": seen < cfg.total_examples and _stop_requested(job, trainer),
+        "short_by": 0 if _stop_requested(job, trainer) else max(0, cfg.total_examples - seen),
         "W": cfg.workers, "embedding_servers": roles.embedding_per_node * roles.topo.nnodes,
         "sync_servers": roles.sync_per_node * roles.topo.nnodes, "prefetch": job.cluster.prefetch,
         "lookup_batches": job.cluster.lookup_batches,
