@@ -123,3 +123,26 @@ def test_a_training_run_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     assert seen, "expected the rendezvous store to be seen listening"
     assert not _non_loopback(seen), seen
+
+
+def test_a_checkpoint_whose_metadata_names_a_file_outside_it_is_refused(tmp_path):
+    """A crafted .metadata whose data file is '../other-run/...' would make the loader read another run's file (its
+    checksum can be matched by whoever crafts the directory): refused, naming the path."""
+    import pickle
+
+    import torch.distributed.checkpoint as dcp
+
+    from cocosync.shadowsync.checkpoint import CheckpointError
+    from cocosync.shadowsync.safe_reader import SafeReader
+
+    other, path = tmp_path / "other-run", tmp_path / "ckpt"
+    dcp.save({"w": torch.ones(10)}, checkpoint_id=str(other), no_dist=True)
+    dcp.save({"w": torch.ones(10)}, checkpoint_id=str(path), no_dist=True)
+    (data,) = other.glob("*.distcp")
+    metadata = pickle.loads((path / ".metadata").read_bytes())
+    for info in metadata.storage_data.values():
+        info.relative_path = f"../other-run/{data.name}"
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"names the data file '\.\./other-run/.*', which is not a file of the "
+                                              "checkpoint's own directory"):
+        SafeReader(str(path)).read_metadata()

@@ -69,10 +69,17 @@ def _check_files(path: Path, metadata: Any) -> None:
     to directories they do not share has only this machine's files (each saved its part to its own --out), and a
     copy cut short misses the end of one. Either was a FileNotFoundError, or a read past a file's end, mid-load."""
     need: dict[str, int] = {}
+    root = path.resolve()
     for info in (getattr(metadata, "storage_data", None) or {}).values():
         name = getattr(info, "relative_path", None)
-        if isinstance(name, str):
-            need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
+        if not isinstance(name, str):
+            raise CheckpointError(f"refused to load {str(path)!r}: its .metadata names a data file by "
+                                  f"{type(name).__name__}, not a file name")
+        target = (root / name).resolve()
+        if Path(name).is_absolute() or target.parent != root:  # '../other-run/...', '/etc/...', a link out of it
+            raise CheckpointError(f"refused to load {str(path)!r}: its .metadata names the data file {name!r}, "
+                                  "which is not a file of the checkpoint's own directory")
+        need[name] = max(need.get(name, 0), int(info.offset) + int(info.length))
     missing = sorted(n for n in need if not (path / n).is_file())
     if missing:
         raise CheckpointError(f"checkpoint {str(path)!r} is incomplete: {len(missing)} of its {len(need)} data files "
