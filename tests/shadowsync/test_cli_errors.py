@@ -365,3 +365,9 @@ def test_a_run_that_finished_says_so_and_only_a_stopped_one_says_stopped(tmp_pat
     stopped = subprocess.run([sys.executable, "-m", "cocosync.cli", *common, "--out", str(tmp_path / "b"),
                               "--stop-after", "8000"], capture_output=True, text=True, timeout=240)
     assert stopped.returncode == 0 and "stopped at --stop-after; continue with" in stopped.stderr
+
+
+def test_a_multi_machine_option_on_one_machine_is_named_as_ignored(tmp_path):
+    res = _train(tmp_path, "--hot-rows", "1000000000", "--examples", "2000", "--eval-examples", "500", "-T", "1")
+    assert res.exit_code == 0, res.output
+    assert "--hot-rows: this option applies across machines (--nnodes)" in res.output

@@ -42,6 +42,11 @@ def _split_note(cfg: TrainConfig) -> str:
     return " (workers read their byte ranges)" if split == "bytes" else " (workers read interleaved lines)"
 
 
+#: options of the lookups between machines: a one-machine run has none (its trainers read the shards in place)
+_MULTI_MACHINE_ONLY = ("cluster__lookup_transport", "cluster__exchange_interval", "cluster__hot_rows",
+                       "cluster__hot_sync_interval", "cluster__hot_staleness", "cluster__max_inflight")
+
+
 @show_defaults
 @click.command(cls=SectionedCommand)
 @CONFIG_OPTION
@@ -88,6 +93,11 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     if progress is not None:
         cfg = dataclasses.replace(cfg, progress=progress)
     console = make_console()
+    if ignored := [f"--{k.removeprefix('cluster__').replace('_', '-')}" for k in _MULTI_MACHINE_ONLY
+                   if params.get(k) is not None]:
+        console.print(f"[yellow]{', '.join(ignored)}: {'this option applies' if len(ignored) == 1 else 'these apply'} "
+                      "across machines (--nnodes); on one machine the trainers read the tables in place, so it is "
+                      "ignored", soft_wrap=True)
     console.print(f"[bold]cocosync train[/]: {cfg.sync.algorithm}, T={cfg.trainers} trainers x W={cfg.workers} "
                   f"workers, {cfg.examples:,} examples"
                   + (f" x {cfg.epochs} epochs" if cfg.epochs > 1 else "")
