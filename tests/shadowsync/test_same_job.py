@@ -23,14 +23,27 @@ def _checkpoint(path, seen=4000, crc="12345"):
 
 
 def test_what_each_machine_sets_for_itself_is_not_compared(tmp_path):
-    cfg = TrainConfig()
-    local = TrainConfig(out_dir="/elsewhere", data="/mnt/b/train.tsv", threads=8, timeout=60.0, heartbeat_timeout=9.0,
-                        progress=False, log_every=2.0, window=7, plot=False)
+    (tmp_path / "a.tsv").write_text("1\t2\n" * 1000)
+    (tmp_path / "b.tsv").write_text("1\t2\n" * 1000)  # a copy of the same rows at another path
+    cfg = TrainConfig(data=str(tmp_path / "a.tsv"))
+    local = TrainConfig(out_dir="/elsewhere", data=str(tmp_path / "b.tsv"), threads=8, timeout=60.0,
+                        heartbeat_timeout=9.0, progress=False, log_every=2.0, window=7, plot=False)
     assert {f.name for f in dataclasses.fields(cfg) if getattr(cfg, f.name) != getattr(local, f.name)} == PER_MACHINE
     assert _options(cfg) == _options(local)
     # the checkpoint to resume may sit at another path on each machine (two mounts: two copies here)
     a, b = _checkpoint(tmp_path / "a"), _checkpoint(tmp_path / "b")
     assert _options(cluster=ClusterConfig(resume=a)) == _options(cluster=ClusterConfig(resume=b))
+
+
+def test_data_files_that_differ_past_their_first_rows_are_named(tmp_path):
+    rows = [f"{i % 2}\t{i}\n" for i in range(200_000)]
+    (tmp_path / "a.tsv").write_text("".join(rows))
+    flipped = rows[:100_000] + [("0" if r[0] == "1" else "1") + r[1:] for r in rows[100_000:]]  # labels flipped
+    (tmp_path / "b.tsv").write_text("".join(flipped))
+    a = _options(TrainConfig(data=str(tmp_path / "a.tsv")))
+    b = _options(TrainConfig(data=str(tmp_path / "b.tsv")))
+    (line,) = differences({0: a, 1: b})
+    assert line.startswith("data (its contents): '") and " on node 0, '" in line and line.endswith(" on node 1")
 
 
 def test_a_resume_on_one_machine_only_or_from_another_checkpoint_is_named(tmp_path):

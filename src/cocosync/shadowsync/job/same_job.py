@@ -26,11 +26,11 @@ from cocosync.runtime.comm.topology import Topology, topology_from_env
 from cocosync.shadowsync.checkpoint import read_meta, resolve
 from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig, config_to_dict
 
-__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "checkpoint_identity", "differences",
-           "check_same_job"]
+__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "checkpoint_identity", "data_fingerprint",
+           "differences", "check_same_job"]
 
 #: what each machine may set for itself: where it writes and reads (a data file's path; its contents are compared
-#: through the click rate read from its first rows, model.init_ctr), its threads, its own limits, what it shows
+#: by `data_fingerprint`), its threads, its own limits, what it shows
 PER_MACHINE = frozenset({"out_dir", "data", "threads", "timeout", "heartbeat_timeout", "progress", "log_every",
                          "window", "plot"})
 
@@ -58,10 +58,36 @@ def job_options(cfg: TrainConfig, cluster: ClusterConfig, nproc_per_node: int) -
             out.update({f"{key}.{k}": v for k, v in value.items()})
         else:
             out[key] = value
+    if cfg.data != "synthetic":  # each machine names its own copy: its contents must agree
+        out["data (its contents)"] = data_fingerprint(cfg.data)
+    eval_path = cfg.data_options.get("eval_path")
+    if isinstance(eval_path, str):
+        out["data_options.eval_path"] = data_fingerprint(eval_path)
     out.update({k: v for k, v in dataclasses.asdict(cluster).items() if k != "resume"})
     out["resume"] = checkpoint_identity(cluster.resume) if cluster.resume is not None else None
     out["nproc_per_node"] = nproc_per_node
     return out
+
+
+#: blocks of a data file hashed into its fingerprint, and their size
+FINGERPRINT_BLOCKS, FINGERPRINT_BLOCK = 64, 1 << 16
+
+
+def data_fingerprint(path: str) -> str:
+    """What identifies a data file wherever a machine keeps it: its size and a digest of FINGERPRINT_BLOCKS blocks
+    spread over it (first and last included), so two copies that differ past their first rows are told apart
+    without reading either whole."""
+    try:
+        size = os.path.getsize(path)
+        h = hashlib.sha256()
+        with open(path, "rb") as f:
+            blocks = min(FINGERPRINT_BLOCKS, max(1, -(-size // FINGERPRINT_BLOCK)))
+            for i in range(blocks):
+                f.seek((size - FINGERPRINT_BLOCK) * i // max(1, blocks - 1) if size > FINGERPRINT_BLOCK else 0)
+                h.update(f.read(FINGERPRINT_BLOCK))
+    except OSError as e:
+        return f"unreadable ({e.strerror})"
+    return f"{size:,} bytes, sampled sha256 {h.hexdigest()[:12]}"
 
 
 def checkpoint_identity(path: str) -> str:
