@@ -371,3 +371,25 @@ def test_a_multi_machine_option_on_one_machine_is_named_as_ignored(tmp_path):
     res = _train(tmp_path, "--hot-rows", "1000000000", "--examples", "2000", "--eval-examples", "500", "-T", "1")
     assert res.exit_code == 0, res.output
     assert "--hot-rows: this option applies across machines (--nnodes)" in res.output
+
+
+def test_a_checkpoint_into_a_full_disk_is_one_line_and_keeps_the_last_whole_one(tmp_path):
+    disk = tmp_path / "disk"  # a 6 MB file system: room for one checkpoint of this run (~3.8 MB), not two
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small file system here (needs root)")
+    try:
+        run = disk / "run"
+        done = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--no-progress", "--table-size", "2000", "--examples", "20000",
+                               "--eval-examples", "1000", "-T", "1", "--checkpoint-every", "10000", "--out", str(run)],
+                              capture_output=True, text=True, timeout=240)
+        assert done.returncode != 0
+        err = [line for line in done.stderr.splitlines() if not line.startswith("E1")]
+        assert any("cannot write checkpoint" in line and "seen-20000': No space left on device" in line
+                   and "the last whole checkpoint is kept" in line for line in err), done.stderr[-3000:]
+        assert "JSONDecodeError" not in done.stderr.split("error: training failed")[-1]
+        kept = sorted(p.name for p in (run / "checkpoints").iterdir())  # the partial seen-20000 is gone
+        assert len(kept) == 2 and kept[0] == "latest" and kept[1].startswith("seen-10")  # (marks: batch boundaries)
+        assert (run / "checkpoints" / "latest").read_text().strip() == kept[1]
+    finally:
+        subprocess.run(["umount", str(disk)])

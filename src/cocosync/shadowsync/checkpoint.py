@@ -39,9 +39,9 @@ from cocosync.shadowsync.errors import CheckpointError, ConfigError
 from cocosync.shadowsync.model.shard import RowHash
 from cocosync.shadowsync.sync.center import center_bounds
 
-__all__ = ["CheckpointError", "Stateful", "Snapshot", "part_name", "save_job", "load_job", "load_parts", "resolve",
-           "resumed_run_dir", "read_meta", "check_resumable", "resharded_trainers", "read_positions", "save_best",
-           "load_weights", "read_tensors", "BEST"]
+__all__ = ["CheckpointError", "CheckpointWriteError", "Stateful", "Snapshot", "part_name", "save_job", "load_job",
+           "load_parts", "resolve", "resumed_run_dir", "read_meta", "check_resumable", "resharded_trainers",
+           "read_positions", "save_best", "load_weights", "read_tensors", "BEST"]
 
 RESUME_KEYS = ("data", "examples", "seed", "batch_size", "model_factory", "model", "data_options",
                "embedding_optimizer")
@@ -156,12 +156,56 @@ def save_job(states: Mapping[str, Stateful], root: Path, meta: dict | None, *, o
     dist.broadcast_object_list(seen, src=writer)
     path = root / "checkpoints" / f"seen-{seen[0]}"
     state = _flatten(states)
-    _dcp().save(state, checkpoint_id=str(path))
-    _write_checksums(path, owner, state)
-    dist.barrier()  # every rank's files are written before `latest` points here
+    error = None
+    try:
+        _dcp().save(state, checkpoint_id=str(path))
+        _write_checksums(path, owner, state)
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException wrapping each rank's error)
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        error = _write_error(path, e, sum(t.numel() * t.element_size() for t in state.values()))
+    errors: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # every rank's files are written (or not) before `latest` points here
+    failed = next((e for e in errors if e is not None), None)
+    if failed is not None:  # no rank points `latest` here, and the partial directory goes: `latest` stays whole
+        if meta is not None:
+            shutil.rmtree(path, ignore_errors=True)
+        raise CheckpointWriteError(failed)
     if meta is not None:
         _point_latest(root, path, meta)
     return path
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (a full disk, a read-only or unwritable directory): the message names the
+    directory and the cause; the partial checkpoint is removed and `latest` still names the last whole one."""
+
+
+def _write_error(path: Path, e: BaseException, nbytes: int) -> str:
+    """One line for a failed checkpoint write: the path, the OS's cause where one is in the chain, and the space."""
+    found = [e, *getattr(e, "failures", {}).values()]  # (DCP's CheckpointException: each rank's own error)
+    os_error = None
+    while found and os_error is None:
+        x = found.pop(0)
+        if isinstance(x, OSError):
+            os_error = x
+        elif isinstance(x, BaseException):
+            found += [c for c in (x.__cause__, x.__context__) if c is not None]
+    try:
+        usage = shutil.disk_usage(path.parent if path.parent.exists() else path.parent.parent)
+    except OSError:
+        usage = None
+    if os_error is not None:
+        reason = os_error.strerror or str(os_error)
+    elif usage is not None and usage.free < max(nbytes, 1 << 20):  # (torch's writer says 'unexpected pos' then)
+        reason = "No space left on device"
+    else:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+    text = f"cannot write checkpoint {str(path)!r}: {reason}"
+    if usage is not None:
+        text += (f" ({usage.free / 2**20:,.1f} MiB free of {usage.total / 2**20:,.1f} MiB there; this rank's part "
+                 f"is {nbytes / 2**20:,.1f} MiB)")
+    return text + "; the last whole checkpoint is kept (checkpoints/latest)"
 
 
 def save_best(root: Path, meta: dict, table: torch.Tensor, flat: torch.Tensor) -> Path:

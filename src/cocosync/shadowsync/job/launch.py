@@ -415,8 +415,11 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     summary_path = out / "summary.json"
     if failure is not None or not summary_path.is_file():
         failure = failure or "the job ended without a summary (see the ranks' output in " + str(out / "logs") + ")"
-        with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:  # no rank writes any more
-            f.write(json.dumps({"time": time.time(), "event": "failed", "error": failure}) + "\n")
+        try:
+            with open(out / "metrics.jsonl", "a", encoding="utf-8") as f:  # no rank writes any more
+                f.write(json.dumps({"time": time.time(), "event": "failed", "error": failure}) + "\n")
+        except OSError:  # (a full or read-only disk: the failure is said on the terminal all the same)
+            pass
         raise TrainerFailure(f"training failed: {failure}")
     summary = json.loads(summary_path.read_text())
     return RunResult(name=summary["name"], summary=summary, records=read_metrics(out / "metrics.jsonl"),
@@ -427,8 +430,9 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
 def _describe_failure(outcome: dict, monitor: Monitor) -> str | None:
     """Why the job failed, naming the rank that started it: a rank killed by a signal other than the agent's SIGTERM,
     else the earliest message a failing rank left, else torchrun's account of any rank."""
-    if "error" in outcome:
-        return f"the elastic agent failed: {outcome['error']!r}"
+    if "error" in outcome:  # (a rank's own message first: e.g. a full disk also leaves its error file empty)
+        messages = monitor.failure_messages()
+        return messages[0][1] if messages else f"the elastic agent failed: {outcome['error']!r}"
     failures = outcome.get("failures")
     if not failures:
         return None

@@ -46,6 +46,7 @@ from cocosync.runtime.comm.shm import ArenaFull, unlink_pending
 from cocosync.shadowsync import thread_cpu
 from cocosync.shadowsync.checkpoint import (
     BEST,
+    CheckpointWriteError,
     Snapshot,
     Stateful,
     check_resumable,
@@ -183,7 +184,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
         err = sys.exc_info()[1]  # bad input found by a rank (a damaged checkpoint): its message says it all
-        text = str(err) if isinstance(err, (ConfigError, ArenaFull)) else traceback.format_exc()
+        known = (ConfigError, ArenaFull, CheckpointWriteError)  # (their message says it all)
+        text = str(err) if isinstance(err, known) else traceback.format_exc()
         if link is not None:
             link.failed(text)
         unlink_pending()  # a segment a dead peer never mapped (os._exit skips the atexit hook that would)
