@@ -380,8 +380,9 @@ def test_a_checkpoint_into_a_full_disk_is_one_line_and_keeps_the_last_whole_one(
         pytest.skip("cannot mount a small file system here (needs root)")
     try:
         run = disk / "run"
-        done = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--no-progress", "--table-size", "2000", "--examples", "20000",
-                               "--eval-examples", "1000", "-T", "1", "--checkpoint-every", "10000", "--out", str(run)],
+        args = ["--table-size", "2000", "--examples", "20000", "--eval-examples", "1000", "-T", "1",
+                "--checkpoint-every", "10000", "--out", str(run)]
+        done = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--no-progress", *args],
                               capture_output=True, text=True, timeout=240)
         assert done.returncode != 0
         err = [line for line in done.stderr.splitlines() if not line.startswith("E1")]
