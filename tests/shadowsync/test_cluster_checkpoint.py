@@ -164,3 +164,17 @@ def test_periodic_checkpoints_survive_a_killed_trainer_and_the_job_resumes_from_
     s = _summary(resumed)
     assert s["resumed_from"] == meta["examples_seen"] and s["resumed_from"] + s["examples"] == 200000
     assert leftover_segments() == []
+
+
+def test_a_multi_machine_resume_takes_the_runs_config_repeating_nothing(tmp_path):
+    """Two loopback machines stopped part-way; resumed with --resume alone (no --examples, --sync, --out): the run's
+    own settings, written into its own directory, as on one machine (it took the defaults and was refused)."""
+    out = tmp_path / "run"
+    _run(out, "--sync", "none", "--batch-size", "128", "--stop-after", "8000", nnodes=2)
+    first = _summary(out)
+    runs = run_nodes(["-m", "cocosync.shadowsync", "--resume", str(out)], nnodes=2, nproc_per_node=2, timeout=240)
+    for r in runs:
+        assert r.returncode == 0, f"node {r.node} exited {r.returncode}:\n{r.output[-4000:]}"
+    second = _summary(out)
+    assert second["sync"] == "none" and second["resumed_from"] == first["examples"]
+    assert first["examples"] + second["examples"] == 20000 and not second["stopped"]

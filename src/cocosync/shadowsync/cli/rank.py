@@ -64,7 +64,7 @@ def main(json_out: bool, job_file: str | None, config_path: str | None, resume: 
 
 def rank_job(config_path: str | None, resume: str | None, params: dict[str, Any]) -> tuple[TrainConfig, ClusterConfig]:
     """The job a rank's parsed config options describe (no progress bar: the launcher shows the job's). A rank
-    resuming takes its config from the command line, and the checkpoint is checked against it. ConfigError or
-    UsageError if bad."""
-    cfg, cluster = job_from_options(config_path, None, params, {"resume": resume})
+    resuming takes the run's config, as one machine does (the command line wins over it), and writes into the
+    resumed run's directory unless --out says otherwise. ConfigError or UsageError if bad."""
+    cfg, cluster = job_from_options(config_path, resume, params, {"resume": resume})
     return dataclasses.replace(cfg, progress=False), cluster
