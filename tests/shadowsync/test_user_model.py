@@ -124,15 +124,19 @@ def test_python_train_with_a_factory_defined_in_a_script(files, tmp_path):
     assert saved["config"]["model_factory"] == f"{script}:make"
 
 
-def test_your_model_across_two_loopback_nodes(files, tmp_path):
+@pytest.mark.parametrize("transport", ["exchange", "node-exchange"])
+def test_your_model_across_two_loopback_nodes(files, tmp_path, transport):
+    """The list feature's rows through each lookup transport between machines (a trainer's own exchange, or its
+    relay to the node's exchange) and the nodes' replicas of the hot rows."""
     out = tmp_path / "run"
     runs = run_nodes(["-m", "cocosync.shadowsync", "--data", str(files / "train.parquet"), "--model",
                       f"{files}/mymodel.py:make", "--examples", "20000", "--eval-examples", "2000", "--sync",
-                      "shadow-bmuf", "--out", str(out)], nproc_per_node=2, timeout=240)
+                      "shadow-bmuf", "--lookup-transport", transport, "--out", str(out)], nproc_per_node=2,
+                     timeout=240)
     for r in runs:
         assert r.returncode == 0, r.stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     # the other node's rows through the exchange, the hottest from the node's replica (a list feature's ids too)
-    assert (s["nodes"], s["T"], s["examples"]) == (2, 2, 20000)
+    assert (s["nodes"], s["T"], s["examples"], s["lookup_transport"]) == (2, 2, 20000, transport)
     assert s["remote_row_fraction"] > 0 and s["hot_row_fraction"] > 0.5
     assert s["eval_ne"] < 1.0
