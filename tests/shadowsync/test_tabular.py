@@ -145,3 +145,16 @@ def test_data_inspect_reads_parquet_and_criteo_files_of_any_width(parquet, tmp_p
     res = CliRunner().invoke(main, ["data", "inspect", str(tsv)])
     assert res.exit_code == 0, res.output
     assert "4 integer and 6 categorical columns" in res.output and "300" in res.output
+
+
+def test_parquet_shards_of_a_budget_are_contiguous_ranges_read_by_row_groups(parquet):
+    """A training run's shard reads its share of the budget as one range (the row groups holding it); the rows after
+    the budget are left to the held-out set."""
+    s = infer_schema(parquet)
+    labels = torch.tensor(_table()["click"].to_numpy(), dtype=torch.float32)
+    parts = [torch.cat([b.label for b in TabularReader(parquet, s, shard=(i, 3), batch_size=64, rows_per_shard=250)])
+             for i in range(3)]
+    assert [len(p) for p in parts] == [250, 250, 250]  # row groups of 300: ranges cross their bounds
+    assert torch.equal(torch.cat(parts), labels[:750])
+    r = TabularReader(parquet, s, shard=(2, 3), batch_size=64, rows_per_shard=250, skip_rows=100, max_rows=50)
+    assert torch.equal(torch.cat([b.label for b in r]), labels[600:650]) and r.position == 150

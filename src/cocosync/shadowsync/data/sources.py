@@ -149,8 +149,9 @@ class FileSource:
 
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
         n = self.shard_rows(shard, shards)
+        extra = {"rows_per_shard": self.shard_rows(shard, shards)} if tabular_schema(self.data) is not None else {}
         yield from open_reader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
-                                skip_rows=start, max_rows=max(0, n - start), split=self.data.reader_split)
+                               skip_rows=start, max_rows=max(0, n - start), split=self.data.reader_split, **extra)
 
 
 class Epochs:

@@ -13,12 +13,16 @@ table rows each categorical needs; `infer_schema` finds it from the column types
   wins.
 * Dense transforms, per column: `standardize` ((x - mean) / std over the sample; the default), `log`
   (sign(x) log(1 + |x|)), `none`. Nulls are 0 after the transform.
-* Sharding: shard (i, n) owns the rows whose index l has l % n == i (every reader scans the file, as Criteo's
-  `split="lines"`); a row whose label is missing or not 0/1 is skipped and counted in `.bad_lines`.
+* Sharding: with `rows_per_shard` (a training run's share of the budget) shard (i, n) of Parquet files owns the
+  contiguous rows [i * rows_per_shard, (i + 1) * rows_per_shard) and reads only the row groups holding them (the
+  rows after the budget stay held out); otherwise (CSV, held-out reads) it owns the rows whose index l has
+  l % n == i, scanning the file as Criteo's `split="lines"`. A row whose label is missing or not 0/1 is skipped and
+  counted in `.bad_lines`.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import os
@@ -170,6 +174,17 @@ def column_names(path: str) -> list[str]:
     return list(_arrow_schema(path).names)
 
 
+def _string_leaves(path: str, columns: Sequence[str]) -> list[str]:
+    """The string columns among `columns` (not nested: pyarrow cannot read a list of dictionary-encoded strings
+    into chunks): read dictionary-encoded, each distinct value is hashed once per record batch."""
+    import pyarrow.parquet as pq
+
+    schema = pq.ParquetFile(path).schema
+    wanted = set(columns)
+    return [c.path for c in (schema.column(i) for i in range(len(schema)))
+            if c.path in wanted and c.physical_type == "BYTE_ARRAY"]
+
+
 def count_rows(path: str) -> int:
     """Rows of a Parquet file (its metadata) or a CSV file (lines after the header)."""
     if data_format(path) == "parquet":
@@ -191,7 +206,16 @@ def _as_strings(array: Any) -> Any:
 
 
 def _hash_strings(array: Any, rows: int) -> np.ndarray:
-    """Row ids in [1, rows) of string values (0: null or empty)."""
+    """Row ids in [1, rows) of string values (0: null or empty). A dictionary-encoded column (Parquet's usual
+    encoding of repeated strings, read as such) hashes each distinct value once."""
+    pa, _ = _pa()
+    if isinstance(array, pa.ChunkedArray):
+        array = array.combine_chunks()
+    if pa.types.is_dictionary(array.type) and len(array) > len(array.dictionary):
+        ids = _hash_strings(array.dictionary, rows)[np.asarray(array.indices.fill_null(0))]
+        if array.null_count:
+            ids[np.asarray(array.is_null())] = 0
+        return ids
     array = _as_strings(array)
     n = len(array)
     if n == 0:
@@ -225,11 +249,13 @@ class _Rows:
     def __len__(self) -> int:
         return len(self.label)
 
+    @functools.cached_property
+    def _offsets(self) -> list[np.ndarray]:
+        """Each list feature's row starts in its values (one pass; slicing a chunk into batches then costs O(1))."""
+        return [np.concatenate([[0], np.cumsum(lengths)]) for _, lengths in self.lists]
+
     def slice(self, a: int, b: int) -> "_Rows":
-        lists = []
-        for values, lengths in self.lists:
-            start = int(lengths[:a].sum())
-            lists.append((values[start:start + int(lengths[a:b].sum())], lengths[a:b]))
+        lists = [(values[off[a]:off[b]], lengths[a:b]) for (values, lengths), off in zip(self.lists, self._offsets)]
         return _Rows(self.label[a:b], self.dense[a:b], self.single[a:b], lists)
 
     @staticmethod
@@ -249,7 +275,7 @@ class TabularReader:
 
     def __init__(self, path_or_paths: str | os.PathLike | Sequence[str | os.PathLike], schema: TabularSchema, *,
                  shard: tuple[int, int] = (0, 1), batch_size: int = 256, skip_rows: int = 0,
-                 max_rows: int | None = None, require_label: bool = True):
+                 max_rows: int | None = None, require_label: bool = True, rows_per_shard: int | None = None):
         paths = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
         self.paths = [os.fspath(p) for p in paths]
         for p in self.paths:
@@ -258,6 +284,7 @@ class TabularReader:
         self._table: Any = None
         self.schema, self.shard, self.batch_size = schema, shard, batch_size
         self.skip_rows, self.max_rows, self.require_label = skip_rows, max_rows, require_label
+        self.rows_per_shard = rows_per_shard
         self._keys = tuple(f.name for f in schema.features)
         self._single = [i for i, f in enumerate(schema.features) if not f.multi_valued]
         self._multi = [i for i, f in enumerate(schema.features) if f.multi_valued]
@@ -271,6 +298,44 @@ class TabularReader:
         reader = cls([], schema, batch_size=batch_size, require_label=False)
         reader._table = table if isinstance(table, pa.Table) else pa.table(dict(table))
         return reader
+
+    def _selected(self) -> Iterator[tuple[str, Any, np.ndarray]]:
+        """(path, record batch of this shard's rows, their 0-based row numbers over the files), in file order: a
+        contiguous range read by row groups (`rows_per_shard`, Parquet), else every n-th row."""
+        index, count = self.shard
+        if self.rows_per_shard is not None and self._table is None and all(
+                data_format(p) == "parquet" for p in self.paths):
+            yield from self._range(index * self.rows_per_shard, (index + 1) * self.rows_per_shard)
+            return
+        seen = 0
+        for path, record_batches in self._record_batches():
+            for rb in record_batches:
+                first = (index - seen) % count
+                seen += rb.num_rows
+                if first >= rb.num_rows:
+                    continue
+                taken = np.arange(first, rb.num_rows, count)
+                yield path, rb.take(taken), seen - rb.num_rows + taken
+
+    def _range(self, lo: int, hi: int) -> Iterator[tuple[str, Any, np.ndarray]]:
+        """Rows [lo, hi) over the Parquet files, reading only the row groups that hold them."""
+        import pyarrow.parquet as pq
+
+        base = 0
+        for path in self.paths:
+            pf = pq.ParquetFile(path, read_dictionary=_string_leaves(path, [f.name for f in self.schema.features]))
+            sizes = [pf.metadata.row_group(g).num_rows for g in range(pf.num_row_groups)]
+            starts = np.concatenate([[0], np.cumsum(sizes)]) + base
+            groups = [g for g in range(len(sizes)) if starts[g] < hi and starts[g + 1] > lo]
+            if groups:
+                at = int(starts[groups[0]])
+                for rb in pf.iter_batches(batch_size=_ARROW_ROWS, row_groups=groups,
+                                          columns=self._columns(path, pf.schema_arrow.names)):
+                    a, b = max(lo, at), min(hi, at + rb.num_rows)
+                    if a < b:
+                        yield path, rb.slice(a - at, b - a), np.arange(a, b)
+                    at += rb.num_rows
+            base += sum(sizes)
 
     def _record_batches(self) -> Iterator[tuple[str, Iterator[Any]]]:
         if self._table is not None:
@@ -292,38 +357,28 @@ class TabularReader:
         self.position = self.bad_lines = 0
         self.bad_examples = []
         index, count = self.shard
-        delivered, seen = 0, 0
+        delivered = 0
         pending: list[_Rows] = []
         n_pending = 0
-        for path, record_batches in self._record_batches():
-            for rb in record_batches:
-                first = (index - seen) % count
-                seen += rb.num_rows
-                if first >= rb.num_rows:
-                    continue
-                start = seen - rb.num_rows  # the file's index of this record batch's first row
-                taken = np.arange(first, rb.num_rows, count)
-                rb = rb.take(taken)
-                rows = self._convert(rb, path, start + taken)
-                skip = min(len(rows), max(0, self.skip_rows - self.position))
-                self.position += skip
-                if skip:
-                    rows = rows.slice(skip, len(rows))
-                if self.max_rows is not None:
-                    rows = rows.slice(0, min(len(rows), self.max_rows - delivered))
-                pending.append(rows)
-                n_pending += len(rows)
-                delivered += len(rows)
-                if n_pending >= self.batch_size:
-                    all_rows = _Rows.concat(pending)
-                    cut = n_pending - n_pending % self.batch_size
-                    for a in range(0, cut, self.batch_size):
-                        self.position += self.batch_size
-                        yield self._batch(all_rows.slice(a, a + self.batch_size))
-                    pending = [all_rows.slice(cut, n_pending)] if cut < n_pending else []
-                    n_pending -= cut
-                if self.max_rows is not None and delivered >= self.max_rows:
-                    break
+        for path, rb, numbers in self._selected():
+            rows = self._convert(rb, path, numbers)
+            skip = min(len(rows), max(0, self.skip_rows - self.position))
+            self.position += skip
+            if skip:
+                rows = rows.slice(skip, len(rows))
+            if self.max_rows is not None:
+                rows = rows.slice(0, min(len(rows), self.max_rows - delivered))
+            pending.append(rows)
+            n_pending += len(rows)
+            delivered += len(rows)
+            if n_pending >= self.batch_size:
+                all_rows = _Rows.concat(pending)
+                cut = n_pending - n_pending % self.batch_size
+                for a in range(0, cut, self.batch_size):
+                    self.position += self.batch_size
+                    yield self._batch(all_rows.slice(a, a + self.batch_size))
+                pending = [all_rows.slice(cut, n_pending)] if cut < n_pending else []
+                n_pending -= cut
             if self.max_rows is not None and delivered >= self.max_rows:
                 break
         if n_pending:
@@ -373,7 +428,8 @@ class TabularReader:
             if not _is_list(col.type):
                 raise TabularError(f"{path}: column {f.name!r} is {col.type}, but the schema has it as a list")
             lengths = np.asarray(pc.list_value_length(col).fill_null(0), dtype=np.int64)
-            lists.append((_hash_strings(pc.list_flatten(col), f.rows), lengths))
+            flat = pc.list_flatten(col)  # (a list's values repeat: each distinct one is hashed once)
+            lists.append((_hash_strings(pc.dictionary_encode(_as_strings(flat)), f.rows), lengths))
         rows = _Rows(label, dense, single, lists)
         if not ok.all():
             bad = np.flatnonzero(~ok)

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from cocosync.shadowsync.model.embeddings import gather_rows
@@ -144,11 +143,16 @@ class TablePlan:
             if self._mean is not None:
                 per_bag = torch.where(self._mean.repeat_interleave(B), 1.0 / lengths.clamp(min=1), 1.0)
                 weights = per_bag.repeat_interleave(lengths).to(rows.dtype)
-            offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
-            torch.cumsum(lengths, 0, out=offsets[1:])
-            pooled = F.embedding_bag(inverse.view(-1), rows, offsets, mode="sum", per_sample_weights=weights,
-                                     include_last_offset=True)
-            vectors = pooled.view(len(self.features), B, self.width).transpose(0, 1)
+            # each id's row, summed into its bag: the backward is an index_select and one index_add_ (30% faster
+            # than F.embedding_bag's dense backward at 26 features x 256 rows, one of them a list of 1-50)
+            F_ = len(self.features)
+            bag = torch.arange(lengths.numel())
+            # bag f * B + b (feature-major, as the ids come) pooled into row b * F + f: [B, F, width] with no copy
+            bags = torch.repeat_interleave((bag % B) * F_ + bag // B, lengths)
+            values = gather_rows(rows, inverse.view(-1))
+            if weights is not None:
+                values = values * weights.unsqueeze(1)
+            vectors = values.new_zeros(B * F_, self.width).index_add_(0, bags, values).view(B, F_, self.width)
         if self.padded:
             values = torch.cat([vectors[:, f, :d] for f, d in enumerate(self.feature_dims)], dim=1)
         else:
