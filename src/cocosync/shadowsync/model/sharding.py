@@ -119,11 +119,6 @@ class TablePlan:
                          f"{pad if t.dim != self.width else ''}" for t in self.tables)
 
     # -- the lookup path -----------------------------------------------------------------------------------
-    def check(self, features: KeyedJaggedTensor) -> None:
-        if features.keys() != self.features:
-            raise ValueError(f"the batch's features {list(features.keys())} are not the model's tables' features "
-                             f"{list(self.features)} (in that order)")
-
     def row_ids(self, features: KeyedJaggedTensor) -> torch.Tensor:
         """The global rows of a batch's ids: [B, F] for single-valued features, else [N, 1]."""
         if features.is_dense():
@@ -144,10 +139,10 @@ class TablePlan:
                 per_bag = torch.where(self._mean.repeat_interleave(B), 1.0 / lengths.clamp(min=1), 1.0)
                 weights = per_bag.repeat_interleave(lengths).to(rows.dtype)
             # each id's row, summed into its bag: the backward is an index_select and one index_add_ (30% faster
-            # than F.embedding_bag's dense backward at 26 features x 256 rows, one of them a list of 1-50)
+            # than F.embedding_bag's dense backward at 26 features x 256 rows, one of them a list of 1-50); bag
+            # f * B + b (feature-major, as the ids come) is pooled into row b * F + f: [B, F, width] with no copy
             F_ = len(self.features)
             bag = torch.arange(lengths.numel())
-            # bag f * B + b (feature-major, as the ids come) pooled into row b * F + f: [B, F, width] with no copy
             bags = torch.repeat_interleave((bag % B) * F_ + bag // B, lengths)
             values = gather_rows(rows, inverse.view(-1))
             if weights is not None:
