@@ -140,3 +140,15 @@ def test_your_model_across_two_loopback_nodes(files, tmp_path, transport):
     assert (s["nodes"], s["T"], s["examples"], s["lookup_transport"]) == (2, 2, 20000, transport)
     assert s["remote_row_fraction"] > 0 and s["hot_row_fraction"] > 0.5
     assert s["eval_ne"] < 1.0
+
+
+def test_a_file_that_is_no_exported_model_is_named(tmp_path):
+    import torch
+
+    from cocosync.shadowsync.config import ConfigError
+
+    torch.save([1, 2, 3], tmp_path / "model.pt")
+    with pytest.raises(ConfigError, match=r"not an exported model of this cocosync \(format 'list'"):
+        load_model(tmp_path)
+    with pytest.raises(ConfigError, match="no exported model there"):
+        load_model(tmp_path / "elsewhere")

@@ -17,9 +17,8 @@ from cocosync.shadowsync.config import ConfigError, DataConfig, TrainConfig, con
 from cocosync.shadowsync.data.criteo import CriteoReader
 from cocosync.shadowsync.data.sources import build_configs, tabular_schema
 from cocosync.shadowsync.data.tabular import TabularReader, column_names, data_format
+from cocosync.shadowsync.job.eval_curve import BestModel
 from cocosync.shadowsync.job.run_model import Scorer, scorer
-from cocosync.shadowsync.model.sharding import load_tables
-from cocosync.shadowsync.sync import FlatParams
 
 __all__ = ["EXPORT_FILE", "export_model", "load_model", "Predictor", "predictor_of_checkpoint"]
 
@@ -32,12 +31,9 @@ def _checkpoint_scorer(checkpoint: str | os.PathLike) -> tuple[Scorer, TrainConf
     meta = read_meta(path)
     cfg = config_from_dict(meta["config"])
     data, model_cfg = build_configs(cfg)
-    model = scorer(cfg, data, model_cfg)
-    dense = FlatParams(model.run.dense_parameters())
-    table, flat = load_weights(path, meta, dim=model.run.plan.width, dense_params=dense.flat.numel())
-    dense.flat.copy_(flat)
-    load_tables(model.model, model.run.plan, table)
-    return model, cfg, data, meta
+    best = BestModel(cfg, data, model_cfg, [], None, {})  # (as `cocosync eval` loads a checkpoint)
+    table, flat = load_weights(path, meta, dim=best.scorer.run.plan.width, dense_params=best.flat.flat.numel())
+    return best.load(flat, table), cfg, data, meta
 
 
 class Predictor:
@@ -113,8 +109,10 @@ def load_model(path: str | os.PathLike) -> Predictor:
         raw = torch.load(p, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 (any unreadable file: one line naming it)
         raise ConfigError(f"{str(p)!r}: not an exported model ({type(e).__name__}: {e})") from None
-    if not isinstance(raw, dict) or raw.get("format") != _FORMAT:
-        raise ConfigError(f"{str(p)!r}: not an exported model of this cocosync (format {raw.get('format')!r})")
+    found = raw.get("format") if isinstance(raw, dict) else type(raw).__name__
+    if found != _FORMAT:
+        raise ConfigError(f"{str(p)!r}: not an exported model of this cocosync (format {found!r}, expected "
+                          f"{_FORMAT}: export it again with `cocosync export RUN OUT`)")
     cfg = config_from_dict(raw["config"])
     data, model_cfg = build_configs(cfg)
     model = scorer(cfg, data, model_cfg)
