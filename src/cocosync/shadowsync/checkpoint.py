@@ -148,24 +148,26 @@ def _point_latest(root: Path, path: Path, meta: dict) -> None:
     os.replace(tmp, root / "checkpoints" / "latest")
 
 
-def save_job(states: Mapping[str, Stateful], root: Path, meta: dict | None, *, owner: str, writer: int) -> Path:
-    """Collective: every rank writes its parts (`states`, by name) into root/checkpoints/seen-<N>, and the checksums
-    of its tensors into crc-<owner>.json; the writer (the rank holding `meta`: trainer 0) then points
-    root/checkpoints/latest at it."""
+def save_job(states: Mapping[str, Stateful], root: Path, meta: dict | None, *, owner: str, writer: int,
+             group: Any = None) -> Path:
+    """Collective over `group` (default: the job's): every rank writes its parts (`states`, by name) into
+    root/checkpoints/seen-<N>, and the checksums of its tensors into crc-<owner>.json; the writer (the global rank
+    holding `meta`: trainer 0) then points root/checkpoints/latest at it."""
     seen = [int(meta["examples_seen"]) if meta else -1]
-    dist.broadcast_object_list(seen, src=writer)
+    dist.broadcast_object_list(seen, src=writer, group=group)
     path = root / "checkpoints" / f"seen-{seen[0]}"
     state = _flatten(states)
     error = None
     try:
-        _dcp().save(state, checkpoint_id=str(path))
+        _dcp().save(state, checkpoint_id=str(path), process_group=group)
         _write_checksums(path, owner, state)
     except BaseException as e:  # (DCP's CheckpointException is a BaseException wrapping each rank's error)
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
         error = _write_error(path, e, sum(t.numel() * t.element_size() for t in state.values()))
-    errors: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, error)  # every rank's files are written (or not) before `latest` points here
+    errors: list[Any] = [None] * dist.get_world_size(group)
+    # every rank's files are written (or not) before `latest` points here
+    dist.all_gather_object(errors, error, group=group)
     failed = next((e for e in errors if e is not None), None)
     if failed is not None:  # no rank points `latest` here, and the partial directory goes: `latest` stays whole
         if meta is not None:

@@ -489,7 +489,13 @@ class TrainConfig:
     no limit. A limit of this launch: a resumed run does not inherit it."""
     heartbeat_timeout: float = field(default=30.0, metadata=opt("--heartbeat-timeout", "Run"))
     """seconds without a heartbeat from a trainer (each beats from a thread of its own, whatever its training does)
-    after which the run fails naming that trainer (stopped, hung, swapped out)."""
+    after which that trainer is lost (killed, as kill -9 or the OOM killer would: see min_trainers), or the run fails
+    naming it when it cannot go on without it."""
+    min_trainers: int = field(default=1, metadata=opt("--min-trainers", "Run"))
+    """trainers a one-machine job needs to go on: a trainer that is lost (killed, out of memory, silent past
+    --heartbeat-timeout) leaves the others training while at least this many are left (its unread rows are read by
+    them, its dense sync re-formed among them); with fewer the job stops naming the loss. Trainer 0, which writes the
+    job's metrics, checkpoints and summary, is always needed."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))
@@ -519,6 +525,8 @@ class TrainConfig:
             v = getattr(self, name)
             _check(_is_int(v) and v >= 1, name, v, "an integer >= 1")
         _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
+        _check(_is_int(self.min_trainers) and 1 <= self.min_trainers <= self.trainers, "min_trainers",
+               self.min_trainers, f"an integer from 1 to trainers={self.trainers}")
         _check(self.workers <= 64, "workers", self.workers, "at most 64 workers per trainer")
         if self.sync.method == "dssync":
             _check(self.sync.groups <= self.trainers, "sync.groups", self.sync.groups,

@@ -24,6 +24,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
+from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
@@ -82,6 +83,8 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
+    # every trainer's reader positions, where every process of the node sees them (a lost trainer's: where it stopped)
+    positions = arena.shared_empty((roles.trainers, cfg.workers), torch.int64)
     hot = hot_rows(cfg, cluster, data, model, arena) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
     center = None
@@ -119,12 +122,17 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
         dense_group = trainer_group
+    held = ([trainer_group, intra, inter] if kind == "trainer" else []) + [hot_group, exchange.group]
+    membership = None
+    if link is not None and topo.nnodes == 1 and cfg.min_trainers < roles.trainers and cfg.sync.method != "dssync":
+        membership = Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0)
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
                shards=shards, trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group,
                dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,
-               resumed_from=resumed_from)
+               resumed_from=resumed_from, membership=membership, positions=positions,
+               held_groups=tuple(g for g in held if g is not None))
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.plan import DataPlan
 from cocosync.shadowsync.job.link import Link
+from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.hot_rows import HotRows
 from cocosync.shadowsync.model.node_relay import Mailbox
@@ -68,6 +69,14 @@ class Job:
     """the line to `cocosync train`'s monitor (launch.py), when it launched this job."""
     resumed_from: int
     """examples the checkpoint resumed from had seen (0: a fresh job)."""
+    held_groups: tuple[dist.ProcessGroup, ...]
+    """the process groups besides the default one that this rank is a member of (made by build_job)."""
+    membership: Membership | None
+    """which trainers are left, where the job goes on without a lost one (one machine, launched by `cocosync
+    train`, more trainers than --min-trainers)."""
+    positions: torch.Tensor
+    """int64 [T, W]: every trainer's reader positions, in the node's shared memory (each trainer writes its row; a lost
+    trainer's row says where it stopped)."""
 
     @property
     def dense_params(self) -> int:

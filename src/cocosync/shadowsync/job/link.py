@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["Link", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX", "FIRST_FAILURE", "report_failure"]
+__all__ = ["Link", "store_client", "env_store_client", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX",
+           "FIRST_FAILURE", "report_failure"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
 MONITOR_HOST_ENV = "COCOSYNC_MONITOR_HOST"  # (unset: 127.0.0.1, the one-machine launcher's store)
@@ -38,6 +39,17 @@ def report_failure(store: Any, rank: int, message: str) -> None:
     store.compare_set(FIRST_FAILURE, "", rec)  # (sets it only where it is not set)
 
 
+def store_client(host: str, port: int) -> Any:
+    """A client of the launcher's store, under the job's prefix."""
+    store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    return dist.PrefixStore(PREFIX, store)
+
+
+def env_store_client() -> Any:
+    """`store_client` of the store the environment names (a rank's launcher's)."""
+    return store_client(os.environ.get(MONITOR_HOST_ENV, "127.0.0.1"), int(os.environ[MONITOR_PORT_ENV]))
+
+
 def get_if_set(store: Any, key: str) -> bytes | None:
     """The value of `key`, or None when nobody has set it (a plain `get` would wait for it)."""
     return store.get(key) if store.check([key]) else None
@@ -47,13 +59,35 @@ class Link:
     """A rank's client of the launcher's store (see the module doc)."""
 
     def __init__(self, port: int, rank: int, host: str = "127.0.0.1"):
-        store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
-        self.store = dist.PrefixStore(PREFIX, store)
+        self.host, self.port = host, port
+        self.store = self.client()
         self.rank = rank
+        self._commands = 0
         self._lock = threading.Lock()  # the store client is shared by the heartbeat thread and the trainer
         self._closed = threading.Event()
         self._beats: threading.Thread | None = None
         self.store.set(f"pid/{rank}", str(os.getpid()))
+
+    def client(self) -> Any:
+        """A client of the launcher's store of its own (under the job's prefix), for a thread that is not the
+        heartbeat's and the trainer's."""
+        return store_client(self.host, self.port)
+
+    def command(self, value: Any | None, *, poll: float = 0.02) -> Any:
+        """The job's next command: `value` from the rank that gives it (set under the command's number), else
+        waited for (every rank counts the commands alike). Through the store, which outlives every rank: a lost
+        trainer does not break it as it would a collective."""
+        key = f"command/{self._commands}"
+        self._commands += 1
+        if value is not None:
+            self.set(key, value)
+            return value
+        while True:
+            with self._lock:
+                raw = get_if_set(self.store, key)
+            if raw is not None:
+                return json.loads(raw)
+            time.sleep(poll)
 
     @classmethod
     def from_env(cls, rank: int) -> "Link | None":

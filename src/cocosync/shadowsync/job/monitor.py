@@ -27,6 +27,7 @@ from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
+from cocosync.shadowsync.job.membership import LOSSES
 from cocosync.shadowsync.job.roles import Roles
 
 __all__ = ["Monitor", "exit_status"]
@@ -68,6 +69,8 @@ class Monitor:
         self.signal_name = "SIGINT"  # the last stop signal received
         self.stop_at: float | None = None  # when the stop was requested
         self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
+        self.lost: dict[int, dict] = {}  # trainers lost (job/membership.py), by index: their record
+        self.killed: set[int] = set()  # trainers this monitor killed for silence, to be recorded as lost
         self.resumed = _examples_seen(cluster.resume)
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
         self.total = max(target - self.resumed, 0)
@@ -239,12 +242,44 @@ class Monitor:
         self.failure = self._stalled()
         return self.failure is not None
 
+    def may_lose(self, t: int) -> bool:
+        """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, not trainer 0, and
+        more than --min-trainers would be left)."""
+        gone = len(self.lost) + len(self.killed - set(self.lost))
+        return (self.nodes == 1 and t != 0 and t not in self.lost
+                and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
+
+    def _watch_losses(self) -> None:
+        """Say each trainer lost since the last look (recorded by its keeper)."""
+        if len(self.lost) >= int(self.store.add(LOSSES, 0)):
+            return
+        for t in range(self.cfg.trainers):
+            if t in self.lost:
+                continue
+            rec = self._get(f"lost/{t}")
+            if not isinstance(rec, dict):
+                continue
+            self.lost[t] = rec
+            progress = self._get(f"progress/{t}") or {}
+            left = self.cfg.trainers - len(self.lost)
+            self.console.print(f"[yellow]trainer {t} (pid {rec.get('pid')}) was lost ("
+                               + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}")
+                               + f") after {progress.get('trainer_examples', 0):,} examples: {left} trainer"
+                               + ("s go" if left > 1 else " goes") + " on and will read its unread rows "
+                               f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)
+
     def _stalled(self) -> str | None:
-        """The first trainer whose heartbeat is older than cfg.heartbeat_timeout (one that finished says 'done')."""
+        """The first trainer whose heartbeat is older than cfg.heartbeat_timeout (one that finished says 'done'; one
+        the job can lose is killed instead, and recorded as lost by its keeper)."""
         now = time.monotonic()  # (a heartbeat is its machine's clock: only this machine's trainers are watched)
         done = 0
+        if self.nodes == 1 and self.cfg.min_trainers < self.cfg.trainers:
+            self._watch_losses()
         for t, rank in ((self.trainer_of(r), r) for r in self.ranks):
             if t is None:
+                continue
+            if t in self.lost or t in self.killed:
+                done += 1
                 continue
             beat = get_if_set(self.store, f"beat/{t}")
             done += beat == b"done"
@@ -261,6 +296,15 @@ class Monitor:
                 pid = self._pid(rank)
                 why = (f"no heartbeat for {age:.0f}s (--heartbeat-timeout {self.cfg.heartbeat_timeout:g}s; the "
                        "process is stopped, hung or not scheduled)")
+                if self.may_lose(t) and pid is not None:
+                    self.killed.add(t)
+                    self.console.print(f"[yellow]trainer {t} (pid {pid}) stopped responding: {why}; killing it",
+                                       soft_wrap=True)
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    continue
                 if self.agent_store:  # the other machines' launchers name it too (before this one kills its ranks)
                     report_failure(self.store, rank, f"stopped responding (pid {pid} on its machine): {why}")
                     time.sleep(1.0)
@@ -271,13 +315,14 @@ class Monitor:
     def _progress(self) -> tuple[int, float, float | None]:
         """(examples trained since this launch, examples/s: the trainers' rates since their first example, as of their
         last records, summed; mean train NE of the trainers)."""
-        recs = [self._get(f"progress/{t}") for t in range(self.cfg.trainers)]
-        recs = [r for r in recs if r]
-        examples = sum(r["trainer_examples"] for r in recs)
+        recs = {t: self._get(f"progress/{t}") for t in range(self.cfg.trainers)}
+        recs = {t: r for t, r in recs.items() if r}
+        examples = sum(r["trainer_examples"] for r in recs.values())
         if not examples:
             return 0, 0.0, None
-        nes = [r["train_ne"] for r in recs if r["train_ne"] is not None and math.isfinite(r["train_ne"])]
-        return examples, sum(r["trainer_eps"] or 0.0 for r in recs), (sum(nes) / len(nes) if nes else None)
+        live = [r for t, r in recs.items() if t not in self.lost]  # (a lost trainer's examples stay trained)
+        nes = [r["train_ne"] for r in live if r["train_ne"] is not None and math.isfinite(r["train_ne"])]
+        return examples, sum(r["trainer_eps"] or 0.0 for r in live), (sum(nes) / len(nes) if nes else None)
 
     def _tail_metrics(self) -> None:
         """Print the eval and checkpoint records trainer 0 has added to metrics.jsonl since the last look."""

@@ -78,6 +78,8 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
+from cocosync.shadowsync.job.membership import Loss
+from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
@@ -149,37 +151,46 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         cpu0, threads0 = time.process_time(), thread_cpu.snapshot()
         if run is not None:
             _periodic_checkpoints(job, run, index)
-            summary = _run_trainer(job, run, index)
-            _command(job, "end")
+            summary, alive = _run_trainer(job, run, index)
+            _command(job, "end", alive)
             _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
-            while _command(job, None) == "checkpoint":
+            while (command := _command(job, None)).name == "checkpoint":
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
+            alive = command.alive
             if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
                 node_exchange.close()
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
                              "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s,
                              "stale_sum": node_exchange.take_stale()}
-        dist.barrier()
+        # the rest runs over the ranks still in the job: every rank but lost trainers (made by them alone)
+        group = None
+        if alive is not None and job.membership is not None:
+            group = job.membership.job_group(alive, held=job.held_groups)
+        dist.barrier(group=group)
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
+            if meta is not None and summary.get("lost"):
+                meta["lost_trainers"] = [x["trainer"] for x in summary["lost"]]
             saved = Snapshot(part.state_dict()) if run is not None else part  # (a trainer's between sync rounds)
-            ckpt = save_job({name: saved}, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0))
+            ckpt = save_job({name: saved}, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0),
+                            group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
-        cpu: list[Any] = [None] * topo.world_size
-        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, thread_cpu.role_cpu_since(threads0), exchanged))
+        cpu: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, thread_cpu.role_cpu_since(threads0), exchanged),
+                               group=group)
         if summary is not None:
             add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":
             link.finish(index)
         if uses_rpc:
-            rpc.shutdown()
+            rpc.shutdown(graceful=alive is None)  # (a graceful shutdown waits for every worker, lost ones too)
     except BaseException:
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
@@ -230,7 +241,7 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
-    state = TrainerState.new(cfg.trainers, cfg.workers, job.init_dense)
+    state = TrainerState.new(cfg.trainers, cfg.workers, job.init_dense, positions=job.positions)
     if job.link is not None:
         job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10))
     elif cfg.timeout is not None:  # no launcher to ask (plain torchrun): the trainer keeps --timeout, from its start
@@ -252,8 +263,10 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     if t == 0 and job.cluster.eval_every is not None:  # trainer 0 scores its replica while the job trains
         every = max(1, job.cluster.eval_every // roles.trainers)
         on_eval = _EvalCurve(job, tables, logger, console)
+    recovery = Recovery(job, job.membership, t) if job.membership is not None else None
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
-                      prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every)
+                      prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every,
+                      recovery=recovery)
     return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval)
 
 
@@ -274,19 +287,29 @@ class _EvalCurve:
         self.console.print(describe(rec))
 
 
-def _run_trainer(job: Job, run: _TrainerRun, t: int) -> dict | None:
-    roles = job.roles
+def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[int] | None]:
+    """Train, gather the trainers' results on trainer 0 and (there) finish the job's summary; also returns the
+    trainers left when some were lost (None: all of them)."""
+    roles, membership = job.roles, job.membership
     resumed = int(run.trainer.state.positions[t].sum())
+    if membership is not None:
+        membership.record_start(t, resumed)
     # every trainer starts training at once: one that started early would be averaged with replicas still at their
     # starting point, pulling its progress back while the shared embeddings keep theirs (a jump in its NE)
     dist.barrier(group=job.trainer_group)
     result = run.trainer.train()
     result["resumed_from"] = resumed
-    results: list[Any] = [None] * roles.trainers if t == 0 else []
-    dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=job.trainer_group)
+    recovery = run.trainer.recovery
+    losses = membership.losses(recovery.taken) if membership is not None and recovery is not None else []
+    group, alive = job.trainer_group, None
+    if losses:  # the trainers left, as they agreed when they shared out the last loss's rows
+        live = membership.live(recovery.taken)
+        group, alive = membership.trainer_group(live), live
+    results: list[Any] = [None] * dist.get_world_size(group) if t == 0 else []
+    dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=group)
     if t != 0:
-        return None
-    return _finish(job, run, results)
+        return None, alive
+    return _finish(job, run, results, losses), alive
 
 
 def _meta(job: Job, seen: int, stopped: bool) -> dict:
@@ -298,16 +321,28 @@ def _meta(job: Job, seen: int, stopped: bool) -> dict:
             **({"data_plan": job.plan.as_json()} if job.plan is not None else {})}
 
 
-def _command(job: Job, cmd: str | None) -> str:
-    """Trainer 0 tells every rank what comes next ('checkpoint' or 'end'); the others receive it. A trainer passes
-    what it expects and fails if trainer 0 said otherwise (their checkpoint marks would disagree)."""
+@dataclasses.dataclass(frozen=True)
+class _Command:
+    name: str  # 'checkpoint' or 'end'
+    alive: list[int] | None  # the trainers left after a loss (None: every trainer)
+
+
+def _command(job: Job, cmd: str | None, alive: list[int] | None = None) -> _Command:
+    """Trainer 0 tells every rank what comes next ('checkpoint' or 'end', with `alive`); the others receive it.
+    A trainer passes what it expects and fails if trainer 0 said otherwise (their checkpoint marks would disagree).
+    Through the launcher's store where there is one (a lost trainer breaks no collective there), else a broadcast."""
     roles = job.roles
     src = roles.rank_of("trainer", 0)
-    obj = [cmd if roles.topo.rank == src else None]
-    dist.broadcast_object_list(obj, src=src)
-    if cmd is not None and obj[0] != cmd:
-        raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer 0, got {obj[0]!r}")
-    return obj[0]
+    mine = {"name": cmd, "alive": alive} if roles.topo.rank == src else None
+    if job.link is not None:
+        got = job.link.command(mine)
+    else:
+        obj = [mine]
+        dist.broadcast_object_list(obj, src=src)
+        got = obj[0]
+    if cmd is not None and got["name"] != cmd:
+        raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer 0, got {got['name']!r}")
+    return _Command(got["name"], got["alive"])
 
 
 def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
@@ -321,6 +356,8 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
+        if job.membership is not None and job.membership.epoch():  # (every trainer's part is needed: not after a loss)
+            return
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         state = trainer.checkpoint_state()
         _command(job, "checkpoint")
@@ -389,16 +426,23 @@ def _stop_after(stop: torch.Tensor, seconds: float) -> None:
     timer.start()
 
 
-def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
+def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss]) -> dict:
     """Trainer 0 scores the final model (EASGD's centre, else its replica; on a snapshot of the tables), keeps it as
-    the best model when it beats the eval curve, and logs the summary."""
+    the best model when it beats the eval curve, and logs the summary (with the trainers lost: what each had read
+    before it was lost counts as trained, its Hogwild updates are in the tables)."""
     cfg, roles, trainer, logger = job.cfg, job.roles, run.trainer, run.logger
+    lost = []
+    for x in losses:
+        read = int(job.positions[x.trainer].sum())
+        start = job.membership.start(x.trainer) if job.membership is not None else 0
+        lost.append({"trainer": x.trainer, "pid": x.pid, "signal": x.signal, "time": x.time,
+                     "examples": read - start, "resumed_from": start})
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
     curve = run.curve.best if run.curve is not None else None
     scorer = curve or BestModel(cfg, job.data, job.model_cfg, [], None, {})
     ev = evaluate(scorer.load(flat, table), eval_batches(cfg, job.data))
-    examples = sum(r["examples"] for r in results)
+    examples = sum(r["examples"] for r in results) + sum(x["examples"] for x in lost)
     seconds = max(r["end"] for r in results) - min(r["start"] for r in results)
     gaps = [r["sync_gap"] for r in results if math.isfinite(r["sync_gap"])]
     lk = [r["lookups"] for r in results]
@@ -410,7 +454,7 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
         per_sync = 2 * D * 4 * (N - 1) / N
     else:
         per_sync = 0.0
-    resumed = sum(r["resumed_from"] for r in results) + job.examples_before
+    resumed = sum(r["resumed_from"] for r in results) + sum(x["resumed_from"] for x in lost) + job.examples_before
     seen = examples + resumed
     summary = {
         "name": _name(cfg, roles), "sync": cfg.sync.algorithm, "nodes": roles.topo.nnodes, "T": roles.trainers,
@@ -439,6 +483,9 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict]) -> dict:
         "dense_bytes_per_example": per_sync * sum(r["syncs"] for r in results) / max(examples, 1),
         "dense_params": D,
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
+        # the trainers lost, each with what it had read (trained) before; the trainers left at the end
+        "lost": lost, "trainers_left": roles.trainers - len(lost),
+        "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
     }
     if curve is not None and cfg.checkpoint:  # the end beats the curve: the last model is the best
         curve.keep({"event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],

@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import sys
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from cocosync.runtime.comm.shm import unlink_pending
 from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_dict, config_to_dict
 from cocosync.shadowsync.errors import ConfigError, debug_mode
+from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
+from cocosync.shadowsync.job.membership import keep_trainer
 from cocosync.shadowsync.job.rank import run_cluster
 from cocosync.shadowsync.metrics import json_safe
 
@@ -109,6 +112,42 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     die_with_parent()
     console = Console(stderr=True)
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
+    if _may_be_lost(cfg, cluster):
+        if not keep_trainer(_trainer_index(cluster, cfg), cfg.trainers, cfg.min_trainers, env_store_client):
+            return  # the keeper: its trainer finished or was lost
+        try:  # the trainer, forked by its keeper: it leaves through os._exit (the agent started the keeper)
+            die_with_parent()  # (a fork clears the parent-death signal)
+            _run(cfg, cluster, console, json_out)
+        except SystemExit as e:
+            _exit(e.code if isinstance(e.code, int) else 1)
+        except BaseException:  # noqa: BLE001 - as an uncaught exception would end it
+            traceback.print_exc()
+            _exit(1)
+        _exit(0)
+    _run(cfg, cluster, console, json_out)
+
+
+def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
+    """Whether this rank is a trainer the job can go on without: on one machine launched by `cocosync train` (its
+    store records the loss), not trainer 0, and more trainers than --min-trainers."""
+    if os.environ.get(MONITOR_PORT_ENV) is None or int(os.environ.get("GROUP_WORLD_SIZE", "1")) != 1:
+        return False
+    return cfg.min_trainers < cfg.trainers and (_trainer_index(cluster, cfg) or 0) > 0
+
+
+def _trainer_index(cluster: ClusterConfig, cfg: TrainConfig) -> int | None:
+    local = int(os.environ["LOCAL_RANK"]) - cluster.embedding_servers - cluster.sync_servers_for(cfg.sync.method)
+    return local if local >= 0 else None
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    unlink_pending()
+    os._exit(code)
+
+
+def _run(cfg: TrainConfig, cluster: ClusterConfig, console: Console, json_out: bool) -> None:
     try:
         summary = run_cluster(cfg, cluster, console=console)
     except ConfigError as e:  # (the launcher checked everything it could before a rank started)

@@ -26,10 +26,12 @@ import torch.nn.functional as F
 
 from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.data.sources import build_configs
+from cocosync.shadowsync.job.recovery import Recovery, Takeover
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
 from cocosync.shadowsync.model.sharding import active
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
+from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["Trainer", "TrainerState", "TrainerFailure", "CheckpointMarks"]
@@ -48,9 +50,13 @@ class TrainerState:
     init_dense: torch.Tensor
 
     @classmethod
-    def new(cls, trainers: int, workers: int, init_dense: torch.Tensor) -> "TrainerState":
+    def new(cls, trainers: int, workers: int, init_dense: torch.Tensor,
+            positions: torch.Tensor | None = None) -> "TrainerState":
+        """`positions`: the reader positions' tensor to use (the node's shared one), else a new one."""
         T = trainers
-        return cls(torch.zeros(T, workers, dtype=torch.int64), torch.zeros(T, dtype=torch.int64),
+        if positions is None:
+            positions = torch.zeros(T, workers, dtype=torch.int64)
+        return cls(positions, torch.zeros(T, dtype=torch.int64),
                    torch.zeros(T, dtype=torch.int64), torch.zeros(1, dtype=torch.int32), init_dense.clone())
 
 
@@ -127,14 +133,17 @@ class Trainer:
                  embeddings: ShardedEmbeddings, group: Any = None, emit: Callable[[dict], None] = lambda rec: None,
                  center: Any = None, prefetch: int = 1, stop_at: int | None = None,
                  checkpoints: "CheckpointMarks | None" = None,
-                 on_eval: Callable[[torch.Tensor, int], None] | None = None, eval_every: int | None = None):
+                 on_eval: Callable[[torch.Tensor, int], None] | None = None, eval_every: int | None = None,
+                 recovery: Recovery | None = None):
         """`embeddings`: the tables on the embedding servers (this node's shards in place, others remote); `center`:
         EASGD's centre (a RemoteCenter); `prefetch`: request the rows of the next `prefetch` batches from remote
         servers while the current batch trains (0: fetch each batch when due; local shards are read when due);
         `stop_at`: stop once this trainer's reader positions sum to this many examples; `checkpoints`: pause the
         workers at marks of the reader positions and save (CheckpointMarks); `on_eval(dense, read)`: called from the
         trainer's own thread every `eval_every` examples of this trainer while the workers train (an eval curve),
-        with a copy of the dense replica and the examples this trainer's readers have read (resumed ones included)."""
+        with a copy of the dense replica and the examples this trainer's readers have read (resumed ones included);
+        `recovery`: where peers may be lost (one machine), re-forms the sync among the trainers left and shares out
+        the lost trainers' unread rows once this trainer has read its own."""
         self.cfg, self.rank, self.state, self.source, self.emit = cfg, rank, state, source, emit
         self.data, self.model_cfg = build_configs(cfg)
         self.remote, self.prefetch, self.stop_at, self.checkpoints = embeddings, prefetch, stop_at, checkpoints
@@ -161,6 +170,9 @@ class Trainer:
         self.active_syncs = 0
         self.mark_base: int | None = None  # fr marks count from here (default: this trainer's start); equal on all
         self.errors: list[str] = []
+        self.recovery = recovery
+        self.takeovers: list[Takeover] = []  # the shares of lost trainers' rows this trainer read
+        self.takeover_positions = torch.zeros(cfg.workers, dtype=torch.int64)  # the current share's, per worker
 
     # -- one Hogwild iteration ----------------------------------------------------------------------------
     def train_step(self, batch: Any, lookup: Lookup | None = None) -> float:
@@ -207,12 +219,17 @@ class Trainer:
             return float(self._loss.sum() / n / -(p * math.log(p) + (1 - p) * math.log(1 - p)))
 
     # -- the W workers + sync ------------------------------------------------------------------------------
-    def _worker(self, w: int) -> None:
-        shards = self.cfg.trainers * self.cfg.workers
-        shard = self.rank * self.cfg.workers + w
-        pos = self.state.positions[self.rank]
+    def _worker(self, w: int, takeover: Takeover | None = None) -> None:
+        """Worker w: its reader shard of this trainer's data, or of `takeover` (a share of lost trainers' rows)."""
+        marks, stop_at = self.checkpoints, self.stop_at
+        if takeover is None:
+            source, shard, shards = self.source, self.rank * self.cfg.workers + w, self.cfg.trainers * self.cfg.workers
+            pos = self.state.positions[self.rank]
+        else:  # (no checkpoint marks or --stop-after count after a loss)
+            source, shard, shards, pos = takeover.source, takeover.first + w, takeover.shards, self.takeover_positions
+            marks, stop_at = None, None
         fr = self.cfg.sync.mode == "foreground"
-        batches = self.source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
+        batches = source.batches(shard, shards, self.cfg.batch_size, int(pos[w]))
         if self.prefetch > 0:
             pairs = self.remote.prefetching(batches, lambda b: self.plan.row_ids(self.run.features(b.sparse)),
                                             depth=self.prefetch)
@@ -222,29 +239,46 @@ class Trainer:
             for batch, lookup in pairs:
                 if self.state.stop[0] or self.errors:
                     break
-                if self.stop_at is not None and int(pos.sum()) >= self.stop_at:
+                if stop_at is not None and int(pos.sum()) >= stop_at:
                     break
                 self.train_step(batch, lookup)
                 pos[w] += len(batch)
                 it = next(self._counter)
                 self.state.iterations[self.rank] = it
                 if fr and it % self.cfg.sync.iterations_per_sync == 0:
-                    self._foreground_round(pos)
-                elif self.checkpoints is not None:  # fr collective: marks open at sync rounds only
-                    self.checkpoints.after_batch(None if fr and self.sync.collective else int(pos.sum()))
+                    self._foreground_round(pos, marks)
+                elif marks is not None:  # fr collective: marks open at sync rounds only
+                    marks.after_batch(None if fr and self.sync.collective else int(pos.sum()))
         except BaseException:
             self.errors.append(f"trainer {self.rank} worker {w}:\n{traceback.format_exc()}")
         finally:
-            if self.checkpoints is not None:
-                self.checkpoints.leave()
+            if marks is not None:
+                marks.leave()
 
-    def _foreground_round(self, pos: torch.Tensor) -> None:
+    def _sync_round(self, active: bool) -> int:
+        """One round of the sync (the foreground's); a round that failed because a peer was lost is skipped after
+        the sync is re-formed among the trainers left (returns 1: someone may still be active)."""
+        try:
+            return self.sync.sync(active)
+        except Exception:
+            if self.recovery is None or self._regroup(self.sync) is None:
+                raise
+            return 1
+
+    def _regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
+        """The sync re-formed among the trainers left after a loss (None: no loss explains the failure)."""
+        new = self.recovery.regroup(old) if self.recovery is not None else None
+        if new is not None:
+            self.sync = new
+            self.checkpoints = None  # (the job's checkpoints need every trainer: the last one is written at the end)
+        return new
+
+    def _foreground_round(self, pos: torch.Tensor, marks: CheckpointMarks | None) -> None:
         """One foreground sync round, then the checkpoint mark it may open (see CheckpointMarks)."""
-        marks = self.checkpoints
         while True:
             with self._sync_lock:
                 if marks is None or marks.pending is None:
-                    self.sync.sync(True)
+                    self._sync_round(True)
                     self.active_syncs += 1
                     self.state.syncs[self.rank] += 1
                     if marks is not None:
@@ -257,13 +291,40 @@ class Trainer:
             marks.join()
 
     def train(self) -> dict:
-        """Run the workers to the end of this trainer's data (or a stop), finish the sync protocol, and return
-        this trainer's measurements and final dense parameters."""
-        W = self.cfg.workers
+        """Run the workers to the end of this trainer's data (or a stop), then (where peers may be lost) its shares
+        of the lost trainers' unread rows, finish the sync protocol, and return this trainer's measurements and
+        final dense parameters."""
         if self.mark_base is None:
             self.mark_base = int(self.state.positions[self.rank].sum())
-        workers = [threading.Thread(target=in_role("worker", self._worker), args=(w,), name=f"worker{w}",
-                                    daemon=True) for w in range(W)]
+        t0, cpu0 = time.time(), time.process_time()
+        t_end, cpu_end = self._phase(None, t0)
+        taken = 0
+        while self.recovery is not None and not self.state.stop[0]:
+            takeover = self.recovery.takeover(lambda: bool(self.state.stop[0]))
+            if takeover is None:
+                break
+            self.takeovers.append(takeover)
+            self.takeover_positions.zero_()
+            t_end, cpu_end = self._phase(takeover, t0)
+            taken += int(self.takeover_positions.sum())
+        iterations = int(self.state.iterations[self.rank])
+        self.state.syncs[self.rank] = self.sync.syncs
+        self._log(t0)
+        return {
+            "trainer": self.rank, "examples": self.examples, "iterations": iterations,
+            "seconds": t_end - t0, "start": t0, "end": t_end, "cpu_seconds": cpu_end - cpu0, "syncs": self.sync.syncs,
+            "active_syncs": self.active_syncs, "sync_impl": type(self.sync).__name__,
+            "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
+            "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
+            "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
+            "lookups": self.remote.stats.as_dict(), "takeover_rows": taken,
+        }
+
+    def _phase(self, takeover: Takeover | None, t0: float) -> tuple[float, float]:
+        """The W workers over this trainer's shards (or `takeover`'s) with the sync in the background (shadow mode)
+        until every trainer is done; returns the time and CPU time when this trainer's workers finished."""
+        workers = [threading.Thread(target=in_role("worker", self._worker), args=(w, takeover), name=f"worker{w}",
+                                    daemon=True) for w in range(self.cfg.workers)]
         done = threading.Event()
         shadow = None
         if self.cfg.sync.mode == "shadow" and not isinstance(self.sync, NoSync):  # (T=1: nothing to sync)
@@ -271,15 +332,15 @@ class Trainer:
                 return not done.is_set()
 
             shadow = ShadowThread(self.sync, interval=self.cfg.sync.interval, is_active=on_active,
-                                  iterations=lambda: int(self.state.iterations[self.rank]))
+                                  iterations=lambda: int(self.state.iterations[self.rank]),
+                                  recover=self._regroup if self.recovery is not None else None)
             self._shadow = shadow
-        t0, cpu0 = time.time(), time.process_time()
         for t in workers:
             t.start()
         if shadow is not None:
             shadow.start()
         last_log = time.time()
-        next_eval = self.eval_every or 0
+        next_eval = (self.examples // self.eval_every + 1) * self.eval_every if self.eval_every else 0
         while any(t.is_alive() for t in workers):
             for t in workers:
                 t.join(timeout=0.05)
@@ -307,22 +368,11 @@ class Trainer:
                 pass
             if shadow.error is not None:
                 raise TrainerFailure(f"trainer {self.rank} shadow sync failed: {shadow.error!r}")
-            self.active_syncs = shadow.active_syncs
+            self.active_syncs += shadow.active_syncs
         elif self.sync.collective:
-            while self.sync.sync(False) != 0:
+            while self._sync_round(False) != 0:
                 pass
-        iterations = int(self.state.iterations[self.rank])
-        self.state.syncs[self.rank] = self.sync.syncs
-        self._log(t0)
-        return {
-            "trainer": self.rank, "examples": self.examples, "iterations": iterations,
-            "seconds": t_end - t0, "start": t0, "end": t_end, "cpu_seconds": cpu_end - cpu0, "syncs": self.sync.syncs,
-            "active_syncs": self.active_syncs, "sync_impl": type(self.sync).__name__,
-            "sync_gap": iterations / self.active_syncs if self.active_syncs else float("nan"),
-            "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
-            "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
-            "lookups": self.remote.stats.as_dict(),
-        }
+        return t_end, cpu_end
 
     #: the keys of `state_dict` that are the trainer's own (the others are its sync algorithm's)
     OWN_STATE = ("flat", "accumulator", "positions")

@@ -43,16 +43,17 @@ class DSSync(SyncAlgorithm):
     collective = True
 
     def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, round_group: dist.ProcessGroup | None = None):
         """`backend` of the trainers' group the rounds reduce on: default 'cocosync' (shared memory) with
-        cfg.compiled, else `group` itself (gloo)."""
+        cfg.compiled, else `group` itself (gloo); `round_group`: that group, made by the caller (no group is made
+        here then)."""
         super().__init__(flat, cfg, group)
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise ValueError("DS-Sync runs over a flat group of trainers (one machine), not a hierarchical one")
         self.last_group: tuple[int, ...] = ()
         self.backend = backend or (BACKEND if cfg.compiled else None)
-        self.round_group = group
-        if self.backend is not None and self.group_size() > 1:  # collective: every trainer builds its sync here
+        self.round_group = round_group or group
+        if round_group is None and self.backend is not None and self.group_size() > 1:  # collective over the trainers
             ranks = [dist.get_global_rank(group, m) for m in range(self.group_size())] if group is not None else None
             self.round_group = dist.new_group(ranks, backend=self.backend)
         self._buf = torch.empty(0)

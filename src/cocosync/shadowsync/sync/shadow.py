@@ -31,8 +31,11 @@ class ShadowThread:
     """
 
     def __init__(self, algorithm: SyncAlgorithm, *, interval: float, is_active: Callable[[], bool],
-                 iterations: Callable[[], int] = lambda: 0, name: str = "shadow-sync"):
-        self.algorithm, self.interval = algorithm, interval
+                 iterations: Callable[[], int] = lambda: 0, name: str = "shadow-sync",
+                 recover: Callable[[SyncAlgorithm], SyncAlgorithm | None] | None = None):
+        """`recover(algorithm)`: called when a round raised; the algorithm to go on with (a peer was lost and the
+        sync re-formed among the others), or None to stop with the error."""
+        self.algorithm, self.interval, self._recover = algorithm, interval, recover
         self._is_active, self._iterations = is_active, iterations
         self.error: BaseException | None = None
         self.active_syncs = 0  # syncs that started while this trainer was still training
@@ -51,8 +54,15 @@ class ShadowThread:
             while not self._abort.is_set():
                 active = self._is_active()
                 t0 = time.perf_counter()
-                with self.gate:
-                    n_active = self.algorithm.sync(active)
+                try:
+                    with self.gate:
+                        n_active = self.algorithm.sync(active)
+                except Exception:
+                    new = self._recover(self.algorithm) if self._recover is not None else None
+                    if new is None:
+                        raise
+                    self.algorithm = new
+                    continue
                 self.sync_seconds += time.perf_counter() - t0
                 if active:
                     self.active_syncs += 1

@@ -1,0 +1,95 @@
+"""What a trainer of a one-machine job does when another trainer is lost (membership.py says who is left): its dense
+sync re-formed among the trainers left, and its share of the lost trainers' unread rows.
+
+The rows: a trainer's W reader shards are segments of the data source's sharding (data/plan.py); the node's shared
+reader positions (Job.positions) say how far the lost trainer read each one when it died. What is left of them is cut
+into S x W parts for the S trainers left, as a resume onto S trainers would cut it, and each reads its W parts with
+its W workers. A batch the lost trainer was training when it died may be read again (at most one per worker);
+nothing is read by none.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
+from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
+from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.membership import Loss, Membership
+from cocosync.shadowsync.sync import make_sync
+from cocosync.shadowsync.sync.base import HierarchicalGroup, SyncAlgorithm
+from cocosync.shadowsync.sync.dssync import DSSync
+
+__all__ = ["Recovery", "Takeover"]
+
+
+@dataclass(frozen=True)
+class Takeover:
+    """This trainer's share of lost trainers' unread rows: worker w reads shard `first + w` of `shards` of
+    `source`; `rows`: how many in all (this trainer's part)."""
+
+    source: Any
+    first: int
+    shards: int
+    rows: int
+    losses: tuple[Loss, ...]
+
+
+class Recovery:
+    """A trainer's side of losing peers (see the module doc)."""
+
+    def __init__(self, job: Job, membership: Membership, trainer: int):
+        self.job, self.membership, self.trainer = job, membership, trainer
+        self.epoch = 0  # the losses this trainer's sync is formed after
+        self.taken = 0  # the losses whose rows have been shared out
+        self.phases = 0
+
+    # -- the dense sync ---------------------------------------------------------------------------------
+    def regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
+        """The sync of `old`'s algorithm among the trainers left, once a loss past this trainer's epoch is recorded
+        (its state carried over); None if no loss comes (`old` failed for another reason)."""
+        epoch = self.membership.wait_for_loss(self.epoch)
+        if epoch is None:
+            return None
+        live = self.membership.live(epoch)
+        group = self.membership.trainer_group(live)
+        cfg = self.job.cfg.sync
+        if cfg.method == "dssync":
+            new: SyncAlgorithm = DSSync(old.flat, cfg, group=group, round_group=group)
+        else:
+            new = make_sync(old.flat, cfg, group=HierarchicalGroup(group, None, len(live)), trainers=len(live))
+        new.load_state(old.state())
+        new.syncs, new.holding = old.syncs, old.holding
+        self.epoch = epoch
+        return new
+
+    # -- the lost trainers' rows -------------------------------------------------------------------------
+    def takeover(self, give_up: Callable[[], bool] = lambda: False) -> Takeover | None:
+        """After this trainer read all it was given: agree with the trainers left on the losses so far, and return
+        this trainer's share of the rows of those not shared out yet (None: no new loss, or `give_up()` turned true
+        while waiting for the others)."""
+        self.phases += 1
+        epoch = self.membership.agree(f"phase{self.phases}", self.trainer, give_up)
+        if epoch is None or epoch <= self.taken:
+            return None
+        losses = self.membership.losses(epoch)
+        new = [x for x in losses if x.seq > self.taken]
+        self.taken = epoch
+        live = self.membership.live(epoch)
+        cfg, data, plan = self.job.cfg, self.job.data, self.job.plan
+        W, T = cfg.workers, self.job.roles.trainers
+        if plan is None:
+            shards = base_plan(T * W, lambda s: base_shard_rows(cfg, data, s, T * W))
+            base_shards = T * W
+        else:
+            shards, base_shards = plan.shards, plan.base_shards
+        left = []
+        for loss in new:
+            d = loss.trainer
+            left += unread(shards[d * W:(d + 1) * W], [int(p) for p in self.job.positions[d]])
+        parts = split_plan(left, len(live) * W)
+        j = live.index(self.trainer)
+        share = DataPlan(base_shards, parts, 0)
+        rows = sum(r for s in parts[j * W:(j + 1) * W] for _, _, r in s)
+        return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W, rows, tuple(new))
