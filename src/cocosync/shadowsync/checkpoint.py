@@ -280,6 +280,11 @@ def check_resumable(meta: dict, cfg: TrainConfig, path: Path) -> None:
         raise ConfigError(f"cannot resume {str(path)!r}: it is the best-eval model (weights only, no optimizer, sync "
                           "or reader state); resume from the run directory (its checkpoints/latest), score this one "
                           "with `cocosync eval`")
+    if meta.get("lost_trainers"):
+        raise ConfigError(f"cannot resume {str(path)!r}: it was written after trainer(s) "
+                          f"{', '.join(map(str, meta['lost_trainers']))} were lost, before the trainers left had read "
+                          "their rows; resume from a checkpoint written before the loss, or score this one with "
+                          "`cocosync eval`")
     old, new = meta["config"], config_to_dict(cfg)
     old = {**_RESUME_DEFAULTS, **old}
     for key in RESUME_KEYS:

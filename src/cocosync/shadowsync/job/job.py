@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.plan import DataPlan
+from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.job.roles import Roles
@@ -93,3 +94,11 @@ class Job:
         if self.plan is not None:
             return sum(r for s in self.plan.shards[t * W:(t + 1) * W] for _, _, r in s)
         return W * (self.cfg.total_examples // (self.roles.trainers * W))
+
+    def shard_rows(self, t: int) -> list[int]:
+        """Rows each of trainer t's W reader shards holds: its reader positions at the end of its data."""
+        W = self.cfg.workers
+        if self.plan is not None:
+            return [sum(r for _, _, r in s) for s in self.plan.shards[t * W:(t + 1) * W]]
+        S = self.roles.trainers * W
+        return [base_shard_rows(self.cfg, self.data, s, S) for s in range(t * W, (t + 1) * W)]

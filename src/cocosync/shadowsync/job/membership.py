@@ -92,10 +92,10 @@ class Membership:
         lost = {x.trainer for x in self.losses(epoch)}
         return [t for t in range(self.roles.trainers) if t not in lost]
 
-    def wait_for_loss(self, epoch: int) -> int | None:
-        """The epoch once a loss past `epoch` is recorded, or None if none comes within the timeout (a peer failed
-        for another reason)."""
-        deadline = time.monotonic() + self.timeout
+    def wait_for_loss(self, epoch: int, timeout: float | None = None) -> int | None:
+        """The epoch once a loss past `epoch` is recorded, or None if none comes within `timeout` (default: the
+        membership's; a peer failed for another reason)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
             now = self.epoch()
             if now > epoch:

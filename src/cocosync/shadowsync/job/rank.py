@@ -83,7 +83,7 @@ from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
-from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerState
+from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerFailure, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
@@ -174,10 +174,11 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         dist.barrier(group=group)
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
-            if meta is not None and summary.get("lost"):
-                meta["lost_trainers"] = [x["trainer"] for x in summary["lost"]]
             saved = Snapshot(part.state_dict()) if run is not None else part  # (a trainer's between sync rounds)
-            ckpt = save_job({name: saved}, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0),
+            parts: dict[str, Stateful] = {name: saved}
+            if summary is not None and summary["lost"]:
+                parts.update(_lost_parts(job, summary, saved, meta))
+            ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0),
                             group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
@@ -195,7 +196,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
         err = sys.exc_info()[1]  # bad input found by a rank (a damaged checkpoint): its message says it all
-        known = (ConfigError, ArenaFull, CheckpointWriteError)  # (their message says it all)
+        known = (ConfigError, ArenaFull, CheckpointWriteError, TrainerFailure)  # (their message says it all)
         text = str(err) if isinstance(err, known) else traceback.format_exc()
         if link is not None:
             link.failed(text)
@@ -296,15 +297,22 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
         membership.record_start(t, resumed)
     # every trainer starts training at once: one that started early would be averaged with replicas still at their
     # starting point, pulling its progress back while the shared embeddings keep theirs (a jump in its NE)
-    dist.barrier(group=job.trainer_group)
+    try:
+        dist.barrier(group=job.trainer_group)
+    except RuntimeError:
+        if membership is not None and (losses := membership.losses(membership.wait_for_loss(0, timeout=5.0) or 0)):
+            raise TrainerFailure(f"{losses[0].describe()} before training started: the job goes on without a "
+                                 "lost trainer once training runs; start it again") from None
+        raise
     result = run.trainer.train()
     result["resumed_from"] = resumed
-    recovery = run.trainer.recovery
-    losses = membership.losses(recovery.taken) if membership is not None and recovery is not None else []
-    group, alive = job.trainer_group, None
-    if losses:  # the trainers left, as they agreed when they shared out the last loss's rows
-        live = membership.live(recovery.taken)
-        group, alive = membership.trainer_group(live), live
+    losses, group, alive = [], job.trainer_group, None
+    if membership is not None:  # the trainers left agree on the losses (a stopped job shared out none, maybe)
+        epoch = membership.agree("end", t) or 0
+        losses = membership.losses(epoch)
+        if losses:
+            live = membership.live(epoch)
+            group, alive = membership.trainer_group(live), live
     results: list[Any] = [None] * dist.get_world_size(group) if t == 0 else []
     dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=group)
     if t != 0:
@@ -319,6 +327,21 @@ def _meta(job: Job, seen: int, stopped: bool) -> dict:
             "nodes": roles.topo.nnodes, "dense_params": job.dense_params, "table_rows": list(job.tables.table_rows),
             "examples_seen": seen, "stopped": stopped,
             **({"data_plan": job.plan.as_json()} if job.plan is not None else {})}
+
+
+def _lost_parts(job: Job, summary: dict, mine: Snapshot, meta: dict) -> dict[str, Stateful]:
+    """Trainer 0's stand-ins for the lost trainers' parts of the last checkpoint: where every row was read (their
+    unread rows too), each a copy of trainer 0's state with its reader positions at the end of its shards, so the
+    checkpoint resumes (more --epochs) as any other; otherwise none, and the checkpoint says it cannot be resumed."""
+    if summary["stopped"] or summary["short_by"]:
+        meta["lost_trainers"] = [x["trainer"] for x in summary["lost"]]
+        return {}
+    out: dict[str, Stateful] = {}
+    for x in summary["lost"]:
+        state = dict(mine.state_dict())
+        state["positions"] = torch.tensor(job.shard_rows(x["trainer"]), dtype=torch.int64)
+        out[part_name("trainer", x["trainer"])] = Snapshot(state)
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
