@@ -32,7 +32,7 @@ def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "cocosync.cli", "train", "--sync", "fr-ma", "--sync-every", "2", "--examples",
            "3000000", "--eval-examples", "2000", "--no-progress", "--out", str(out), "--timeout", "300",
-           "--heartbeat-timeout", "4"]
+           "--heartbeat-timeout", "4", "--min-trainers", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     stopped = None
     try:

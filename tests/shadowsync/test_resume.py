@@ -109,11 +109,12 @@ def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp
 
 
 def test_a_killed_trainer_loses_only_what_followed_the_last_checkpoint(tmp_path):
-    """Two trainers x two Hogwild workers with Shadow-BMUF: a trainer killed after a periodic checkpoint fails the
-    run naming it; the resumed run restores every trainer's replica and BMUF state and sees every example once."""
+    """Two trainers x two Hogwild workers with Shadow-BMUF, both needed (--min-trainers 2): a trainer killed after a
+    periodic checkpoint fails the run naming it; the resumed run restores every trainer's replica and BMUF state and
+    sees every example once."""
     out = tmp_path / "run"
     proc = _cli(out, tmp_path, "--sync", "shadow-bmuf", "--trainers", "2", "--workers", "2", "--examples", "150000",
-                "--eval-examples", "4000", "--batch-size", "64", "--checkpoint-every", "20000")
+                "--eval-examples", "4000", "--batch-size", "64", "--checkpoint-every", "20000", "--min-trainers", "2")
     _wait_for_checkpoint(proc, out)
     ranks = job_ranks(proc.pid)
     saved = _seen(out)

@@ -197,7 +197,7 @@ def _assert_no_named_shm(pid: int) -> None:
 
 def test_killed_trainer_fails_cleanly(tmp_path):
     before = _shm()
-    proc, out = _start_cli(tmp_path, "--sync", "shadow-ma")
+    proc, out = _start_cli(tmp_path, "--sync", "shadow-ma", "--min-trainers", "2")
     trainers = _trainer_pids(proc)
     assert len(trainers) == 2
     for t in trainers:

@@ -197,6 +197,11 @@ def _print_result(console, result) -> None:
     if s.get("resumed_from"):
         console.print(f"resumed after {s['resumed_from']:,} examples of the run it resumed"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
+    for x in s.get("lost") or []:
+        console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples; "
+                      f"{s['trainers_left']} trainer{'s' if s['trainers_left'] > 1 else ''} finished the run"
+                      + (f", reading the {s['takeover_rows']:,} rows it had left" if s.get("takeover_rows") else ""),
+                      soft_wrap=True)
     if s.get("short_by"):
         console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader's byte range held fewer "
                       "lines than its share (--data-split lines reads the budget exactly)", soft_wrap=True)

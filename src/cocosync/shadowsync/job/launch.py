@@ -440,8 +440,8 @@ def _describe_failure(outcome: dict, monitor: Monitor) -> str | None:
               and f.signal_name() not in ("SIGTERM", "SIGINT")]
     messages = monitor.failure_messages()
     if killed:
-        r, f = min(killed, key=lambda rf: rf[1].timestamp)
-        text = f"{monitor.label(r)} (pid {f.pid}) was killed by signal {f.signal_name()}"
+        r, f = min(killed, key=lambda rf: rf[1].timestamp)  # (a trainer under a keeper: the trainer's own pid)
+        text = f"{monitor.label(r)} (pid {monitor.pid_of(r) or f.pid}) was killed by signal {f.signal_name()}"
     elif messages:
         r, text = messages[0]
     else:

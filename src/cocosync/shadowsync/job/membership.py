@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
+from setproctitle import setproctitle
 
 from cocosync.runtime.comm.backend import BACKEND
 from cocosync.shadowsync.job.roles import Roles
@@ -179,6 +180,7 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
     pid = os.fork()
     if pid == 0:
         return True
+    setproctitle(f"cocosync keeper of trainer {trainer} (pid {pid})")  # (the trainer keeps the rank's title)
     # the agent's SIGTERM (the job stopping) ends the keeper, and the trainer with it (its parent-death signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
@@ -200,6 +202,7 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
                                                   "time": time.time(), "seq": seq}))
         return False
     client.add(LOSSES, -1)  # not a loss the job goes on from: it stops, naming the trainer
-    signal.signal(sig, signal.SIG_DFL)
+    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
+        signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)
     os._exit(128 + sig)

@@ -124,6 +124,10 @@ class Monitor:
                 self._pids[rank] = pid
         return self._pids.get(rank)
 
+    def pid_of(self, rank: int) -> int | None:
+        """The pid rank `rank` said, once verified as a process this launcher started (None before)."""
+        return self._pid(rank)
+
     def kill_ranks(self) -> None:
         """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
         for rank in self.ranks:
@@ -264,7 +268,7 @@ class Monitor:
             left = self.cfg.trainers - len(self.lost)
             self.console.print(f"[yellow]trainer {t} (pid {rec.get('pid')}) was lost ("
                                + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}")
-                               + f") after {progress.get('trainer_examples', 0):,} examples: {left} trainer"
+                               + f") after about {progress.get('trainer_examples', 0):,} examples: {left} trainer"
                                + ("s go" if left > 1 else " goes") + " on and will read its unread rows "
                                f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)
 

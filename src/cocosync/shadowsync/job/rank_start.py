@@ -117,6 +117,7 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
             return  # the keeper: its trainer finished or was lost
         try:  # the trainer, forked by its keeper: it leaves through os._exit (the agent started the keeper)
             die_with_parent()  # (a fork clears the parent-death signal)
+            os.setpgid(0, 0)  # a process group of its own, as every rank's (become_rank)
             _run(cfg, cluster, console, json_out)
         except SystemExit as e:
             _exit(e.code if isinstance(e.code, int) else 1)

@@ -1,0 +1,179 @@
+"""A lost trainer does not stop a one-machine job: killed (kill -9) or silent past --heartbeat-timeout, the trainers
+left re-form their dense sync, read its unread rows and end the run with a summary and a checkpoint; below
+--min-trainers the job stops naming the trainer, as before. Real jobs through `cocosync train`, with timeouts."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch.distributed as dist
+
+from cocosync.runtime.comm.topology import Topology
+from cocosync.shadowsync.job.membership import LOSSES, Membership
+from cocosync.shadowsync.job.roles import Roles
+from cocosync.testing.sockets import job_ranks
+
+EXAMPLES = 600_000
+
+
+def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+    out = tmp_path / "run"
+    (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
+                                     "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", "4", "--examples", str(EXAMPLES),
+           "--eval-examples", "4000", "--no-progress", "--out", str(out), "--timeout", "200", "--config",
+           str(tmp_path / "c.toml"), *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, out
+
+
+def _trainer_pid(proc: subprocess.Popen, out: Path, t: int, after: int = 30_000) -> int:
+    """Trainer t's pid once the job has trained `after` examples (local rank t + 1: the embedding server is 0)."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        metrics = out / "metrics.jsonl"
+        records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
+        if any(r.get("event") == "train" and r["examples"] >= after for r in records):
+            return job_ranks(proc.pid)[t + 1]
+        if proc.poll() is not None:
+            break
+        time.sleep(0.1)
+    proc.kill()
+    pytest.fail(f"training did not start: {proc.communicate(timeout=10)}")
+
+
+def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _shm() -> set[str]:
+    return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("cocosync")}
+
+
+def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path):
+    before = _shm()
+    proc, out = _start(tmp_path)
+    victim = _trainer_pid(proc, out, 2)
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"trainer 2 (pid {victim}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [(x["trainer"], x["pid"], x["signal"]) for x in s["lost"]] == [(2, victim, "SIGKILL")]
+    assert s["trainers_left"] == 3 and not s["stopped"] and s["short_by"] == 0
+    # every row read once: the lost trainer's before it died, the rest of its share by the others
+    assert s["examples"] == EXAMPLES, s["examples"]
+    assert s["lost"][0]["examples"] + s["takeover_rows"] == EXAMPLES // 4
+    assert s["lost"][0]["examples"] >= 30_000 // 4 and s["takeover_rows"] > 0
+    assert s["eval_ne"] < 0.9, s["eval_ne"]
+    # the last checkpoint stands in for the lost trainer's part (every row read): it scores and resumes
+    meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
+    assert "lost_trainers" not in meta and meta["examples_seen"] == EXAMPLES
+    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    assert not _alive(victim)
+    assert _shm() - before == set()
+
+
+def test_a_silent_trainer_is_killed_at_the_heartbeat_timeout_and_the_others_go_on(tmp_path):
+    proc, out = _start(tmp_path, "--heartbeat-timeout", "3", "--sync", "fr-bmuf")
+    victim = _trainer_pid(proc, out, 1)
+    os.kill(victim, signal.SIGSTOP)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"trainer 1 (pid {victim}) stopped responding" in stderr and "killing it" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [x["trainer"] for x in s["lost"]] == [1] and s["examples"] == EXAMPLES
+    assert not _alive(victim)
+
+
+def test_below_min_trainers_the_job_stops_naming_the_trainer(tmp_path):
+    """--min-trainers 3 of 4: the first loss is survived, the second stops the job naming its trainer."""
+    proc, out = _start(tmp_path, "--min-trainers", "3", "--sync", "shadow-ma")
+    first = _trainer_pid(proc, out, 3)
+    os.kill(first, signal.SIGKILL)
+    second = _trainer_pid(proc, out, 1, after=60_000)
+    os.kill(second, signal.SIGKILL)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 1, stderr[-3000:]
+    assert f"trainer 3 (pid {first}) was lost" in stderr, stderr[-3000:]
+    assert f"trainer 1 (rank 2) (pid {second}) was killed by signal SIGKILL" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr, stderr[-3000:]
+
+
+def _roles(trainers: int) -> Roles:
+    return Roles(Topology(rank=0, world_size=trainers + 1, local_rank=0, local_world_size=trainers + 1, node=0), 1, 0)
+
+
+def test_the_membership_reads_losses_in_order_and_agrees_without_the_lost(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    m = Membership(dist.PrefixStore("cocosync/", store), _roles(4), 1, timeout=5.0)
+    assert m.epoch() == 0 and m.live() == [0, 1, 2, 3]
+    m.store.add(LOSSES, 1)
+    m.store.set("lost/2", json.dumps({"pid": 7, "signal": "SIGKILL", "time": 1.0, "seq": 1}))
+    assert m.wait_for_loss(0) == 1 and m.live() == [0, 1, 3]
+    assert [x.describe() for x in m.losses()] == ["trainer 2 (pid 7) was lost: killed by SIGKILL"]
+    assert m.alive_ranks([0, 1, 3]) == [0, 1, 2, 4]  # the embedding server (rank 0) and the trainers left
+    for t in (0, 1):
+        m.store.set(f"agree/end/{t}", "1")
+    assert m.agree("end", 3) == 1  # every live trainer is there: the lost one is not waited for
+    assert m.agree("late", 0, give_up=lambda: True) is None
+    assert m.wait_for_loss(1, timeout=0.2) is None
+
+
+_KEEPER = textwrap.dedent("""
+    import datetime, os, signal, sys
+    import torch.distributed as dist
+    from cocosync.shadowsync.job.membership import keep_trainer
+    port, how, trainers, least = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    def store():
+        return dist.PrefixStore("cocosync/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                           timeout=datetime.timedelta(seconds=10)))
+    if keep_trainer(1, trainers, least, store):
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        os._exit(3 if how == "fail" else 0)
+    print("keeper returns")
+""")
+
+
+@pytest.mark.parametrize("how,trainers,least,code,lost", [
+    ("kill", 2, 1, 0, True),  # lost, enough left: the keeper ends as a rank that finished
+    ("kill", 2, 2, -signal.SIGKILL, False),  # too few left: it dies by the trainer's signal
+    ("fail", 2, 1, 3, False),  # a trainer that failed (an exit status) is no loss
+    ("done", 2, 1, 0, False),
+])
+def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, trainers, least, code, lost):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    script = tmp_path / "keeper.py"
+    script.write_text(_KEEPER)
+    proc = subprocess.run([sys.executable, str(script), str(store.port), how, str(trainers), str(least)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert ("keeper returns" in proc.stdout) == (code == 0)
+    view = dist.PrefixStore("cocosync/", store)
+    assert view.check(["lost/1"]) == lost
+    assert int(view.add(LOSSES, 0)) == int(lost)
