@@ -13,6 +13,7 @@ from cocosync.bench.backend import backend_cmd
 from cocosync.bench.collectives import collectives_cmd
 from cocosync.bench.data_split import data_split_cmd
 from cocosync.bench.dp import dp_cmd
+from cocosync.bench.faults import faults_cmd
 from cocosync.bench.features import features_cmd
 from cocosync.bench.job_start import job_start_cmd
 from cocosync.bench.lookup_scaling import lookups_cmd
@@ -55,7 +56,7 @@ def demo() -> None:
 for _cmd in (train, eval_checkpoint, export, predict, data, show, tune_cmd):
     main.add_command(_cmd)
 for _cmd in (collectives_cmd, backend_cmd, dp_cmd, tp_cmd, pp_cmd, shadowsync_cmd, quality_cmd, lookups_cmd, sync_cmd,
-             data_split_cmd, real_data_cmd, job_start_cmd, features_cmd):
+             data_split_cmd, real_data_cmd, job_start_cmd, features_cmd, faults_cmd):
     bench.add_command(_cmd)
 
 

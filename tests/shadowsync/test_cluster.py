@@ -338,6 +338,27 @@ def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path)
     assert not [f for f in os.listdir(tmp) if f.startswith(("torchelastic_", "cocosync-agent-"))], os.listdir(tmp)
 
 
+def test_a_machine_other_than_node_0_never_hosts_the_rendezvous_store(tmp_path):
+    """Node 1 started with an endpoint where nothing listens (a wrong port) waits as a client: it hosts no store
+    there (one would listen on every interface, and wait for a node 0 that is elsewhere)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+           f"127.0.0.1:{port}", "--out", str(tmp_path / "run")]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        seen = ""
+        while "waiting for the 2 machines" not in seen:
+            line = proc.stdout.readline()
+            assert line, f"exited {proc.wait()}:\n{seen}"
+            seen += line
+        time.sleep(3.0)
+        hosted = [x for x in listening_sockets(process_tree(proc.pid)) if x[2] == port]
+        assert hosted == [], f"node 1 listens on the rendezvous port: {hosted}"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+
+
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
     res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",

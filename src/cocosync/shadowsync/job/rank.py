@@ -509,6 +509,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss])
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
         "lost": lost, "trainers_left": roles.trainers - len(lost),
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
+        # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)
+        "regrouped_at": max((r["regrouped_at"] for r in results if r.get("regrouped_at")), default=None),
     }
     if curve is not None and cfg.checkpoint:  # the end beats the curve: the last model is the best
         curve.keep({"event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],

@@ -10,6 +10,7 @@ nothing is read by none.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -42,6 +43,7 @@ class Recovery:
     def __init__(self, job: Job, membership: Membership, trainer: int):
         self.job, self.membership, self.trainer = job, membership, trainer
         self.epoch = 0  # the losses this trainer's sync is formed after
+        self.regrouped_at: float | None = None  # when this trainer's sync was first re-formed (time.time())
         self.taken = 0  # the losses whose rows have been shared out
         self.phases = 0
 
@@ -62,6 +64,8 @@ class Recovery:
         new.load_state(old.state())
         new.syncs, new.holding = old.syncs, old.holding
         self.epoch = epoch
+        if self.regrouped_at is None:
+            self.regrouped_at = time.time()
         return new
 
     # -- the lost trainers' rows -------------------------------------------------------------------------

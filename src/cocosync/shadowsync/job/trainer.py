@@ -318,6 +318,7 @@ class Trainer:
             "train_ne": self.window_ne(), "dense": self.flat.flat.numpy().copy(),
             "state": {k: v.numpy() for k, v in self.checkpoint_state().items()},
             "lookups": self.remote.stats.as_dict(), "takeover_rows": taken,
+            "regrouped_at": self.recovery.regrouped_at if self.recovery is not None else None,
         }
 
     def _phase(self, takeover: Takeover | None, t0: float) -> tuple[float, float]:
