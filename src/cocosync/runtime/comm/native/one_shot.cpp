@@ -9,6 +9,7 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 
@@ -218,13 +219,22 @@ class OneShot {
     hdr[3] = op_code;
   }
 
+  // At most `spins` polls and kSpinBudget of time: on a machine whose cores are all busy each sched_yield can give
+  // away a whole time slice, and 4096 of them took ~6 s, while the Python wait the caller falls back to names a
+  // dead peer within 0.2 s.
   bool spin(int64_t seq, int64_t spins) const {
+    const auto start = std::chrono::steady_clock::now();
     for (int64_t n = 0; !arrived(seq); ++n) {
       if (n >= spins) return false;
-      if (n >= 64) sched_yield();  // 2 cores shared by several ranks: let the peer run
+      if (n >= 64) {
+        sched_yield();  // 2 cores shared by several ranks: let the peer run
+        if ((n & 31) == 0 && std::chrono::steady_clock::now() - start > kSpinBudget) return false;
+      }
     }
     return true;
   }
+
+  static constexpr std::chrono::milliseconds kSpinBudget{20};
 
   static void reduce(c10::ScalarType dtype, const std::vector<const void*>& src, void* dst, int64_t n, float s,
                      bool scaled, void* pub, bool stream, bool stream_pub) {
