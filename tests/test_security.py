@@ -146,3 +146,40 @@ def test_a_checkpoint_whose_metadata_names_a_file_outside_it_is_refused(tmp_path
     with pytest.raises(CheckpointError, match=r"names the data file '\.\./other-run/.*', which is not a file of the "
                                               "checkpoint's own directory"):
         SafeReader(str(path)).read_metadata()
+
+
+def test_a_writer_without_the_runs_secret_cannot_stop_a_local_run(tmp_path):
+    """The launcher's store has no authentication, but a local run's keys live under a per-run secret that only the
+    run's own processes hold (in their environment, which other users cannot read): a process that reaches the
+    store's port and writes the keys a run reads (`stop`, heartbeats, pids) under the plain prefix changes nothing."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "800000", "--no-progress", "--out", str(out),
+           "--timeout", "200"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or '"train"' not in (out / "metrics.jsonl").read_text():
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+            time.sleep(0.1)
+        ports = {port for _, _, port in listening_sockets([proc.pid])}  # the launcher's: its store
+        assert len(ports) == 1, ports
+        port = ports.pop()
+        intruder = dist.PrefixStore("cocosync/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                                timeout=datetime.timedelta(seconds=10)))
+        intruder.set("stop", "planted")
+        for t in range(2):
+            intruder.set(f"beat/{t}", "0.0")
+            intruder.set(f"pid/{t + 1}", str(os.getpid()))
+        _, err = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+            proc.communicate()
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["interrupted"] and summary["examples"] == 800_000

@@ -17,6 +17,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import sys
 import threading
 import time
@@ -48,7 +49,7 @@ from cocosync.shadowsync.config import (
 from cocosync.shadowsync.data.criteo import CriteoFormatError
 from cocosync.shadowsync.data.sources import build_configs, open_reader, tabular_schema, with_init_ctr, with_schema
 from cocosync.shadowsync.data.tabular import TabularError, count_rows
-from cocosync.shadowsync.job.link import MONITOR_PORT_ENV
+from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, SECRET_ENV, job_prefix
 from cocosync.shadowsync.job.monitor import Monitor
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_rank
 from cocosync.shadowsync.job.run_model import run_model
@@ -381,8 +382,9 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
         except BaseException as e:  # noqa: BLE001 - reported by the monitor
             outcome["error"] = e
 
-    saved = {k: os.environ.get(k) for k in (MONITOR_PORT_ENV, "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
+    saved = {k: os.environ.get(k) for k in (MONITOR_PORT_ENV, SECRET_ENV, "GLOO_SOCKET_IFNAME", "TP_SOCKET_IFNAME")}
     os.environ[MONITOR_PORT_ENV] = str(store.port)
+    secret = os.environ[SECRET_ENV] = secrets.token_hex(16)  # (the ranks' environment: not on a command line)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
     # the agent's own logging (a thread cannot take signals, rendezvous rounds, worker events, a failed rank's
@@ -394,7 +396,8 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     for q, level in quiet.items():
         q.setLevel(level)
     thread = threading.Thread(target=agent, args=(dict(os.environ),), name="cocosync-elastic-agent", daemon=True)
-    monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store.store, nproc, cluster, console)
+    monitor = Monitor(cfg, name or f"{cfg.sync.algorithm} T={cfg.trainers}", store.store, nproc, cluster, console,
+                      prefix=job_prefix(secret))
     try:
         thread.start()
         monitor.run(thread)

@@ -22,12 +22,15 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["Link", "store_client", "env_store_client", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX",
-           "FIRST_FAILURE", "report_failure"]
+__all__ = ["Link", "store_client", "env_store_client", "job_prefix", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX",
+           "SECRET_ENV", "FIRST_FAILURE", "report_failure"]
 
 MONITOR_PORT_ENV = "COCOSYNC_MONITOR_PORT"
 MONITOR_HOST_ENV = "COCOSYNC_MONITOR_HOST"  # (unset: 127.0.0.1, the one-machine launcher's store)
 PREFIX = "cocosync/"
+#: a local run's secret (set by its launcher, in its ranks' environment): the job's keys live under PREFIX + it, so a
+#: process that reaches the store's port but cannot read the ranks' environment (another user) cannot write them
+SECRET_ENV = "COCOSYNC_JOB_SECRET"
 FIRST_FAILURE = "first-failure"  # {"rank", "time", "message"} of the job's first rank to fail (set once)
 
 
@@ -39,10 +42,17 @@ def report_failure(store: Any, rank: int, message: str) -> None:
     store.compare_set(FIRST_FAILURE, "", rec)  # (sets it only where it is not set)
 
 
+def job_prefix(secret: str | None = None) -> str:
+    """The prefix of the job's keys in its store: PREFIX, then the run's secret where it has one (default: the one
+    SECRET_ENV names)."""
+    secret = os.environ.get(SECRET_ENV, "") if secret is None else secret
+    return f"{PREFIX}{secret}/" if secret else PREFIX
+
+
 def store_client(host: str, port: int) -> Any:
     """A client of the launcher's store, under the job's prefix."""
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    return dist.PrefixStore(PREFIX, store)
+    return dist.PrefixStore(job_prefix(), store)
 
 
 def env_store_client() -> Any:

@@ -43,13 +43,14 @@ class Monitor:
     """Watches the job until the elastic agent's thread ends; `failure` says why it had to be stopped, if it was."""
 
     def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any,
-                 *, nodes: int = 1, ranks: list[int] | None = None, bar: bool = True, tail: bool = True):
+                 *, nodes: int = 1, ranks: list[int] | None = None, bar: bool = True, tail: bool = True,
+                 prefix: str = PREFIX):
         """`store`: a client of the ranks' store; `nproc`: ranks per machine; `cfg.trainers`: the job's trainers,
         over `nodes` machines. `ranks`: the ranks on this machine (default: node 0's, one machine). `bar`: a live
         progress bar on a terminal (off where the ranks write to the same terminal); `tail`: print trainer 0's eval
-        and checkpoint records."""
+        and checkpoint records; `prefix`: the job's keys' (link.job_prefix)."""
         self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
-        self.store = dist.PrefixStore(PREFIX, store)
+        self.store = dist.PrefixStore(prefix, store)
         self.nodes, self.per_node = nodes, cfg.trainers // nodes
         E = cluster.embedding_servers  # (the roles of every rank, numbered as the ranks number them)
         topo = Topology(rank=0, world_size=nproc * nodes, local_rank=0, local_world_size=nproc, node=0)

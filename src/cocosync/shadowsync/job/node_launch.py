@@ -42,7 +42,7 @@ from torch.multiprocessing import ProcessExitedException
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
-from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV
+from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, SECRET_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_node_rank
 
@@ -135,6 +135,7 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_agent_log_worth_showing)
     host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})  # the ranks' link: the rendezvous store
+    os.environ.pop(SECRET_ENV, None)  # (no per-run secret across machines: they would have to share it)
     outcome: dict[str, BaseException] = {}
 
     def agent(launcher_env: dict[str, str]) -> None:
