@@ -143,3 +143,14 @@ def test_parquet_converter_keeps_the_split_and_makes_genres_one_list(tmp_path):
     assert [d.name for d in schema.dense] == ["age", "year"]
     assert "--model" not in train_command(meta) and "--model', 'dcn" not in train_command(meta, "dcn")
     assert train_command(meta, "dcn").endswith("--model dcn")
+
+
+def test_data_movielens_at_its_defaults_writes_parquet_and_the_train_command(real_wheel, tmp_path):
+    from click.testing import CliRunner
+
+    from cocosync.cli import main
+
+    res = CliRunner().invoke(main, ["data", "movielens", str(tmp_path / "ml")])
+    assert res.exit_code == 0, res.output
+    assert {p.name for p in (tmp_path / "ml").glob("*.parquet")} >= {"train.parquet", "valid.parquet", "test.parquet"}
+    assert "cocosync train --data" in res.output
