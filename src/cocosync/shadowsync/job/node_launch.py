@@ -129,7 +129,10 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     # the agent's error files, in a directory of ours removed at the end: torch's default is a /tmp/torchelastic_*
     # per logs spec, left behind by every run
     args.log_dir = tempfile.mkdtemp(prefix="cocosync-agent-")
-    config, _, _ = config_from_args(args)  # (sets OMP_NUM_THREADS=1 as torchrun does)
+    # one OpenMP thread per rank unless the user set it (each rank sets its own torch threads: --threads); torchrun
+    # would set it too, with a four-line warning on every machine
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     logs = config.logs_specs = _RankKeys(log_dir=args.log_dir)
     logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_agent_log_worth_showing)

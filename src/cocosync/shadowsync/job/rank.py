@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 import math
 import os
 import shutil
@@ -200,6 +201,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         text = str(err) if isinstance(err, known) else traceback.format_exc()
         if link is not None:
             link.failed(text)
+        _record_error(text)
         unlink_pending()  # a segment a dead peer never mapped (os._exit skips the atexit hook that would)
         print(f"{roles.rpc_name()} (rank {topo.rank}, node {topo.node}) failed:\n{text}",
               file=sys.stderr, flush=True)  # plain text: rich would wrap it and parse the [brackets] of gloo's
@@ -211,6 +213,17 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         os._exit(1)
     dist.destroy_process_group()
     return summary
+
+
+def _record_error(text: str) -> None:
+    """Write why this rank failed to the elastic agent's error file, the root cause torchrun's failure report shows
+    (else it shows an empty traceback for a rank that exited with status 1)."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        try:
+            Path(path).write_text(json.dumps({"message": text, "timestamp": int(time.time())}))
+        except OSError:
+            pass
 
 
 @dataclasses.dataclass

@@ -24,12 +24,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from cocosync.runtime.comm.shm import CollectiveTimeout
 from cocosync.shadowsync.config import TrainConfig
 from cocosync.shadowsync.data.sources import build_configs
 from cocosync.shadowsync.job.recovery import Recovery, Takeover
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.embeddings import Lookup, ShardedEmbeddings
+from cocosync.shadowsync.model.lookup_thread import ExchangeLost
 from cocosync.shadowsync.model.sharding import active
+from cocosync.shadowsync.model.transport import ServerLost
 from cocosync.shadowsync.sync import FlatParams, NoSync, ShadowThread, make_sync
 from cocosync.shadowsync.sync.base import SyncAlgorithm
 from cocosync.shadowsync.thread_cpu import in_role
@@ -249,6 +252,8 @@ class Trainer:
                     self._foreground_round(pos, marks)
                 elif marks is not None:  # fr collective: marks open at sync rounds only
                     marks.after_batch(None if fr and self.sync.collective else int(pos.sum()))
+        except (ExchangeLost, ServerLost, CollectiveTimeout) as e:  # (a lost peer: the message names it)
+            self.errors.append(f"trainer {self.rank} worker {w}: {e}")
         except BaseException:
             self.errors.append(f"trainer {self.rank} worker {w}:\n{traceback.format_exc()}")
         finally:
@@ -347,8 +352,9 @@ class Trainer:
                 t.join(timeout=0.05)
             if shadow is not None:
                 self.state.syncs[self.rank] = self.sync.syncs
-                if shadow.error is not None:
-                    self.errors.append(f"trainer {self.rank} shadow sync: {shadow.error!r}")
+                said = f"trainer {self.rank} shadow sync: {shadow.error!r}"
+                if shadow.error is not None and said not in self.errors:
+                    self.errors.append(said)
                     self.state.stop[0] = 1
             if time.time() - last_log >= self.cfg.log_every:
                 last_log = time.time()
