@@ -177,6 +177,8 @@ def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim, la
         assert named in text, "\n--- next node ---\n".join(r.output[-4000:] for r in runs)
     else:  # torchrun names the trainer that died (its rank, host and signal)
         assert re.search(r"rank\s*:\s*3 \(local_rank: 1\)", text) and re.search(r"exitcode\s*:\s*-9", text)
+    # a rank that failed fills its root cause (the agent's error file) with what it said, not an empty traceback
+    assert "To enable traceback see" not in text, text[-4000:]
     assert leftover_segments() == []
 
 
