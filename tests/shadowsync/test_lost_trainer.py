@@ -22,7 +22,7 @@ from cocosync.shadowsync.job.membership import LOSSES, Membership
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.testing.sockets import job_ranks
 
-EXAMPLES = 600_000
+EXAMPLES = 400_000
 
 
 def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:

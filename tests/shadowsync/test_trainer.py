@@ -251,13 +251,13 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tmp_path):
 
 def test_the_timeout_stops_the_run_and_keeps_what_it_trained(tmp_path):
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--examples", "6000000", "--no-progress",
-                          "--out", str(out), "--timeout", "10", "--sync", "shadow-ma"],
+    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--examples", "3000000", "--no-progress",
+                          "--eval-examples", "2000", "--out", str(out), "--timeout", "10", "--sync", "shadow-ma"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 124, res.stderr[-3000:]
     assert "--timeout 10 s reached: stopping the trainers" in res.stderr, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())  # (0 examples where start-up took the 10 s)
-    assert summary["interrupted"] and summary["examples"] < 6_000_000 and "eval_ne" in summary
+    assert summary["interrupted"] and summary["examples"] < 3_000_000 and "eval_ne" in summary
     assert (out / "checkpoints" / "latest").exists()
 
 
