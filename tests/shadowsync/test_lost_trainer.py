@@ -82,6 +82,7 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
     s = json.loads((out / "summary.json").read_text())
     assert [(x["trainer"], x["pid"], x["signal"]) for x in s["lost"]] == [(2, victim, "SIGKILL")]
     assert s["trainers_left"] == 3 and not s["stopped"] and s["short_by"] == 0
+    assert [m["trainers"] for m in s["membership"]] == [4, 3] and s["membership"][1]["lost"] == 2
     # every row read once: the lost trainer's before it died, the rest of its share by the others
     assert s["examples"] == EXAMPLES, s["examples"]
     assert s["lost"][0]["examples"] + s["takeover_rows"] == EXAMPLES // 4

@@ -202,7 +202,10 @@ def _print_result(console, result) -> None:
                       f"{s['trainers_left']} trainer{'s' if s['trainers_left'] > 1 else ''} finished the run"
                       + (f", reading the {s['takeover_rows']:,} rows it had left" if s.get("takeover_rows") else ""),
                       soft_wrap=True)
-    if s.get("short_by"):
+    if s.get("short_by") and s.get("lost"):
+        console.print(f"finished, {s['short_by']:,} examples short of the budget: rows a lost trainer was reading for "
+                      "another lost trainer were not read again", soft_wrap=True)
+    elif s.get("short_by"):
         console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader's byte range held fewer "
                       "lines than its share (--data-split lines reads the budget exactly)", soft_wrap=True)
     if result.interrupted or s.get("stopped"):

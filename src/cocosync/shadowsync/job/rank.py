@@ -521,6 +521,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss])
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
         "lost": lost, "trainers_left": roles.trainers - len(lost),
+        "membership": [{"time": min(r["start"] for r in results), "trainers": roles.trainers}]
+        + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"]} for k, x in enumerate(lost)],
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
         # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)
         "regrouped_at": max((r["regrouped_at"] for r in results if r.get("regrouped_at")), default=None),
