@@ -99,15 +99,22 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
     assert _shm() - before == set()
 
 
-def test_a_silent_trainer_is_killed_at_the_heartbeat_timeout_and_the_others_go_on(tmp_path):
+def test_a_silent_trainer_0_is_killed_at_the_heartbeat_timeout_and_the_first_left_finishes_the_job(tmp_path):
+    """Trainer 0 (which started the run's metrics) stopped: killed at the heartbeat timeout, and trainer 1 writes the
+    summary and the checkpoint, which scores."""
     proc, out = _start(tmp_path, "--heartbeat-timeout", "3", "--sync", "fr-bmuf")
-    victim = _trainer_pid(proc, out, 1)
+    victim = _trainer_pid(proc, out, 0)
     os.kill(victim, signal.SIGSTOP)
     stdout, stderr = _finish(proc)
     assert proc.returncode == 0, stderr[-3000:]
-    assert f"trainer 1 (pid {victim}) stopped responding" in stderr and "killing it" in stderr, stderr[-3000:]
+    assert f"trainer 0 (pid {victim}) stopped responding" in stderr and "killing it" in stderr, stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
-    assert [x["trainer"] for x in s["lost"]] == [1] and s["examples"] == EXAMPLES
+    assert [x["trainer"] for x in s["lost"]] == [0] and s["examples"] == EXAMPLES
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["event"] for r in records].count("summary") == 1
+    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120)
+    assert scored.returncode == 0, scored.stderr[-2000:]
     assert not _alive(victim)
 
 

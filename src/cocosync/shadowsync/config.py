@@ -494,8 +494,8 @@ class TrainConfig:
     min_trainers: int = field(default=1, metadata=opt("--min-trainers", "Run"))
     """trainers a one-machine job needs to go on: a trainer that is lost (killed, out of memory, silent past
     --heartbeat-timeout) leaves the others training while at least this many are left (its unread rows are read by
-    them, its dense sync re-formed among them); with fewer the job stops naming the loss. Trainer 0, which writes the
-    job's metrics, checkpoints and summary, is always needed."""
+    them, its dense sync re-formed among them; the first trainer left writes the summary if trainer 0 was lost); with
+    fewer the job stops naming the loss."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))

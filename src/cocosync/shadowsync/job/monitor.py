@@ -248,10 +248,10 @@ class Monitor:
         return self.failure is not None
 
     def may_lose(self, t: int) -> bool:
-        """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, not trainer 0, and
-        more than --min-trainers would be left)."""
+        """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, and more than
+        --min-trainers would be left)."""
         gone = len(self.lost) + len(self.killed - set(self.lost))
-        return (self.nodes == 1 and t != 0 and t not in self.lost
+        return (self.nodes == 1 and t not in self.lost
                 and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
 
     def _watch_losses(self) -> None:

@@ -153,7 +153,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         if run is not None:
             _periodic_checkpoints(job, run, index)
             summary, alive = _run_trainer(job, run, index)
-            _command(job, "end", alive)
+            _command(job, "end", alive, leader=alive[0] if alive else 0)
             _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
@@ -168,8 +168,9 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
                              "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s,
                              "stale_sum": node_exchange.take_stale()}
-        # the rest runs over the ranks still in the job: every rank but lost trainers (made by them alone)
-        group = None
+        # the rest runs over the ranks still in the job: every rank but lost trainers (made by them alone); the
+        # first trainer left writes the summary and the checkpoint's metadata (trainer 0 unless it was lost)
+        group, writer = None, roles.rank_of("trainer", alive[0] if alive else 0)
         if alive is not None and job.membership is not None:
             group = job.membership.job_group(alive, held=job.held_groups)
         dist.barrier(group=group)
@@ -179,8 +180,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             parts: dict[str, Stateful] = {name: saved}
             if summary is not None and summary["lost"]:
                 parts.update(_lost_parts(job, summary, saved, meta))
-            ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=roles.rank_of("trainer", 0),
-                            group=group)
+            ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
         # the servers' CPU time since set-up, for the job's examples per CPU-second (servers included)
@@ -319,17 +319,19 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
         raise
     result = run.trainer.train()
     result["resumed_from"] = resumed
-    losses, group, alive = [], job.trainer_group, None
+    losses, group, alive, leader = [], job.trainer_group, None, 0
     if membership is not None:  # the trainers left agree on the losses (a stopped job shared out none, maybe)
         epoch = membership.agree("end", t) or 0
         losses = membership.losses(epoch)
-        if losses:
+        if losses:  # the first trainer left finishes the job (trainer 0, unless it was lost)
             live = membership.live(epoch)
-            group, alive = membership.trainer_group(live), live
-    results: list[Any] = [None] * dist.get_world_size(group) if t == 0 else []
-    dist.gather_object(result, results if t == 0 else None, dst=roles.rank_of("trainer", 0), group=group)
-    if t != 0:
+            group, alive, leader = membership.trainer_group(live), live, live[0]
+    results: list[Any] = [None] * dist.get_world_size(group) if t == leader else []
+    dist.gather_object(result, results if t == leader else None, dst=roles.rank_of("trainer", leader), group=group)
+    if t != leader:
         return None, alive
+    if run.logger is None:  # (trainer 0, which started the run's metrics, was lost)
+        run.logger = MetricsLogger(Path(job.cfg.out_dir) / "metrics.jsonl", append=True)
     return _finish(job, run, results, losses), alive
 
 
@@ -363,12 +365,13 @@ class _Command:
     alive: list[int] | None  # the trainers left after a loss (None: every trainer)
 
 
-def _command(job: Job, cmd: str | None, alive: list[int] | None = None) -> _Command:
-    """Trainer 0 tells every rank what comes next ('checkpoint' or 'end', with `alive`); the others receive it.
-    A trainer passes what it expects and fails if trainer 0 said otherwise (their checkpoint marks would disagree).
-    Through the launcher's store where there is one (a lost trainer breaks no collective there), else a broadcast."""
+def _command(job: Job, cmd: str | None, alive: list[int] | None = None, leader: int = 0) -> _Command:
+    """Trainer `leader` (0, or the first left after a loss) tells every rank what comes next ('checkpoint' or 'end',
+    with `alive`); the others receive it. A trainer passes what it expects and fails if the leader said otherwise
+    (their checkpoint marks would disagree). Through the launcher's store where there is one (a lost trainer breaks
+    no collective there), else a broadcast."""
     roles = job.roles
-    src = roles.rank_of("trainer", 0)
+    src = roles.rank_of("trainer", leader)
     mine = {"name": cmd, "alive": alive} if roles.topo.rank == src else None
     if job.link is not None:
         got = job.link.command(mine)
@@ -377,7 +380,7 @@ def _command(job: Job, cmd: str | None, alive: list[int] | None = None) -> _Comm
         dist.broadcast_object_list(obj, src=src)
         got = obj[0]
     if cmd is not None and got["name"] != cmd:
-        raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer 0, got {got['name']!r}")
+        raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer {leader}, got {got['name']!r}")
     return _Command(got["name"], got["alive"])
 
 

@@ -130,10 +130,10 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
 
 def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
     """Whether this rank is a trainer the job can go on without: on one machine launched by `cocosync train` (its
-    store records the loss), not trainer 0, and more trainers than --min-trainers."""
+    store records the loss), with more trainers than --min-trainers."""
     if os.environ.get(MONITOR_PORT_ENV) is None or int(os.environ.get("GROUP_WORLD_SIZE", "1")) != 1:
         return False
-    return cfg.min_trainers < cfg.trainers and (_trainer_index(cluster, cfg) or 0) > 0
+    return cfg.min_trainers < cfg.trainers and _trainer_index(cluster, cfg) is not None
 
 
 def _trainer_index(cluster: ClusterConfig, cfg: TrainConfig) -> int | None:
