@@ -314,6 +314,16 @@ def test_the_timeout_under_plain_torchrun_stops_the_trainers_with_a_checkpoint(t
     assert json.loads((Path(s["checkpoint"]) / "meta.json").read_text())["stopped"]
 
 
+def _until_waiting(proc: subprocess.Popen) -> str:
+    """A node's output up to its line saying it waits for the other machines (it must not exit before)."""
+    seen = ""
+    while "waiting for the 2 machines" not in seen:
+        line = proc.stdout.readline()
+        assert line, f"exited {proc.wait()}:\n{seen}"
+        seen += line
+    return seen
+
+
 def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path):
     """Node 0 of a 2-node job started alone says what it waits for; Ctrl-C before the machines met aborts at once
     (nothing has trained: there is nothing to stop with a checkpoint), leaving no directory of the agent's."""
@@ -325,11 +335,7 @@ def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
                             env={**os.environ, "TMPDIR": str(tmp)})
     try:
-        seen = ""
-        while "waiting for the 2 machines" not in seen:
-            line = proc.stdout.readline()
-            assert line, f"exited {proc.wait()}:\n{seen}"
-            seen += line
+        seen = _until_waiting(proc)
         assert endpoint in seen
         proc.send_signal(signal.SIGINT)
         seen += proc.communicate(timeout=30)[0]
@@ -348,11 +354,7 @@ def test_a_machine_other_than_node_0_never_hosts_the_rendezvous_store(tmp_path):
            f"127.0.0.1:{port}", "--out", str(tmp_path / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        seen = ""
-        while "waiting for the 2 machines" not in seen:
-            line = proc.stdout.readline()
-            assert line, f"exited {proc.wait()}:\n{seen}"
-            seen += line
+        _until_waiting(proc)
         time.sleep(3.0)
         hosted = [x for x in listening_sockets(process_tree(proc.pid)) if x[2] == port]
         assert hosted == [], f"node 1 listens on the rendezvous port: {hosted}"

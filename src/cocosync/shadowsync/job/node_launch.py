@@ -84,9 +84,10 @@ def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoin
     (the hostname)."""
     host = rdzv_endpoint.rsplit(":", 1)[0]
     loopback = host in ("127.0.0.1", "localhost")
-    # only node 0 hosts the store; on a loopback endpoint torch would let any machine whose name matches host it
-    # (every one does), and a node started with a wrong port would host a store on every interface, waiting there
-    conf = ["--rdzv-conf", f"is_host={1 if node_rank == 0 else 0}"]
+    # only node 0 hosts the store. On a loopback endpoint torch lets any machine whose name matches host it (every
+    # one does): a node > 0 started with a wrong port hosted a store on every interface and waited there. (Node 0's
+    # is left to torch there: an explicit is_host=1 on loopback kept a job with --timeout from starting to train.)
+    conf = ["--rdzv-conf", "is_host=0"] if node_rank > 0 else [] if loopback else ["--rdzv-conf", "is_host=1"]
     addr = local_addr or ("127.0.0.1" if loopback else None)
     return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id, "--max-restarts", "0", *conf,
