@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -150,6 +151,11 @@ def test_the_membership_reads_losses_in_order_and_agrees_without_the_lost(tmp_pa
     assert m.agree("end", 3) == 1  # every live trainer is there: the lost one is not waited for
     assert m.agree("late", 0, give_up=lambda: True) is None
     assert m.wait_for_loss(1, timeout=0.2) is None
+    # a trainer still training is waited for past the membership's timeout (without a collective sync the trainers
+    # finish apart)
+    slow = Membership(dist.PrefixStore("job2/", store), _roles(2), 1, timeout=0.2)
+    threading.Timer(1.0, lambda: slow.store.set("agree/apart/1", "1")).start()
+    assert slow.agree("apart", 0) == 0
 
 
 _KEEPER = textwrap.dedent("""
