@@ -17,7 +17,7 @@ from typing import Any, Callable
 from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
 from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
 from cocosync.shadowsync.job.job import Job
-from cocosync.shadowsync.job.membership import Loss, Membership
+from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.sync import make_sync
 from cocosync.shadowsync.sync.base import HierarchicalGroup, SyncAlgorithm
 from cocosync.shadowsync.sync.dssync import DSSync
@@ -28,13 +28,11 @@ __all__ = ["Recovery", "Takeover"]
 @dataclass(frozen=True)
 class Takeover:
     """This trainer's share of lost trainers' unread rows: worker w reads shard `first + w` of `shards` of
-    `source`; `rows`: how many in all (this trainer's part)."""
+    `source`."""
 
     source: Any
     first: int
     shards: int
-    rows: int
-    losses: tuple[Loss, ...]
 
 
 class Recovery:
@@ -95,5 +93,4 @@ class Recovery:
         parts = split_plan(left, len(live) * W)
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
-        rows = sum(r for s in parts[j * W:(j + 1) * W] for _, _, r in s)
-        return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W, rows, tuple(new))
+        return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
