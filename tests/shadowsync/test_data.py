@@ -12,6 +12,7 @@ import torch
 
 from cocosync.shadowsync.config import DataConfig, ModelConfig, SynthConfig
 from cocosync.shadowsync.data.criteo import CriteoFormatError, CriteoReader, hash_tokens, prob_sidecar_path
+from cocosync.shadowsync.data.ranges import even_share, even_start, filled_shares, range_lines
 from cocosync.shadowsync.data.synth import SyntheticStream, expected_ne, make_synthetic_dataset, write_synthetic
 from cocosync.shadowsync.metrics import bayes_ne
 
@@ -215,6 +216,30 @@ def test_byte_ranges_partition_the_lines_and_read_only_their_share(tmp_path, sha
     probs = torch.cat([b.prob for i in range(shards)
                        for b in CriteoReader(str(p), CFG, shard=(i, shards), batch_size=999, split="bytes")])
     assert torch.equal(probs, torch.cat([b.prob for b in CriteoReader(str(p), CFG, batch_size=999)]))
+
+
+@pytest.mark.parametrize("shards", [1, 2, 3, 7, 64, 5000])
+def test_range_lines_counts_what_each_byte_range_reader_reads(tmp_path, shards):
+    p = tmp_path / "b.tsv"
+    write_synthetic(str(p), 1000, seed=5)
+    read = [sum(len(b.label) for b in CriteoReader(str(p), CFG, shard=(i, shards), batch_size=50, split="bytes"))
+            for i in range(shards)]
+    assert range_lines([str(p)], shards, block=4096) == read  # (blocks that cut lines, and ranges with no line)
+    assert range_lines([str(p), str(p)], shards, block=999) == [2 * n for n in read]
+
+
+def test_filled_shares_give_a_short_readers_rest_to_the_others():
+    assert filled_shares(12, [10, 10, 10]) == [4, 4, 4]
+    assert filled_shares(12, [1, 10, 10]) == [1, 5, 6]  # the short reader's 3 go to the others
+    assert filled_shares(30, [1, 10, 10]) == [1, 10, 10]  # more than they hold: all of it
+    for caps, total in (([3, 0, 7, 7, 2], 15), ([5] * 7, 33), ([0, 0], 5), ([9, 1, 4, 4], 17)):
+        got = filled_shares(total, caps)
+        assert sum(got) == min(total, sum(caps)) and all(0 <= g <= c for g, c in zip(got, caps))
+        left = [g for g, c in zip(got, caps) if g < c]  # readers with rows left over: as even as can be
+        if left:
+            assert max(left) - min(left) <= 1 and max(got) <= min(left) + 1, (caps, total, got)
+    assert [even_share(10, 4, s) for s in range(4)] == [3, 3, 2, 2]
+    assert [even_start(10, 4, s) for s in range(4)] == [0, 3, 6, 8]
 
 
 def test_byte_ranges_lines_at_the_edges_crlf_no_final_newline_and_errors(tmp_path):

@@ -13,6 +13,7 @@ from click.testing import CliRunner
 from cocosync.cli import main
 from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.config import DataConfig, SyncConfig, SynthConfig, TrainConfig
+from cocosync.shadowsync.data.ranges import range_lines
 from cocosync.shadowsync.data.sources import (
     Epochs,
     InMemorySource,
@@ -138,3 +139,28 @@ def test_workers_read_their_byte_ranges_of_a_plain_file(tmp_path):
     assert build_configs(TrainConfig(data=str(train)))[0].reader_split == "lines"  # held out: rows after the budget
     res = CliRunner().invoke(main, [*args[:6], "--data-split", "bytes", "--trainers", "1", "--examples", "1000"])
     assert res.exit_code != 0 and "rows after the training budget are not held out" in res.output
+
+
+def test_a_whole_file_split_by_bytes_or_lines_trains_every_line(tmp_path):
+    """Byte ranges hold different line counts (lines differ in length): the launcher counts them, a range holding
+    fewer lines than its share leaves the rest to the others, and a run of the whole file trains every line; the
+    lines split trains a budget that the shards do not divide."""
+    whole, train, held = tmp_path / "all.tsv", tmp_path / "train.tsv", tmp_path / "eval.tsv"
+    write_synthetic(str(whole), 10_000, seed=4, synth=SynthConfig(ctr=0.25, signal=2.0))
+    lines = whole.read_bytes().splitlines(keepends=True)
+    train.write_bytes(b"".join(lines[:9_001]))
+    held.write_bytes(b"".join(lines[9_001:]))
+    counts = range_lines([str(train)], 4)
+    assert sum(counts) == 9_001 and len(set(counts)) > 1  # (uneven ranges: the case that fell short)
+    for split, examples, trained in (("bytes", "20000", 9_001), ("lines", "8003", 8_003)):
+        out = tmp_path / split
+        res = CliRunner().invoke(main, ["train", "--no-progress", "--out", str(out), "--data", str(train),
+                                        "--eval-data", str(held), "--data-split", split, "--trainers", "2",
+                                        "--workers", "2", "--examples", examples, "--eval-examples", "500",
+                                        "--batch-size", "64", "--sync", "none", "--table-size", "2000", "--json"])
+        assert res.exit_code == 0, res.output
+        summary = json.loads(res.output.strip().splitlines()[-1])
+        assert summary["examples"] == trained and summary["short_by"] == 0, (split, summary["examples"])
+        assert "short of the budget" not in res.output
+        kept = json.loads((out / "job.json").read_text())["config"]["data_options"]
+        assert kept.get("range_lines") == (counts if split == "bytes" else None)

@@ -152,9 +152,10 @@ def test_parquet_shards_of_a_budget_are_contiguous_ranges_read_by_row_groups(par
     the budget are left to the held-out set."""
     s = infer_schema(parquet)
     labels = torch.tensor(_table()["click"].to_numpy(), dtype=torch.float32)
-    parts = [torch.cat([b.label for b in TabularReader(parquet, s, shard=(i, 3), batch_size=64, rows_per_shard=250)])
+    parts = [torch.cat([b.label for b in TabularReader(parquet, s, shard=(i, 3), batch_size=64,
+                                                       row_range=(250 * i, 250 * (i + 1)))])
              for i in range(3)]
     assert [len(p) for p in parts] == [250, 250, 250]  # row groups of 300: ranges cross their bounds
     assert torch.equal(torch.cat(parts), labels[:750])
-    r = TabularReader(parquet, s, shard=(2, 3), batch_size=64, rows_per_shard=250, skip_rows=100, max_rows=50)
+    r = TabularReader(parquet, s, shard=(2, 3), batch_size=64, row_range=(500, 750), skip_rows=100, max_rows=50)
     assert torch.equal(torch.cat([b.label for b in r]), labels[600:650]) and r.position == 150

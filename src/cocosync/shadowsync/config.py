@@ -198,6 +198,10 @@ class DataConfig:
     schema: dict | None = None
     """Parquet/CSV: the file's schema (TabularSchema.to_dict(): label, dense columns, features and their rows), found
     from the file when the run starts and kept in the run's config."""
+    range_lines: tuple[int, ...] | None = None
+    """split 'bytes': the lines in each reader shard's byte range (data/ranges.py), counted by the launcher when the
+    run starts and kept in the run's config, so that a range holding fewer lines than its share leaves the rest to
+    the others and the run trains its whole budget."""
 
     def __post_init__(self) -> None:
         o = "DataConfig"
@@ -234,6 +238,12 @@ class DataConfig:
             paths = value if isinstance(value, tuple) else (value,)
             if value is not None and (not paths or not all(isinstance(p, str) and p for p in paths)):
                 raise ValueError(f"{o}.{name}={value!r}: expected None, a path, or a non-empty tuple of paths")
+        if self.range_lines is not None:
+            value = tuple(self.range_lines) if isinstance(self.range_lines, (list, tuple)) else None
+            if not value or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in value):
+                raise ValueError(f"{o}.range_lines={self.range_lines!r}: expected line counts (non-negative "
+                                 "integers), one per reader shard")
+            self.range_lines = value
         if self.split not in ("auto", "lines", "bytes"):
             raise ValueError(f"{o}.split={self.split!r}: expected 'auto', 'lines' or 'bytes'")
         if self.split == "bytes" and self.train_path is not None:

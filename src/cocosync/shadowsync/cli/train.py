@@ -206,8 +206,9 @@ def _print_result(console, result) -> None:
         console.print(f"finished, {s['short_by']:,} examples short of the budget: rows a lost trainer was reading for "
                       "another lost trainer were not read again", soft_wrap=True)
     elif s.get("short_by"):
-        console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader's byte range held fewer "
-                      "lines than its share (--data-split lines reads the budget exactly)", soft_wrap=True)
+        console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader ran out of rows before its "
+                      "share (bad lines skipped, or byte ranges not counted before the run: plain torchrun)",
+                      soft_wrap=True)
     if result.interrupted or s.get("stopped"):
         console.print((f"[yellow]stopped by {result.stop_reason or 'a signal'}: the numbers cover the examples "
                        "trained before the stop" if result.interrupted else "stopped at --stop-after")

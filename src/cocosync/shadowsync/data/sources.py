@@ -9,6 +9,7 @@ from typing import Any, Iterator
 from cocosync.shadowsync.config import ConfigError, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.criteo import Batch, CriteoFormatError, CriteoReader
 from cocosync.shadowsync.data.plan import DataPlan, PlannedSource
+from cocosync.shadowsync.data.ranges import even_share, even_start, filled_shares, range_lines
 from cocosync.shadowsync.data.synth import EVAL, TRAIN, SyntheticStream, make_synthetic_dataset
 from cocosync.shadowsync.data.tabular import TabularError, TabularReader, TabularSchema, data_format, infer_schema
 from cocosync.shadowsync.model.inputs import Feature, ModelInputs
@@ -36,6 +37,20 @@ def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return data, model
+
+
+def with_range_lines(cfg: TrainConfig) -> TrainConfig:
+    """`cfg` with the lines of each reader shard's byte range counted (DataConfig.range_lines, for trainers x workers
+    shards) where its training file is split by bytes; one pass over the file at memory speed. The launcher counts
+    them for a fresh run; a resumed one keeps its run's."""
+    data, _ = build_configs(cfg)
+    if data.train_path is None or data.reader_split != "bytes":
+        return cfg
+    paths = list(data.train_path) if isinstance(data.train_path, tuple) else [data.train_path]
+    if any(data_format(p) != "criteo" for p in paths):  # (Parquet shards take contiguous rows: no lines to count)
+        return cfg
+    lines = range_lines(paths, cfg.trainers * cfg.workers)
+    return dataclasses.replace(cfg, data_options={**cfg.data_options, "range_lines": lines})
 
 
 def tabular_schema(data: DataConfig) -> TabularSchema | None:
@@ -138,18 +153,27 @@ class InMemorySource:
 
 
 class FileSource:
-    """Criteo-format file(s) read by `CriteoReader`, `examples // S` rows for shard s of S: its line-aligned byte
-    range of each file, or every S-th line (DataConfig.split)."""
+    """Data file(s) read by `CriteoReader` or `TabularReader`, `examples` rows over S shards: shard s reads its
+    line-aligned byte range of each file (its rows as counted by the launcher, `DataConfig.range_lines`: a range
+    holding fewer lines than its share leaves the rest to the others), every S-th line from line s, or (Parquet) a
+    contiguous range of rows; together the shards read every row of the budget once."""
 
     def __init__(self, data: DataConfig, examples: int):
         self.data, self.rows = data, examples
+        self._filled: tuple[int, list[int]] | None = None  # (shards, their rows) from range_lines
 
     def shard_rows(self, shard: int, shards: int) -> int:
-        return self.rows // shards
+        lines = self.data.range_lines
+        if self.data.reader_split == "bytes" and lines is not None and len(lines) == shards:
+            if self._filled is None or self._filled[0] != shards:
+                self._filled = (shards, filled_shares(self.rows, list(lines)))
+            return self._filled[1][shard]
+        return even_share(self.rows, shards, shard)
 
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
         n = self.shard_rows(shard, shards)
-        extra = {"rows_per_shard": self.shard_rows(shard, shards)} if tabular_schema(self.data) is not None else {}
+        lo = even_start(self.rows, shards, shard)
+        extra = {"row_range": (lo, lo + n)} if tabular_schema(self.data) is not None else {}
         yield from open_reader(self.data.train_path, self.data, shard=(shard, shards), batch_size=batch_size,
                                skip_rows=start, max_rows=max(0, n - start), split=self.data.reader_split, **extra)
 
@@ -188,7 +212,7 @@ def make_source(cfg: TrainConfig, data: DataConfig) -> Any:
 def base_shard_rows(cfg: TrainConfig, data: DataConfig, shard: int, shards: int) -> int:
     """Rows shard `shard` of `shards` of the run's training source holds (all passes), without building it."""
     if data.train_path is not None:
-        return cfg.epochs * (cfg.examples // shards)
+        return cfg.epochs * FileSource(data, cfg.examples).shard_rows(shard, shards)
     return cfg.epochs * ((shard + 1) * cfg.examples // shards - shard * cfg.examples // shards)
 
 

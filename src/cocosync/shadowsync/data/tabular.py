@@ -13,8 +13,8 @@ table rows each categorical needs; `infer_schema` finds it from the column types
   wins.
 * Dense transforms, per column: `standardize` ((x - mean) / std over the sample; the default), `log`
   (sign(x) log(1 + |x|)), `none`. Nulls are 0 after the transform.
-* Sharding: with `rows_per_shard` (a training run's share of the budget) shard (i, n) of Parquet files owns the
-  contiguous rows [i * rows_per_shard, (i + 1) * rows_per_shard) and reads only the row groups holding them (the
+* Sharding: with `row_range` (a training run's share of the budget) shard (i, n) of Parquet files owns the
+  contiguous rows [lo, hi) it names and reads only the row groups holding them (the
   rows after the budget stay held out); otherwise (CSV, held-out reads) it owns the rows whose index l has
   l % n == i, scanning the file as Criteo's `split="lines"`. A row whose label is missing or not 0/1 is skipped and
   counted in `.bad_lines`.
@@ -275,7 +275,8 @@ class TabularReader:
 
     def __init__(self, path_or_paths: str | os.PathLike | Sequence[str | os.PathLike], schema: TabularSchema, *,
                  shard: tuple[int, int] = (0, 1), batch_size: int = 256, skip_rows: int = 0,
-                 max_rows: int | None = None, require_label: bool = True, rows_per_shard: int | None = None):
+                 max_rows: int | None = None, require_label: bool = True,
+                 row_range: tuple[int, int] | None = None):
         paths = [path_or_paths] if isinstance(path_or_paths, (str, os.PathLike)) else list(path_or_paths)
         self.paths = [os.fspath(p) for p in paths]
         for p in self.paths:
@@ -284,7 +285,7 @@ class TabularReader:
         self._table: Any = None
         self.schema, self.shard, self.batch_size = schema, shard, batch_size
         self.skip_rows, self.max_rows, self.require_label = skip_rows, max_rows, require_label
-        self.rows_per_shard = rows_per_shard
+        self.row_range = row_range
         self._keys = tuple(f.name for f in schema.features)
         self._single = [i for i, f in enumerate(schema.features) if not f.multi_valued]
         self._multi = [i for i, f in enumerate(schema.features) if f.multi_valued]
@@ -301,11 +302,11 @@ class TabularReader:
 
     def _selected(self) -> Iterator[tuple[str, Any, np.ndarray]]:
         """(path, record batch of this shard's rows, their 0-based row numbers over the files), in file order: a
-        contiguous range read by row groups (`rows_per_shard`, Parquet), else every n-th row."""
+        contiguous range read by row groups (`row_range`, Parquet), else every n-th row."""
         index, count = self.shard
-        if self.rows_per_shard is not None and self._table is None and all(
+        if self.row_range is not None and self._table is None and all(
                 data_format(p) == "parquet" for p in self.paths):
-            yield from self._range(index * self.rows_per_shard, (index + 1) * self.rows_per_shard)
+            yield from self._range(*self.row_range)
             return
         seen = 0
         for path, record_batches in self._record_batches():

@@ -47,7 +47,14 @@ from cocosync.shadowsync.config import (
     check_paths,
 )
 from cocosync.shadowsync.data.criteo import CriteoFormatError
-from cocosync.shadowsync.data.sources import build_configs, open_reader, tabular_schema, with_init_ctr, with_schema
+from cocosync.shadowsync.data.sources import (
+    build_configs,
+    open_reader,
+    tabular_schema,
+    with_init_ctr,
+    with_range_lines,
+    with_schema,
+)
 from cocosync.shadowsync.data.tabular import TabularError, count_rows
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, SECRET_ENV, job_prefix
 from cocosync.shadowsync.job.monitor import Monitor
@@ -185,6 +192,8 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
         cluster.resume = str(check_resume(cfg, cluster))
     # (reads the data's first rows: a file that is not Criteo's is named here)
     cfg = with_init_ctr(with_schema(cfg))
+    if cluster.resume is None:  # (a resumed run keeps its run's counts: its shards' rows stay as they were)
+        cfg = with_range_lines(cfg)
     cfg = _fit_examples_to_data(cfg, console)
     _describe_data(cfg, console)
     _check_eval_data(cfg)
@@ -262,7 +271,8 @@ def _fit_examples_to_data(cfg: TrainConfig, console: Any) -> TrainConfig:
     if data.train_path is None or str(data.train_path).endswith(".gz"):
         return cfg
     tabular = tabular_schema(data) is not None
-    rows = count_rows(data.train_path) if tabular else _count_lines(data.train_path)
+    rows = (count_rows(data.train_path) if tabular else sum(data.range_lines) if data.range_lines is not None
+            else _count_lines(data.train_path))
     unit = "rows" if tabular else "lines"
     if data.eval_path is None and rows <= cfg.examples:
         raise ConfigError(f"{data.train_path!r} has {rows:,} {unit} and --examples is {cfg.examples:,}: no rows are "

@@ -41,6 +41,7 @@ from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
 from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
+from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, SECRET_ENV
 from cocosync.shadowsync.job.monitor import Monitor, exit_status
@@ -107,11 +108,13 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     The agent runs in a thread (a thread cannot take signals), so that Ctrl-C and SIGTERM reach this one: the first
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
-    job = job_dict(cfg, cluster)
     args = get_args_parser().parse_args([*launch, "-m", _MODULE])
     nnodes = int(args.nnodes)
-    cfg = dataclasses.replace(cfg, trainers=_trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes,
-                              progress=progress)
+    trainers = _trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes
+    if cluster.resume is None:  # (each machine counts its own copy, whose contents the ranks compare)
+        cfg = dataclasses.replace(with_range_lines(dataclasses.replace(cfg, trainers=trainers)), trainers=cfg.trainers)
+    job = job_dict(cfg, cluster)
+    cfg = dataclasses.replace(cfg, trainers=trainers, progress=progress)
     if cluster.resume is not None:  # (on this machine's file system, where its ranks will read it)
         check_resume(cfg, cluster, work_left=False)
     advice = crowded_shadow_advice(cfg, cfg.trainers // nnodes)

@@ -54,8 +54,8 @@ def job_options(cfg: TrainConfig, cluster: ClusterConfig, nproc_per_node: int) -
     for key, value in config_to_dict(cfg).items():
         if key in PER_MACHINE:
             continue
-        if isinstance(value, dict):
-            out.update({f"{key}.{k}": v for k, v in value.items()})
+        if isinstance(value, dict):  # (a file's range_lines follow from its contents, compared below)
+            out.update({f"{key}.{k}": v for k, v in value.items() if k != "range_lines"})
         else:
             out[key] = value
     if cfg.data != "synthetic":  # each machine names its own copy: its contents must agree
