@@ -26,25 +26,26 @@ from cocosync.testing.sockets import job_ranks
 EXAMPLES = 400_000
 
 
-def _start(tmp_path: Path, *extra: str) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, *extra: str, trainers: int = 4) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "run"
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", "4", "--examples", str(EXAMPLES),
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", str(trainers), "--examples", str(EXAMPLES),
            "--eval-examples", "4000", "--no-progress", "--out", str(out), "--timeout", "200", "--config",
            str(tmp_path / "c.toml"), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     return proc, out
 
 
-def _trainer_pid(proc: subprocess.Popen, out: Path, t: int, after: int = 30_000) -> int:
-    """Trainer t's pid once the job has trained `after` examples (local rank t + 1: the embedding server is 0)."""
+def _trainer_pid(proc: subprocess.Popen, out: Path, t: int, after: int = 30_000, local_rank: int | None = None) -> int:
+    """Trainer t's pid once the job has trained `after` examples (local rank t + 1: the embedding server is 0), or
+    that of the rank at `local_rank`."""
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         metrics = out / "metrics.jsonl"
         records = [json.loads(x) for x in metrics.read_text().splitlines()] if metrics.exists() else []
         if any(r.get("event") == "train" and r["examples"] >= after for r in records):
-            return job_ranks(proc.pid)[t + 1]
+            return job_ranks(proc.pid)[t + 1 if local_rank is None else local_rank]
         if proc.poll() is not None:
             break
         time.sleep(0.1)
@@ -92,6 +93,29 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
     # the last checkpoint stands in for the lost trainer's part (every row read): it scores and resumes
     meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
     assert "lost_trainers" not in meta and meta["examples_seen"] == EXAMPLES
+    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    assert not _alive(victim)
+    assert _shm() - before == set()
+
+
+def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_checkpoint(tmp_path):
+    """The server's shard lives in the machine's shared memory, which the trainers update in place: they train on,
+    and the first trainer saves the shard in the last checkpoint, which scores as the run did."""
+    before = _shm()
+    proc, out = _start(tmp_path, trainers=2)
+    victim = _trainer_pid(proc, out, 0, local_rank=0)
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"embedding server 0 (pid {victim}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [(x["server"], x["pid"], x["signal"]) for x in s["lost_servers"]] == [(0, victim, "SIGKILL")]
+    assert s["lost"] == [] and s["examples"] == EXAMPLES and not s["stopped"]
+    assert s["eval_ne"] < 0.9, s["eval_ne"]
+    assert (Path(s["checkpoint"]) / "meta.json").is_file()
     scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
                             text=True, timeout=120)
     assert scored.returncode == 0, scored.stderr[-2000:]

@@ -505,7 +505,8 @@ class TrainConfig:
     """trainers a one-machine job needs to go on: a trainer that is lost (killed, out of memory, silent past
     --heartbeat-timeout) leaves the others training while at least this many are left (its unread rows are read by
     them, its dense sync re-formed among them; the first trainer left writes the summary if trainer 0 was lost); with
-    fewer the job stops naming the loss."""
+    fewer the job stops naming the loss. A job that can lose a trainer (more trainers than this, not DS-Sync) can also
+    lose its embedding server: the trainers use its shard in shared memory."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))

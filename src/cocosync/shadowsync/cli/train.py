@@ -202,6 +202,10 @@ def _print_result(console, result) -> None:
                       f"{s['trainers_left']} trainer{'s' if s['trainers_left'] > 1 else ''} finished the run"
                       + (f", reading the {s['takeover_rows']:,} rows it had left" if s.get("takeover_rows") else ""),
                       soft_wrap=True)
+    for x in s.get("lost_servers") or []:
+        console.print(f"[yellow]embedding server {x['server']} was lost ({x['signal']}); the trainers used its shard "
+                      "in shared memory to the end" + (", and the checkpoint holds it" if s.get("checkpoint") else ""),
+                      soft_wrap=True)
     if s.get("short_by") and s.get("lost"):
         console.print(f"finished, {s['short_by']:,} examples short of the budget: rows a lost trainer was reading for "
                       "another lost trainer were not read again", soft_wrap=True)

@@ -24,7 +24,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
-from cocosync.shadowsync.job.membership import Membership
+from cocosync.shadowsync.job.membership import Membership, survives_losses
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
@@ -124,7 +124,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         dense_group = trainer_group
     held = ([trainer_group, intra, inter] if kind == "trainer" else []) + [hot_group, exchange.group]
     membership = None
-    if link is not None and topo.nnodes == 1 and cfg.min_trainers < roles.trainers and cfg.sync.method != "dssync":
+    if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None):
         membership = Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0)
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads

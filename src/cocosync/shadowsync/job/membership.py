@@ -1,10 +1,16 @@
-"""Which trainers of a one-machine job are still training, and what the others do when one is lost.
+"""Which trainers and embedding servers of a one-machine job are still there, and what the others do when one is
+lost.
 
-A trainer is *lost* when its process dies by a signal (kill -9, the OOM killer, the monitor's SIGKILL of a trainer
-silent past --heartbeat-timeout). The elastic agent stops every rank when one of them fails, so a trainer that may be
-lost runs under a *keeper* (`keep_trainer`): its rank process forks the trainer and waits for it. When the trainer
-dies by a signal and enough trainers are left (--min-trainers), the keeper records the loss in the job's store and
-ends as a rank that finished; otherwise it dies by the same signal, and the job stops naming the trainer as before.
+A rank is *lost* when its process dies by a signal (kill -9, the OOM killer, the monitor's SIGKILL of a trainer
+silent past --heartbeat-timeout). The elastic agent stops every rank when one of them fails, so a rank that may be
+lost runs under a *keeper* (`keep_trainer`, `keep_server`): its rank process forks the rank's work and waits for it.
+When the child dies by a signal and the job can go on without it, the keeper records the loss in the job's store and
+ends as a rank that finished; otherwise it dies by the same signal, and the job stops naming the rank as before.
+
+* A trainer can be lost while at least --min-trainers are left.
+* An embedding server can always be lost: its shard lives in the machine's shared memory, which every trainer maps
+  and updates in place, so the trainers do not need it to train. The first trainer left saves the shard in the
+  job's last checkpoint instead (periodic checkpoints stop after any loss).
 
 The record of losses is the store's (the launcher's loopback store, which outlives every rank): `losses` counts them
 (the membership's epoch) and `lost/<t>` says which trainer, its pid and signal, in the order they were counted. Every
@@ -15,7 +21,10 @@ other rank reads it through `Membership`:
 * when the trainers left have read their own shards, they agree (`agree`, through the store) on the losses so far
   and read the lost trainers' unread rows between them;
 * the job's end (the results' gather, the last checkpoint, the CPU time) runs over the ranks still there
-  (`group`).
+  (`job_group`).
+
+Servers' losses have a counter and records of their own (`server-losses`, `lost-server/<s>`): they change no
+trainer's sync or data, only who is at the job's end.
 """
 
 from __future__ import annotations
@@ -34,9 +43,11 @@ from setproctitle import setproctitle
 from cocosync.runtime.comm.backend import BACKEND
 from cocosync.shadowsync.job.roles import Roles
 
-__all__ = ["Loss", "Membership", "keep_trainer", "LOSSES"]
+__all__ = ["Loss", "ServerLoss", "Membership", "keep_trainer", "keep_server", "survives_losses", "LOSSES",
+           "SERVER_LOSSES"]
 
 LOSSES = "losses"  # the count of lost trainers (a store counter: the membership's epoch)
+SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -54,6 +65,23 @@ class Loss:
 
     def describe(self) -> str:
         return f"trainer {self.trainer} (pid {self.pid}) was lost: killed by {self.signal}"
+
+
+@dataclass(frozen=True)
+class ServerLoss:
+    """One lost embedding server: its index, pid, the signal that ended it and when (time.time())."""
+
+    server: int
+    pid: int
+    signal: str
+    time: float
+
+
+def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool) -> bool:
+    """Whether a job goes on without a lost trainer or embedding server: on one machine, launched by `cocosync train`
+    (whose store outlives every rank and records the losses), with more trainers than --min-trainers, and a sync
+    that can re-form among the trainers left (not DS-Sync)."""
+    return launched and nnodes == 1 and min_trainers < trainers and sync_method != "dssync"
 
 
 class Membership:
@@ -108,6 +136,27 @@ class Membership:
         """Trainer `trainer` starts from `examples` read (its resumed reader positions)."""
         self.store.set(f"start/{trainer}", str(examples))
 
+    def any_loss(self) -> bool:
+        """Whether a trainer or an embedding server was lost."""
+        return self.epoch() > 0 or int(self.store.add(SERVER_LOSSES, 0)) > 0
+
+    def lost_servers(self) -> list[ServerLoss]:
+        """The embedding servers lost so far, by index (waits for the records of the counted ones)."""
+        count = int(self.store.add(SERVER_LOSSES, 0))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            found = []
+            for s in range(self.roles.embedding_per_node * self.roles.topo.nnodes):
+                if self.store.check([f"lost-server/{s}"]):
+                    rec = json.loads(self.store.get(f"lost-server/{s}"))
+                    found.append(ServerLoss(s, int(rec["pid"]), str(rec["signal"]), float(rec["time"])))
+            if len(found) >= count:
+                return found
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{count} server losses counted but {len(found)} recorded after "
+                                   f"{self.timeout:.0f}s")
+            time.sleep(POLL)
+
     def start(self, trainer: int) -> int:
         raw = self.store.get(f"start/{trainer}") if self.store.check([f"start/{trainer}"]) else b"0"
         return int(raw)
@@ -137,12 +186,13 @@ class Membership:
         alone: no collective over the job, whose lost ranks would never come."""
         return self._group(self.trainer_ranks(live), BACKEND)
 
-    def job_group(self, live: list[int], held: tuple[Any, ...] = ()) -> Any:
-        """The process group (gloo) of every rank still in the job: the servers and the live trainers `live`. `held`:
-        the other groups this rank is a member of (the job's trainer groups), destroyed first: see `_group`."""
+    def job_group(self, live: list[int], lost_servers: list[int], held: tuple[Any, ...] = ()) -> Any:
+        """The process group (gloo) of every rank still in the job: the servers not in `lost_servers` and the live
+        trainers `live`. `held`: the other groups this rank is a member of (the job's trainer groups), destroyed
+        first: see `_group`."""
         for group in held:
             dist.destroy_process_group(group)
-        return self._group(self.alive_ranks(live), None)
+        return self._group(self.alive_ranks(live, lost_servers), None)
 
     def _group(self, ranks: list[int], backend: str | None) -> Any:
         """One group at a time: the one before is destroyed first. torch names a group made by its members alone by
@@ -162,11 +212,13 @@ class Membership:
     def trainer_ranks(self, live: list[int]) -> list[int]:
         return [self.roles.rank_of("trainer", t) for t in live]
 
-    def alive_ranks(self, live: list[int]) -> list[int]:
-        """Every server's rank and the live trainers', in rank order."""
-        trainers = set(self.trainer_ranks(live))
+    def alive_ranks(self, live: list[int], lost_servers: list[int] = ()) -> list[int]:
+        """The ranks of every server but the embedding servers `lost_servers`, and of the live trainers `live`, in
+        rank order."""
+        kept = set(self.trainer_ranks(live))
+        gone = {self.roles.rank_of("embedding", s) for s in lost_servers}
         return [r for r in range(self.roles.topo.world_size)
-                if self.roles.role(r)[0] != "trainer" or r in trainers]
+                if (r in kept if self.roles.role(r)[0] == "trainer" else r not in gone)]
 
 
 def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable[[], Any]) -> bool:
@@ -176,11 +228,42 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
     exit status) ends the keeper with its status; one killed by a signal is recorded as lost if at least
     `min_trainers` are left, else the keeper dies by the same signal (the agent then stops the job, naming it).
     `store()`: a client of the job's store, under the job's prefix."""
+
+    def record(pid: int, sig: int) -> bool:
+        client = store()
+        seq = int(client.add(LOSSES, 1))
+        if trainers - seq < min_trainers:
+            client.add(LOSSES, -1)  # not a loss the job goes on from: it stops, naming the trainer
+            return False
+        client.set(f"lost/{trainer}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
+                                                  "time": time.time(), "seq": seq}))
+        return True
+
+    return _keep(f"trainer {trainer}", record)
+
+
+def keep_server(server: int, store: Callable[[], Any]) -> bool:
+    """As `keep_trainer`, for embedding server `server`: a server killed by a signal is always recorded as lost (its
+    shard stays in the machine's shared memory, where the trainers use it)."""
+
+    def record(pid: int, sig: int) -> bool:
+        client = store()
+        client.set(f"lost-server/{server}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
+                                                        "time": time.time()}))
+        client.add(SERVER_LOSSES, 1)  # (after the record: a reader that counts it finds it)
+        return True
+
+    return _keep(f"embedding server {server}", record)
+
+
+def _keep(what: str, record: Callable[[int, int], bool]) -> bool:
+    """Fork, and in the parent wait for the child (see `keep_trainer`); `record(pid, signal)` says whether a child
+    killed by a signal was recorded as a loss the job goes on from."""
     pid = os.fork()
     if pid == 0:
         return True
-    setproctitle(f"cocosync keeper of trainer {trainer} (pid {pid})")  # (the trainer keeps the rank's title)
-    # the agent's SIGTERM (the job stopping) ends the keeper, and the trainer with it (its parent-death signal)
+    setproctitle(f"cocosync keeper of {what} (pid {pid})")  # (the child keeps the rank's title)
+    # the agent's SIGTERM (the job stopping) ends the keeper, and the child with it (its parent-death signal)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     while True:
         try:
@@ -194,13 +277,8 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
             return False
         os._exit(code)
     sig = os.WTERMSIG(status)
-    client = store()
-    seq = int(client.add(LOSSES, 1))
-    if trainers - seq >= min_trainers:
-        client.set(f"lost/{trainer}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
-                                                  "time": time.time(), "seq": seq}))
+    if record(pid, sig):
         return False
-    client.add(LOSSES, -1)  # not a loss the job goes on from: it stops, naming the trainer
     if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
         signal.signal(sig, signal.SIG_DFL)
     os.kill(os.getpid(), sig)

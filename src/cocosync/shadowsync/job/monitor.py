@@ -27,7 +27,7 @@ from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
-from cocosync.shadowsync.job.membership import LOSSES
+from cocosync.shadowsync.job.membership import LOSSES, SERVER_LOSSES, survives_losses
 from cocosync.shadowsync.job.roles import Roles
 
 __all__ = ["Monitor", "exit_status"]
@@ -71,6 +71,7 @@ class Monitor:
         self.stop_at: float | None = None  # when the stop was requested
         self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
         self.lost: dict[int, dict] = {}  # trainers lost (job/membership.py), by index: their record
+        self.lost_servers: dict[int, dict] = {}  # embedding servers lost, by index: their record
         self.killed: set[int] = set()  # trainers this monitor killed for silence, to be recorded as lost
         self.resumed = _examples_seen(cluster.resume)
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
@@ -251,11 +252,12 @@ class Monitor:
         """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, and more than
         --min-trainers would be left)."""
         gone = len(self.lost) + len(self.killed - set(self.lost))
-        return (self.nodes == 1 and t not in self.lost
-                and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
+        return (survives_losses(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True)
+                and t not in self.lost and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
 
     def _watch_losses(self) -> None:
-        """Say each trainer lost since the last look (recorded by its keeper)."""
+        """Say each trainer or embedding server lost since the last look (recorded by its keeper)."""
+        self._watch_server_losses()
         if len(self.lost) >= int(self.store.add(LOSSES, 0)):
             return
         for t in range(self.cfg.trainers):
@@ -273,12 +275,24 @@ class Monitor:
                                + ("s go" if left > 1 else " goes") + " on and will read its unread rows "
                                f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)
 
+    def _watch_server_losses(self) -> None:
+        if len(self.lost_servers) >= int(self.store.add(SERVER_LOSSES, 0)):
+            return
+        for s in range(self.roles.embedding_per_node):
+            rec = self._get(f"lost-server/{s}") if s not in self.lost_servers else None
+            if not isinstance(rec, dict):
+                continue
+            self.lost_servers[s] = rec
+            self.console.print(f"[yellow]embedding server {s} (pid {rec.get('pid')}) was lost (killed by "
+                               f"{rec.get('signal')}): its shard stays in this machine's shared memory, the trainers "
+                               "go on, and the last checkpoint saves it", soft_wrap=True)
+
     def _stalled(self) -> str | None:
         """The first trainer whose heartbeat is older than cfg.heartbeat_timeout (one that finished says 'done'; one
         the job can lose is killed instead, and recorded as lost by its keeper)."""
         now = time.monotonic()  # (a heartbeat is its machine's clock: only this machine's trainers are watched)
         done = 0
-        if self.nodes == 1 and self.cfg.min_trainers < self.cfg.trainers:
+        if survives_losses(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True):
             self._watch_losses()
         for t, rank in ((self.trainer_of(r), r) for r in self.ranks):
             if t is None:

@@ -79,7 +79,7 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
-from cocosync.shadowsync.job.membership import Loss
+from cocosync.shadowsync.job.membership import Loss, ServerLoss
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -152,8 +152,9 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         cpu0, threads0 = time.process_time(), thread_cpu.snapshot()
         if run is not None:
             _periodic_checkpoints(job, run, index)
-            summary, alive = _run_trainer(job, run, index)
-            _command(job, "end", alive, leader=alive[0] if alive else 0)
+            summary, alive, gone = _run_trainer(job, run, index)
+            command = _command(job, "end", alive, leader=alive[0] if alive else 0, lost_servers=gone)
+            alive, gone = command.alive, command.lost_servers
             _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
@@ -162,17 +163,19 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             while (command := _command(job, None)).name == "checkpoint":
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
-            alive = command.alive
+            alive, gone = command.alive, command.lost_servers
             if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
                 node_exchange.close()
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
                              "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s,
                              "stale_sum": node_exchange.take_stale()}
-        # the rest runs over the ranks still in the job: every rank but lost trainers (made by them alone); the
-        # first trainer left writes the summary and the checkpoint's metadata (trainer 0 unless it was lost)
+        # the rest runs over the ranks still in the job: every rank but lost trainers and servers (made by them
+        # alone); the first trainer left writes the summary and the checkpoint's metadata (trainer 0 unless it was
+        # lost)
         group, writer = None, roles.rank_of("trainer", alive[0] if alive else 0)
-        if alive is not None and job.membership is not None:
-            group = job.membership.job_group(alive, held=job.held_groups)
+        if (alive is not None or gone) and job.membership is not None:
+            live = alive if alive is not None else list(range(roles.trainers))
+            group = job.membership.job_group(live, gone, held=job.held_groups)
         dist.barrier(group=group)
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
@@ -180,6 +183,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             parts: dict[str, Stateful] = {name: saved}
             if summary is not None and summary["lost"]:
                 parts.update(_lost_parts(job, summary, saved, meta))
+            if summary is not None:  # a lost server's shard, from this machine's shared memory
+                parts.update({part_name("embedding", s): job.shards[s] for s in gone})
             ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
@@ -192,7 +197,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         if link is not None and kind == "trainer":
             link.finish(index)
         if uses_rpc:
-            rpc.shutdown(graceful=alive is None)  # (a graceful shutdown waits for every worker, lost ones too)
+            # (a graceful shutdown waits for every worker, lost ones too)
+            rpc.shutdown(graceful=alive is None and not gone)
     except BaseException:
         # a broken job: say why, then leave at once. A graceful RPC shutdown or a process-group teardown would
         # wait for the peer that is gone; torchrun reports this rank's exit and stops the others.
@@ -301,9 +307,10 @@ class _EvalCurve:
         self.console.print(describe(rec))
 
 
-def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[int] | None]:
+def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[int] | None, list[int]]:
     """Train, gather the trainers' results on trainer 0 and (there) finish the job's summary; also returns the
-    trainers left when some were lost (None: all of them)."""
+    trainers left when some were lost (None: all of them) and (on the trainer that finishes the job) the embedding
+    servers lost."""
     roles, membership = job.roles, job.membership
     resumed = int(run.trainer.state.positions[t].sum())
     if membership is not None:
@@ -329,10 +336,11 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
     results: list[Any] = [None] * dist.get_world_size(group) if t == leader else []
     dist.gather_object(result, results if t == leader else None, dst=roles.rank_of("trainer", leader), group=group)
     if t != leader:
-        return None, alive
+        return None, alive, []
     if run.logger is None:  # (trainer 0, which started the run's metrics, was lost)
         run.logger = MetricsLogger(Path(job.cfg.out_dir) / "metrics.jsonl", append=True)
-    return _finish(job, run, results, losses), alive
+    servers = membership.lost_servers() if membership is not None else []
+    return _finish(job, run, results, losses, servers), alive, [x.server for x in servers]
 
 
 def _meta(job: Job, seen: int, stopped: bool) -> dict:
@@ -363,16 +371,18 @@ def _lost_parts(job: Job, summary: dict, mine: Snapshot, meta: dict) -> dict[str
 class _Command:
     name: str  # 'checkpoint' or 'end'
     alive: list[int] | None  # the trainers left after a loss (None: every trainer)
+    lost_servers: list[int]  # the embedding servers lost
 
 
-def _command(job: Job, cmd: str | None, alive: list[int] | None = None, leader: int = 0) -> _Command:
+def _command(job: Job, cmd: str | None, alive: list[int] | None = None, leader: int = 0,
+             lost_servers: list[int] = ()) -> _Command:
     """Trainer `leader` (0, or the first left after a loss) tells every rank what comes next ('checkpoint' or 'end',
-    with `alive`); the others receive it. A trainer passes what it expects and fails if the leader said otherwise
-    (their checkpoint marks would disagree). Through the launcher's store where there is one (a lost trainer breaks
-    no collective there), else a broadcast."""
+    with `alive` and `lost_servers`); the others receive it. A trainer passes what it expects and fails if the leader
+    said otherwise (their checkpoint marks would disagree). Through the launcher's store where there is one (a lost
+    rank breaks no collective there), else a broadcast."""
     roles = job.roles
     src = roles.rank_of("trainer", leader)
-    mine = {"name": cmd, "alive": alive} if roles.topo.rank == src else None
+    mine = {"name": cmd, "alive": alive, "lost_servers": list(lost_servers)} if roles.topo.rank == src else None
     if job.link is not None:
         got = job.link.command(mine)
     else:
@@ -381,7 +391,7 @@ def _command(job: Job, cmd: str | None, alive: list[int] | None = None, leader: 
         got = obj[0]
     if cmd is not None and got["name"] != cmd:
         raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer {leader}, got {got['name']!r}")
-    return _Command(got["name"], got["alive"])
+    return _Command(got["name"], got["alive"], got["lost_servers"])
 
 
 def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
@@ -395,7 +405,7 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
-        if job.membership is not None and job.membership.epoch():  # (every trainer's part is needed: not after a loss)
+        if job.membership is not None and job.membership.any_loss():  # (every rank's part is needed: not after a loss)
             return
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         state = trainer.checkpoint_state()
@@ -465,7 +475,7 @@ def _stop_after(stop: torch.Tensor, seconds: float) -> None:
     timer.start()
 
 
-def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss]) -> dict:
+def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss], servers: list[ServerLoss]) -> dict:
     """Trainer 0 scores the final model (EASGD's centre, else its replica; on a snapshot of the tables), keeps it as
     the best model when it beats the eval curve, and logs the summary (with the trainers lost: what each had read
     before it was lost counts as trained, its Hogwild updates are in the tables)."""
@@ -524,6 +534,7 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss])
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
         "lost": lost, "trainers_left": roles.trainers - len(lost),
+        "lost_servers": [{"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time} for x in servers],
         "membership": [{"time": min(r["start"] for r in results), "trainers": roles.trainers}]
         + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"]} for k, x in enumerate(lost)],
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),

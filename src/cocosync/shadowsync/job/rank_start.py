@@ -25,7 +25,7 @@ from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_dict, config_to_dict
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
-from cocosync.shadowsync.job.membership import keep_trainer
+from cocosync.shadowsync.job.membership import keep_server, keep_trainer, survives_losses
 from cocosync.shadowsync.job.rank import run_cluster
 from cocosync.shadowsync.metrics import json_safe
 
@@ -113,9 +113,12 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     console = Console(stderr=True)
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
     if _may_be_lost(cfg, cluster):
-        if not keep_trainer(_trainer_index(cluster, cfg), cfg.trainers, cfg.min_trainers, env_store_client):
-            return  # the keeper: its trainer finished or was lost
-        try:  # the trainer, forked by its keeper: it leaves through os._exit (the agent started the keeper)
+        trainer, server = _trainer_index(cluster, cfg), _embedding_index(cluster)
+        kept = (keep_trainer(trainer, cfg.trainers, cfg.min_trainers, env_store_client) if trainer is not None
+                else keep_server(server, env_store_client))
+        if not kept:
+            return  # the keeper: its rank's work finished or was lost
+        try:  # the rank's work, forked by its keeper: it leaves through os._exit (the agent started the keeper)
             die_with_parent()  # (a fork clears the parent-death signal)
             os.setpgid(0, 0)  # a process group of its own, as every rank's (become_rank)
             _run(cfg, cluster, console, json_out)
@@ -129,16 +132,23 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
 
 
 def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
-    """Whether this rank is a trainer the job can go on without: on one machine launched by `cocosync train` (its
-    store records the loss), with more trainers than --min-trainers."""
-    if os.environ.get(MONITOR_PORT_ENV) is None or int(os.environ.get("GROUP_WORLD_SIZE", "1")) != 1:
+    """Whether this rank is a trainer or an embedding server the job can go on without (membership.survives_losses)."""
+    launched = os.environ.get(MONITOR_PORT_ENV) is not None
+    nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    if not survives_losses(cfg.trainers, cfg.min_trainers, nnodes, cfg.sync.method, launched):
         return False
-    return cfg.min_trainers < cfg.trainers and _trainer_index(cluster, cfg) is not None
+    return _trainer_index(cluster, cfg) is not None or _embedding_index(cluster) is not None
 
 
 def _trainer_index(cluster: ClusterConfig, cfg: TrainConfig) -> int | None:
     local = int(os.environ["LOCAL_RANK"]) - cluster.embedding_servers - cluster.sync_servers_for(cfg.sync.method)
     return local if local >= 0 else None
+
+
+def _embedding_index(cluster: ClusterConfig) -> int | None:
+    """This rank's embedding server index on one machine (None: another role)."""
+    local = int(os.environ["LOCAL_RANK"])
+    return local if local < cluster.embedding_servers else None
 
 
 def _exit(code: int) -> None:
