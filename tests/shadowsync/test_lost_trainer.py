@@ -146,11 +146,23 @@ def test_a_silent_trainer_0_is_killed_at_the_heartbeat_timeout_and_the_first_lef
 def test_below_min_trainers_the_job_stops_naming_the_trainer(tmp_path):
     """--min-trainers 3 of 4: the first loss is survived, the second stops the job naming its trainer."""
     proc, out = _start(tmp_path, "--min-trainers", "3", "--sync", "shadow-ma")
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True)
+    reader.start()
     first = _trainer_pid(proc, out, 3)
     os.kill(first, signal.SIGKILL)
-    second = _trainer_pid(proc, out, 1, after=60_000)
+    deadline = time.monotonic() + 60  # the second loss comes once the first is recorded (the monitor says it)
+    while not any("was lost" in x for x in lines) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = job_ranks(proc.pid)[2]
     os.kill(second, signal.SIGKILL)
-    stdout, stderr = _finish(proc)
+    try:
+        proc.wait(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    reader.join(timeout=10)
+    stderr = "".join(lines)
     assert proc.returncode == 1, stderr[-3000:]
     assert f"trainer 3 (pid {first}) was lost" in stderr, stderr[-3000:]
     assert f"trainer 1 (rank 2) (pid {second}) was killed by signal SIGKILL" in stderr, stderr[-3000:]
@@ -215,3 +227,4 @@ def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, t
     view = dist.PrefixStore("cocosync/", store)
     assert view.check(["lost/1"]) == lost
     assert int(view.add(LOSSES, 0)) == int(lost)
+
