@@ -228,3 +228,70 @@ def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, t
     assert view.check(["lost/1"]) == lost
     assert int(view.add(LOSSES, 0)) == int(lost)
 
+
+
+def _rows(segments: list) -> list[tuple[int, int]]:
+    """The (base shard, row) pairs of plan segments."""
+    return [(base, r) for base, first, n in segments for r in range(first, first + n)]
+
+
+def test_a_trainer_lost_while_reading_a_lost_trainers_rows_leaves_the_rest_to_the_others():
+    """Trainer 3 is lost with most of its rows unread; trainers 0-2 share them out. Trainer 2 is lost halfway through
+    its share, and trainer 1 before it started the next one: each time the trainers left read the rest between them,
+    and every row of trainer 3's shards is read exactly once. The shares are computed as each trainer's Recovery
+    computes them, through a real store (no timing: an end-to-end kill could not choose the moment)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cocosync.shadowsync.config import TrainConfig
+    from cocosync.shadowsync.data.sources import build_configs
+    from cocosync.shadowsync.job.recovery import Recovery
+
+    T, W, E = 4, 2, 8000
+    per = E // (T * W)
+    cfg = TrainConfig(examples=E, trainers=T, workers=W)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    m = Membership(dist.PrefixStore("cocosync/", store), _roles(T), 1, timeout=5.0)
+    job = SimpleNamespace(cfg=cfg, data=build_configs(cfg)[0], plan=None, roles=SimpleNamespace(trainers=T),
+                          positions=torch.full((T, W), per, dtype=torch.int64),
+                          share_positions=torch.zeros(T, W + 1, dtype=torch.int64))
+    recovery = {t: Recovery(job, m, t) for t in range(T)}
+
+    def lose(t: int) -> None:
+        seq = int(m.store.add(LOSSES, 1))
+        m.store.set(f"lost/{t}", json.dumps({"pid": 1, "signal": "SIGKILL", "time": 1.0, "seq": seq}))
+
+    def agree(phase: int, trainers: list[int]) -> dict[int, list]:
+        """Every trainer in `trainers` (the ones left) takes its share at agreement `phase`."""
+        for t in trainers:  # (they all arrived: no call waits for another)
+            m.store.set(f"agree/phase{phase}/{t}", "1")
+        shares = {}
+        for t in trainers:
+            got = recovery[t].takeover()
+            assert got is not None and got.shards == len(trainers) * W
+            live, parts = recovery[t].shares[phase]
+            shares[t] = parts[live.index(t) * W:(live.index(t) + 1) * W]
+        return shares
+
+    job.positions[3] = torch.tensor([300, 200])  # trainer 3 read this much of its two shards
+    lose(3)
+    read = _rows([(6, 0, 300), (7, 0, 200)])
+    first = agree(1, [0, 1, 2])
+    for t in (0, 1, 2):
+        assert (recovery[t].begin() == 0).all()
+    assert job.share_positions[:3, 0].tolist() == [1, 1, 1]
+    read += _rows([s for t in (0, 1) for part in first[t] for s in part])  # 0 and 1 read their shares to the end
+    job.share_positions[2, 1:] = torch.tensor([50, 10])  # trainer 2 is lost 60 rows into its share
+    read += [x for part, k in zip(first[2], (50, 10)) for x in _rows(part)[:k]]
+    lose(2)
+    assert recovery[0].share_rows_read(2) == 60 and recovery[0].share_rows_read(3) == 0
+    second = agree(2, [0, 1])
+    assert sum(len(_rows(p)) for t in (0, 1) for p in second[t]) == sum(len(_rows(p)) for p in first[2]) - 60
+    recovery[0].begin()  # trainer 0 starts its share; trainer 1 is lost before it starts its own
+    read += _rows([s for part in second[0] for s in part])
+    lose(1)
+    third = agree(3, [0])  # all of trainer 1's second share goes to trainer 0
+    read += _rows([s for part in third[0] for s in part])
+    assert sorted(read) == _rows([(6, 0, per), (7, 0, per)])  # every row of trainer 3's shards, each once
+    assert recovery[0].share_rows_read(1) == sum(len(_rows(p)) for p in first[1])

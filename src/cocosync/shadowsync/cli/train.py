@@ -197,18 +197,22 @@ def _print_result(console, result) -> None:
     if s.get("resumed_from"):
         console.print(f"resumed after {s['resumed_from']:,} examples of the run it resumed"
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
-    for x in s.get("lost") or []:
-        console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples; "
-                      f"{s['trainers_left']} trainer{'s' if s['trainers_left'] > 1 else ''} finished the run"
-                      + (f", reading the {s['takeover_rows']:,} rows it had left" if s.get("takeover_rows") else ""),
+    lost = s.get("lost") or []
+    for x in lost:
+        console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples",
                       soft_wrap=True)
+    if lost:
+        left = s["trainers_left"]
+        console.print(f"[yellow]{left} trainer{'s' if left > 1 else ''} finished the run"
+                      + (f", reading the {s['takeover_rows']:,} rows {'it' if len(lost) == 1 else 'they'} had left"
+                         if s.get("takeover_rows") else ""), soft_wrap=True)
     for x in s.get("lost_servers") or []:
         console.print(f"[yellow]embedding server {x['server']} was lost ({x['signal']}); the trainers used its shard "
                       "in shared memory to the end" + (", and the checkpoint holds it" if s.get("checkpoint") else ""),
                       soft_wrap=True)
     if s.get("short_by") and s.get("lost"):
-        console.print(f"finished, {s['short_by']:,} examples short of the budget: rows a lost trainer was reading for "
-                      "another lost trainer were not read again", soft_wrap=True)
+        console.print(f"finished, {s['short_by']:,} examples short of the budget: a trainer lost after the others' "
+                      "last share-out left rows no one read", soft_wrap=True)
     elif s.get("short_by"):
         console.print(f"finished, {s['short_by']:,} examples short of the budget: a reader ran out of rows before its "
                       "share (bad lines skipped, or byte ranges not counted before the run: plain torchrun)",

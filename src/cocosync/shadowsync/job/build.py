@@ -85,6 +85,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         shards[server] = shard
     # every trainer's reader positions, where every process of the node sees them (a lost trainer's: where it stopped)
     positions = arena.shared_empty((roles.trainers, cfg.workers), torch.int64)
+    share_positions = arena.shared_empty((roles.trainers, cfg.workers + 1), torch.int64)
     hot = hot_rows(cfg, cluster, data, model, arena) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
     center = None
@@ -131,7 +132,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
                shards=shards, trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group,
                dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,
-               resumed_from=resumed_from, membership=membership, positions=positions,
+               resumed_from=resumed_from, membership=membership, positions=positions, share_positions=share_positions,
                held_groups=tuple(g for g in held if g is not None))
 
 

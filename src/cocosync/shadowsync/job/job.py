@@ -78,6 +78,9 @@ class Job:
     positions: torch.Tensor
     """int64 [T, W]: every trainer's reader positions, in the node's shared memory (each trainer writes its row; a lost
     trainer's row says where it stopped)."""
+    share_positions: torch.Tensor
+    """int64 [T, 1 + W]: the share of lost trainers' rows each trainer reads (recovery.py): the agreement that gave
+    it (0: none yet), then the reader positions in it; in the node's shared memory, as `positions`."""
 
     @property
     def dense_params(self) -> int:

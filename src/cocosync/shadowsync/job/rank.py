@@ -483,6 +483,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
     lost = []
     for x in losses:
         read = int(job.positions[x.trainer].sum())
+        if trainer.recovery is not None:  # (a trainer lost while reading another lost trainer's rows)
+            read += trainer.recovery.share_rows_read(x.trainer)
         start = job.membership.start(x.trainer) if job.membership is not None else 0
         lost.append({"trainer": x.trainer, "pid": x.pid, "signal": x.signal, "time": x.time,
                      "examples": read - start, "resumed_from": start})

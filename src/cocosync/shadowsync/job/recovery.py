@@ -4,8 +4,10 @@ sync re-formed among the trainers left, and its share of the lost trainers' unre
 The rows: a trainer's W reader shards are segments of the data source's sharding (data/plan.py); the node's shared
 reader positions (Job.positions) say how far the lost trainer read each one when it died. What is left of them is cut
 into S x W parts for the S trainers left, as a resume onto S trainers would cut it, and each reads its W parts with
-its W workers. A batch the lost trainer was training when it died may be read again (at most one per worker);
-nothing is read by none.
+its W workers. A trainer lost while it was reading such a share leaves the rest of that share (its positions there are
+in the node's shared memory too: Job.share_positions), shared out at the next agreement in the same way. A batch a
+lost trainer was training when it died may be read again (at most one per worker); nothing is read by none, except
+the rows of a trainer lost after the others' last agreement (the summary's `short_by` says how many).
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class Recovery:
         self.epoch = 0  # the losses this trainer's sync is formed after
         self.regrouped_at: float | None = None  # when this trainer's sync was first re-formed (time.time())
         self.taken = 0  # the losses whose rows have been shared out
-        self.phases = 0
+        self.phases = 0  # the agreements so far
+        # by agreement: the trainers each given a share of lost trainers' rows there, and the shares (W parts each),
+        # the same on every trainer left
+        self.shares: dict[int, tuple[list[int], list]] = {}
 
     # -- the dense sync ---------------------------------------------------------------------------------
     def regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
@@ -88,9 +93,53 @@ class Recovery:
             shards, base_shards = plan.shards, plan.base_shards
         left = []
         for loss in new:
-            d = loss.trainer
-            left += unread(shards[d * W:(d + 1) * W], [int(p) for p in self.job.positions[d]])
+            left += self._unread(loss.trainer, shards)
         parts = split_plan(left, len(live) * W)
+        self.shares[self.phases] = (live, parts)
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
+
+    def begin(self) -> Any:
+        """This trainer starts reading the share it was just given: its reader positions there (int64 [W], in the
+        node's shared memory, zeroed), which say what is left of it if this trainer is lost in turn."""
+        row = self.job.share_positions[self.trainer]
+        row[1:].zero_()
+        row[0] = self.phases  # (after the zeroing: the agreement whose share these positions are in)
+        return row[1:]
+
+    def _last_share(self, d: int) -> tuple[int, list, list[int]] | None:
+        """Trainer d's last share of lost trainers' rows: (its agreement, its W parts, d's positions in them; zero if
+        d was lost before it started reading), or None if it was given none."""
+        given = [k for k, (live, _) in self.shares.items() if d in live]
+        if not given:
+            return None
+        k, W = max(given), self.job.cfg.workers
+        live, parts = self.shares[k]
+        j = live.index(d)
+        started = int(self.job.share_positions[d, 0]) == k
+        pos = [int(p) for p in self.job.share_positions[d, 1:]] if started else [0] * W
+        return k, parts[j * W:(j + 1) * W], pos
+
+    def _unread(self, d: int, own: list) -> list:
+        """The rows lost trainer d had not read: of its own shards (`own`: every trainer's), or, when it was given a
+        share of an earlier loss's rows (which it reads once its own are done), of its last share."""
+        last = self._last_share(d)
+        if last is None:
+            W = self.job.cfg.workers
+            return unread(own[d * W:(d + 1) * W], [int(p) for p in self.job.positions[d]])
+        _, parts, pos = last
+        return unread(parts, pos)
+
+    def share_rows_read(self, d: int) -> int:
+        """Rows lost trainer d read in its shares of lost trainers' rows (every share but its last in full)."""
+        last = self._last_share(d)
+        if last is None:
+            return 0
+        k, _, pos = last
+        W, full = self.job.cfg.workers, 0
+        for a, (live, parts) in self.shares.items():
+            if a < k and d in live:
+                j = live.index(d)
+                full += sum(r for segments in parts[j * W:(j + 1) * W] for _, _, r in segments)
+        return full + sum(pos)

@@ -175,7 +175,7 @@ class Trainer:
         self.errors: list[str] = []
         self.recovery = recovery
         self.takeovers: list[Takeover] = []  # the shares of lost trainers' rows this trainer read
-        self.takeover_positions = torch.zeros(cfg.workers, dtype=torch.int64)  # the current share's, per worker
+        self.takeover_positions = torch.zeros(cfg.workers, dtype=torch.int64)  # the current share's (Recovery.begin)
 
     # -- one Hogwild iteration ----------------------------------------------------------------------------
     def train_step(self, batch: Any, lookup: Lookup | None = None) -> float:
@@ -309,7 +309,7 @@ class Trainer:
             if takeover is None:
                 break
             self.takeovers.append(takeover)
-            self.takeover_positions.zero_()
+            self.takeover_positions = self.recovery.begin()
             t_end, cpu_end = self._phase(takeover, t0)
             taken += int(self.takeover_positions.sum())
         iterations = int(self.state.iterations[self.rank])
