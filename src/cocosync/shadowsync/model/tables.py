@@ -271,8 +271,12 @@ class EmbeddingBagCollection(nn.Module):
         self.embedding_bags = _Bags()
         device = torch.device("meta") if _TABLES_ON_META.get() else None
         for t in self.tables:
-            bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling, device=device)
-            nn.init.normal_(bag.weight, std=init_std)
+            if device is None:
+                bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling)
+                nn.init.normal_(bag.weight, std=init_std)
+            else:  # the rows live in the stores: no init (on meta, torch's init imports its compiler: ~1 s a process)
+                bag = nn.EmbeddingBag(t.num_embeddings, t.embedding_dim, mode=t.pooling,
+                                      _weight=torch.empty(t.num_embeddings, t.embedding_dim, device=device))
             if hasattr(self.embedding_bags, t.name) or "." in t.name:
                 raise ValueError(f"EmbeddingBagCollection: table name {t.name!r} cannot name a module (a"
                                  " torch.nn.Module attribute, or a dot): rename the table")
