@@ -62,6 +62,14 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[str, str]:
             proc.communicate()
 
 
+def _scores_as_it_ended(out: Path, summary: dict) -> None:
+    """The run's last checkpoint scores (cocosync eval) the eval NE the run ended with."""
+    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
+                            text=True, timeout=120)
+    assert scored.returncode == 0, scored.stderr[-2000:]
+    assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(summary["eval_ne"], rel=1e-5)
+
+
 def _alive(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
@@ -93,10 +101,7 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
     # the last checkpoint stands in for the lost trainer's part (every row read): it scores and resumes
     meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
     assert "lost_trainers" not in meta and meta["examples_seen"] == EXAMPLES
-    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
-                            text=True, timeout=120)
-    assert scored.returncode == 0, scored.stderr[-2000:]
-    assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    _scores_as_it_ended(out, s)
     assert not _alive(victim)
     assert _shm() - before == set()
 
@@ -116,10 +121,7 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     assert s["lost"] == [] and s["examples"] == EXAMPLES and not s["stopped"]
     assert s["eval_ne"] < 0.9, s["eval_ne"]
     assert (Path(s["checkpoint"]) / "meta.json").is_file()
-    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
-                            text=True, timeout=120)
-    assert scored.returncode == 0, scored.stderr[-2000:]
-    assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(s["eval_ne"], rel=1e-5)
+    _scores_as_it_ended(out, s)
     assert not _alive(victim)
     assert _shm() - before == set()
 
@@ -137,9 +139,7 @@ def test_a_silent_trainer_0_is_killed_at_the_heartbeat_timeout_and_the_first_lef
     assert [x["trainer"] for x in s["lost"]] == [0] and s["examples"] == EXAMPLES
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["event"] for r in records].count("summary") == 1
-    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
-                            text=True, timeout=120)
-    assert scored.returncode == 0, scored.stderr[-2000:]
+    _scores_as_it_ended(out, s)
     assert not _alive(victim)
 
 
