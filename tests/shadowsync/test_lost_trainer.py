@@ -26,11 +26,11 @@ from cocosync.testing.sockets import job_ranks
 EXAMPLES = 400_000
 
 
-def _start(tmp_path: Path, *extra: str, trainers: int = 4) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, *extra: str, trainers: int = 4, examples: int = EXAMPLES) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "run"
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", str(trainers), "--examples", str(EXAMPLES),
+    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", str(trainers), "--examples", str(examples),
            "--eval-examples", "4000", "--no-progress", "--out", str(out), "--timeout", "200", "--config",
            str(tmp_path / "c.toml"), *extra]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -108,9 +108,11 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
 
 def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_checkpoint(tmp_path):
     """The server's shard lives in the machine's shared memory, which the trainers update in place: they train on,
-    and the first trainer saves the shard in the last checkpoint, which scores as the run did."""
+    trainer 0 saves the shard in the periodic checkpoints that follow, and the first trainer in the last one, which
+    scores as the run did."""
     before = _shm()
-    proc, out = _start(tmp_path, trainers=2)
+    # one periodic checkpoint, at 600k: well after the kill (a loss during a checkpoint's save stops the job)
+    proc, out = _start(tmp_path, "--checkpoint-every", "600000", trainers=2, examples=3 * EXAMPLES)
     victim = _trainer_pid(proc, out, 0, local_rank=0)
     os.kill(victim, signal.SIGKILL)
     stdout, stderr = _finish(proc)
@@ -118,9 +120,15 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     assert f"embedding server 0 (pid {victim}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert [(x["server"], x["pid"], x["signal"]) for x in s["lost_servers"]] == [(0, victim, "SIGKILL")]
-    assert s["lost"] == [] and s["examples"] == EXAMPLES and not s["stopped"]
+    assert s["lost"] == [] and s["examples"] == 3 * EXAMPLES and not s["stopped"]
     assert s["eval_ne"] < 0.9, s["eval_ne"]
     assert (Path(s["checkpoint"]) / "meta.json").is_file()
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    saved = [r for r in records if r.get("event") == "checkpoint"]
+    assert [r["examples"] // 600_000 for r in saved] == [1], saved  # (at the batch that crossed it)
+    periodic = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", saved[-1]["path"], "--json"],
+                              capture_output=True, text=True, timeout=120)  # (the shard is in it)
+    assert periodic.returncode == 0, periodic.stderr[-2000:]
     _scores_as_it_ended(out, s)
     assert not _alive(victim)
     assert _shm() - before == set()
@@ -295,3 +303,22 @@ def test_a_trainer_lost_while_reading_a_lost_trainers_rows_leaves_the_rest_to_th
     read += _rows([s for part in third[0] for s in part])
     assert sorted(read) == _rows([(6, 0, per), (7, 0, per)])  # every row of trainer 3's shards, each once
     assert recovery[0].share_rows_read(1) == sum(len(_rows(p)) for p in first[1])
+
+
+def test_a_command_is_the_first_value_set_and_a_rank_whose_giver_may_be_lost_can_set_the_fallback():
+    """Every rank counts the job's commands alike and gets the same one: a waiting rank that gives up (its giver, a
+    trainer, may be lost) sets the fallback, and a giver that comes later gets that back, not its own."""
+    from cocosync.shadowsync.job.link import Link
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    leader, waiter, server = (Link(store.port, rank) for rank in (1, 2, 0))
+    assert leader.command({"name": "checkpoint"}) == {"name": "checkpoint"}  # command 0: given
+    assert waiter.command(None, fallback={"name": "skip"}, give_up=lambda: True) == {"name": "checkpoint"}
+    assert server.command(None) == {"name": "checkpoint"}
+    assert waiter.command(None, fallback={"name": "skip"}, give_up=lambda: True) == {"name": "skip"}  # command 1
+    assert leader.command({"name": "checkpoint"}) == {"name": "skip"}  # (it came after the fallback)
+    assert server.command(None) == {"name": "skip"}
+    late = threading.Timer(0.3, lambda: leader.command({"name": "end"}))  # command 2: waited for, not given up
+    late.start()
+    assert waiter.command(None, fallback={"name": "skip"}, give_up=lambda: False) == {"name": "end"}
+    late.join()

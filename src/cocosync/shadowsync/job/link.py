@@ -16,7 +16,7 @@ import json
 import os
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -83,21 +83,30 @@ class Link:
         heartbeat's and the trainer's."""
         return store_client(self.host, self.port)
 
-    def command(self, value: Any | None, *, poll: float = 0.02) -> Any:
+    def command(self, value: Any | None, *, fallback: Any | None = None, give_up: Callable[[], bool] | None = None,
+                poll: float = 0.02) -> Any:
         """The job's next command: `value` from the rank that gives it (set under the command's number), else
         waited for (every rank counts the commands alike). Through the store, which outlives every rank: a lost
-        trainer does not break it as it would a collective."""
+        trainer does not break it as it would a collective. A waiting rank for which `give_up()` turns true (its
+        giver may be lost) sets `fallback` instead. The first value set is the command, for every rank: a giver
+        that comes later gets that one back too."""
         key = f"command/{self._commands}"
         self._commands += 1
         if value is not None:
-            self.set(key, value)
-            return value
+            return self._first(key, value)
         while True:
             with self._lock:
                 raw = get_if_set(self.store, key)
             if raw is not None:
                 return json.loads(raw)
+            if fallback is not None and give_up is not None and give_up():
+                return self._first(key, fallback)
             time.sleep(poll)
+
+    def _first(self, key: str, value: Any) -> Any:
+        """Set `key` to `value` unless it is set already; the value it holds."""
+        with self._lock:
+            return json.loads(self.store.compare_set(key, "", json.dumps(value, default=str)))
 
     @classmethod
     def from_env(cls, rank: int) -> "Link | None":

@@ -9,8 +9,8 @@ ends as a rank that finished; otherwise it dies by the same signal, and the job 
 
 * A trainer can be lost while at least --min-trainers are left.
 * An embedding server can always be lost: its shard lives in the machine's shared memory, which every trainer maps
-  and updates in place, so the trainers do not need it to train. The first trainer left saves the shard in the
-  job's last checkpoint instead (periodic checkpoints stop after any loss).
+  and updates in place, so the trainers do not need it to train. Trainer 0 saves the shard in the periodic checkpoints
+  instead, and the first trainer left in the last one (periodic checkpoints stop after a trainer's loss).
 
 The record of losses is the store's (the launcher's loopback store, which outlives every rank): `losses` counts them
 (the membership's epoch) and `lost/<t>` says which trainer, its pid and signal, in the order they were counted. Every
@@ -135,10 +135,6 @@ class Membership:
     def record_start(self, trainer: int, examples: int) -> None:
         """Trainer `trainer` starts from `examples` read (its resumed reader positions)."""
         self.store.set(f"start/{trainer}", str(examples))
-
-    def any_loss(self) -> bool:
-        """Whether a trainer or an embedding server was lost."""
-        return self.epoch() > 0 or int(self.store.add(SERVER_LOSSES, 0)) > 0
 
     def lost_servers(self) -> list[ServerLoss]:
         """The embedding servers lost so far, by index (waits for the records of the counted ones)."""

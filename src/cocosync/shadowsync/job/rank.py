@@ -34,7 +34,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -160,7 +160,9 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
-            while (command := _command(job, None)).name == "checkpoint":
+            while (command := _command(job, None)).name in ("checkpoint", "skip"):
+                if command.name == "skip" or command.lost_servers:  # none, or the trainers' own (_periodic_checkpoints)
+                    continue
                 dist.barrier()  # the hot rows are back in their shards (_settle_hot)
                 save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
             alive, gone = command.alive, command.lost_servers
@@ -369,27 +371,31 @@ def _lost_parts(job: Job, summary: dict, mine: Snapshot, meta: dict) -> dict[str
 
 @dataclasses.dataclass(frozen=True)
 class _Command:
-    name: str  # 'checkpoint' or 'end'
+    name: str  # 'checkpoint', 'skip' (a periodic checkpoint not taken: a trainer was lost) or 'end'
     alive: list[int] | None  # the trainers left after a loss (None: every trainer)
     lost_servers: list[int]  # the embedding servers lost
 
 
 def _command(job: Job, cmd: str | None, alive: list[int] | None = None, leader: int = 0,
-             lost_servers: list[int] = ()) -> _Command:
+             lost_servers: list[int] = (), skip_if: Callable[[], bool] | None = None) -> _Command:
     """Trainer `leader` (0, or the first left after a loss) tells every rank what comes next ('checkpoint' or 'end',
     with `alive` and `lost_servers`); the others receive it. A trainer passes what it expects and fails if the leader
     said otherwise (their checkpoint marks would disagree). Through the launcher's store where there is one (a lost
-    rank breaks no collective there), else a broadcast."""
+    rank breaks no collective there), else a broadcast. `skip_if` (a periodic checkpoint, with the store): the command
+    is 'skip' if it is true for the leader, or for a trainer still waiting for the leader (which may be lost)."""
     roles = job.roles
     src = roles.rank_of("trainer", leader)
     mine = {"name": cmd, "alive": alive, "lost_servers": list(lost_servers)} if roles.topo.rank == src else None
     if job.link is not None:
-        got = job.link.command(mine)
+        skip = {"name": "skip", "alive": None, "lost_servers": []}
+        if mine is not None and skip_if is not None and skip_if():
+            mine = skip
+        got = job.link.command(mine, fallback=skip if skip_if is not None else None, give_up=skip_if)
     else:
         obj = [mine]
         dist.broadcast_object_list(obj, src=src)
         got = obj[0]
-    if cmd is not None and got["name"] != cmd:
+    if cmd is not None and got["name"] not in (cmd, "skip" if skip_if is not None else cmd):
         raise RuntimeError(f"{roles.rpc_name()} expected {cmd!r} from trainer {leader}, got {got['name']!r}")
     return _Command(got["name"], got["alive"], got["lost_servers"])
 
@@ -405,19 +411,33 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
-        if job.membership is not None and job.membership.any_loss():  # (every rank's part is needed: not after a loss)
-            return
+        membership = job.membership
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         state = trainer.checkpoint_state()
-        _command(job, "checkpoint")
-        _settle_hot(job, run)
-        dist.barrier()  # every node's hot rows are back in their shards before a server saves its shard
+        # Every trainer's part is needed: after a trainer's loss the command is 'skip', for every rank alike (a
+        # trainer that saw no loss would otherwise wait for a command the others never send). After an embedding
+        # server's loss (one machine) the trainers save without the servers: trainer 0 saves every shard from the
+        # machine's shared memory (a job with EASGD's sync servers stops checkpointing: their centre is theirs alone).
+        gone = membership.lost_servers() if membership is not None and t == 0 else []
+        lost = (lambda: membership.epoch() > 0 or bool(trainer.state.stop[0])) if membership is not None else None
+        command = _command(job, "checkpoint", lost_servers=[x.server for x in gone], skip_if=lost)
+        if command.name == "skip" or (command.lost_servers and roles.sync_per_node):
+            return
+        parts: dict[str, Stateful] = {part_name("trainer", t): Snapshot(state)}
+        group = None
+        if command.lost_servers:
+            group = job.trainer_group
+            if t == 0:
+                parts.update({part_name("embedding", s): shard for s, shard in job.shards.items()})
+        else:
+            _settle_hot(job, run)
+            dist.barrier()  # every node's hot rows are back in their shards before a server saves its shard
         seen = torch.tensor([int(state["positions"].sum())])
         dist.all_reduce(seen, group=job.trainer_group)
         seen += job.examples_before
         meta = _meta(job, int(seen), True) if t == 0 else None
-        path = save_job({part_name("trainer", t): Snapshot(state)}, Path(cfg.out_dir), meta, owner=f"trainer{t}",
-                        writer=roles.rank_of("trainer", 0))
+        path = save_job(parts, Path(cfg.out_dir), meta, owner=f"trainer{t}", writer=roles.rank_of("trainer", 0),
+                        group=group)
         if run.logger is not None:
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
 

@@ -274,8 +274,7 @@ class Trainer:
         """The sync re-formed among the trainers left after a loss (None: no loss explains the failure)."""
         new = self.recovery.regroup(old) if self.recovery is not None else None
         if new is not None:
-            self.sync = new
-            self.checkpoints = None  # (the job's checkpoints need every trainer: the last one is written at the end)
+            self.sync = new  # (its checkpoint marks stay: each is a command every rank counts, 'skip' after a loss)
         return new
 
     def _foreground_round(self, pos: torch.Tensor, marks: CheckpointMarks | None) -> None:
