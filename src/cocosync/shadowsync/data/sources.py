@@ -4,6 +4,7 @@ from Criteo files, sharded among the trainers' workers) and the held-out set."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Iterator
 
 from cocosync.shadowsync.config import ConfigError, DataConfig, ModelConfig, TrainConfig
@@ -37,6 +38,12 @@ def build_configs(cfg: TrainConfig) -> tuple[DataConfig, ModelConfig]:
     except ValueError as e:
         raise ConfigError(str(e)) from None
     return data, model
+
+
+@functools.lru_cache(maxsize=8)
+def _filled(rows: int, lines: tuple[int, ...]) -> tuple[int, ...]:
+    """`filled_shares`, once per budget and line counts (every shard's rows are asked for, shard by shard)."""
+    return tuple(filled_shares(rows, list(lines)))
 
 
 def with_range_lines(cfg: TrainConfig) -> TrainConfig:
@@ -160,14 +167,11 @@ class FileSource:
 
     def __init__(self, data: DataConfig, examples: int):
         self.data, self.rows = data, examples
-        self._filled: tuple[int, list[int]] | None = None  # (shards, their rows) from range_lines
 
     def shard_rows(self, shard: int, shards: int) -> int:
         lines = self.data.range_lines
         if self.data.reader_split == "bytes" and lines is not None and len(lines) == shards:
-            if self._filled is None or self._filled[0] != shards:
-                self._filled = (shards, filled_shares(self.rows, list(lines)))
-            return self._filled[1][shard]
+            return _filled(self.rows, tuple(lines))[shard]
         return even_share(self.rows, shards, shard)
 
     def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
