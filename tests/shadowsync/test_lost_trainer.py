@@ -261,7 +261,7 @@ def test_a_trainer_lost_while_reading_a_lost_trainers_rows_leaves_the_rest_to_th
     cfg = TrainConfig(examples=E, trainers=T, workers=W)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
     m = Membership(dist.PrefixStore("cocosync/", store), _roles(T), 1, timeout=5.0)
-    job = SimpleNamespace(cfg=cfg, data=build_configs(cfg)[0], plan=None, roles=SimpleNamespace(trainers=T),
+    job = SimpleNamespace(cfg=cfg, data=build_configs(cfg)[0], plan=None, roles=_roles(T),
                           positions=torch.full((T, W), per, dtype=torch.int64),
                           share_positions=torch.zeros(T, W + 1, dtype=torch.int64))
     recovery = {t: Recovery(job, m, t) for t in range(T)}

@@ -1,10 +1,13 @@
-"""``cocosync bench faults``: what a lost trainer or embedding server costs a one-machine job. For each seed, the same
-job (`cocosync train`, T trainers, shadow-bmuf by default) runs uninterrupted, and once per kind of rank in `--kill`
-with one such rank killed (kill -9: trainer 1, or embedding server 0) once the job has trained `--at` of its examples.
-Per run: the eval NE, the examples trained (every one, or the shortfall), how long after the kill its keeper recorded
-the loss and (a trainer) the trainers left had re-formed their sync, and the wall time. The target: the job finishes
-with no example lost and an eval NE within 0.5% of the uninterrupted run's, over the seeds (their mean, the worst
-named), for each kind."""
+"""``cocosync bench faults``: what a lost trainer, embedding server or machine costs a job. For each seed, the same
+job (`cocosync train`, T trainers, shadow-bmuf by default) runs uninterrupted, and once per kind of loss in `--kill`
+with it inflicted (kill -9) once the job has trained `--at` of its examples: trainer 1 or embedding server 0 of a
+one-machine job, or node 1 of two loopback machines (`cocosync train --nnodes 2`, T/2 trainers and an embedding
+server each, periodic checkpoints every fifth of the run; its command and every process under it killed), against
+the same two-machine job uninterrupted. Per run: the eval NE, the examples trained (every one, or the shortfall), how
+long after the kill the loss was recorded (a trainer's or server's keeper, or for a machine node 0's launcher) and
+the trainers left had re-formed their sync, where a lost machine's shard was restored from and how old its rows
+were, and the wall time. The target: the job finishes with no example lost and an eval NE within 0.5% of the
+uninterrupted run's (1% for a machine), over the seeds (their mean, the worst named), for each kind."""
 
 from __future__ import annotations
 
@@ -21,13 +24,18 @@ import click
 from rich.console import Console
 
 from cocosync.bench.common import markdown_table, print_table, write_json
-from cocosync.testing.sockets import job_ranks
+from cocosync.runtime.comm.shm import SHM_DIR
+from cocosync.testing.multinode import start_nodes, wait_nodes
+from cocosync.testing.sockets import job_ranks, process_tree
 
 __all__ = ["faults_cmd", "NE_TARGET"]
 
 NE_TARGET = 0.005
+#: a lost machine's target: its cold rows come back from the last checkpoint
+NODE_NE_TARGET = 0.01
 COLUMNS = ["killed", "seed", "eval NE uninterrupted", "eval NE, killed", "NE change", "examples lost",
-           "loss recorded (s after kill)", "sync re-formed (s after kill)", "seconds (uninterrupted / killed)"]
+           "loss recorded (s after kill)", "sync re-formed (s after kill)", "shard restored from (rows' age)",
+           "seconds (uninterrupted / killed)"]
 
 
 def _command(out: Path, seed: int, examples: int, trainers: int, sync: str) -> list[str]:
@@ -68,8 +76,51 @@ def _run_killing(cmd: list[str], out: Path, victim: int, at: int) -> tuple[dict,
     return json.loads((out / "summary.json").read_text()), killed_at
 
 
-#: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0)
-VICTIMS = {"trainer": 2, "server": 0}
+def _node_args(out: Path, seed: int, examples: int, sync: str) -> list[str]:
+    return ["-m", "cocosync.shadowsync", "--examples", str(examples), "--seed", str(seed), "--sync", sync,
+            "--out", str(out), "--checkpoint-every", str(examples // 5), "--timeout", "1800"]
+
+
+def _kill_tree(pid: int) -> None:
+    for p in [*process_tree(pid), pid]:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tuple[dict, float | None]:
+    """Two loopback machines of `trainers // 2` trainers each; with `at`, node 1 killed whole once the job has
+    trained `at` examples. (summary, time of the kill)."""
+    semaphores = {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")}
+    procs = start_nodes(args, nproc_per_node=1 + trainers // 2)
+    killed_at = None
+    try:
+        metrics = out / "metrics.jsonl"
+        while at is not None and killed_at is None and all(p.poll() is None for p in procs):
+            time.sleep(0.05)
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
+            records = [json.loads(x) for x in lines if x.strip().endswith("}")]
+            if any(r.get("event") == "train" and r.get("examples", 0) >= at for r in records):
+                _kill_tree(procs[1].pid)
+                killed_at = time.time()
+        runs = wait_nodes(procs, timeout=3600)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+    # (multiprocessing's semaphores of the killed machine's processes: on a real machine, its own /dev/shm's)
+    for name in {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")} - semaphores:
+        Path(SHM_DIR, name).unlink(missing_ok=True)
+    failed = [r for r in runs[: 1 if at is not None else 2] if r.returncode != 0]
+    if failed or (at is not None and killed_at is None):
+        raise click.ClickException(f"the two-machine job failed or ended before the kill: "
+                                   f"{(failed[0].output if failed else runs[0].output)[-800:]}")
+    return json.loads((out / "summary.json").read_text()), killed_at
+
+
+#: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
+VICTIMS = {"trainer": 2, "server": 0, "node": -1}
 
 
 @click.command("faults")
@@ -79,35 +130,54 @@ VICTIMS = {"trainer": 2, "server": 0}
               help="examples of every run.")
 @click.option("--at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
               help="the kill comes once the job has trained this fraction of its examples.")
-@click.option("--kill", default="trainer,server", show_default=True,
-              help="what each killed run kills, comma-separated: trainer (trainer 1), server (embedding server 0).")
+@click.option("--kill", default="trainer,server,node", show_default=True,
+              help="what each killed run kills, comma-separated: trainer (trainer 1), server (embedding server 0), "
+                   "node (node 1 of two loopback machines).")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-faults", show_default=True)
 def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, sync: str, out: str) -> None:
-    """A trainer or an embedding server killed (kill -9) during a one-machine job against the same job
-    uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
+    """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a two-machine job,
+    against the same job uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
     kinds = [k.strip() for k in kill.split(",") if k.strip()]
     for k in kinds:
         if k not in VICTIMS:
             raise click.BadParameter(f"{k!r}: expected a comma-separated list of {', '.join(VICTIMS)}",
                                      param_hint="--kill")
+    if "node" in kinds and trainers % 2:
+        raise click.BadParameter(f"{trainers}: a machine's loss runs T/2 trainers on each of two machines: expected "
+                                 "an even count", param_hint="--trainers")
     console = Console(width=180)
     root = Path(out)
     rows: list[list] = []
     found: dict[str, dict[str, list[float]]] = {k: {"changes": [], "lost": [], "recorded": [], "reformed": []}
                                                 for k in kinds}
     for seed in range(seeds):
-        base_out = root / f"seed{seed}-uninterrupted"
-        base = _run(_command(base_out, seed, examples, trainers, sync), base_out)
+        bases: dict[bool, dict] = {}
         for kind in kinds:
+            node = kind == "node"
+            if node not in bases:  # the uninterrupted job of the same shape
+                base_out = root / f"seed{seed}-uninterrupted{'-2nodes' if node else ''}"
+                bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync), base_out, trainers, None)[0]
+                               if node else _run(_command(base_out, seed, examples, trainers, sync), base_out))
+            base = bases[node]
             kill_out = root / f"seed{seed}-{kind}-killed"
-            hit, killed_at = _run_killing(_command(kill_out, seed, examples, trainers, sync), kill_out,
-                                          VICTIMS[kind], int(at * examples))
+            if node:
+                hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync), kill_out, trainers,
+                                            int(at * examples))
+            else:
+                hit, killed_at = _run_killing(_command(kill_out, seed, examples, trainers, sync), kill_out,
+                                              VICTIMS[kind], int(at * examples))
+            assert killed_at is not None
             change = hit["eval_ne"] / base["eval_ne"] - 1
-            losses = hit.get("lost") if kind == "trainer" else hit.get("lost_servers")
+            losses = hit.get({"trainer": "lost", "server": "lost_servers", "node": "lost_nodes"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
+            restored = "-"
+            if node and loss and loss["restored"]:
+                r = loss["restored"][0]
+                where = "initial rows" if r["source"] == "initial rows" else f"checkpoint at {r['examples']:,}"
+                restored = f"{where} ({r['age_s']:.1f} s)"
             f = found[kind]
             f["changes"].append(change)
             f["lost"].append(examples - hit["examples"])
@@ -115,7 +185,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
                          f"{examples - hit['examples']:,}", f"{rec:.2f}", "-" if kind == "server" else f"{ref:.2f}",
-                         f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
+                         restored, f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
             console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with a "
                           f"{kind} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
     verdicts = []
@@ -124,12 +194,13 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         mean, worst = statistics.fmean(f["changes"]), max(f["changes"], key=abs)
         rows.append([kind, "mean", "", "", f"{mean:+.2%} (worst {worst:+.2%})", f"{max(f['lost']):,.0f} (most)",
                      f"{statistics.median(f['recorded']):.2f} (median)",
-                     "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", ""])
-        ok = abs(mean) <= NE_TARGET and max(f["lost"]) == 0
+                     "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "", ""])
+        target = NODE_NE_TARGET if kind == "node" else NE_TARGET
+        ok = abs(mean) <= target and max(f["lost"]) == 0
         verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
-                        f"(target: 0 lost, within {NE_TARGET:.1%})")
-    title = (f"a rank killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}, {seeds} seeds "
+                        f"(target: 0 lost, within {target:.1%})")
+    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
     console.print(markdown_table(COLUMNS, rows), markup=False)

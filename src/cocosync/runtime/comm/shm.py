@@ -29,6 +29,7 @@ import os
 import stat
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,13 +38,14 @@ import torch
 from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
 __all__ = ["Arena", "ArenaFull", "CollectiveTimeout", "Flags", "default_timeout", "pid_alive", "SHM_DIR", "SHM_PREFIX",
-           "shm_space", "sweep_stale_segments", "leftover_segments"]
+           "shm_space", "sweep_stale_segments", "leftover_segments", "create_named", "map_named", "unlink_named",
+           "leave_collectives"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "cocosync-"
 TIMEOUT_ENV = "COCOSYNC_COLLECTIVE_TIMEOUT"
 _SLOT = 40  # int64 words per local rank in the control segment (320 bytes: no false sharing of polled words)
-_F_SEQ, _F_ATTACH, _F_PID, _F_HDR = 0, 1, 2, 4  # slot fields; then two headers (collective metadata)
+_F_SEQ, _F_ATTACH, _F_PID, _F_LEFT, _F_HDR = 0, 1, 2, 3, 4  # slot fields; then two headers (collective metadata)
 HEADER_WORDS = 14  # per header; header k%2 goes with barrier k (a peer may already write the next call's header)
 #: the control words' layout, public for the native loops (runtime/comm/native) that read and write them directly
 SLOT_WORDS, SEQ_FIELD, HEADER_FIELD = _SLOT, _F_SEQ, _F_HDR
@@ -52,6 +54,7 @@ _ALIGN = 4096
 _pending: set[str] = set()  # segment paths created or attached by this process and not yet unlinked
 _pending_lock = threading.Lock()
 _arena_ids: dict[str, itertools.count] = {}  # per job id: a subgroup's arenas are numbered among its members
+_all_flags: weakref.WeakSet = weakref.WeakSet()  # every Flags of this process (leave_collectives)
 
 
 class CollectiveTimeout(RuntimeError):
@@ -136,6 +139,7 @@ class Flags:
         self.timeout = timeout
         self.seq = int(words[local_rank, _F_SEQ])
         self.broken: str | None = None
+        _all_flags.add(self)
 
     @property
     def size(self) -> int:
@@ -194,10 +198,17 @@ class Flags:
                     missing = [lr for lr in range(self.size) if col[lr] < target]
                     if not missing:
                         return
-                    dead = [lr for lr in missing if not pid_alive(int(self.words[lr, _F_PID]))]
+                    dead = [lr for lr in missing if not pid_alive(int(self.words[lr, _F_PID]))
+                            or self.words[lr, _F_LEFT]]
                     if dead or now - start > timeout:
                         self._fail(what, self.seq if call is None and field != _F_SEQ else target,
                                    missing, dead, now - start)
+
+    def leave(self, why: str) -> None:
+        """This rank takes no further part in these flags' collectives (a collective of it failed, `why`): a peer
+        waiting for it fails at its next check instead of at its timeout."""
+        self.words[self.local_rank, _F_LEFT] = 1
+        self.broken = self.broken or why
 
     def _describe(self, lrs: list[int]) -> str:
         return ", ".join(f"local rank {lr} (global rank {self.global_ranks[lr]}, pid {int(self.words[lr, _F_PID])})"
@@ -205,8 +216,8 @@ class Flags:
 
     def _fail(self, what: str, target: int, missing: list[int], dead: list[int], waited: float) -> None:
         if dead:
-            msg = (f"{what} (call #{target}) on global rank {self.global_ranks[self.local_rank]}: peer process exited: "
-                   f"{self._describe(dead)}; still missing: {self._describe(missing)}")
+            msg = (f"{what} (call #{target}) on global rank {self.global_ranks[self.local_rank]}: peer process exited "
+                   f"or left after an error: {self._describe(dead)}; still missing: {self._describe(missing)}")
         else:
             msg = (f"{what} (call #{target}) timed out after {waited:.1f}s on global rank "
                    f"{self.global_ranks[self.local_rank]}: did not arrive: {self._describe(missing)} "
@@ -320,28 +331,9 @@ class Arena:
         return torch.frombuffer(mm, dtype=torch.uint8)
 
     def _open_when_ready(self, path: str, nbytes: int, what: str) -> int:
-        deadline = time.monotonic() + self.timeout
-        delay = 1e-4
-        while True:
-            try:
-                fd = os.open(path, os.O_RDWR)
-            except FileNotFoundError:
-                fd = -1
-            if fd >= 0:
-                st = os.fstat(fd)
-                if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-                    os.close(fd)
-                    raise PermissionError(f"{path} is not owner-only or not ours (uid {st.st_uid}, mode "
-                                          f"{oct(stat.S_IMODE(st.st_mode))}): refusing to map it")
-                if st.st_size == nbytes:
-                    return fd
-                os.close(fd)
-            if time.monotonic() > deadline:
-                _unlink(path)
-                raise CollectiveTimeout(f"{what}: local rank 0 (global rank {self.groups.local_ranks_global[0]}) "
-                                        f"did not create {path} (size {nbytes}) within {self.timeout:.1f}s")
-            time.sleep(delay)
-            delay = min(delay * 2, 5e-3)
+        return _open_when_ready(path, nbytes, self.timeout,
+                                f"{what}: local rank 0 (global rank {self.groups.local_ranks_global[0]}) did not "
+                                f"create {path} (size {nbytes}) within {self.timeout:.1f}s")
 
     def _finish_attach(self, path: str, count: int, what: str) -> None:
         try:
@@ -440,6 +432,87 @@ class Arena:
     def __repr__(self) -> str:
         return (f"Arena({self._name}, local rank {self.local_rank}/{self.local_size}, "
                 f"{len(self._segments)} segments)")
+
+
+def leave_collectives(why: str) -> None:
+    """This process takes no further part in the collectives of any arena it has now (its sync failed and is made
+    again on new groups): peers waiting for it in one of them fail within 0.2 s, not at the timeout."""
+    for flags in list(_all_flags):
+        flags.leave(why)
+
+
+def _open_when_ready(path: str, nbytes: int, timeout: float, missing: str) -> int:
+    """A descriptor of segment `path` once its creator has sized it to `nbytes` (refused unless it is this user's
+    and owner-only); `missing`: the CollectiveTimeout's message after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    delay = 1e-4
+    while True:
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except FileNotFoundError:
+            fd = -1
+        if fd >= 0:
+            st = os.fstat(fd)
+            if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
+                os.close(fd)
+                raise PermissionError(f"{path} is not owner-only or not ours (uid {st.st_uid}, mode "
+                                      f"{oct(stat.S_IMODE(st.st_mode))}): refusing to map it")
+            if st.st_size == nbytes:
+                return fd
+            os.close(fd)
+        if time.monotonic() > deadline:
+            _unlink(path)
+            raise CollectiveTimeout(missing)
+        time.sleep(delay)
+        delay = min(delay * 2, 5e-3)
+
+
+def create_named(name: str, nbytes: int) -> torch.Tensor:
+    """A new segment /dev/shm/cocosync-<name> of `nbytes` (owner-only), mapped: other processes of the node map it
+    with `map_named`, and it stays named (unlinked at this process's exit at the latest) until `unlink_named`. For
+    memory made after the job's collective set-up, by some of its processes."""
+    path = f"{SHM_DIR}/{SHM_PREFIX}{name}"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    with _pending_lock:
+        _pending.add(path)
+    try:
+        try:
+            _reserve(fd, nbytes)
+        except OSError as e:
+            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+                raise
+            free, total = shm_space()
+            raise ArenaFull(f"a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
+                            f"({format_size(free)} free of {format_size(total)})") from None
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def map_named(name: str, nbytes: int, timeout: float) -> torch.Tensor:
+    """Map the segment another process of the node made with `create_named` (waiting up to `timeout` seconds for
+    it)."""
+    path = f"{SHM_DIR}/{SHM_PREFIX}{name}"
+    fd = _open_when_ready(path, nbytes, timeout, f"{path} (size {nbytes}) was not created within {timeout:.1f}s")
+    with _pending_lock:
+        _pending.add(path)
+    try:
+        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        _unlink(path)
+        raise
+    finally:
+        os.close(fd)
+    return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def unlink_named(name: str) -> None:
+    """Remove the name of a `create_named` segment (the mappings stay valid)."""
+    _unlink(f"{SHM_DIR}/{SHM_PREFIX}{name}")
 
 
 class ArenaFull(MemoryError):

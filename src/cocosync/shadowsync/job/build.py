@@ -24,7 +24,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
-from cocosync.shadowsync.job.membership import Membership, survives_losses
+from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
@@ -112,20 +112,25 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         g = dist.new_group(trainers[0::Tn])
         if kind == "trainer" and index % Tn == 0:
             hot_group = g
+    node_gloo_mine = None
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
         # runtime's hierarchical communicator), the same fused collective as on one machine
         node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
         if kind == "trainer":
+            node_gloo_mine = node_gloo[topo.node]
             register_subgroup(spanning_node_groups(trainers, trainer_group, node_gloo[topo.node], inter, Tn))
             dense_group = trainer_group
     elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
         dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
         dense_group = trainer_group
-    held = ([trainer_group, intra, inter] if kind == "trainer" else []) + [hot_group, exchange.group]
+    held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group]
+    cross = (inter, hot_group, exchange.group) if kind == "trainer" else ()
     membership = None
-    if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None):
+    if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None) or \
+            survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node, Tn,
+                               cfg.min_trainers, link is not None):
         membership = Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0)
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
@@ -133,7 +138,8 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                shards=shards, trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group,
                dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,
                resumed_from=resumed_from, membership=membership, positions=positions, share_positions=share_positions,
-               held_groups=tuple(g for g in held if g is not None))
+               held_groups=tuple(g for g in held if g is not None),
+               cross_groups=tuple(g for g in cross if g is not None))
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -72,9 +72,12 @@ class Job:
     """examples the checkpoint resumed from had seen (0: a fresh job)."""
     held_groups: tuple[dist.ProcessGroup, ...]
     """the process groups besides the default one that this rank is a member of (made by build_job)."""
+    cross_groups: tuple[dist.ProcessGroup, ...]
+    """those of them that a trainer holds with the trainers of other machines alone (its exchange's, its dense sync's
+    between machines, the hot rows' sync): of no more use once a machine is lost."""
     membership: Membership | None
     """which trainers are left, where the job goes on without a lost one (one machine, launched by `cocosync
-    train`, more trainers than --min-trainers)."""
+    train`, more trainers than --min-trainers) or without a lost machine (membership.survives_node_loss)."""
     positions: torch.Tensor
     """int64 [T, W]: every trainer's reader positions, in the node's shared memory (each trainer writes its row; a lost
     trainer's row says where it stopped)."""

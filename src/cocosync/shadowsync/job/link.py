@@ -14,12 +14,14 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import sys
 import threading
 import time
 from typing import Any, Callable
 
 import torch.distributed as dist
 
+from cocosync.runtime.comm.shm import unlink_pending
 from cocosync.shadowsync.thread_cpu import in_role
 
 __all__ = ["Link", "store_client", "env_store_client", "job_prefix", "MONITOR_PORT_ENV", "MONITOR_HOST_ENV", "PREFIX",
@@ -123,16 +125,28 @@ class Link:
             raw = [self.store.get(k) for k in keys if self.store.check([k])]
         return [json.loads(r) for r in raw]
 
-    def beat(self, trainer: int, stop: Any, interval: float) -> None:
+    def beat(self, trainer: int, stop: Any, interval: float, positions: Any = None,
+             lost_key: str | None = None) -> None:
         """Start the heartbeat thread of trainer `trainer`: it runs whatever the trainer does (torch ops and gloo
         release the GIL), so a missing beat means the process is stopped, hung or not scheduled; it also copies the
-        launcher's stop request into `stop[0]` (the workers' flag)."""
+        launcher's stop request into `stop[0]` (the workers' flag), and publishes `positions` (the trainer's reader
+        positions, int64 [W]) under pos/<trainer> where the trainers of another machine read them if this one's is
+        lost. Once `lost_key` is set (this machine was recorded as lost: the job went on without it) the process
+        leaves at once (exit status 1), so that it never trains beside the machine that took its place."""
         def run() -> None:
             while not self._closed.is_set():
                 with self._lock:
                     # CLOCK_MONOTONIC is system-wide: the launcher compares it with its own
                     self.store.set(f"beat/{trainer}", repr(time.monotonic()))
+                    if positions is not None:
+                        self.store.set(f"pos/{trainer}", json.dumps(positions.tolist()))
                     stopping = self.store.check(["stop"])
+                    fenced = lost_key is not None and self.store.check([lost_key])
+                if fenced:
+                    print(f"trainer {trainer}: this machine was recorded as lost (the job went on without it): "
+                          "leaving", file=sys.stderr, flush=True)
+                    unlink_pending()
+                    os._exit(1)
                 if stopping:
                     stop[0] = 1
                 self._closed.wait(interval)

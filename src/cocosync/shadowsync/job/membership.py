@@ -25,6 +25,12 @@ other rank reads it through `Membership`:
 
 Servers' losses have a counter and records of their own (`server-losses`, `lost-server/<s>`): they change no
 trainer's sync or data, only who is at the job's end.
+
+Across two machines (`cocosync train --nnodes 2`) the job goes on without the machine that does not host the job's
+store when that machine's launcher falls silent (`survives_node_loss`): the launcher that hosts the store records
+the loss (`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above), and the
+ranks left restore its shards (job/node_loss.py). Each trainer publishes its reader positions with its heartbeat
+(`pos/<t>`), where the others read a lost machine's (`published_positions`).
 """
 
 from __future__ import annotations
@@ -41,13 +47,16 @@ import torch.distributed as dist
 from setproctitle import setproctitle
 
 from cocosync.runtime.comm.backend import BACKEND
+from cocosync.shadowsync.job.link import FIRST_FAILURE
 from cocosync.shadowsync.job.roles import Roles
 
-__all__ = ["Loss", "ServerLoss", "Membership", "keep_trainer", "keep_server", "survives_losses", "LOSSES",
-           "SERVER_LOSSES"]
+__all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
+           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "LOSSES", "SERVER_LOSSES",
+           "NODE_LOSSES"]
 
 LOSSES = "losses"  # the count of lost trainers (a store counter: the membership's epoch)
 SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
+NODE_LOSSES = "node-losses"  # the count of lost machines
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -62,8 +71,11 @@ class Loss:
     signal: str
     time: float
     seq: int
+    node: int | None = None  # the machine whose loss it was part of (None: the trainer alone)
 
     def describe(self) -> str:
+        if self.node is not None:
+            return f"trainer {self.trainer} was lost with node {self.node}"
         return f"trainer {self.trainer} (pid {self.pid}) was lost: killed by {self.signal}"
 
 
@@ -75,6 +87,69 @@ class ServerLoss:
     pid: int
     signal: str
     time: float
+
+
+@dataclass(frozen=True)
+class NodeLoss:
+    """One lost machine: its node index, when its loss was recorded (time.time()) and for how long its launcher had
+    been silent then (seconds)."""
+
+    node: int
+    time: float
+    silent_s: float
+
+
+@dataclass(frozen=True)
+class Restored:
+    """One lost embedding server's shard as restored: where its rows came from (a checkpoint's path, or 'initial
+    rows'), the job's examples then, and its age in seconds when restored; its rows, and how many of them are hot
+    (current: this machine's replica)."""
+
+    server: int
+    source: str
+    examples: int
+    age_s: float
+    rows: int
+    hot_rows: int
+    name: str  # the shared-memory segment (named until every trainer left here has mapped it)
+
+
+def restored_shards(store: Any, servers: list[int]) -> list[Restored]:
+    """The records of the restored shards among `servers` (those recorded)."""
+    out = []
+    for s in servers:
+        if store.check([f"restored/{s}"]):
+            out.append(Restored(**json.loads(store.get(f"restored/{s}"))))
+    return out
+
+
+def survives_node_loss(nnodes: int, lookup_transport: str, sync_method: str, sync_servers: int,
+                       trainers_per_node: int, min_trainers: int, launched: bool) -> bool:
+    """Whether a job goes on without a lost machine: two machines launched by `cocosync train --nnodes` (the machine
+    that hosts the job's store survives, the other may be lost), rows between them through the lookup exchange (the
+    survivor restores the lost machine's shards and reads every row in place), a dense sync that re-forms among the
+    trainers left (MA or BMUF; no EASGD centre on sync servers), and at least --min-trainers on one machine."""
+    return (launched and nnodes == 2 and lookup_transport == "exchange" and sync_method in ("ma", "bmuf")
+            and sync_servers == 0 and trainers_per_node >= min_trainers)
+
+
+def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bool:
+    """Record machine `node` as lost (its trainers and embedding servers too, as their keepers would), once: False if
+    it was recorded already. `store`: a client of the job's store under the job's prefix."""
+    now = time.time()
+    rec = json.dumps({"time": now, "silent_s": silent_s})
+    if json.loads(store.compare_set(f"lost-node/{node}", "", rec)) != json.loads(rec):
+        return False
+    for t in (i for i in range(roles.trainers) if roles.node_of(roles.rank_of("trainer", i)) == node):
+        seq = int(store.add(LOSSES, 1))
+        store.set(f"lost/{t}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now, "seq": seq,
+                                           "node": node}))
+    E = roles.embedding_per_node
+    for s in range(node * E, (node + 1) * E):
+        store.set(f"lost-server/{s}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now}))
+        store.add(SERVER_LOSSES, 1)
+    store.add(NODE_LOSSES, 1)
+    return True
 
 
 def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool) -> bool:
@@ -92,6 +167,7 @@ class Membership:
         """`timeout`: seconds a rank waits for peers that are alive (a loss to be recorded, an agreement)."""
         self.store, self.roles, self.min_trainers, self.timeout = store, roles, min_trainers, timeout
         self._current: tuple[tuple[int, ...], Any] | None = None  # the group made last, by its ranks
+        self._dropped: list[Any] = []  # groups destroyed by `drop`
         self._losses: dict[int, Loss] = {}
 
     # -- the record -----------------------------------------------------------------------------------------
@@ -107,8 +183,9 @@ class Membership:
             for t in range(self.roles.trainers):
                 if t not in self._losses and self.store.check([f"lost/{t}"]):
                     rec = json.loads(self.store.get(f"lost/{t}"))
+                    node = rec.get("node")
                     self._losses[t] = Loss(t, int(rec["pid"]), str(rec["signal"]), float(rec["time"]),
-                                           int(rec["seq"]))
+                                           int(rec["seq"]), None if node is None else int(node))
             if len(self._losses) < epoch:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{epoch} losses counted but {len(self._losses)} recorded after "
@@ -123,14 +200,43 @@ class Membership:
 
     def wait_for_loss(self, epoch: int, timeout: float | None = None) -> int | None:
         """The epoch once a loss past `epoch` is recorded, or None if none comes within `timeout` (default: the
-        membership's; a peer failed for another reason)."""
+        membership's) or a rank reported a failure first (a peer failed for another reason)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
             now = self.epoch()
             if now > epoch:
                 return now
+            if self.store.check([FIRST_FAILURE]):
+                return None
             time.sleep(POLL)
         return None
+
+    def lost_nodes(self) -> list[NodeLoss]:
+        """The machines lost so far (their trainers and servers are recorded before the count grows)."""
+        count = int(self.store.add(NODE_LOSSES, 0))
+        found = []
+        for n in range(self.roles.topo.nnodes):
+            if len(found) < count and self.store.check([f"lost-node/{n}"]):
+                rec = json.loads(self.store.get(f"lost-node/{n}"))
+                found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"])))
+        return found
+
+    def wait_for_node_loss(self, timeout: float | None = None) -> list[NodeLoss]:
+        """The machines lost, once one is (empty if none is within `timeout`, default the membership's, or a rank
+        reported a failure first)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            if int(self.store.add(NODE_LOSSES, 0)):
+                return self.lost_nodes()
+            if self.store.check([FIRST_FAILURE]):
+                return []
+            time.sleep(POLL)
+        return []
+
+    def published_positions(self, trainer: int) -> list[int] | None:
+        """Trainer `trainer`'s reader positions as it last published them with its heartbeat (None: never)."""
+        raw = self.store.get(f"pos/{trainer}") if self.store.check([f"pos/{trainer}"]) else None
+        return [int(p) for p in json.loads(raw)] if raw is not None else None
 
     def record_start(self, trainer: int, examples: int) -> None:
         """Trainer `trainer` starts from `examples` read (its resumed reader positions)."""
@@ -186,9 +292,16 @@ class Membership:
         """The process group (gloo) of every rank still in the job: the servers not in `lost_servers` and the live
         trainers `live`. `held`: the other groups this rank is a member of (the job's trainer groups), destroyed
         first: see `_group`."""
-        for group in held:
-            dist.destroy_process_group(group)
+        self.drop(held)
         return self._group(self.alive_ranks(live, lost_servers), None)
+
+    def drop(self, groups: tuple[Any, ...]) -> None:
+        """Destroy those of `groups` not destroyed yet (a group with a lost machine's ranks is of no more use, and
+        torch names a group made by its members alone by how many groups each holds: see `_group`)."""
+        for group in groups:
+            if not any(group is g for g in self._dropped):
+                dist.destroy_process_group(group)
+                self._dropped.append(group)
 
     def _group(self, ranks: list[int], backend: str | None) -> Any:
         """One group at a time: the one before is destroyed first. torch names a group made by its members alone by

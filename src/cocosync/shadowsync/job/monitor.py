@@ -27,7 +27,14 @@ from cocosync.shadowsync.checkpoint import read_meta
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
-from cocosync.shadowsync.job.membership import LOSSES, SERVER_LOSSES, survives_losses
+from cocosync.shadowsync.job.membership import (
+    LOSSES,
+    SERVER_LOSSES,
+    record_node_loss,
+    restored_shards,
+    survives_losses,
+    survives_node_loss,
+)
 from cocosync.shadowsync.job.roles import Roles
 
 __all__ = ["Monitor", "exit_status"]
@@ -37,6 +44,9 @@ _ROLE_NAMES = {"embedding": "embedding server", "sync": "sync server", "trainer"
 LINE_EVERY = 5.0
 #: seconds the trainers get to stop (and checkpoint) after a stop request before the job is aborted
 STOP_GRACE = 120.0
+#: seconds without a beat from a machine's launcher (a counter it raises every loop, ~0.2 s) after which the launcher
+#: that hosts the job's store records the machine as lost, where the job survives that (membership.survives_node_loss)
+NODE_SILENCE = 3.0
 
 
 class Monitor:
@@ -44,11 +54,12 @@ class Monitor:
 
     def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any,
                  *, nodes: int = 1, ranks: list[int] | None = None, bar: bool = True, tail: bool = True,
-                 prefix: str = PREFIX):
+                 prefix: str = PREFIX, hosts_store: bool = True):
         """`store`: a client of the ranks' store; `nproc`: ranks per machine; `cfg.trainers`: the job's trainers,
         over `nodes` machines. `ranks`: the ranks on this machine (default: node 0's, one machine). `bar`: a live
         progress bar on a terminal (off where the ranks write to the same terminal); `tail`: print trainer 0's eval
-        and checkpoint records; `prefix`: the job's keys' (link.job_prefix)."""
+        and checkpoint records; `prefix`: the job's keys' (link.job_prefix); `hosts_store`: this machine hosts the
+        job's store (across machines: it watches the others' launchers and records a silent one as lost)."""
         self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
         self.store = dist.PrefixStore(prefix, store)
         self.nodes, self.per_node = nodes, cfg.trainers // nodes
@@ -72,6 +83,14 @@ class Monitor:
         self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
         self.lost: dict[int, dict] = {}  # trainers lost (job/membership.py), by index: their record
         self.lost_servers: dict[int, dict] = {}  # embedding servers lost, by index: their record
+        self.node = self.ranks[0] // nproc if self.ranks else 0  # this machine's node index in the job
+        self.hosts_store = hosts_store
+        self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
+        self._said_restored: set[int] = set()  # lost servers whose restored shard was named
+        self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
+        self.survives_node_loss = survives_node_loss(nodes, cluster.lookup_transport, cfg.sync.method,
+                                                     self.roles.sync_per_node, self.per_node, cfg.min_trainers,
+                                                     True)
         self.killed: set[int] = set()  # trainers this monitor killed for silence, to be recorded as lost
         self.resumed = _examples_seen(cluster.resume)
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
@@ -130,6 +149,13 @@ class Monitor:
         """The pid rank `rank` said, once verified as a process this launcher started (None before)."""
         return self._pid(rank)
 
+    def report(self, rank: int, message: str) -> None:
+        """Record in the job's store that `rank` failed (best effort: the store may be gone)."""
+        try:
+            report_failure(self.store, rank, message)
+        except RuntimeError:
+            pass
+
     def kill_ranks(self) -> None:
         """SIGKILL every rank of this machine that said its pid (the agent then reports them and returns)."""
         for rank in self.ranks:
@@ -163,11 +189,17 @@ class Monitor:
                     if self.presses >= 2:
                         self.failure = f"aborted by a second {self._signal_label()}"
                         break
+                    if self.lost_nodes and self.ranks_exited():  # (no other machine's agent comes to the end)
+                        break
                     continue
                 try:
                     if self.agent_store and self.ranks_exited():  # (the rest is the agents')
+                        if self.lost_nodes:  # (no other machine's agent comes to the end: see node_launch.py)
+                            break
                         watching = False
                         continue
+                    if self.survives_node_loss:
+                        self.store.add(f"node-beat/{self.node}", 1)
                     if self._check(t_launch):
                         self.kill_ranks()
                         break
@@ -245,8 +277,67 @@ class Monitor:
         if self.stop_at is not None and time.monotonic() - self.stop_at > STOP_GRACE:
             self.failure = f"the trainers did not stop within {STOP_GRACE:.0f} s of the stop request"
             return True
+        if self.survives_node_loss:
+            self.failure = self._watch_nodes()
+            if self.failure is not None:
+                return True
         self.failure = self._stalled()
         return self.failure is not None
+
+    def _watch_nodes(self) -> str | None:
+        """Across machines: on the machine that hosts the job's store, record another machine whose launcher fell
+        silent (NODE_SILENCE) as lost, unless a rank reported a failure first (the job stops then) or its trainers
+        are done (the job is ending); say the restored shards as they come. Elsewhere: a failure once this machine
+        was recorded as lost (it was silent too long: its ranks are stopped, the job goes on without them)."""
+        if not self.hosts_store:
+            if get_if_set(self.store, f"lost-node/{self.node}") is None:
+                return None
+            return ("this machine was recorded as lost by the machine that hosts the job's store (its launcher "
+                    f"heard nothing from this one for {NODE_SILENCE:g} s): the job goes on without it")
+        now = time.monotonic()
+        for n in range(self.nodes):
+            if n == self.node or n in self.lost_nodes:
+                continue
+            beat = get_if_set(self.store, f"node-beat/{n}")
+            if beat is None:  # (not watching yet)
+                continue
+            last = self._node_beats.get(n)
+            if last is None or last[0] != beat:
+                self._node_beats[n] = (beat, now)
+                continue
+            silent = now - last[1]
+            if silent < NODE_SILENCE or get_if_set(self.store, FIRST_FAILURE) is not None or self._node_done(n):
+                continue
+            if record_node_loss(self.store, self.roles, n, silent):
+                self.lost_nodes[n] = silent
+                trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
+                E = self.roles.embedding_per_node
+                left = self.cfg.trainers - len(trainers)
+                self.console.print(f"[yellow]node {n} was lost (no word from its launcher for {silent:.1f} s): "
+                                   f"trainers {', '.join(map(str, trainers))} and embedding server"
+                                   f"{'s' if E > 1 else ''} {', '.join(str(s) for s in range(n * E, (n + 1) * E))} "
+                                   f"with it; {left} trainer{'s go' if left > 1 else ' goes'} on, restore its shards "
+                                   "and read its unread rows", soft_wrap=True)
+        self._say_restored()
+        return None
+
+    def _node_of_trainer(self, t: int) -> int:
+        return self.roles.node_of(self.roles.rank_of("trainer", t))
+
+    def _node_done(self, n: int) -> bool:
+        """Every trainer of machine `n` said it is done (its launcher stops watching then)."""
+        return all(get_if_set(self.store, f"beat/{t}") == b"done" for t in range(self.cfg.trainers)
+                   if self._node_of_trainer(t) == n)
+
+    def _say_restored(self) -> None:
+        E = self.roles.embedding_per_node
+        servers = [s for n in self.lost_nodes for s in range(n * E, (n + 1) * E) if s not in self._said_restored]
+        for r in restored_shards(self.store, servers):
+            self._said_restored.add(r.server)
+            where = "its initial rows" if r.source == "initial rows" else f"the checkpoint at {r.examples:,} examples"
+            self.console.print(f"embedding server {r.server}'s shard restored on node {self.node} from {where} "
+                               f"({r.rows:,} rows, {r.age_s:.1f} s old; its {r.hot_rows:,} hot rows current: this "
+                               "machine's replica)", soft_wrap=True)
 
     def may_lose(self, t: int) -> bool:
         """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, and more than

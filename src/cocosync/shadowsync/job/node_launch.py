@@ -51,6 +51,8 @@ __all__ = ["torchrun_args", "run_node"]
 
 _MODULE = "cocosync.shadowsync"
 WAITING_EVERY = 30.0  # seconds between two lines while the rendezvous waits for the other machines
+#: seconds the agent gets to report this machine's ranks once they have exited after another machine's loss
+EXIT_GRACE = 3.0
 
 
 class _RankKeys(DefaultLogsSpecs):
@@ -176,7 +178,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
                       flush=True)
                 _abort(128 + signals[0], args.log_dir)
         if thread.is_alive():
-            monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console)
+            monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console,
+                               hosts_store=node_rank == 0)
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
             if monitor.failure is not None:
                 console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
@@ -186,6 +189,12 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
                 monitor.kill_ranks()
                 thread.join(30)
                 return 1
+            if monitor.lost_nodes:
+                # every rank here finished: a failed one ends the agent at once, one that succeeded leaves it in its
+                # exit barrier, which waits (300 s) for the lost machine's agent, which never comes
+                thread.join(EXIT_GRACE)
+                if thread.is_alive():
+                    return 0
         thread.join()
     finally:
         for sig, handler in previous.items():
@@ -193,6 +202,10 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         shutil.rmtree(args.log_dir, ignore_errors=True)  # (a failure's error files were read when it was seen)
     error = outcome.get("error")
     if isinstance(error, ChildFailedError):
+        if monitor is not None:  # (before this machine falls silent: the others must not take it for a lost one)
+            rank, failure = error.get_first_failure()
+            monitor.report(rank, f"exited with status {failure.exitcode} (its machine's torchrun agent stopped the "
+                                 "machine's ranks)")
         print(error.format_msg(), file=sys.stderr, flush=True)
         if monitor is not None:
             _first_failure(monitor, console)
@@ -227,8 +240,8 @@ def _trainers_per_node(cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, np
 
 
 def _monitor(cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, nproc: int, ranks: list[int], host: str,
-             port: int, console: Console) -> Monitor:
+             port: int, console: Console, *, hosts_store: bool) -> Monitor:
     """The one-machine launcher's monitor over the job's rendezvous store, for this machine's `ranks`."""
     store = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
     return Monitor(cfg, f"{cfg.sync.algorithm} T={cfg.trainers} nodes={nnodes}", store, nproc, cluster, console,
-                   nodes=nnodes, ranks=ranks, bar=False, tail=False)
+                   nodes=nnodes, ranks=ranks, bar=False, tail=False, hosts_store=hosts_store)

@@ -79,7 +79,8 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
-from cocosync.shadowsync.job.membership import Loss, ServerLoss
+from cocosync.shadowsync.job.membership import Loss, ServerLoss, restored_shards
+from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -185,8 +186,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             parts: dict[str, Stateful] = {name: saved}
             if summary is not None and summary["lost"]:
                 parts.update(_lost_parts(job, summary, saved, meta))
-            if summary is not None:  # a lost server's shard, from this machine's shared memory
-                parts.update({part_name("embedding", s): job.shards[s] for s in gone})
+            if summary is not None:  # a lost server's shard, from this machine's shared memory (restored there)
+                parts.update({part_name("embedding", s): _shard(job, run, s) for s in gone})
             ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
@@ -242,6 +243,15 @@ class _TrainerRun:
     logger: MetricsLogger | None
     hot_sync: HotSync | None = None  # on a node's first trainer
     curve: _EvalCurve | None = None  # trainer 0's eval curve (--eval-every)
+    machine: LostMachine | None = None  # where the job goes on without a lost machine
+
+
+def _shard(job: Job, run: _TrainerRun | None, server: int) -> Any:
+    """Embedding server `server`'s shard in this machine's shared memory: its own, or restored after its machine's
+    loss."""
+    if run is not None and run.machine is not None and server in run.machine.adopted:
+        return run.machine.adopted[server]
+    return job.shards[server]
 
 
 def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
@@ -264,8 +274,11 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
     state = TrainerState.new(cfg.trainers, cfg.workers, job.init_dense, positions=job.positions)
-    if job.link is not None:
-        job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10))
+    across = job.membership is not None and roles.topo.nnodes > 1  # the job goes on without a lost machine
+    if job.link is not None:  # (where another machine may read this trainer's rows after its loss: its positions)
+        job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10),
+                      positions=job.positions[t] if across else None,
+                      lost_key=f"lost-node/{roles.topo.node}" if across else None)
     elif cfg.timeout is not None:  # no launcher to ask (plain torchrun): the trainer keeps --timeout, from its start
         _stop_after(state.stop, cfg.timeout)
     source = trainer_source(cfg, data, t, job.plan)
@@ -286,10 +299,15 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
         every = max(1, job.cluster.eval_every // roles.trainers)
         on_eval = _EvalCurve(job, tables, logger, console)
     recovery = Recovery(job, job.membership, t) if job.membership is not None else None
+    machine = None
+    if across and recovery is not None:
+        machine = LostMachine(job, t, tables, hot_sync)
+        tables.on_lost = machine
+        recovery.before_regroup = machine.prepare
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every,
                       recovery=recovery)
-    return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval)
+    return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval, machine)
 
 
 class _EvalCurve:
@@ -438,6 +456,9 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         meta = _meta(job, int(seen), True) if t == 0 else None
         path = save_job(parts, Path(cfg.out_dir), meta, owner=f"trainer{t}", writer=roles.rank_of("trainer", 0),
                         group=group)
+        if t == 0 and membership is not None:  # what a machine's lost shards are restored from
+            membership.store.set(LAST_CHECKPOINT, json.dumps({"path": str(path), "examples": int(seen),
+                                                               "time": time.time()}))
         if run.logger is not None:
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
 
@@ -448,8 +469,21 @@ def _settle_hot(job: Job, run: _TrainerRun, *, close: bool = False) -> None:
     """Every trainer paused (after a `_command`): the node's first trainer makes its replica of the hot rows the
     consensus of the nodes and writes it into the owners' shards, which the checkpoint saves."""
     if run.hot_sync is not None:
-        run.hot_sync.settle(close=close)
-        job.hot.write_back(job.shards, job.rowhash.servers)
+        run.hot_sync.settle(close=close)  # (nothing to settle once the other machine is lost)
+        adopted = run.machine.adopted if run.machine is not None else {}
+        job.hot.write_back({**job.shards, **adopted}, job.rowhash.servers)
+
+
+def _lost_nodes(job: Job, run: _TrainerRun) -> list[dict]:
+    """The machines lost, each with its shards as restored (where from, the rows' age)."""
+    if job.membership is None or job.roles.topo.nnodes == 1:
+        return []
+    E, out = job.roles.embedding_per_node, []
+    for n in job.membership.lost_nodes():
+        restored = restored_shards(job.membership.store, list(range(n.node * E, (n.node + 1) * E)))
+        out.append({**dataclasses.asdict(n), "restored": [
+            {k: v for k, v in dataclasses.asdict(r).items() if k != "name"} for r in restored]})
+    return out
 
 
 def _name(cfg: TrainConfig, roles: Roles) -> str:
@@ -504,10 +538,11 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
     for x in losses:
         read = int(job.positions[x.trainer].sum())
         if trainer.recovery is not None:  # (a trainer lost while reading another lost trainer's rows)
-            read += trainer.recovery.share_rows_read(x.trainer)
+            read = sum(trainer.recovery.positions(x.trainer)) + trainer.recovery.share_rows_read(x.trainer)
         start = job.membership.start(x.trainer) if job.membership is not None else 0
         lost.append({"trainer": x.trainer, "pid": x.pid, "signal": x.signal, "time": x.time,
-                     "examples": read - start, "resumed_from": start})
+                     "examples": read - start, "resumed_from": start, "node": x.node})
+    nodes = _lost_nodes(job, run)
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
     curve = run.curve.best if run.curve is not None else None
@@ -557,6 +592,7 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
         "lost": lost, "trainers_left": roles.trainers - len(lost),
         "lost_servers": [{"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time} for x in servers],
+        "lost_nodes": nodes,
         "membership": [{"time": min(r["start"] for r in results), "trainers": roles.trainers}]
         + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"]} for k, x in enumerate(lost)],
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),

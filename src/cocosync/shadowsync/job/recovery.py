@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from cocosync.runtime.comm.shm import leave_collectives
 from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
 from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
 from cocosync.shadowsync.job.job import Job
@@ -49,11 +50,18 @@ class Recovery:
         # by agreement: the trainers each given a share of lost trainers' rows there, and the shares (W parts each),
         # the same on every trainer left
         self.shares: dict[int, tuple[list[int], list]] = {}
+        # across machines: run before the sync re-forms (job/node_loss.py: LostMachine.prepare), False if no
+        # machine's loss explains the failure
+        self.before_regroup: Callable[[], bool] | None = None
 
     # -- the dense sync ---------------------------------------------------------------------------------
     def regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
         """The sync of `old`'s algorithm among the trainers left, once a loss past this trainer's epoch is recorded
         (its state carried over); None if no loss comes (`old` failed for another reason)."""
+        # the old sync is given up here: a trainer left waiting in one of its collectives for this one fails now
+        leave_collectives(f"trainer {self.trainer}'s sync failed and is re-formed")
+        if self.before_regroup is not None and not self.before_regroup():
+            return None
         epoch = self.membership.wait_for_loss(self.epoch)
         if epoch is None:
             return None
@@ -100,6 +108,14 @@ class Recovery:
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
 
+    def positions(self, d: int) -> list[int]:
+        """Trainer d's reader positions in its own shards: this machine's shared copy, or (a trainer of another
+        machine) what it last published (zeros if it never did)."""
+        roles = self.job.roles
+        if roles.node_of(roles.rank_of("trainer", d)) == roles.topo.node:
+            return [int(p) for p in self.job.positions[d]]
+        return self.membership.published_positions(d) or [0] * self.job.cfg.workers
+
     def begin(self) -> Any:
         """This trainer starts reading the share it was just given: its reader positions there (int64 [W], in the
         node's shared memory, zeroed), which say what is left of it if this trainer is lost in turn."""
@@ -127,7 +143,7 @@ class Recovery:
         last = self._last_share(d)
         if last is None:
             W = self.job.cfg.workers
-            return unread(own[d * W:(d + 1) * W], [int(p) for p in self.job.positions[d]])
+            return unread(own[d * W:(d + 1) * W], self.positions(d))
         _, parts, pos = last
         return unread(parts, pos)
 

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from cocosync.shadowsync.model.batch_rows import distinct_rows, split_rows
+from cocosync.shadowsync.model.lookup_thread import ExchangeLost
 from cocosync.shadowsync.model.shard import RowHash, Shard
-from cocosync.shadowsync.model.transport import RemoteRows, ServerLost
+from cocosync.shadowsync.model.transport import RemoteRows, ServerLost, TransportCounters
 
 if TYPE_CHECKING:
     from cocosync.shadowsync.model.hot_rows import HotRows, HotSync
@@ -143,7 +144,7 @@ class ShardedEmbeddings:
         self.offsets = torch.tensor(offsets, dtype=torch.int64)
         if group < 1:
             raise ValueError(f"group={group!r} must be >= 1 batch per message")
-        self._local_servers = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
+        self._place()
         if remote is None and len(self._local_servers) < len(self.servers):
             raise ValueError("servers on other nodes need a transport (remote=)")
         if hot is not None and remote is None:
@@ -151,10 +152,43 @@ class ShardedEmbeddings:
         self.group, self.remote = group, remote
         self.hot = hot if hot is not None and len(hot) else None
         self.hot_sync = hot_sync
-        self._is_local = torch.tensor([isinstance(server, Shard) for server in self.servers])
         self.stats = LookupStats(start_window=start_window)
         self._no_offsets: dict[int, torch.Tensor] = {}
         self._lock = threading.Lock()
+        self.on_lost: Callable[[BaseException], bool] | None = None
+        self._ended: TransportCounters | None = None  # a transport given up (adopt): its last counters
+
+    # -- servers lost with their machine ----------------------------------------------------------------------
+    def adopt(self, shards: dict[int, Shard]) -> None:
+        """Take `shards` (restored copies of other machines' servers, in this machine's shared memory) as local: their
+        rows are read and updated in place from now on. Once every server is local the transport is given up (its
+        counters kept). Lookups issued before keep their remote part: `wait` reads it here when the transport fails
+        them (`on_lost`)."""
+        with self._lock:
+            for s, shard in shards.items():
+                self.servers[s] = shard
+            self._place()
+            if len(self._local_servers) == len(self.servers) and self.remote is not None:
+                self._ended, self.remote = self.remote.counters(), None
+
+    def _place(self) -> None:
+        """Which servers are local: one attribute, replaced whole (workers place rows while `adopt` runs)."""
+        local = [s for s, server in enumerate(self.servers) if isinstance(server, Shard)]
+        self._placement = (torch.tensor([isinstance(server, Shard) for server in self.servers]), local)
+
+    @property
+    def _local_servers(self) -> list[int]:
+        return self._placement[1]
+
+    def _recovered(self, err: BaseException) -> bool:
+        """Whether the servers that `err` says are out of reach are local now (`on_lost(err)`: the job's handler,
+        which restores them; None: no handler, the error stands)."""
+        return self.on_lost is not None and self.on_lost(err)
+
+    def _resplit(self, lk: Lookup) -> None:
+        """Place `lk`'s rows again (some servers were adopted since it was issued)."""
+        split = self._split(lk.uniq)
+        lk.local, lk.hot, lk.remote_idx, lk.remote = split["local"], split["hot"], split["remote_idx"], None
 
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, ids: torch.Tensor) -> Lookup:
@@ -165,9 +199,19 @@ class ShardedEmbeddings:
         lk = Lookup(uniq, inverse.view(ids.shape), time.perf_counter(), **self._split(uniq))
         remote_idx = lk.remote_idx
         if remote_idx.numel():
+            remote = self.remote
+            if remote is None:  # (adopted while this lookup was placed)
+                self._resplit(lk)
+                return lk
             with self._lock:
                 self.stats.bytes_sent += remote_idx.numel() * 8
-            lk.remote = self.remote.lookup(uniq[remote_idx])
+            try:
+                lk.remote = remote.lookup(uniq[remote_idx])
+            except ExchangeLost as e:
+                if not self._recovered(e):
+                    raise
+                self._resplit(lk)
+                return lk
             lk.remote.add_done_callback(lambda _f: lk.answered.append(time.perf_counter()))
         return lk
 
@@ -181,7 +225,8 @@ class ShardedEmbeddings:
 
     def _split(self, uniq: torch.Tensor) -> dict:
         """Where each distinct row lives (batch_rows.split_rows): local shards, hot rows, remote."""
-        return split_rows(uniq, self.hot, self._is_local, self._local_servers)
+        is_local, local = self._placement
+        return split_rows(uniq, self.hot, is_local, local)
 
     def fetch_group(self, sparses: list[torch.Tensor]) -> list[Lookup]:
         """One lookup for several batches' global rows (one request for all of them), and a Lookup per batch that
@@ -214,7 +259,13 @@ class ShardedEmbeddings:
         remote = lk.remote_idx.numel()
         if lk.remote is not None:
             t0 = time.perf_counter()
-            got_rows, got_versions = self._wait(lk.remote, self._first_remote(lk), "a lookup")
+            try:
+                got_rows, got_versions = self._wait(lk.remote, self._first_remote(lk), "a lookup")
+            except ServerLost as e:
+                if not self._recovered(e):
+                    raise
+                self._resplit(lk)
+                return self.wait(lk)
             blocked = time.perf_counter() - t0
             rows[lk.remote_idx], versions[lk.remote_idx] = got_rows, got_versions
         lk.rows, lk.versions, lk.remote = rows, versions, None
@@ -293,7 +344,15 @@ class ShardedEmbeddings:
             stale += self.hot.shard.apply(slots, grads.index_select(0, idx), lk.versions[idx])
         r = lk.remote_idx
         if r.numel():
-            self.remote.push(lk.uniq[r], grads.index_select(0, r), lk.versions[r])
+            rows, g, v = lk.uniq[r], grads.index_select(0, r), lk.versions[r]
+            try:
+                if self.remote is None:  # (adopted since the lookup: its servers are local now)
+                    raise ExchangeLost("the transport was given up")
+                self.remote.push(rows, g, v)
+            except ExchangeLost as e:
+                if self.remote is not None and not self._recovered(e):
+                    raise
+                stale += self._apply_local(rows, g, v)
         with self._lock:
             st = self.stats
             st.bytes_sent += r.numel() * (16 + self.dim * 4)
@@ -301,16 +360,30 @@ class ShardedEmbeddings:
             st.stale_sum += stale
             st.stale_rows += lk.uniq.numel()
 
+    def _apply_local(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> int:
+        """Apply gradients of global rows whose servers are all local now; their summed staleness."""
+        stale = 0
+        for s, idx, ids in self._split(rows)["local"]:
+            stale += self.servers[s].apply(ids, grads.index_select(0, idx), versions[idx])
+        return stale
+
     def flush(self) -> None:
         """Every queued push applied on its server (before reading the tables or reporting), and the transport's
-        counters in `stats`."""
-        if self.remote is None:
+        counters in `stats`. Pushes queued to a transport that broke are lost when `on_lost` restored its
+        servers."""
+        remote = self.remote
+        if remote is None and self._ended is None:
             return
-        self.remote.flush()
-        c = self.remote.counters()
+        if remote is not None:
+            try:
+                remote.flush()
+            except ExchangeLost as e:
+                if not self._recovered(e):
+                    raise
+        c = self._ended if self.remote is None else remote.counters()
         with self._lock:
             st = self.stats
-            stale = self.remote.take_stale()
+            stale = remote.take_stale() if remote is not None else 0
             st.stale_sum += stale
             st.stale_remote += stale
             st.rounds, st.messages, st.wire_bytes, st.exchange_cpu_s = c.rounds, c.messages, c.wire_bytes, c.cpu_s

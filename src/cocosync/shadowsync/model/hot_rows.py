@@ -169,6 +169,7 @@ class HotSync:
         self._want = 0  # 1: settle requested; 2: close requested
         self._settled = 0  # syncs every node asked to settle
         self._error: BaseException | None = None
+        self._abandoned = False  # the other nodes are lost: this replica is the only one (`abandon`)
         self._thread = threading.Thread(target=in_role("hot-sync", self._run), name="cocosync-hot-rows",
                                         daemon=True)
 
@@ -196,11 +197,20 @@ class HotSync:
             stale, self._stale = self._stale, 0.0
             return round(stale)
 
+    def abandon(self) -> None:
+        """The other nodes are lost: stop syncing (a sync under way fails on its dead peers), and this replica, the
+        only one left, is the hot rows' truth; `settle` does nothing from now on."""
+        with self._lock:
+            self._abandoned = True
+            self._lock.notify_all()
+        if self._thread.is_alive():
+            self._thread.join()
+
     def settle(self, *, close: bool = False) -> None:
         """Collective over the nodes, with every trainer's workers paused: returns once a sync has taken every
         node's updates, so every replica is the consensus (then `HotRows.write_back`). `close`: and stop."""
         with self._lock:
-            if not self._thread.is_alive() and self._error is None:
+            if self._abandoned or (not self._thread.is_alive() and self._error is None):
                 return
             target = self._settled + 1
             self._want = 2 if close else 1
@@ -222,8 +232,10 @@ class HotSync:
             while True:
                 deadline = max(deadline + self.interval, time.monotonic())
                 with self._lock:
-                    while not self._want and (left := deadline - time.monotonic()) > 0:
+                    while not self._want and not self._abandoned and (left := deadline - time.monotonic()) > 0:
                         self._lock.wait(left)
+                    if self._abandoned:
+                        return
                     want = self._want
                 if self._sync(want):
                     return

@@ -1,0 +1,165 @@
+"""What a trainer does when a machine of its job is lost (membership.py: `survives_node_loss`, `record_node_loss`):
+the lost machine's embedding shards restored on this machine, where its trainers read and update them in place.
+
+The first thread of a trainer whose rows from the other machine fail (the lookup exchange broke) or whose dense sync
+fails waits for the launcher that hosts the job's store to record the machine's loss, then, once per process:
+
+* the replicated hot rows stop syncing: this machine's replica is the only one left, and the truth for those rows;
+* the groups this trainer alone holds with the lost machine are destroyed (torch names the groups the trainers left
+  make by how many groups each holds: they must hold as many);
+* each of the lost machine's shards is restored into this machine's shared memory by the first trainer left here
+  (`restore_shard`), from the job's last periodic checkpoint, else from the checkpoint the job resumed from, else
+  from the tables' initial rows (the seed draws them again), with the hot rows from this machine's replica; the other
+  trainers map it. The restored rows' age (the examples and seconds since their checkpoint) is recorded in the
+  store (`restored/<s>`) for the summary and the monitor;
+* the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`): the lookups in flight and every
+  lookup after read them in place, and the row gradients pushed to the lost machine and not yet applied there are
+  lost with it.
+
+The dense sync re-forms among the trainers left (recovery.py), and the lost machine's trainers' unread rows are read
+by the trainers left from the positions they last published (`Membership.published_positions`): the rows they read
+since that last heartbeat are read again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cocosync.runtime.comm.shm import create_named, map_named, unlink_named
+from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
+from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.membership import NodeLoss, Restored
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.hot_rows import HotSync
+from cocosync.shadowsync.model.shard import Shard, initial_rows
+
+__all__ = ["LostMachine", "LAST_CHECKPOINT"]
+
+#: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
+#: its metadata
+LAST_CHECKPOINT = "last-checkpoint"
+
+
+class LostMachine:
+    """A trainer's handler of a lost machine (see the module doc): `__call__(error)` is `ShardedEmbeddings.on_lost`
+    and runs before the dense sync re-forms (`prepare`)."""
+
+    def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None):
+        self.job, self.trainer, self.tables, self.hot_sync = job, trainer, tables, hot_sync
+        self.hot_lost = False  # the hot rows' sync was given up (the replica is the truth now)
+        self.adopted: dict[int, Shard] = {}
+        self.nodes: list[NodeLoss] = []
+        self._lock = threading.Lock()
+        self._outcome: bool | None = None
+        self.started = time.time()
+
+    def __call__(self, error: BaseException) -> bool:
+        """True once the machine whose loss explains `error` is recorded and its shards restored here; False if no
+        loss is recorded (the error stands)."""
+        return self.prepare()
+
+    def prepare(self) -> bool:
+        with self._lock:
+            if self._outcome is None:
+                self._outcome = self._handle()
+            return self._outcome
+
+    def _handle(self) -> bool:
+        membership = self.job.membership
+        assert membership is not None  # (a job that survives a machine's loss has one)
+        self.nodes = membership.wait_for_node_loss()
+        if not self.nodes:
+            return False
+        if self.hot_sync is not None:
+            self.hot_sync.abandon()
+            self.hot_lost = True
+        membership.drop(self.job.cross_groups)
+        lost = [n.node for n in self.nodes]
+        E = self.job.roles.embedding_per_node
+        servers = [s for n in lost for s in range(n * E, (n + 1) * E)]
+        self.adopted = {s: self._restore(s, membership) for s in servers}
+        self.tables.adopt(self.adopted)
+        return True
+
+    def _here(self, membership: Any) -> list[int]:
+        """The trainers left on this machine."""
+        roles = self.job.roles
+        return [t for t in membership.live() if roles.node_of(roles.rank_of("trainer", t)) == roles.topo.node]
+
+    def _restore(self, server: int, membership: Any) -> Shard:
+        """Lost server `server`'s shard in this machine's shared memory: made and filled by the first trainer left
+        here, mapped by the others."""
+        job, store = self.job, membership.store
+        here = self._here(membership)
+        n, dim = job.rowhash.shard_rows(server), job.tables.width
+        nbytes = n * dim * 4 + n * 4 + n * 8
+        if self.trainer == here[0]:
+            name = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{os.getpid()}-restored-s{server}"
+            buf = create_named(name, nbytes)
+            shard = self._shard(buf, n, dim)
+            rec = self._fill(server, shard, name)
+            store.set(f"restored/{server}", json.dumps(asdict(rec)))
+        else:
+            deadline = time.monotonic() + membership.timeout
+            while not store.check([f"restored/{server}"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"trainer {here[0]} did not restore embedding server {server}'s shard within "
+                                       f"{membership.timeout:.0f}s")
+                time.sleep(0.02)
+            rec = Restored(**json.loads(store.get(f"restored/{server}")))
+            buf = map_named(rec.name, nbytes, membership.timeout)
+            shard = self._shard(buf, n, dim)
+        if int(store.add(f"restored-maps/{server}", 1)) == len(here):  # every trainer here mapped it
+            unlink_named(rec.name)
+        return shard
+
+    def _shard(self, buf: torch.Tensor, n: int, dim: int) -> Shard:
+        cfg = self.job.cfg
+        w = buf[:n * dim * 4].view(torch.float32).view(n, dim)
+        acc = buf[n * dim * 4:n * dim * 4 + n * 4].view(torch.float32)
+        versions = buf[n * dim * 4 + n * 4:].view(torch.int64)
+        return Shard(w, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
+                     weight_decay=cfg.embedding_weight_decay)
+
+    def _fill(self, server: int, shard: Shard, name: str) -> Restored:
+        """Fill a restored shard from the freshest copy of its rows (module doc)."""
+        job = self.job
+        found = self._checkpoint()
+        if found is not None:
+            path, examples, written = found
+            load_parts({part_name("embedding", server): shard}, path, no_dist=True)
+            source, age = str(path), time.time() - written
+        else:
+            m = job.model_cfg
+            shard.weight.copy_(initial_rows(job.tables.table_rows, job.tables.width, init_std=m.embedding_init_std,
+                                            seed=m.seed, rowhash=job.rowhash, server=server))
+            source, examples, age = "initial rows", 0, time.time() - self.started
+        hot = 0
+        if job.hot is not None:  # the replica is the truth for the hot rows
+            for _, slots, _ in job.hot.owned({server: shard}, job.rowhash.servers):
+                hot += slots.numel()
+            job.hot.write_back({server: shard}, job.rowhash.servers)
+        return Restored(server, source, examples, age, shard.weight.shape[0], hot, name)
+
+    def _checkpoint(self) -> tuple[Path, int, float] | None:
+        """(path, examples, when written) of the checkpoint to restore from: the job's last periodic one, else the
+        one it resumed from (at the same server count), else None."""
+        job = self.job
+        store = job.membership.store if job.membership is not None else None
+        if store is not None and store.check([LAST_CHECKPOINT]):
+            rec = json.loads(store.get(LAST_CHECKPOINT))
+            return Path(rec["path"]), int(rec["examples"]), float(rec["time"])
+        if job.cluster.resume is not None:
+            path = resolve(job.cluster.resume)
+            meta = read_meta(path)
+            if int(meta["embedding_servers"]) == job.rowhash.servers:
+                return path, int(meta["examples_seen"]), (path / "meta.json").stat().st_mtime
+        return None
