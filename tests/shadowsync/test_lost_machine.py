@@ -124,3 +124,39 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path, stop
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [1]
     assert leftover_segments() == []
+
+
+def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp_path):
+    """Node 1's network link cut (two simulated machines: nothing resets node 0's connections to it, they fall
+    silent) at ~30%: node 0 records it lost after its launcher's silence, its trainers give up their collectives with
+    it after --heartbeat-timeout (10 s here) and finish the job."""
+    import subprocess
+
+    from cocosync.testing.multinode import twohosts_script
+
+    if not twohosts_available():
+        pytest.skip("twohosts.sh check failed (needs root and iproute2): no simulated machines here")
+    prefix = os.environ.get("TWOHOSTS_PREFIX", "cc")
+    link = ["ip", "-n", f"{prefix}-hostB", "link", "set", f"{prefix}vB"]
+    out = tmp_path / "run"
+    procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "2000",
+                         "--sync", "shadow-bmuf", "--heartbeat-timeout", "10", "--out", str(out)],
+                        nproc_per_node=3, two_hosts=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.3 * EXAMPLES:
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+            time.sleep(0.1)
+        subprocess.run([*link, "down"], check=True)
+        cut = time.time()
+        node0 = wait_nodes(procs[:1], timeout=150)[0]
+    finally:
+        subprocess.run([*link, "up"], check=False)
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+        assert twohosts_script() is not None
+    assert node0.returncode == 0, node0.output[-5000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [1]
+    assert s["regrouped_at"] - cut < 10 + 20, s["regrouped_at"] - cut

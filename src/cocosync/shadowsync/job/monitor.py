@@ -37,7 +37,7 @@ from cocosync.shadowsync.job.membership import (
 )
 from cocosync.shadowsync.job.roles import Roles
 
-__all__ = ["Monitor", "exit_status"]
+__all__ = ["Monitor", "exit_status", "FENCED"]
 
 _ROLE_NAMES = {"embedding": "embedding server", "sync": "sync server", "trainer": "trainer"}
 #: seconds between two progress lines when the output is not a terminal (CI, nohup, a log file)
@@ -47,6 +47,9 @@ STOP_GRACE = 120.0
 #: seconds without a beat from a machine's launcher (a counter it raises every loop, ~0.2 s) after which the launcher
 #: that hosts the job's store records the machine as lost, where the job survives that (membership.survives_node_loss)
 NODE_SILENCE = 3.0
+#: what a machine recorded as lost says as it stops its ranks (it was silent, not gone)
+FENCED = (f"this machine was recorded as lost by the machine that hosts the job's store (its launcher heard nothing "
+          f"from this one for {NODE_SILENCE:g} s): the job goes on without it")
 
 
 class Monitor:
@@ -290,10 +293,7 @@ class Monitor:
         are done (the job is ending); say the restored shards as they come. Elsewhere: a failure once this machine
         was recorded as lost (it was silent too long: its ranks are stopped, the job goes on without them)."""
         if not self.hosts_store:
-            if get_if_set(self.store, f"lost-node/{self.node}") is None:
-                return None
-            return ("this machine was recorded as lost by the machine that hosts the job's store (its launcher "
-                    f"heard nothing from this one for {NODE_SILENCE:g} s): the job goes on without it")
+            return FENCED if self.fenced() else None
         now = time.monotonic()
         for n in range(self.nodes):
             if n == self.node or n in self.lost_nodes:
@@ -320,6 +320,13 @@ class Monitor:
                                    "and read its unread rows", soft_wrap=True)
         self._say_restored()
         return None
+
+    def fenced(self) -> bool:
+        """Whether this machine was recorded as lost (False where the store cannot say: it left)."""
+        try:
+            return get_if_set(self.store, f"lost-node/{self.node}") is not None
+        except RuntimeError:
+            return False
 
     def _node_of_trainer(self, t: int) -> int:
         return self.roles.node_of(self.roles.rank_of("trainer", t))

@@ -44,7 +44,7 @@ from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
 from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, SECRET_ENV
-from cocosync.shadowsync.job.monitor import Monitor, exit_status
+from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_node_rank
 
 __all__ = ["torchrun_args", "run_node"]
@@ -201,6 +201,9 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
             signal.signal(sig, handler)
         shutil.rmtree(args.log_dir, ignore_errors=True)  # (a failure's error files were read when it was seen)
     error = outcome.get("error")
+    if isinstance(error, ChildFailedError) and monitor is not None and monitor.fenced():
+        console.print(f"[red]{escape(FENCED)}", soft_wrap=True)  # (its trainers left as they saw it)
+        return 1
     if isinstance(error, ChildFailedError):
         if monitor is not None:  # (before this machine falls silent: the others must not take it for a lost one)
             rank, failure = error.get_first_failure()

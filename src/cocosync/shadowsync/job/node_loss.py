@@ -19,10 +19,15 @@ fails waits for the launcher that hosts the job's store to record the machine's 
 The dense sync re-forms among the trainers left (recovery.py), and the lost machine's trainers' unread rows are read
 by the trainers left from the positions they last published (`Membership.published_positions`): the rows they read
 since that last heartbeat are read again.
+
+A machine killed or shut down resets its connections, and its peers' collectives fail at once. One cut off or hung
+resets nothing: once training runs, a collective with another machine gives up after `cross_timeout` seconds
+(`bound_waits`; until then, the groups' timeout, which covers start-up and a resume's load).
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import threading
@@ -41,11 +46,18 @@ from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 
-__all__ = ["LostMachine", "LAST_CHECKPOINT"]
+__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout"]
 
 #: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
 #: its metadata
 LAST_CHECKPOINT = "last-checkpoint"
+
+
+def cross_timeout(heartbeat_timeout: float) -> float:
+    """Seconds a collective with another machine may wait once training runs: --heartbeat-timeout (a stopped trainer
+    is named by its own machine's launcher by then), at least 10 (a round of the lookup exchange or of the hot rows'
+    sync takes milliseconds; the dense sync's, well under a second)."""
+    return max(10.0, heartbeat_timeout)
 
 
 class LostMachine:
@@ -60,6 +72,13 @@ class LostMachine:
         self._lock = threading.Lock()
         self._outcome: bool | None = None
         self.started = time.time()
+
+    def bound_waits(self) -> None:
+        """Training runs: the collectives with other machines give up after `cross_timeout` (a machine cut off
+        resets no connection)."""
+        timeout = datetime.timedelta(seconds=cross_timeout(self.job.cfg.heartbeat_timeout))
+        for group in self.job.cross_groups:
+            group.set_timeout(timeout)
 
     def __call__(self, error: BaseException) -> bool:
         """True once the machine whose loss explains `error` is recorded and its shards restored here; False if no

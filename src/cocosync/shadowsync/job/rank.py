@@ -344,6 +344,8 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
             raise TrainerFailure(f"{losses[0].describe()} before training started: the job goes on without a "
                                  "lost trainer once training runs; start it again") from None
         raise
+    if run.machine is not None:
+        run.machine.bound_waits()
     result = run.trainer.train()
     result["resumed_from"] = resumed
     losses, group, alive, leader = [], job.trainer_group, None, 0
