@@ -204,6 +204,13 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     if isinstance(error, ChildFailedError) and monitor is not None and monitor.fenced():
         console.print(f"[red]{escape(FENCED)}", soft_wrap=True)  # (its trainers left as they saw it)
         return 1
+    if isinstance(error, ChildFailedError) and monitor is not None and _leaves_the_job(monitor, error):
+        rank, failure = error.get_first_failure()
+        print(error.format_msg(), file=sys.stderr, flush=True)
+        console.print(f"[yellow]{escape(monitor.label(rank))} was killed by {failure.signal_name()}: this machine "
+                      "leaves the job (its agent stopped its other ranks), and the machine that hosts the job's store "
+                      "goes on without it", soft_wrap=True)
+        return 1
     if isinstance(error, ChildFailedError):
         if monitor is not None:  # (before this machine falls silent: the others must not take it for a lost one)
             rank, failure = error.get_first_failure()
@@ -224,6 +231,15 @@ def _abort(status: int, log_dir: str) -> None:
     """Exit now (the ranks die with their launcher), leaving no directory of the agent's behind."""
     shutil.rmtree(log_dir, ignore_errors=True)
     os._exit(status)
+
+
+def _leaves_the_job(monitor: Monitor, error: ChildFailedError) -> bool:
+    """Whether this machine's failure is the loss of a rank killed by a signal (kill -9, the OOM killer) on a machine
+    the job goes on without (not the one that hosts the job's store: membership.survives_node_loss): the machine
+    then leaves the job, reporting nothing, and the others take it for a lost machine. A rank that raised, or any
+    failure where the job cannot lose the machine, stops the job as before."""
+    _, failure = error.get_first_failure()
+    return monitor.survives_node_loss and not monitor.hosts_store and failure.exitcode < 0
 
 
 def _first_failure(monitor: Monitor, console: Console) -> None:
