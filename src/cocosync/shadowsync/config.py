@@ -749,6 +749,11 @@ class ClusterConfig:
     hot_staleness: float = field(default=0.0, metadata=opt("--hot-staleness", "Cluster"))
     """> 0: sync the hot rows as often as it takes (down to every 2 ms) to keep the other nodes' updates a use misses
     near this many; 0: every `hot_sync_interval`."""
+    shard_mirror_interval: float = field(default=0.0, metadata=opt("--shard-mirror-interval", "Cluster", scale=1e-3))
+    """> 0, two machines: every this long (seconds in a config, milliseconds on the command line) each machine's
+    embedding servers copy the rows changed since to the other machine's mirror of their shards, from which it
+    restores them, that old, if this machine is lost (else from the last checkpoint); twice the tables' memory on
+    each machine. 0: no mirror."""
     resume: str | None = None
     """a checkpoint directory (or a run directory: its checkpoints/latest) to continue from."""
     eval_every: int | None = field(default=None, metadata=opt("--eval-every", "Checkpoints and eval"))
@@ -785,6 +790,11 @@ class ClusterConfig:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
                 shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
                 raise ConfigError(f"--{flag.replace('_', '-')} {shown} is invalid: expected milliseconds in (0, 1000]")
+        v = self.shard_mirror_interval
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 60:
+            shown = f"{v * 1e3:g} ms" if isinstance(v, (int, float)) and not isinstance(v, bool) else repr(v)
+            raise ConfigError(f"--shard-mirror-interval {shown} is invalid: expected milliseconds in [0, 60000] (0: no "
+                              "mirror)")
         v = self.hot_staleness
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1000:
             raise ConfigError(f"--hot-staleness {v!r} is invalid: expected updates per use in [0, 1000] (0: sync "

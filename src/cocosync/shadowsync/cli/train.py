@@ -44,7 +44,8 @@ def _split_note(cfg: TrainConfig) -> str:
 
 #: options of the lookups between machines: a one-machine run has none (its trainers read the shards in place)
 _MULTI_MACHINE_ONLY = ("cluster__lookup_transport", "cluster__exchange_interval", "cluster__hot_rows",
-                       "cluster__hot_sync_interval", "cluster__hot_staleness", "cluster__max_inflight")
+                       "cluster__hot_sync_interval", "cluster__hot_staleness", "cluster__max_inflight",
+                       "cluster__shard_mirror_interval")
 
 
 @show_defaults

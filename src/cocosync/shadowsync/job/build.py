@@ -83,6 +83,21 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                                       seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
         shards[server] = shard
+    # the other machine's shards, mirrored here (--shard-mirror-interval, a job that survives a machine's loss)
+    mirrored = survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
+                                  roles.trainers_per_node, cfg.min_trainers, link is not None) and \
+        cluster.shard_mirror_interval > 0
+    mirrors: dict[int, Shard] = {}
+    mirror_stamps = None
+    if mirrored:
+        other = 1 - topo.node
+        for lr in range(E):
+            server = other * E + lr
+            n, dim = rowhash.shard_rows(server), tables.width
+            mirrors[server] = Shard(arena.shared_empty((n, dim)), arena.shared_empty(n),
+                                    arena.shared_empty(n, torch.int64), optimizer=cfg.embedding_optimizer,
+                                    lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
+        mirror_stamps = arena.shared_empty(E, torch.float64)  # when each mirror last took a round (time.time())
     # every trainer's reader positions, where every process of the node sees them (a lost trainer's: where it stopped)
     positions = arena.shared_empty((roles.trainers, cfg.workers), torch.int64)
     share_positions = arena.shared_empty((roles.trainers, cfg.workers + 1), torch.int64)
@@ -107,6 +122,12 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         if kind == "trainer" and index % Tn == i:
             inter = g
     exchange = exchange_groups(cfg, cluster, roles, tables, arena)
+    mirror_group = None
+    if mirrored:  # embedding server e of each machine mirrors its shard on the other's server e
+        for lr in range(E):
+            g = dist.new_group(roles.ranks("embedding")[lr::E])
+            if (kind, index % E) == ("embedding", lr):
+                mirror_group = g
     hot_group = dense_group = None
     if hot is not None:
         g = dist.new_group(trainers[0::Tn])
@@ -125,7 +146,8 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
         dense_group = trainer_group
-    held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group]
+    held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group,
+                                                                                           mirror_group]
     cross = (inter, hot_group, exchange.group) if kind == "trainer" else ()
     membership = None
     if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None) or \
@@ -139,7 +161,8 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,
                resumed_from=resumed_from, membership=membership, positions=positions, share_positions=share_positions,
                held_groups=tuple(g for g in held if g is not None),
-               cross_groups=tuple(g for g in cross if g is not None))
+               cross_groups=tuple(g for g in cross if g is not None), mirrors=mirrors, mirror_stamps=mirror_stamps,
+               mirror_group=mirror_group)
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -84,6 +84,13 @@ class Job:
     share_positions: torch.Tensor
     """int64 [T, 1 + W]: the share of lost trainers' rows each trainer reads (recovery.py): the agreement that gave
     it (0: none yet), then the reader positions in it; in the node's shared memory, as `positions`."""
+    mirrors: dict[int, Shard]
+    """the other machine's shards mirrored in this node's shared memory, by server index (--shard-mirror-interval;
+    empty without)."""
+    mirror_stamps: torch.Tensor | None
+    """float64 [embedding servers per node], shared: when each mirror here last took a round (time.time())."""
+    mirror_group: dist.ProcessGroup | None
+    """on an embedding server with mirrors: it and the other machine's server of the same local index."""
 
     @property
     def dense_params(self) -> int:

@@ -52,11 +52,12 @@ from cocosync.shadowsync.job.roles import Roles
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
            "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "LOSSES", "SERVER_LOSSES",
-           "NODE_LOSSES"]
+           "NODE_LOSSES", "END", "job_ending"]
 
 LOSSES = "losses"  # the count of lost trainers (a store counter: the membership's epoch)
 SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
 NODE_LOSSES = "node-losses"  # the count of lost machines
+END = "end"  # the agreement of the trainers left at the end of their data (after it, the job's end is collective)
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -150,6 +151,12 @@ def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bo
         store.add(SERVER_LOSSES, 1)
     store.add(NODE_LOSSES, 1)
     return True
+
+
+def job_ending(store: Any) -> bool:
+    """Whether the trainers have agreed that the job ends (a machine lost from then on is not survived: the job's end
+    runs collectives over every machine's ranks)."""
+    return bool(store.check([f"agree/{END}/epoch"]))
 
 
 def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool) -> bool:

@@ -30,6 +30,7 @@ from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, repo
 from cocosync.shadowsync.job.membership import (
     LOSSES,
     SERVER_LOSSES,
+    job_ending,
     record_node_loss,
     restored_shards,
     survives_losses,
@@ -291,7 +292,8 @@ class Monitor:
         """Across machines: on the machine that hosts the job's store, record another machine whose launcher fell
         silent (NODE_SILENCE) as lost, unless a rank reported a failure first (the job stops then) or its trainers
         are done (the job is ending); say the restored shards as they come. Elsewhere: a failure once this machine
-        was recorded as lost (it was silent too long: its ranks are stopped, the job goes on without them)."""
+        was recorded as lost (it was silent too long: its ranks are stopped, the job goes on without them). Once the
+        trainers have agreed that the job ends, no machine is recorded as lost (the end is collective over all)."""
         if not self.hosts_store:
             return FENCED if self.fenced() else None
         now = time.monotonic()
@@ -306,7 +308,8 @@ class Monitor:
                 self._node_beats[n] = (beat, now)
                 continue
             silent = now - last[1]
-            if silent < NODE_SILENCE or get_if_set(self.store, FIRST_FAILURE) is not None or self._node_done(n):
+            if silent < NODE_SILENCE or get_if_set(self.store, FIRST_FAILURE) is not None or self._node_done(n) \
+                    or job_ending(self.store):
                 continue
             if record_node_loss(self.store, self.roles, n, silent):
                 self.lost_nodes[n] = silent
@@ -341,7 +344,8 @@ class Monitor:
         servers = [s for n in self.lost_nodes for s in range(n * E, (n + 1) * E) if s not in self._said_restored]
         for r in restored_shards(self.store, servers):
             self._said_restored.add(r.server)
-            where = "its initial rows" if r.source == "initial rows" else f"the checkpoint at {r.examples:,} examples"
+            where = {"initial rows": "its initial rows", "mirror": "its mirror on this machine"}.get(
+                r.source, f"the checkpoint at {r.examples:,} examples")
             self.console.print(f"embedding server {r.server}'s shard restored on node {self.node} from {where} "
                                f"({r.rows:,} rows, {r.age_s:.1f} s old; its {r.hot_rows:,} hot rows current: this "
                                "machine's replica)", soft_wrap=True)

@@ -7,11 +7,12 @@ fails waits for the launcher that hosts the job's store to record the machine's 
 * the replicated hot rows stop syncing: this machine's replica is the only one left, and the truth for those rows;
 * the groups this trainer alone holds with the lost machine are destroyed (torch names the groups the trainers left
   make by how many groups each holds: they must hold as many);
-* each of the lost machine's shards is restored into this machine's shared memory by the first trainer left here
-  (`restore_shard`), from the job's last periodic checkpoint, else from the checkpoint the job resumed from, else
-  from the tables' initial rows (the seed draws them again), with the hot rows from this machine's replica; the other
-  trainers map it. The restored rows' age (the examples and seconds since their checkpoint) is recorded in the
-  store (`restored/<s>`) for the summary and the monitor;
+* each of the lost machine's shards is restored into this machine's shared memory: its mirror here, a few seconds
+  old (`--shard-mirror-interval`: model/shard_mirror.py), else made by the first trainer left here from the job's
+  last periodic checkpoint, else from the checkpoint the job resumed from, else from the tables' initial rows (the
+  seed draws them again), and mapped by the others; with the hot rows from this machine's replica. The restored
+  rows' source and age (seconds since the mirror's last round or the checkpoint) are recorded in the store
+  (`restored/<s>`) for the summary and the monitor;
 * the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`): the lookups in flight and every
   lookup after read them in place, and the row gradients pushed to the lost machine and not yet applied there are
   lost with it.
@@ -27,6 +28,7 @@ resets nothing: once training runs, a collective with another machine gives up a
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -114,10 +116,19 @@ class LostMachine:
         return [t for t in membership.live() if roles.node_of(roles.rank_of("trainer", t)) == roles.topo.node]
 
     def _restore(self, server: int, membership: Any) -> Shard:
-        """Lost server `server`'s shard in this machine's shared memory: made and filled by the first trainer left
-        here, mapped by the others."""
+        """Lost server `server`'s shard in this machine's shared memory: its mirror here (--shard-mirror-interval),
+        else made and filled by the first trainer left here, and mapped by the others."""
         job, store = self.job, membership.store
         here = self._here(membership)
+        if server in job.mirrors:
+            shard = job.mirrors[server]
+            if self.trainer == here[0]:
+                E = job.roles.embedding_per_node
+                rec = self._hot_rows(server, shard, Restored(server, "mirror", 0,
+                                                             time.time() - float(job.mirror_stamps[server % E]),
+                                                             shard.weight.shape[0], 0, ""))
+                store.set(f"restored/{server}", json.dumps(asdict(rec)))
+            return shard
         n, dim = job.rowhash.shard_rows(server), job.tables.width
         nbytes = n * dim * 4 + n * 4 + n * 8
         if self.trainer == here[0]:
@@ -161,12 +172,17 @@ class LostMachine:
             shard.weight.copy_(initial_rows(job.tables.table_rows, job.tables.width, init_std=m.embedding_init_std,
                                             seed=m.seed, rowhash=job.rowhash, server=server))
             source, examples, age = "initial rows", 0, time.time() - self.started
-        hot = 0
-        if job.hot is not None:  # the replica is the truth for the hot rows
+        return self._hot_rows(server, shard, Restored(server, source, examples, age, shard.weight.shape[0], 0, name))
+
+    def _hot_rows(self, server: int, shard: Shard, rec: Restored) -> Restored:
+        """Write this machine's replica of the hot rows (the truth for them) into a restored shard; `rec` with their
+        count."""
+        job, hot = self.job, 0
+        if job.hot is not None:
             for _, slots, _ in job.hot.owned({server: shard}, job.rowhash.servers):
                 hot += slots.numel()
             job.hot.write_back({server: shard}, job.rowhash.servers)
-        return Restored(server, source, examples, age, shard.weight.shape[0], hot, name)
+        return dataclasses.replace(rec, hot_rows=hot)
 
     def _checkpoint(self) -> tuple[Path, int, float] | None:
         """(path, examples, when written) of the checkpoint to restore from: the job's last periodic one, else the

@@ -79,8 +79,8 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
-from cocosync.shadowsync.job.membership import Loss, ServerLoss, restored_shards
-from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine
+from cocosync.shadowsync.job.membership import END, Loss, ServerLoss, restored_shards
+from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -89,6 +89,7 @@ from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerFai
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
+from cocosync.shadowsync.model.shard_mirror import ShardMirror
 from cocosync.shadowsync.sync.center import RemoteCenter
 
 __all__ = ["run_cluster"]
@@ -161,12 +162,19 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
+            mirror = _start_mirror(job, index) if kind == "embedding" else None
             while (command := _command(job, None)).name in ("checkpoint", "skip"):
                 if command.name == "skip" or command.lost_servers:  # none, or the trainers' own (_periodic_checkpoints)
                     continue
-                dist.barrier()  # the hot rows are back in their shards (_settle_hot)
-                save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
+                try:
+                    dist.barrier()  # the hot rows are back in their shards (_settle_hot)
+                    save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
+                except Exception:  # (a machine lost during the save: the trainers give this checkpoint up)
+                    if job.membership is None or topo.nnodes == 1 or not job.membership.wait_for_node_loss():
+                        raise
             alive, gone = command.alive, command.lost_servers
+            if mirror is not None:
+                _close_mirror(job, mirror, gone)
             if node_exchange is not None:  # serves the other nodes until every trainer of every node is done
                 node_exchange.close()
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
@@ -222,6 +230,28 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         os._exit(1)
     dist.destroy_process_group()
     return summary
+
+
+def _start_mirror(job: Job, server: int) -> ShardMirror | None:
+    """Embedding server `server`'s mirroring of its shard with the other machine (--shard-mirror-interval)."""
+    if job.mirror_group is None:
+        return None
+    E = job.roles.embedding_per_node
+    peer = (1 - job.roles.topo.node) * E + server % E
+    job.mirror_group.set_timeout(datetime.timedelta(seconds=cross_timeout(job.cfg.heartbeat_timeout)))
+    mirror = ShardMirror(job.mirror_group, job.shards[server], job.mirrors[peer],
+                         job.mirror_stamps[server % E:server % E + 1], interval=job.cluster.shard_mirror_interval)
+    mirror.start()
+    return mirror
+
+
+def _close_mirror(job: Job, mirror: ShardMirror, gone: list[int]) -> None:
+    """The job's end: the mirroring stops (with the other machine's server, unless it was lost with its machine)."""
+    if any(s not in job.shards for s in gone):  # (its peer is gone: its thread failed, or gives up at the timeout)
+        return
+    mirror.close()
+    if mirror.error is not None:
+        raise RuntimeError(f"the mirroring of embedding shards with the other machine broke: {mirror.error}")
 
 
 def _record_error(text: str) -> None:
@@ -350,7 +380,7 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
     result["resumed_from"] = resumed
     losses, group, alive, leader = [], job.trainer_group, None, 0
     if membership is not None:  # the trainers left agree on the losses (a stopped job shared out none, maybe)
-        epoch = membership.agree("end", t) or 0
+        epoch = membership.agree(END, t) or 0
         losses = membership.losses(epoch)
         if losses:  # the first trainer left finishes the job (trainer 0, unless it was lost)
             live = membership.live(epoch)
@@ -431,6 +461,18 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
+        written: list[Path] = []  # the checkpoint's directory, once it is named
+        try:
+            save_at(mark, written)
+        except Exception:
+            if run.machine is None or not run.machine.prepare():
+                raise
+            # a machine was lost during the save: this checkpoint is given up (`latest` still names the last one),
+            # and the later ones are skipped (a loss was recorded)
+            for path in written:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def save_at(mark: int, written: list[Path]) -> None:
         membership = job.membership
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         state = trainer.checkpoint_state()
@@ -455,6 +497,7 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         seen = torch.tensor([int(state["positions"].sum())])
         dist.all_reduce(seen, group=job.trainer_group)
         seen += job.examples_before
+        written.append(Path(cfg.out_dir) / "checkpoints" / f"seen-{int(seen)}")
         meta = _meta(job, int(seen), True) if t == 0 else None
         path = save_job(parts, Path(cfg.out_dir), meta, owner=f"trainer{t}", writer=roles.rank_of("trainer", 0),
                         group=group)

@@ -398,5 +398,10 @@ class ShardedEmbeddings:
 
     def close(self) -> None:
         """This client is done: its transport (an exchange serves the other nodes until they are done too)."""
-        if self.remote is not None:
-            self.remote.close()
+        remote = self.remote
+        if remote is not None:
+            try:
+                remote.close()
+            except ExchangeLost as e:  # (a machine lost while this trainer was done with its lookups)
+                if not self._recovered(e):
+                    raise
