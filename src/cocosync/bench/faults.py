@@ -76,9 +76,10 @@ def _run_killing(cmd: list[str], out: Path, victim: int, at: int) -> tuple[dict,
     return json.loads((out / "summary.json").read_text()), killed_at
 
 
-def _node_args(out: Path, seed: int, examples: int, sync: str) -> list[str]:
+def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float) -> list[str]:
     return ["-m", "cocosync.shadowsync", "--examples", str(examples), "--seed", str(seed), "--sync", sync,
-            "--out", str(out), "--checkpoint-every", str(examples // 5), "--timeout", "1800"]
+            "--out", str(out), "--checkpoint-every", str(examples // 5), "--timeout", "1800",
+            *(["--shard-mirror-interval", f"{mirror_ms:g}"] if mirror_ms else [])]
 
 
 def _kill_tree(pid: int) -> None:
@@ -134,8 +135,12 @@ VICTIMS = {"trainer": 2, "server": 0, "node": -1}
               help="what each killed run kills, comma-separated: trainer (trainer 1), server (embedding server 0), "
                    "node (node 1 of two loopback machines).")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
+@click.option("--shard-mirror-interval", "mirror_ms", type=click.FloatRange(0, 60_000), default=0, show_default=True,
+              help="milliseconds: the two-machine jobs mirror their shards (0: none; a lost machine's come back from "
+                   "the last checkpoint).")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-faults", show_default=True)
-def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, sync: str, out: str) -> None:
+def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, sync: str, mirror_ms: float,
+               out: str) -> None:
     """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a two-machine job,
     against the same job uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
     kinds = [k.strip() for k in kill.split(",") if k.strip()]
@@ -157,13 +162,14 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
             node = kind == "node"
             if node not in bases:  # the uninterrupted job of the same shape
                 base_out = root / f"seed{seed}-uninterrupted{'-2nodes' if node else ''}"
-                bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync), base_out, trainers, None)[0]
+                bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync, mirror_ms), base_out, trainers,
+                                          None)[0]
                                if node else _run(_command(base_out, seed, examples, trainers, sync), base_out))
             base = bases[node]
             kill_out = root / f"seed{seed}-{kind}-killed"
             if node:
-                hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync), kill_out, trainers,
-                                            int(at * examples))
+                hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync, mirror_ms), kill_out,
+                                            trainers, int(at * examples))
             else:
                 hit, killed_at = _run_killing(_command(kill_out, seed, examples, trainers, sync), kill_out,
                                               VICTIMS[kind], int(at * examples))
@@ -176,7 +182,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
             restored = "-"
             if node and loss and loss["restored"]:
                 r = loss["restored"][0]
-                where = "initial rows" if r["source"] == "initial rows" else f"checkpoint at {r['examples']:,}"
+                where = (r["source"] if r["source"] in ("initial rows", "mirror")
+                         else f"checkpoint at {r['examples']:,}")
                 restored = f"{where} ({r['age_s']:.1f} s)"
             f = found[kind]
             f["changes"].append(change)
@@ -200,7 +207,9 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%})")
-    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}, {seeds} seeds "
+    mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
+    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}{mirrored}, "
+             f"{seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
     console.print(markdown_table(COLUMNS, rows), markup=False)
@@ -209,4 +218,5 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
     write_json(root / "faults.json", {"by_kill": {k: {"ne_change": f["changes"], "examples_lost": f["lost"],
                                                       "loss_recorded_s": f["recorded"],
                                                       "sync_reformed_s": f["reformed"]} for k, f in found.items()},
-                                      "trainers": trainers, "examples": examples, "at": at, "sync": sync})
+                                      "trainers": trainers, "examples": examples, "at": at, "sync": sync,
+                                      "shard_mirror_interval_ms": mirror_ms})
