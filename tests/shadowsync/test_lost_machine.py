@@ -13,10 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from cocosync.runtime.comm.shm import SHM_DIR, leftover_segments
+from cocosync.runtime.comm.shm import leftover_segments
 from cocosync.shadowsync.checkpoint import read_tensors
-from cocosync.testing.multinode import start_nodes, twohosts_available, wait_nodes
-from cocosync.testing.sockets import process_tree
+from cocosync.testing.multinode import (
+    kill_machine,
+    remove_semaphores_since,
+    semaphores,
+    start_nodes,
+    twohosts_available,
+    wait_nodes,
+)
 
 EXAMPLES = 600_000
 
@@ -25,18 +31,6 @@ def _train_records(out: Path) -> list[dict]:
     path = out / "metrics.jsonl"
     lines = path.read_text().splitlines() if path.exists() else []
     return [json.loads(x) for x in lines if x.strip().endswith("}") and '"event": "train"' in x]
-
-
-def _kill_tree(pid: int) -> None:
-    for p in [*process_tree(pid), pid]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-def _semaphores() -> set[str]:
-    return {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")}
 
 
 def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
@@ -48,7 +42,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     never sees node 1's memory) where twohosts.sh works, else on loopback."""
     two_hosts = twohosts_available()
     out = tmp_path / "run"
-    before = _semaphores()
+    before = semaphores()
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--checkpoint-every", "120000", "--out", str(out)],
                         nproc_per_node=3, two_hosts=two_hosts)
@@ -61,15 +55,14 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
             if recs and recs[-1]["examples"] >= 0.3 * EXAMPLES and (out / "checkpoints" / "latest").exists():
                 break
             time.sleep(0.1)
-        _kill_tree(procs[1].pid)
+        kill_machine(procs[1].pid)
         killed = time.time()
         runs = wait_nodes(procs, timeout=150)
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
-    for name in _semaphores() - before:  # (multiprocessing's, of the killed machine's processes: its /dev/shm's)
-        Path(SHM_DIR, name).unlink(missing_ok=True)
+                kill_machine(p.pid)
+    remove_semaphores_since(before)
     node0 = runs[0]
     assert node0.returncode == 0, node0.output[-5000:]
     assert "node 1 was lost (no word from its launcher for" in node0.output, node0.output[-3000:]
@@ -117,7 +110,7 @@ def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_j
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_machine(p.pid)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [0, 1], text
     assert f"trainer {victim // 3 * 2 + victim % 3 - 1} (rank {victim}, node {victim // 3}) was killed by SIGKILL: " \
@@ -159,7 +152,7 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_machine(p.pid)
     assert runs[0].returncode == 0, runs[0].output[-4000:]
     assert runs[1].returncode == 1, runs[1].output[-4000:]
     assert "this machine was recorded as lost by the machine that hosts the job's store" in runs[1].output
@@ -196,7 +189,7 @@ def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp
         subprocess.run([*link, "up"], check=False)
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
+                kill_machine(p.pid)
         assert twohosts_script() is not None
     assert node0.returncode == 0, node0.output[-5000:]
     s = json.loads((out / "summary.json").read_text())

@@ -24,9 +24,8 @@ import click
 from rich.console import Console
 
 from cocosync.bench.common import markdown_table, print_table, write_json
-from cocosync.runtime.comm.shm import SHM_DIR
-from cocosync.testing.multinode import start_nodes, wait_nodes
-from cocosync.testing.sockets import job_ranks, process_tree
+from cocosync.testing.multinode import kill_machine, remove_semaphores_since, semaphores, start_nodes, wait_nodes
+from cocosync.testing.sockets import job_ranks
 
 __all__ = ["faults_cmd", "NE_TARGET"]
 
@@ -82,18 +81,10 @@ def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float)
             *(["--shard-mirror-interval", f"{mirror_ms:g}"] if mirror_ms else [])]
 
 
-def _kill_tree(pid: int) -> None:
-    for p in [*process_tree(pid), pid]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tuple[dict, float | None]:
     """Two loopback machines of `trainers // 2` trainers each; with `at`, node 1 killed whole once the job has
     trained `at` examples. (summary, time of the kill)."""
-    semaphores = {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")}
+    before = semaphores()
     procs = start_nodes(args, nproc_per_node=1 + trainers // 2)
     killed_at = None
     try:
@@ -103,16 +94,14 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tup
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             records = [json.loads(x) for x in lines if x.strip().endswith("}")]
             if any(r.get("event") == "train" and r.get("examples", 0) >= at for r in records):
-                _kill_tree(procs[1].pid)
+                kill_machine(procs[1].pid)
                 killed_at = time.time()
         runs = wait_nodes(procs, timeout=3600)
     finally:
         for p in procs:
             if p.poll() is None:
-                _kill_tree(p.pid)
-    # (multiprocessing's semaphores of the killed machine's processes: on a real machine, its own /dev/shm's)
-    for name in {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")} - semaphores:
-        Path(SHM_DIR, name).unlink(missing_ok=True)
+                kill_machine(p.pid)
+    remove_semaphores_since(before)
     failed = [r for r in runs[: 1 if at is not None else 2] if r.returncode != 0]
     if failed or (at is not None and killed_at is None):
         raise click.ClickException(f"the two-machine job failed or ended before the kill: "

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+from cocosync.runtime.comm.shm import SHM_DIR
 from cocosync.shadowsync.job.node_launch import torchrun_args
 from cocosync.shadowsync.job.rank_start import parse_title
 from cocosync.testing.launch import free_port
@@ -28,7 +29,7 @@ from cocosync.testing.sockets import process_tree
 LAUNCHERS = ("torchrun", "cocosync")
 
 __all__ = ["LAUNCHERS", "TWOHOSTS_ENV", "NodeRun", "run_nodes", "start_nodes", "wait_nodes", "worker_pids",
-           "twohosts_script", "twohosts_available"]
+           "twohosts_script", "twohosts_available", "kill_machine", "semaphores", "remove_semaphores_since"]
 
 #: the environment variable naming the script that makes two simulated machines (network namespaces)
 TWOHOSTS_ENV = "COCOSYNC_TWOHOSTS"
@@ -163,8 +164,28 @@ def worker_pids(agent_pid: int, module: str = "cocosync.shadowsync") -> dict[int
 
 def _kill_group(p: subprocess.Popen) -> None:
     """SIGKILL the agent and every process under it (torchrun starts its workers in sessions of their own)."""
-    for pid in [*process_tree(p.pid), p.pid]:
+    kill_machine(p.pid)
+
+
+def kill_machine(pid: int) -> None:
+    """kill -9 of a node's command `pid` and every process under it: the loss of a whole machine."""
+    for q in [*process_tree(pid), pid]:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(q, signal.SIGKILL)
         except ProcessLookupError:
+            pass
+
+
+def semaphores() -> set[str]:
+    """multiprocessing's named semaphores in /dev/shm (a killed machine's processes leave theirs behind)."""
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("sem.mp-")}
+
+
+def remove_semaphores_since(before: set[str]) -> None:
+    """Remove the semaphores made since `before` (`semaphores()`): on loopback, the ones a machine killed whole left
+    in the /dev/shm it shares with the others (on a real machine they go with it)."""
+    for name in semaphores() - before:
+        try:
+            os.unlink(f"{SHM_DIR}/{name}")
+        except FileNotFoundError:
             pass

@@ -298,37 +298,12 @@ class Arena:
                             "container more shared memory (docker --shm-size), or make the model or its buckets "
                             "smaller")
         if self.local_rank == 0:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-            with _pending_lock:
-                _pending.add(path)
-            try:
-                _reserve(fd, nbytes)
-            except OSError as e:
-                os.close(fd)
-                _unlink(path)
-                if e.errno not in (errno.ENOSPC, errno.ENOMEM):
-                    raise
-                free, total = shm_space()
-                raise ArenaFull(f"{what}: a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
-                                f"({format_size(free)} free of {format_size(total)}, the job's other segments "
-                                "counted); free space there, give the container more shared memory "
-                                "(docker --shm-size), or make the model or its buckets smaller") from None
-            except BaseException:
-                os.close(fd)
-                _unlink(path)
-                raise
+            fd = _create(path, nbytes, what)
         else:
             fd = self._open_when_ready(path, nbytes, what)
             with _pending_lock:
                 _pending.add(path)
-        try:
-            mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        except BaseException:
-            _unlink(path)
-            raise
-        finally:
-            os.close(fd)
-        return torch.frombuffer(mm, dtype=torch.uint8)
+        return _mmap(fd, nbytes, path)
 
     def _open_when_ready(self, path: str, nbytes: int, what: str) -> int:
         return _open_when_ready(path, nbytes, self.timeout,
@@ -467,23 +442,34 @@ def _open_when_ready(path: str, nbytes: int, timeout: float, missing: str) -> in
         delay = min(delay * 2, 5e-3)
 
 
-def create_named(name: str, nbytes: int) -> torch.Tensor:
-    """A new segment /dev/shm/cocosync-<name> of `nbytes` (owner-only), mapped: other processes of the node map it
-    with `map_named`, and it stays named (unlinked at this process's exit at the latest) until `unlink_named`. For
-    memory made after the job's collective set-up, by some of its processes."""
-    path = f"{SHM_DIR}/{SHM_PREFIX}{name}"
+def _create(path: str, nbytes: int, what: str) -> int:
+    """A descriptor of the new segment `path` (owner-only, `nbytes` reserved), named until unlinked (at this
+    process's exit at the latest); ArenaFull when /dev/shm cannot hold it."""
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     with _pending_lock:
         _pending.add(path)
     try:
-        try:
-            _reserve(fd, nbytes)
-        except OSError as e:
-            if e.errno not in (errno.ENOSPC, errno.ENOMEM):
-                raise
-            free, total = shm_space()
-            raise ArenaFull(f"a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
-                            f"({format_size(free)} free of {format_size(total)})") from None
+        _reserve(fd, nbytes)
+    except OSError as e:
+        os.close(fd)
+        _unlink(path)
+        if e.errno not in (errno.ENOSPC, errno.ENOMEM):
+            raise
+        free, total = shm_space()
+        raise ArenaFull(f"{what}: a shared-memory segment of {format_size(nbytes)} does not fit in {SHM_DIR} "
+                        f"({format_size(free)} free of {format_size(total)}, the job's other segments "
+                        "counted); free space there, give the container more shared memory "
+                        "(docker --shm-size), or make the model or its buckets smaller") from None
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return fd
+
+
+def _mmap(fd: int, nbytes: int, path: str) -> torch.Tensor:
+    """Map segment `path` through `fd` (closed here) as uint8; unlinked if the mapping fails."""
+    try:
         mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         _unlink(path)
@@ -491,6 +477,14 @@ def create_named(name: str, nbytes: int) -> torch.Tensor:
     finally:
         os.close(fd)
     return torch.frombuffer(mm, dtype=torch.uint8)
+
+
+def create_named(name: str, nbytes: int) -> torch.Tensor:
+    """A new segment /dev/shm/cocosync-<name> of `nbytes` (owner-only), mapped: other processes of the node map it
+    with `map_named`, and it stays named (unlinked at this process's exit at the latest) until `unlink_named`. For
+    memory made after the job's collective set-up, by some of its processes."""
+    path = f"{SHM_DIR}/{SHM_PREFIX}{name}"
+    return _mmap(_create(path, nbytes, f"segment {name}"), nbytes, path)
 
 
 def map_named(name: str, nbytes: int, timeout: float) -> torch.Tensor:
@@ -500,14 +494,7 @@ def map_named(name: str, nbytes: int, timeout: float) -> torch.Tensor:
     fd = _open_when_ready(path, nbytes, timeout, f"{path} (size {nbytes}) was not created within {timeout:.1f}s")
     with _pending_lock:
         _pending.add(path)
-    try:
-        mm = mmap.mmap(fd, nbytes, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    except BaseException:
-        _unlink(path)
-        raise
-    finally:
-        os.close(fd)
-    return torch.frombuffer(mm, dtype=torch.uint8)
+    return _mmap(fd, nbytes, path)
 
 
 def unlink_named(name: str) -> None:
