@@ -71,6 +71,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     assert s["examples"] == EXAMPLES and s["short_by"] == 0 and not s["stopped"]
     assert s["trainers_left"] == 2 and sorted(x["trainer"] for x in s["lost"]) == [2, 3]
     assert all(x["node"] == 1 for x in s["lost"]) and [x["server"] for x in s["lost_servers"]] == [1]
+    assert [(m["trainers"], m.get("node")) for m in s["membership"]] == [(4, None), (3, 1), (2, 1)]
     (node,) = s["lost_nodes"]
     assert node["node"] == 1 and 0 < node["time"] - killed < 15, node
     (shard,) = node["restored"]

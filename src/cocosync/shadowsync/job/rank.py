@@ -639,7 +639,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         "lost_servers": [{"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time} for x in servers],
         "lost_nodes": nodes,
         "membership": [{"time": min(r["start"] for r in results), "trainers": roles.trainers}]
-        + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"]} for k, x in enumerate(lost)],
+        + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"],
+            **({"node": x["node"]} if x["node"] is not None else {})} for k, x in enumerate(lost)],
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
         # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)
         "regrouped_at": max((r["regrouped_at"] for r in results if r.get("regrouped_at")), default=None),
