@@ -5,8 +5,9 @@ Embedding server e of each of two machines runs a `ShardMirror` thread with serv
 the two). Every `interval` seconds both send the rows of their own shard whose version (update count) changed since
 they last sent them (the first round: every row; at most `max_rows` a round), as one all_gather of bytes, and write
 the other's into this machine's mirror of its shard (shared memory, which every process here maps). `stamp` (in the
-same shared memory) says when the mirror last took a round. A round carries a done flag: the thread stops once
-both sides are done. A row a trainer updates while it is copied is sent again in the next round (its version moved).
+same shared memory) says when the mirror last took a round. A round carries a done flag (closing, and every changed
+row sent): the thread stops once both sides are done, each mirror then equal to the shard it mirrors. A row a
+trainer updates while it is copied is sent again in the next round (its version moved).
 """
 
 from __future__ import annotations
@@ -64,7 +65,9 @@ class ShardMirror:
         """One round; True once both sides said they are done."""
         cpu0 = time.thread_time()
         mine = self.mine
-        ids = (mine.versions != self._sent).nonzero().view(-1)[: self.max_rows]
+        changed = (mine.versions != self._sent).nonzero().view(-1)
+        ids = changed[: self.max_rows]
+        done = done and changed.numel() <= self.max_rows  # (done once the last changed rows go in this round)
         versions = mine.versions.index_select(0, ids)  # (before the rows: a row updated meanwhile is sent again)
         payload = torch.cat([torch.tensor([ids.numel(), int(done)], dtype=torch.int64).view(torch.uint8),
                              ids.view(torch.uint8), versions.view(torch.uint8),
