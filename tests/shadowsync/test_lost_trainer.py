@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology
-from cocosync.shadowsync.job.membership import LOSSES, Membership
+from cocosync.shadowsync.job.membership import EPOCH, Membership, record_change
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.testing.sockets import job_ranks
 
@@ -185,20 +185,19 @@ def test_the_membership_reads_losses_in_order_and_agrees_without_the_lost(tmp_pa
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
     m = Membership(dist.PrefixStore("cocosync/", store), _roles(4), 1, timeout=5.0)
     assert m.epoch() == 0 and m.live() == [0, 1, 2, 3]
-    m.store.add(LOSSES, 1)
-    m.store.set("lost/2", json.dumps({"pid": 7, "signal": "SIGKILL", "time": 1.0, "seq": 1}))
-    assert m.wait_for_loss(0) == 1 and m.live() == [0, 1, 3]
+    record_change(m.store, "lost", 2, pid=7, signal="SIGKILL")
+    assert m.wait_for_change(0) == 1 and m.live() == [0, 1, 3]
     assert [x.describe() for x in m.losses()] == ["trainer 2 (pid 7) was lost: killed by SIGKILL"]
     assert m.alive_ranks([0, 1, 3]) == [0, 1, 2, 4]  # the embedding server (rank 0) and the trainers left
     for t in (0, 1):
-        m.store.set(f"agree/end/{t}", "1")
+        m.store.set(f"agree/end/{t}", "0")  # (arrived: its first process, restart 0)
     assert m.agree("end", 3) == 1  # every live trainer is there: the lost one is not waited for
     assert m.agree("late", 0, give_up=lambda: True) is None
-    assert m.wait_for_loss(1, timeout=0.2) is None
+    assert m.wait_for_change(1, timeout=0.2) is None
     # a trainer still training is waited for past the membership's timeout (without a collective sync the trainers
     # finish apart)
     slow = Membership(dist.PrefixStore("job2/", store), _roles(2), 1, timeout=0.2)
-    threading.Timer(1.0, lambda: slow.store.set("agree/apart/1", "1")).start()
+    threading.Timer(1.0, lambda: slow.store.set("agree/apart/1", "0")).start()
     assert slow.agree("apart", 0) == 0
 
 
@@ -210,7 +209,7 @@ _KEEPER = textwrap.dedent("""
     def store():
         return dist.PrefixStore("cocosync/", dist.TCPStore("127.0.0.1", port, is_master=False,
                                                            timeout=datetime.timedelta(seconds=10)))
-    if keep_trainer(1, trainers, least, store):
+    if keep_trainer(1, trainers, least, store) is not None:
         if how == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         os._exit(3 if how == "fail" else 0)
@@ -233,8 +232,8 @@ def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, t
     assert proc.returncode == code, proc.stderr[-2000:]
     assert ("keeper returns" in proc.stdout) == (code == 0)
     view = dist.PrefixStore("cocosync/", store)
-    assert view.check(["lost/1"]) == lost
-    assert int(view.add(LOSSES, 0)) == int(lost)
+    assert view.check(["change/1"]) == lost
+    assert int(view.add(EPOCH, 0)) == int(lost)
 
 
 
@@ -267,13 +266,12 @@ def test_a_trainer_lost_while_reading_a_lost_trainers_rows_leaves_the_rest_to_th
     recovery = {t: Recovery(job, m, t) for t in range(T)}
 
     def lose(t: int) -> None:
-        seq = int(m.store.add(LOSSES, 1))
-        m.store.set(f"lost/{t}", json.dumps({"pid": 1, "signal": "SIGKILL", "time": 1.0, "seq": seq}))
+        record_change(m.store, "lost", t, pid=1, signal="SIGKILL")
 
     def agree(phase: int, trainers: list[int]) -> dict[int, list]:
         """Every trainer in `trainers` (the ones left) takes its share at agreement `phase`."""
         for t in trainers:  # (they all arrived: no call waits for another)
-            m.store.set(f"agree/phase{phase}/{t}", "1")
+            m.store.set(f"agree/phase{phase}/{t}", "0")
         shares = {}
         for t in trainers:
             got = recovery[t].takeover()

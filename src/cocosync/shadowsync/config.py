@@ -507,6 +507,11 @@ class TrainConfig:
     them, its dense sync re-formed among them; the first trainer left writes the summary if trainer 0 was lost); with
     fewer the job stops naming the loss. A job that can lose a trainer (more trainers than this, not DS-Sync) can also
     lose its embedding server: the trainers use its shard in shared memory."""
+    max_restarts: int = field(default=0, metadata=opt("--max-restarts", "Run"))
+    """times a one-machine job that goes on without a lost trainer (see min_trainers) starts each lost trainer
+    again, while the trainers are still reading their own rows: the new process takes the dense model from a trainer
+    in the job (no checkpoint is read), reads the rest of the lost trainer's rows and joins the dense sync. The
+    others never stop. 0: a lost trainer stays lost."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))
@@ -538,6 +543,8 @@ class TrainConfig:
         _check(self.trainers <= 64, "trainers", self.trainers, "at most 64 trainer processes")
         _check(_is_int(self.min_trainers) and 1 <= self.min_trainers <= self.trainers, "min_trainers",
                self.min_trainers, f"an integer from 1 to trainers={self.trainers}")
+        _check(_is_int(self.max_restarts) and 0 <= self.max_restarts <= 100, "max_restarts", self.max_restarts,
+               "an integer from 0 to 100")
         _check(self.workers <= 64, "workers", self.workers, "at most 64 workers per trainer")
         if self.sync.method == "dssync":
             _check(self.sync.groups <= self.trainers, "sync.groups", self.sync.groups,

@@ -202,6 +202,11 @@ def _print_result(console, result) -> None:
     for x in lost:
         console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples",
                       soft_wrap=True)
+    for x in s.get("restarts") or []:
+        console.print(f"[green]trainer {x['trainer']} was started again (restart {x['restart']}): it trained "
+                      f"{x['trains_after_s']:.1f} s after its start, from trainer {x['state_from']}'s model, and read "
+                      f"{x['examples']:,} examples" + (" of its own rows" if x["read_own_rows"] else ""),
+                      soft_wrap=True)
     if lost:
         left = s["trainers_left"]
         console.print(f"[yellow]{left} trainer{'s' if left > 1 else ''} finished the run"

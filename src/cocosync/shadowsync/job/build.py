@@ -9,6 +9,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,19 +22,20 @@ from cocosync.shadowsync.checkpoint import read_positions, resharded_trainers
 from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.plan import DataPlan, replan
 from cocosync.shadowsync.data.sources import base_shard_rows
-from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.job import ExchangeGroups, Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
 from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
+from cocosync.shadowsync.job.segments import NodeTensors
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
 from cocosync.shadowsync.model.transport import serve_shard
 from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, center_bounds, serve_center
 
-__all__ = ["loopback_interfaces", "init_rpc", "build_job", "data_plan"]
+__all__ = ["loopback_interfaces", "init_rpc", "build_job", "attach_job", "data_plan"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
 
@@ -70,19 +72,15 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     tables = model.plan
     rowhash = RowHash(tables.total_rows, E * topo.nnodes)
     arena = Arena(node_groups())
-    shards: dict[int, Shard] = {}
-    for lr in range(E):  # this node's servers: every local process maps their shards
-        server = topo.node * E + lr
-        n, dim = rowhash.shard_rows(server), tables.width
-        weight, acc = arena.shared_empty((n, dim)), arena.shared_empty(n)  # zero-filled (fresh segments)
-        versions = arena.shared_empty(n, torch.int64)
-        shard = Shard(weight, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
-                      weight_decay=cfg.embedding_weight_decay)
+    restartable = _restartable(cfg, roles, link)
+    node = NodeTensors(arena, link.client() if restartable else None, topo.local_rank == 0, topo.node,
+                       timeout=cfg.heartbeat_timeout + 30.0)
+    shards = _node_shards(cfg, roles, tables, rowhash, node)
+    for server, shard in shards.items():  # this node's servers: every local process maps their shards
         if (kind, index) == ("embedding", server):
-            weight.copy_(initial_rows(tables.table_rows, dim, init_std=model_cfg.embedding_init_std,
-                                      seed=model_cfg.seed, rowhash=rowhash, server=server))
+            shard.weight.copy_(initial_rows(tables.table_rows, tables.width, init_std=model_cfg.embedding_init_std,
+                                            seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
-        shards[server] = shard
     # the other machine's shards, mirrored here (--shard-mirror-interval, a job that survives a machine's loss)
     mirrored = survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
                                   roles.trainers_per_node, cfg.min_trainers, link is not None) and \
@@ -99,8 +97,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                                     lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
         mirror_stamps = arena.shared_empty(E, torch.float64)  # when each mirror last took a round (time.time())
     # every trainer's reader positions, where every process of the node sees them (a lost trainer's: where it stopped)
-    positions = arena.shared_empty((roles.trainers, cfg.workers), torch.int64)
-    share_positions = arena.shared_empty((roles.trainers, cfg.workers + 1), torch.int64)
+    positions, share_positions = _node_positions(cfg, roles, node)
     hot = hot_rows(cfg, cluster, data, model, arena) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
     center = None
@@ -163,6 +160,54 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                held_groups=tuple(g for g in held if g is not None),
                cross_groups=tuple(g for g in cross if g is not None), mirrors=mirrors, mirror_stamps=mirror_stamps,
                mirror_group=mirror_group)
+
+
+def _restartable(cfg: TrainConfig, roles: Roles, link: Link | None) -> bool:
+    """Whether lost trainers of this job may be started again (--max-restarts, in a job that goes on without them)."""
+    return cfg.max_restarts > 0 and survives_losses(roles.trainers, cfg.min_trainers, roles.topo.nnodes,
+                                                    cfg.sync.method, link is not None)
+
+
+def _node_shards(cfg: TrainConfig, roles: Roles, tables: Any, rowhash: RowHash, node: NodeTensors) -> dict[int, Shard]:
+    """This node's embedding shards (zero rows; their servers fill them), by server index."""
+    E, shards = roles.embedding_per_node, {}
+    for lr in range(E):
+        server = roles.topo.node * E + lr
+        n, dim = rowhash.shard_rows(server), tables.width
+        shards[server] = Shard(node.empty(f"s{server}-w", (n, dim)), node.empty(f"s{server}-acc", n),
+                               node.empty(f"s{server}-v", n, torch.int64), optimizer=cfg.embedding_optimizer,
+                               lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
+    return shards
+
+
+def _node_positions(cfg: TrainConfig, roles: Roles, node: NodeTensors) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every trainer's reader positions, and its positions in its share of lost trainers' rows (Job.positions,
+    Job.share_positions)."""
+    return (node.empty("positions", (roles.trainers, cfg.workers), torch.int64),
+            node.empty("share-positions", (roles.trainers, cfg.workers + 1), torch.int64))
+
+
+def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
+               plan: DataPlan | None, link: Link, resumed_from: int) -> Job:
+    """The `Job` of a lost trainer started again (--max-restarts), built without any collective: it maps the node's
+    shards and reader positions by name and is in none of the job's process groups (its dense sync is formed
+    through the store: job/membership.py)."""
+    topo = roles.topo
+    model = run_model(cfg, data, model_cfg)
+    tables = model.plan
+    rowhash = RowHash(tables.total_rows, roles.embedding_per_node * topo.nnodes)
+    timeout = cfg.heartbeat_timeout + 30.0
+    node = NodeTensors(None, link.client(), False, topo.node, timeout=timeout)
+    shards = _node_shards(cfg, roles, tables, rowhash, node)
+    positions, share_positions = _node_positions(cfg, roles, node)
+    flat = FlatParams(model.dense_parameters()).flat
+    membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
+    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
+               shards=shards, trainer_group=None, exchange=ExchangeGroups(), hot=None, hot_group=None,
+               dense_group=None, center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size,
+               plan=plan, link=link, resumed_from=resumed_from, membership=membership, positions=positions,
+               share_positions=share_positions, held_groups=(), cross_groups=(), mirrors={}, mirror_stamps=None,
+               mirror_group=None)
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -60,6 +60,7 @@ from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, SECRET_ENV, job_prefi
 from cocosync.shadowsync.job.monitor import Monitor
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_rank
 from cocosync.shadowsync.job.run_model import run_model
+from cocosync.shadowsync.job.segments import remove_job_segments
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
 
@@ -415,6 +416,7 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
         if thread.is_alive():  # aborted: no rank outlives the run
             monitor.kill_ranks()
             thread.join(30)
+        remove_job_segments(monitor.store)  # (named while the job ran: a restarted trainer maps them)
         for q, level in zip(quiet, levels):
             q.setLevel(level)
         for k, v in saved.items():

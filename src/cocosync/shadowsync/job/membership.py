@@ -39,7 +39,9 @@ import datetime
 import json
 import os
 import signal
+import sys
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -47,14 +49,18 @@ import torch.distributed as dist
 from setproctitle import setproctitle
 
 from cocosync.runtime.comm.backend import BACKEND
+from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.topology import NodeGroups, Topology
 from cocosync.shadowsync.job.link import FIRST_FAILURE
 from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.sync.base import ShmGroup
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
-           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "LOSSES", "SERVER_LOSSES",
-           "NODE_LOSSES", "END", "job_ending"]
+           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "EPOCH", "ABSENT", "SERVER_LOSSES",
+           "NODE_LOSSES", "END", "job_ending", "Join", "record_change", "joins_open"]
 
-LOSSES = "losses"  # the count of lost trainers (a store counter: the membership's epoch)
+EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
+ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
 SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
 NODE_LOSSES = "node-losses"  # the count of lost machines
 END = "end"  # the agreement of the trainers left at the end of their data (after it, the job's end is collective)
@@ -65,7 +71,7 @@ POLL = 0.02
 @dataclass(frozen=True)
 class Loss:
     """One lost trainer: its index, the pid of its process, the signal that ended it, when (time.time()), and its
-    place in the order of losses (1 for the first)."""
+    place in the order of changes (the epoch it made)."""
 
     trainer: int
     pid: int
@@ -78,6 +84,29 @@ class Loss:
         if self.node is not None:
             return f"trainer {self.trainer} was lost with node {self.node}"
         return f"trainer {self.trainer} (pid {self.pid}) was lost: killed by {self.signal}"
+
+
+@dataclass(frozen=True)
+class Join:
+    """A lost trainer started again by its keeper (--max-restarts): its index, the new process's pid, which restart
+    it is (1 for the first), when it joined (time.time()) and its place in the order of changes."""
+
+    trainer: int
+    pid: int
+    restart: int
+    time: float
+    seq: int
+
+    def describe(self) -> str:
+        return f"trainer {self.trainer} (pid {self.pid}) joined again (restart {self.restart})"
+
+
+def record_change(store: Any, kind: str, trainer: int, **fields: Any) -> int:
+    """Append a change of the trainers ('lost' or 'joined') to the job's record; returns its place in the order of
+    changes (the membership's epoch it makes). Readers count first and wait for the record (`Membership.changes`)."""
+    seq = int(store.add(EPOCH, 1))
+    store.set(f"change/{seq}", json.dumps({"kind": kind, "trainer": trainer, "time": time.time(), **fields}))
+    return seq
 
 
 @dataclass(frozen=True)
@@ -142,9 +171,8 @@ def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bo
     if json.loads(store.compare_set(f"lost-node/{node}", "", rec)) != json.loads(rec):
         return False
     for t in (i for i in range(roles.trainers) if roles.node_of(roles.rank_of("trainer", i)) == node):
-        seq = int(store.add(LOSSES, 1))
-        store.set(f"lost/{t}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now, "seq": seq,
-                                           "node": node}))
+        store.add(ABSENT, 1)
+        record_change(store, "lost", t, pid=0, signal=f"the loss of node {node}", node=node)
     E = roles.embedding_per_node
     for s in range(node * E, (node + 1) * E):
         store.set(f"lost-server/{s}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now}))
@@ -175,38 +203,57 @@ class Membership:
         self.store, self.roles, self.min_trainers, self.timeout = store, roles, min_trainers, timeout
         self._current: tuple[tuple[int, ...], Any] | None = None  # the group made last, by its ranks
         self._dropped: list[Any] = []  # groups destroyed by `drop`
-        self._losses: dict[int, Loss] = {}
+        self._changes: dict[int, Loss | Join] = {}  # by place in the order of changes
 
     # -- the record -----------------------------------------------------------------------------------------
     def epoch(self) -> int:
-        """Losses recorded so far."""
-        return int(self.store.add(LOSSES, 0))
+        """Changes of the trainers (losses and joins) recorded so far."""
+        return int(self.store.add(EPOCH, 0))
 
-    def losses(self, epoch: int | None = None) -> list[Loss]:
-        """The first `epoch` losses (default: all recorded), in order; waits for the records of the counted ones."""
+    def changes(self, epoch: int | None = None) -> list[Loss | Join]:
+        """The first `epoch` changes (default: all recorded), in order; waits for the records of the counted ones."""
         epoch = self.epoch() if epoch is None else epoch
         deadline = time.monotonic() + self.timeout
-        while len(self._losses) < epoch:
-            for t in range(self.roles.trainers):
-                if t not in self._losses and self.store.check([f"lost/{t}"]):
-                    rec = json.loads(self.store.get(f"lost/{t}"))
-                    node = rec.get("node")
-                    self._losses[t] = Loss(t, int(rec["pid"]), str(rec["signal"]), float(rec["time"]),
-                                           int(rec["seq"]), None if node is None else int(node))
-            if len(self._losses) < epoch:
+        for seq in range(1, epoch + 1):
+            while seq not in self._changes:
+                if self.store.check([f"change/{seq}"]):
+                    rec = json.loads(self.store.get(f"change/{seq}"))
+                    if rec["kind"] == "joined":
+                        self._changes[seq] = Join(int(rec["trainer"]), int(rec["pid"]), int(rec["restart"]),
+                                                  float(rec["time"]), seq)
+                    else:
+                        node = rec.get("node")
+                        self._changes[seq] = Loss(int(rec["trainer"]), int(rec["pid"]), str(rec["signal"]),
+                                                  float(rec["time"]), seq, None if node is None else int(node))
+                    break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{epoch} losses counted but {len(self._losses)} recorded after "
+                    raise TimeoutError(f"{epoch} changes of the trainers counted but change {seq} not recorded after "
                                        f"{self.timeout:.0f}s")
                 time.sleep(POLL)
-        return sorted((x for x in self._losses.values() if x.seq <= epoch), key=lambda x: x.seq)
+        return [self._changes[seq] for seq in range(1, epoch + 1)]
+
+    def losses(self, epoch: int | None = None) -> list[Loss]:
+        """The losses among the first `epoch` changes (default: all recorded), in order."""
+        return [x for x in self.changes(epoch) if isinstance(x, Loss)]
+
+    def joins(self, epoch: int | None = None) -> list[Join]:
+        """The joins among the first `epoch` changes (default: all recorded), in order."""
+        return [x for x in self.changes(epoch) if isinstance(x, Join)]
 
     def live(self, epoch: int | None = None) -> list[int]:
-        """The trainers not lost by `epoch` (default: now), in index order."""
-        lost = {x.trainer for x in self.losses(epoch)}
-        return [t for t in range(self.roles.trainers) if t not in lost]
+        """The trainers in the job after the first `epoch` changes (default: now), in index order."""
+        out = set(range(self.roles.trainers))
+        for x in self.changes(epoch):
+            (out.add if isinstance(x, Join) else out.discard)(x.trainer)
+        return sorted(out)
 
-    def wait_for_loss(self, epoch: int, timeout: float | None = None) -> int | None:
-        """The epoch once a loss past `epoch` is recorded, or None if none comes within `timeout` (default: the
+    def first_live(self, epoch: int | None = None) -> list[int]:
+        """The trainers left of the job's start (in its default process group: never lost) after `epoch` changes."""
+        changed = {x.trainer for x in self.changes(epoch)}
+        return [t for t in range(self.roles.trainers) if t not in changed]
+
+    def wait_for_change(self, epoch: int, timeout: float | None = None) -> int | None:
+        """The epoch once a change past `epoch` is recorded, or None if none comes within `timeout` (default: the
         membership's) or a rank reported a failure first (a peer failed for another reason)."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
@@ -245,9 +292,9 @@ class Membership:
         raw = self.store.get(f"pos/{trainer}") if self.store.check([f"pos/{trainer}"]) else None
         return [int(p) for p in json.loads(raw)] if raw is not None else None
 
-    def record_start(self, trainer: int, examples: int) -> None:
-        """Trainer `trainer` starts from `examples` read (its resumed reader positions)."""
-        self.store.set(f"start/{trainer}", str(examples))
+    def record_start(self, trainer: int, examples: int, restart: int = 0) -> None:
+        """Trainer `trainer` starts from `examples` read (its resumed reader positions; `restart`: its restart)."""
+        self.store.set(f"start/{trainer}" + (f"/{restart}" if restart else ""), str(examples))
 
     def lost_servers(self) -> list[ServerLoss]:
         """The embedding servers lost so far, by index (waits for the records of the counted ones)."""
@@ -266,9 +313,15 @@ class Membership:
                                    f"{self.timeout:.0f}s")
             time.sleep(POLL)
 
-    def start(self, trainer: int) -> int:
-        raw = self.store.get(f"start/{trainer}") if self.store.check([f"start/{trainer}"]) else b"0"
-        return int(raw)
+    def start(self, trainer: int, restart: int = 0) -> int:
+        """The examples trainer `trainer` had read when it started (its `restart`-th start: 0 the job's own)."""
+        key = f"start/{trainer}" + (f"/{restart}" if restart else "")
+        return int(self.store.get(key)) if self.store.check([key]) else 0
+
+    def restarts(self, trainer: int, epoch: int | None = None) -> int:
+        """How many times trainer `trainer` joined again in the first `epoch` changes (its current process's
+        restart)."""
+        return sum(1 for x in self.joins(epoch) if x.trainer == trainer)
 
     # -- agreement among the trainers left ------------------------------------------------------------------
     def agree(self, key: str, trainer: int, give_up: Callable[[], bool] = lambda: False) -> int | None:
@@ -277,17 +330,73 @@ class Membership:
         lost while the others wait is not waited for; one still training is, however long it takes (without a
         collective sync the trainers finish apart; a silent one is the heartbeats' to find). None if `give_up()`
         turns true first (the job is stopping)."""
-        self.store.set(f"agree/{key}/{trainer}", "1")
+        self.store.set(f"agree/{key}/{trainer}", str(self.restarts(trainer)))  # (a lost process's arrival is not its
+        self.store.set(f"agree/{key}/any", "1")                                # restart's)
         decided = f"agree/{key}/epoch"
         while not self.store.check([decided]):
             if give_up():
                 return None
             epoch = self.epoch()
-            if all(self.store.check([f"agree/{key}/{t}"]) for t in self.live(epoch)):
+            if all(self.store.check([f"agree/{key}/{t}"])
+                   and int(self.store.get(f"agree/{key}/{t}")) == self.restarts(t, epoch) for t in self.live(epoch)):
                 self.store.compare_set(decided, "", str(epoch))
                 break
             time.sleep(POLL)
         return int(self.store.get(decided))
+
+    def publish_result(self, trainer: int, restart: int, result: dict) -> None:
+        """A restarted trainer's measurements at its end (it is in none of the job's process groups: the trainer
+        that finishes the job reads them here)."""
+        self.store.set(f"result/{trainer}/{restart}", json.dumps(result, default=float))
+
+    def restarted_result(self, trainer: int) -> dict:
+        """The measurements of trainer `trainer`'s current restart, once it has published them."""
+        key = f"result/{trainer}/{self.restarts(trainer)}"
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"trainer {trainer} (restarted) gave no result within {self.timeout:.0f}s")
+            time.sleep(POLL)
+        return json.loads(self.store.get(key))
+
+    def claim_rows(self, seq: int, who: str) -> str:
+        """Who reads the unread rows of the trainer lost at change `seq`: the first to claim them of its restart
+        ('join') and an agreement that shares them out ('phase<k>'); returns that claimant."""
+        return self.store.compare_set(f"rows/{seq}", "", who).decode()
+
+    def arrived(self, key: str) -> bool:
+        """Whether some trainer has arrived at agreement `key`."""
+        return bool(self.store.check([f"agree/{key}/any"]))
+
+    # -- the dense sync among the trainers in the job -------------------------------------------------------
+    def sync_group(self, epoch: int, trainer: int, give_up: Callable[[], bool] = lambda: False) -> ShmGroup | None:
+        """The dense sync's group of the trainers in the job after `epoch` changes (`live(epoch)`: on this machine),
+        made through the store alone (a trainer that joined again is in no process group of the job's start): a
+        shared-memory communicator named by the epoch. Each member says it is ready; the first to see every member
+        ready seals the group, and every member uses it. If the epoch moves on first (another change), or
+        `give_up()` turns true, the group is abandoned, by every member alike: None (form the next one)."""
+        live = self.live(epoch)
+        key = f"group/{epoch}"
+        self.store.set(f"{key}/ready/{trainer}", "1")
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([f"{key}/state"]):
+            if all(self.store.check([f"{key}/ready/{t}"]) for t in live):
+                self.store.compare_set(f"{key}/state", "", "sealed")
+            elif self.epoch() > epoch or give_up() or self.store.check([FIRST_FAILURE]):
+                self.store.compare_set(f"{key}/state", "", "abandoned")
+            elif time.monotonic() > deadline:
+                missing = [t for t in live if not self.store.check([f"{key}/ready/{t}"])]
+                raise TimeoutError(f"the dense sync of trainers {live} was not formed within {self.timeout:.0f}s: "
+                                   f"trainers {missing} never came")
+            else:
+                time.sleep(POLL)
+        if self.store.get(f"{key}/state") != b"sealed":
+            return None
+        job = self.store.compare_set("group-id", "", uuid.uuid4().hex[:10]).decode()
+        n, i = len(live), live.index(trainer)
+        topo = Topology(rank=i, world_size=n, local_rank=i, local_world_size=n, node=0)
+        groups = NodeGroups(topo=topo, job_id=f"{job}-e{epoch}", members=self.trainer_ranks(live))
+        return ShmGroup(ShmCommunicator(groups, timeout=self.timeout), live)
 
     # -- groups among the ranks left ------------------------------------------------------------------------
     def trainer_group(self, live: list[int]) -> Any:
@@ -337,30 +446,46 @@ class Membership:
                 if (r in kept if self.roles.role(r)[0] == "trainer" else r not in gone)]
 
 
-def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable[[], Any]) -> bool:
-    """Fork this rank: True in the child, which runs the trainer (and must leave through os._exit: it is not the
-    process the agent started); in this process, the keeper, which waits for it: False once the trainer finished
-    (exit status 0) or was lost, a rank that finished as far as the agent is concerned. A trainer that failed (another
-    exit status) ends the keeper with its status; one killed by a signal is recorded as lost if at least
-    `min_trainers` are left, else the keeper dies by the same signal (the agent then stops the job, naming it).
-    `store()`: a client of the job's store, under the job's prefix."""
+def joins_open(store: Any) -> bool:
+    """Whether a lost trainer may still be started again: no trainer has finished its own rows yet (arrived at the
+    first agreement, or at the end's)."""
+    return not any(store.check([f"agree/{key}/any"]) for key in ("phase1", END))
+
+
+def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable[[], Any],
+                 max_restarts: int = 0) -> int | None:
+    """Fork this rank: in the child, which runs the trainer (and must leave through os._exit: it is not the process
+    the agent started), its restart (0: the job's own start); in this process, the keeper, which waits for it: None
+    once the trainer finished (exit status 0) or was lost, a rank that finished as far as the agent is concerned. A
+    trainer that failed (another exit status) ends the keeper with its status; one killed by a signal is recorded as
+    lost if at least `min_trainers` are left, else the keeper dies by the same signal (the agent then stops the job,
+    naming it). A lost trainer is started again (a new child, which joins the job) up to `max_restarts` times while
+    `joins_open`. `store()`: a client of the job's store, under the job's prefix."""
 
     def record(pid: int, sig: int) -> bool:
         client = store()
-        seq = int(client.add(LOSSES, 1))
-        if trainers - seq < min_trainers:
-            client.add(LOSSES, -1)  # not a loss the job goes on from: it stops, naming the trainer
+        absent = int(client.add(ABSENT, 1))
+        if trainers - absent < min_trainers:
+            client.add(ABSENT, -1)  # not a loss the job goes on from: it stops, naming the trainer
             return False
-        client.set(f"lost/{trainer}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
-                                                  "time": time.time(), "seq": seq}))
+        record_change(client, "lost", trainer, pid=pid, signal=signal.Signals(sig).name)
         return True
 
-    return _keep(f"trainer {trainer}", record)
+    def again(restart: int) -> bool:
+        client = store()
+        if not joins_open(client) or job_ending(client):
+            print(f"trainer {trainer} is not started again: the trainers have read their own rows (the others read "
+                  "its unread rows)", file=sys.stderr, flush=True)
+            return False
+        print(f"starting trainer {trainer} again (restart {restart} of {max_restarts})", file=sys.stderr, flush=True)
+        return True
+
+    return _keep(f"trainer {trainer}", record, max_restarts, again)
 
 
 def keep_server(server: int, store: Callable[[], Any]) -> bool:
     """As `keep_trainer`, for embedding server `server`: a server killed by a signal is always recorded as lost (its
-    shard stays in the machine's shared memory, where the trainers use it)."""
+    shard stays in the machine's shared memory, where the trainers use it); True in the child."""
 
     def record(pid: int, sig: int) -> bool:
         client = store()
@@ -369,33 +494,41 @@ def keep_server(server: int, store: Callable[[], Any]) -> bool:
         client.add(SERVER_LOSSES, 1)  # (after the record: a reader that counts it finds it)
         return True
 
-    return _keep(f"embedding server {server}", record)
+    return _keep(f"embedding server {server}", record) is not None
 
 
-def _keep(what: str, record: Callable[[int, int], bool]) -> bool:
+def _keep(what: str, record: Callable[[int, int], bool], restarts: int = 0,
+          again: Callable[[int], bool] = lambda restart: False) -> int | None:
     """Fork, and in the parent wait for the child (see `keep_trainer`); `record(pid, signal)` says whether a child
-    killed by a signal was recorded as a loss the job goes on from."""
-    pid = os.fork()
-    if pid == 0:
-        return True
-    setproctitle(f"cocosync keeper of {what} (pid {pid})")  # (the child keeps the rank's title)
-    # the agent's SIGTERM (the job stopping) ends the keeper, and the child with it (its parent-death signal)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    killed by a signal was recorded as a loss the job goes on from; then, up to `restarts` times while
+    `again(restart)`, a new child is forked. Returns the child's restart in the child, None in the keeper."""
+    restart, handler = 0, signal.getsignal(signal.SIGINT)
     while True:
-        try:
-            _, status = os.waitpid(pid, 0)
-            break
-        except InterruptedError:
-            continue
-    if os.WIFEXITED(status):
-        code = os.WEXITSTATUS(status)
-        if code == 0:
-            return False
-        os._exit(code)
-    sig = os.WTERMSIG(status)
-    if record(pid, sig):
-        return False
-    if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
-        signal.signal(sig, signal.SIG_DFL)
-    os.kill(os.getpid(), sig)
-    os._exit(128 + sig)
+        pid = os.fork()
+        if pid == 0:
+            signal.signal(signal.SIGINT, handler)  # (a rank's own, not the keeper's)
+            return restart
+        setproctitle(f"cocosync keeper of {what} (pid {pid})")  # (the child keeps the rank's title)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # the agent's SIGTERM (the job stopping) ends the keeper, and the child with it (its parent-death signal)
+        while True:
+            try:
+                _, status = os.waitpid(pid, 0)
+                break
+            except InterruptedError:
+                continue
+        if os.WIFEXITED(status):
+            code = os.WEXITSTATUS(status)
+            if code == 0:
+                return None
+            os._exit(code)
+        sig = os.WTERMSIG(status)
+        if record(pid, sig):
+            if restart < restarts and again(restart + 1):
+                restart += 1
+                continue
+            return None
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # (those two have no handler to reset)
+            signal.signal(sig, signal.SIG_DFL)
+        os.kill(os.getpid(), sig)
+        os._exit(128 + sig)

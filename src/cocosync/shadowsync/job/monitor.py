@@ -28,7 +28,7 @@ from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
 from cocosync.shadowsync.job.membership import (
-    LOSSES,
+    EPOCH,
     SERVER_LOSSES,
     job_ending,
     record_node_loss,
@@ -86,6 +86,8 @@ class Monitor:
         self.stop_at: float | None = None  # when the stop was requested
         self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
         self.lost: dict[int, dict] = {}  # trainers lost (job/membership.py), by index: their record
+        self._changes = 0  # the changes of the trainers said so far (losses and joins)
+        self.banked = 0  # examples of trainers' processes that were lost and started again (their records restart)
         self.lost_servers: dict[int, dict] = {}  # embedding servers lost, by index: their record
         self.node = self.ranks[0] // nproc if self.ranks else 0  # this machine's node index in the job
         self.hosts_store = hosts_store
@@ -358,18 +360,30 @@ class Monitor:
                 and t not in self.lost and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
 
     def _watch_losses(self) -> None:
-        """Say each trainer or embedding server lost since the last look (recorded by its keeper)."""
+        """Say each trainer or embedding server lost, and each trainer started again, since the last look (recorded
+        by their keepers and the restarted trainers)."""
         self._watch_server_losses()
-        if len(self.lost) >= int(self.store.add(LOSSES, 0)):
-            return
-        for t in range(self.cfg.trainers):
-            if t in self.lost:
-                continue
-            rec = self._get(f"lost/{t}")
+        epoch = int(self.store.add(EPOCH, 0))
+        while self._changes < epoch:
+            rec = self._get(f"change/{self._changes + 1}")
             if not isinstance(rec, dict):
+                return  # (counted, not written yet)
+            self._changes += 1
+            t = int(rec.get("trainer", -1))
+            if not 0 <= t < self.cfg.trainers:
+                continue
+            progress = self._get(f"progress/{t}") or {}
+            if rec.get("kind") == "joined":
+                self.lost.pop(t, None)
+                self.killed.discard(t)
+                self._pids.pop(self.roles.rank_of("trainer", t), None)  # (the new process says its own)
+                self.banked += int(progress.get("trainer_examples", 0))  # (the new process counts from 0)
+                self.console.print(f"[green]trainer {t} (pid {rec.get('pid')}) joined again (restart "
+                                   f"{rec.get('restart')} of {self.cfg.max_restarts}): it takes the dense model from "
+                                   "a trainer in the job and the rest of its rows; "
+                                   f"{self.cfg.trainers - len(self.lost)} trainers train", soft_wrap=True)
                 continue
             self.lost[t] = rec
-            progress = self._get(f"progress/{t}") or {}
             left = self.cfg.trainers - len(self.lost)
             self.console.print(f"[yellow]trainer {t} (pid {rec.get('pid')}) was lost ("
                                + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}")
@@ -438,7 +452,7 @@ class Monitor:
         last records, summed; mean train NE of the trainers)."""
         recs = {t: self._get(f"progress/{t}") for t in range(self.cfg.trainers)}
         recs = {t: r for t, r in recs.items() if r}
-        examples = sum(r["trainer_examples"] for r in recs.values())
+        examples = sum(r["trainer_examples"] for r in recs.values()) + self.banked
         if not examples:
             return 0, 0.0, None
         live = [r for t, r in recs.items() if t not in self.lost]  # (a lost trainer's examples stay trained)

@@ -73,13 +73,22 @@ from cocosync.shadowsync.data.sources import (
     with_init_ctr,
     with_schema,
 )
-from cocosync.shadowsync.job.build import build_job, data_plan, init_rpc, loopback_interfaces
+from cocosync.shadowsync.job.build import attach_job, build_job, data_plan, init_rpc, loopback_interfaces
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
-from cocosync.shadowsync.job.membership import END, Loss, ServerLoss, restored_shards
+from cocosync.shadowsync.job.membership import (
+    ABSENT,
+    END,
+    Join,
+    Loss,
+    ServerLoss,
+    joins_open,
+    record_change,
+    restored_shards,
+)
 from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
@@ -92,7 +101,7 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard_mirror import ShardMirror
 from cocosync.shadowsync.sync.center import RemoteCenter
 
-__all__ = ["run_cluster"]
+__all__ = ["run_cluster", "run_restarted"]
 
 #: seconds a failed server waits before it leaves, so that the trainers report the lost peer first
 SERVER_EXIT_GRACE = 5.0
@@ -232,6 +241,55 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     return summary
 
 
+def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, console: Any = None) -> None:
+    """A lost trainer started again by its keeper (--max-restarts): it joins the running job without any collective
+    of the job's start (job/recovery.py: it takes the dense model from a trainer in the job), reads the rest of its
+    rows (or what the agreements give it), and leaves its measurements in the store for the trainer that finishes
+    the job, which also saves its part of the last checkpoint."""
+    started = time.time()
+    console = console or Console(stderr=True)
+    topo = job_topology()
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
+    cfg = with_init_ctr(with_schema(dataclasses.replace(cfg, trainers=roles.trainers)))
+    loopback_interfaces()
+    link = Link.from_env(topo.rank)
+    if link is None:
+        raise RuntimeError("a restarted trainer needs the job's launcher (cocosync train)")
+    torch.set_num_threads(cfg.threads)
+    resume = resolve(cluster.resume) if cluster.resume is not None else None
+    meta = read_meta(resume) if resume is not None else None
+    data, model_cfg = build_configs(cfg)
+    plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
+    job = attach_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
+                     resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
+    t = roles.role()[1]
+    run = _make_trainer(job, t, console, restart)
+    trainer, membership, recovery = run.trainer, job.membership, run.trainer.recovery
+    assert membership is not None and recovery is not None  # (attach_job's Job has one)
+    resumed = int(trainer.state.positions[t].sum())
+    membership.record_start(t, resumed, restart)
+    membership.store.add(ABSENT, -1)
+    record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart)
+    sync = recovery.admit(trainer.sync, give_up=lambda: not joins_open(membership.store))
+    if sync is None:  # the others finished their own rows meanwhile: they read this trainer's
+        membership.store.add(ABSENT, 1)
+        record_change(membership.store, "lost", t, pid=os.getpid(), signal="a restart too late to join")
+        print(f"trainer {t} (restart {restart}) did not join: the trainers had read their own rows", file=sys.stderr,
+              flush=True)
+        return
+    trainer.sync = sync
+    admitted = time.time()
+    result = trainer.train()
+    membership.agree(END, t)
+    run.tables.close()
+    result = {k: v for k, v in result.items() if k not in ("dense", "state")}
+    # (its rows before this start were the lost process's: not resumed ones)
+    membership.publish_result(t, restart, {**result, "resumed_from": 0, "restart": restart, "pid": os.getpid(),
+                                           "started": started, "admitted": admitted, "state_from": recovery.state_from,
+                                           "reads_own": recovery.reads_own})
+    link.finish(t)
+
+
 def _start_mirror(job: Job, server: int) -> ShardMirror | None:
     """Embedding server `server`'s mirroring of its shard with the other machine (--shard-mirror-interval)."""
     if job.mirror_group is None:
@@ -284,7 +342,8 @@ def _shard(job: Job, run: _TrainerRun | None, server: int) -> Any:
     return job.shards[server]
 
 
-def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
+def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerRun:
+    """Trainer t's run (`restart` > 0: a lost trainer started again, which joins the job: job/recovery.py)."""
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
@@ -313,7 +372,7 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
         _stop_after(state.stop, cfg.timeout)
     source = trainer_source(cfg, data, t, job.plan)
     logger = None
-    if t == 0:
+    if t == 0 and not restart:  # (a restart's records go to the run's metrics through the trainer that finishes)
         out = Path(cfg.out_dir)
         out.mkdir(parents=True, exist_ok=True)
         logger = MetricsLogger(out / "metrics.jsonl", append=job.cluster.resume is not None)
@@ -325,10 +384,10 @@ def _make_trainer(job: Job, t: int, console: Any) -> _TrainerRun:
     if job.cluster.stop_after is not None:  # this trainer's share of the examples to stop at
         stop_at = max(0, job.cluster.stop_after - job.examples_before) // roles.trainers
     on_eval, every = None, None
-    if t == 0 and job.cluster.eval_every is not None:  # trainer 0 scores its replica while the job trains
+    if t == 0 and not restart and job.cluster.eval_every is not None:  # trainer 0 scores its replica as it trains
         every = max(1, job.cluster.eval_every // roles.trainers)
         on_eval = _EvalCurve(job, tables, logger, console)
-    recovery = Recovery(job, job.membership, t) if job.membership is not None else None
+    recovery = Recovery(job, job.membership, t, restart) if job.membership is not None else None
     machine = None
     if across and recovery is not None:
         machine = LostMachine(job, t, tables, hot_sync)
@@ -370,7 +429,7 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
     try:
         dist.barrier(group=job.trainer_group)
     except RuntimeError:
-        if membership is not None and (losses := membership.losses(membership.wait_for_loss(0, timeout=5.0) or 0)):
+        if membership is not None and (losses := membership.losses(membership.wait_for_change(0, timeout=5.0) or 0)):
             raise TrainerFailure(f"{losses[0].describe()} before training started: the job goes on without a "
                                  "lost trainer once training runs; start it again") from None
         raise
@@ -378,21 +437,41 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
         run.machine.bound_waits()
     result = run.trainer.train()
     result["resumed_from"] = resumed
-    losses, group, alive, leader = [], job.trainer_group, None, 0
+    losses, group, alive, leader, joined = [], job.trainer_group, None, 0, []
     if membership is not None:  # the trainers left agree on the losses (a stopped job shared out none, maybe)
         epoch = membership.agree(END, t) or 0
         losses = membership.losses(epoch)
-        if losses:  # the first trainer left finishes the job (trainer 0, unless it was lost)
-            live = membership.live(epoch)
-            group, alive, leader = membership.trainer_group(live), live, live[0]
+        if losses:  # the first trainer left of the job's start finishes it (trainer 0, unless it was lost)
+            first = membership.first_live(epoch)
+            group, alive, leader = membership.trainer_group(first), first, first[0]
+            joined = [x for x in membership.live(epoch) if x not in first]  # (started again: results in the store)
     results: list[Any] = [None] * dist.get_world_size(group) if t == leader else []
     dist.gather_object(result, results if t == leader else None, dst=roles.rank_of("trainer", leader), group=group)
     if t != leader:
         return None, alive, []
+    results += [membership.restarted_result(x) for x in joined]
     if run.logger is None:  # (trainer 0, which started the run's metrics, was lost)
         run.logger = MetricsLogger(Path(job.cfg.out_dir) / "metrics.jsonl", append=True)
     servers = membership.lost_servers() if membership is not None else []
     return _finish(job, run, results, losses, servers), alive, [x.server for x in servers]
+
+
+def _membership_over_time(job: Job, start: float) -> list[dict]:
+    """The trainers in the job over time: at the start, then after each loss and each join."""
+    T = job.roles.trainers
+    out = [{"time": start, "trainers": T}]
+    if job.membership is None:
+        return out
+    n = T
+    for x in job.membership.changes():
+        if isinstance(x, Join):
+            n += 1
+            out.append({"time": x.time, "trainers": n, "joined": x.trainer, "restart": x.restart})
+        else:
+            n -= 1
+            out.append({"time": x.time, "trainers": n, "lost": x.trainer,
+                        **({"node": x.node} if x.node is not None else {})})
+    return out
 
 
 def _meta(job: Job, seen: int, stopped: bool) -> dict:
@@ -580,13 +659,23 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
     before it was lost counts as trained, its Hogwild updates are in the tables)."""
     cfg, roles, trainer, logger = job.cfg, job.roles, run.trainer, run.logger
     lost = []
+    membership = job.membership
+    joins = membership.joins() if membership is not None else []
     for x in losses:
-        read = int(job.positions[x.trainer].sum())
-        if trainer.recovery is not None:  # (a trainer lost while reading another lost trainer's rows)
+        restart = sum(1 for j in joins if j.trainer == x.trainer and j.seq < x.seq)  # (the process that was lost)
+        start = membership.start(x.trainer, restart) if membership is not None else 0
+        if any(j.trainer == x.trainer and j.seq > x.seq for j in joins):  # started again: it went on from there
+            read = membership.start(x.trainer, restart + 1)
+        elif trainer.recovery is not None:  # (a trainer lost while reading another lost trainer's rows)
             read = sum(trainer.recovery.positions(x.trainer)) + trainer.recovery.share_rows_read(x.trainer)
-        start = job.membership.start(x.trainer) if job.membership is not None else 0
+        else:
+            read = int(job.positions[x.trainer].sum())
         lost.append({"trainer": x.trainer, "pid": x.pid, "signal": x.signal, "time": x.time,
-                     "examples": read - start, "resumed_from": start, "node": x.node})
+                     "examples": read - start, "resumed_from": 0 if restart else start, "node": x.node,
+                     "restart": restart})  # (a restart's start is where the process lost before it stopped)
+    restarts = [{"trainer": r["trainer"], "restart": r["restart"], "pid": r["pid"], "started": r["started"],
+                 "joined": r["admitted"], "trains_after_s": r["start"] - r["started"], "state_from": r["state_from"],
+                 "read_own_rows": r["reads_own"], "examples": r["examples"]} for r in results if r.get("restart")]
     nodes = _lost_nodes(job, run)
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
@@ -635,12 +724,10 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         "dense_params": D,
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
-        "lost": lost, "trainers_left": roles.trainers - len(lost),
+        "lost": lost, "trainers_left": len(results), "restarts": restarts,
         "lost_servers": [{"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time} for x in servers],
         "lost_nodes": nodes,
-        "membership": [{"time": min(r["start"] for r in results), "trainers": roles.trainers}]
-        + [{"time": x["time"], "trainers": roles.trainers - k - 1, "lost": x["trainer"],
-            **({"node": x["node"]} if x["node"] is not None else {})} for k, x in enumerate(lost)],
+        "membership": _membership_over_time(job, min(r["start"] for r in results)),
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
         # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)
         "regrouped_at": max((r["regrouped_at"] for r in results if r.get("regrouped_at")), default=None),

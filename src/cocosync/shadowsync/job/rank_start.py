@@ -26,7 +26,7 @@ from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_d
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
 from cocosync.shadowsync.job.membership import keep_server, keep_trainer, survives_losses
-from cocosync.shadowsync.job.rank import run_cluster
+from cocosync.shadowsync.job.rank import run_cluster, run_restarted
 from cocosync.shadowsync.metrics import json_safe
 
 __all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "job_dict", "run_job", "run_job_dict",
@@ -114,14 +114,17 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
     if _may_be_lost(cfg, cluster):
         trainer, server = _trainer_index(cluster, cfg), _embedding_index(cluster)
-        kept = (keep_trainer(trainer, cfg.trainers, cfg.min_trainers, env_store_client) if trainer is not None
-                else keep_server(server, env_store_client))
-        if not kept:
+        restart = (keep_trainer(trainer, cfg.trainers, cfg.min_trainers, env_store_client, cfg.max_restarts)
+                   if trainer is not None else 0 if keep_server(server, env_store_client) else None)
+        if restart is None:
             return  # the keeper: its rank's work finished or was lost
         try:  # the rank's work, forked by its keeper: it leaves through os._exit (the agent started the keeper)
             die_with_parent()  # (a fork clears the parent-death signal)
             os.setpgid(0, 0)  # a process group of its own, as every rank's (become_rank)
-            _run(cfg, cluster, console, json_out)
+            if restart:
+                run_restarted(cfg, cluster, restart, console=console)
+            else:
+                _run(cfg, cluster, console, json_out)
         except SystemExit as e:
             _exit(e.code if isinstance(e.code, int) else 1)
         except BaseException:  # noqa: BLE001 - as an uncaught exception would end it

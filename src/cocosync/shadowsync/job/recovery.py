@@ -1,5 +1,12 @@
-"""What a trainer of a one-machine job does when another trainer is lost (membership.py says who is left): its dense
-sync re-formed among the trainers left, and its share of the lost trainers' unread rows.
+"""What a trainer of a one-machine job does when another trainer is lost or joins again (membership.py says who is in
+the job): its dense sync re-formed among the trainers in the job, and its share of the lost trainers' unread rows.
+
+The sync: each re-formed sync is a shared-memory communicator of the trainers in the job at one epoch of the
+membership (Membership.sync_group), made through the store alone, since a trainer started again is in none of the
+job's process groups. A lost trainer's peers find out when their collective fails; a join, when the sync loop looks
+at the epoch before a round (every LOOK_EVERY seconds). A trainer that joins takes the dense replica, its optimizer
+state and the sync's state from the first member that did not join, in the new group's first collectives (live
+recovery: no checkpoint is read), and only then starts training.
 
 The rows: a trainer's W reader shards are segments of the data source's sharding (data/plan.py); the node's shared
 reader positions (Job.positions) say how far the lost trainer read each one when it died. What is left of them is cut
@@ -7,14 +14,19 @@ into S x W parts for the S trainers left, as a resume onto S trainers would cut 
 its W workers. A trainer lost while it was reading such a share leaves the rest of that share (its positions there are
 in the node's shared memory too: Job.share_positions), shared out at the next agreement in the same way. A batch a
 lost trainer was training when it died may be read again (at most one per worker); nothing is read by none, except
-the rows of a trainer lost after the others' last agreement (the summary's `short_by` says how many).
+the rows of a trainer lost after the others' last agreement (the summary's `short_by` says how many). A lost
+trainer's restart reads the rest of its own shards from where it stopped, unless an agreement shared them out first
+(the store's `rows/<change>` says which came first); then it reads only what later agreements give it.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
+
+import torch
 
 from cocosync.runtime.comm.shm import leave_collectives
 from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
@@ -22,7 +34,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.sync import make_sync
-from cocosync.shadowsync.sync.base import HierarchicalGroup, SyncAlgorithm
+from cocosync.shadowsync.sync.base import ShmGroup, SyncAlgorithm
 from cocosync.shadowsync.sync.dssync import DSSync
 
 __all__ = ["Recovery", "Takeover"]
@@ -39,58 +51,156 @@ class Takeover:
 
 
 class Recovery:
-    """A trainer's side of losing peers (see the module doc)."""
+    """A trainer's side of losing peers, and of peers that join again (see the module doc)."""
 
-    def __init__(self, job: Job, membership: Membership, trainer: int):
-        self.job, self.membership, self.trainer = job, membership, trainer
-        self.epoch = 0  # the losses this trainer's sync is formed after
+    #: seconds between two looks at the membership's epoch from the sync loop (a join is seen within this)
+    LOOK_EVERY = 0.1
+
+    def __init__(self, job: Job, membership: Membership, trainer: int, restart: int = 0):
+        """`restart`: this trainer's restart (0: the job's own process; else a lost trainer started again, which
+        joins with `admit`)."""
+        self.job, self.membership, self.trainer, self.restart = job, membership, trainer, restart
+        self.epoch = 0  # the changes this trainer's sync is formed after
         self.regrouped_at: float | None = None  # when this trainer's sync was first re-formed (time.time())
-        self.taken = 0  # the losses whose rows have been shared out
+        self.taken = 0  # the changes whose lost trainers' rows have been shared out
         self.phases = 0  # the agreements so far
         # by agreement: the trainers each given a share of lost trainers' rows there, and the shares (W parts each),
-        # the same on every trainer left
+        # the same on every trainer left (published in the store for the trainers that join later)
         self.shares: dict[int, tuple[list[int], list]] = {}
         # across machines: run before the sync re-forms (job/node_loss.py: LostMachine.prepare), False if no
         # machine's loss explains the failure
         self.before_regroup: Callable[[], bool] | None = None
+        # what a joining trainer takes from a peer (its dense replica and optimizer state: set by the trainer)
+        self.carried: tuple[torch.Tensor, ...] = ()
+        self.fresh = restart > 0  # this trainer has not yet taken the model from a peer
+        self.reads_own = True  # this trainer reads (the rest of) its own shards (a joiner: if it got them back)
+        self.state_from: int | None = None  # the trainer this one took the model from (a joiner)
+        self._looked = 0.0
 
     # -- the dense sync ---------------------------------------------------------------------------------
+    def changed(self) -> bool:
+        """Whether the trainers changed since this trainer's sync was formed (looked up at most every LOOK_EVERY s:
+        the sync loop asks before each round)."""
+        now = time.monotonic()
+        if now - self._looked < self.LOOK_EVERY:
+            return False
+        self._looked = now
+        return self.membership.epoch() > self.epoch
+
     def regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
-        """The sync of `old`'s algorithm among the trainers left, once a loss past this trainer's epoch is recorded
-        (its state carried over); None if no loss comes (`old` failed for another reason)."""
+        """The sync of `old`'s algorithm among the trainers in the job, once a change past this trainer's epoch is
+        recorded (its state carried over; a trainer that joined takes the model from a peer); None if no change comes
+        (`old` failed for another reason)."""
         # the old sync is given up here: a trainer left waiting in one of its collectives for this one fails now
-        leave_collectives(f"trainer {self.trainer}'s sync failed and is re-formed")
+        leave_collectives(f"trainer {self.trainer}'s sync is re-formed")
         if self.before_regroup is not None and not self.before_regroup():
             return None
-        epoch = self.membership.wait_for_loss(self.epoch)
-        if epoch is None:
-            return None
-        live = self.membership.live(epoch)
-        group = self.membership.trainer_group(live)
-        cfg = self.job.cfg.sync
-        if cfg.method == "dssync":
-            new: SyncAlgorithm = DSSync(old.flat, cfg, group=group, round_group=group)
-        else:
-            new = make_sync(old.flat, cfg, group=HierarchicalGroup(group, None, len(live)), trainers=len(live))
-        new.load_state(old.state())
-        new.syncs, new.holding = old.syncs, old.holding
-        self.epoch = epoch
+        seen = self.epoch
+        while True:
+            epoch = self.membership.wait_for_change(seen)
+            if epoch is None:
+                return None
+            group = self.membership.sync_group(epoch, self.trainer)
+            if group is not None:
+                break
+            seen = epoch  # (abandoned: a later change came first)
+        new = self._formed(old, group, epoch)
         if self.regrouped_at is None:
             self.regrouped_at = time.time()
         return new
 
+    def admit(self, old: SyncAlgorithm, give_up: Callable[[], bool]) -> SyncAlgorithm | None:
+        """A trainer started again joins: once the trainers in the job form the sync with it, it takes the model
+        from one of them, and gets its own unread rows back unless they were shared out already. None if
+        `give_up()` turned true first (the others are done with their rows: too late to join)."""
+        epoch = self.membership.epoch()
+        while True:
+            group = self.membership.sync_group(epoch, self.trainer, give_up)
+            if group is not None:
+                break
+            if give_up():
+                return None
+            epoch = self.membership.wait_for_change(epoch) or self.membership.epoch()
+        new = self._formed(old, group, epoch)
+        self._catch_up()
+        own = [x for x in self.membership.losses(epoch) if x.trainer == self.trainer][-1]
+        started = int(self.job.share_positions[self.trainer, 0]) != 0  # (it was reading others' rows when lost)
+        self.reads_own = not started and self.membership.claim_rows(own.seq, "join") == "join"
+        return new
+
+    def _formed(self, old: SyncAlgorithm, group: ShmGroup, epoch: int) -> SyncAlgorithm:
+        cfg, live = self.job.cfg.sync, group.members
+        if cfg.method == "dssync":
+            new: SyncAlgorithm = DSSync(old.flat, cfg, group=group, round_group=group)
+        else:
+            new = make_sync(old.flat, cfg, group=group, trainers=len(live))
+        new.load_state(old.state())
+        new.syncs, new.holding = old.syncs, old.holding
+        self._share_state(group, new)
+        self.epoch = epoch
+        return new
+
+    def _share_state(self, group: ShmGroup, new: SyncAlgorithm) -> None:
+        """Trainers that joined take the dense replica, its optimizer state and the sync's state from the first
+        member that did not (one flag per member first, summed: nothing more is sent when none joined)."""
+        n, i = group.size(), group.members.index(self.trainer)
+        need = torch.zeros(n)
+        need[i] = float(self.fresh)
+        group.all_reduce(need)
+        donors = [k for k in range(n) if need[k] == 0]
+        if not need.any() or not donors:
+            self.fresh = False
+            return
+        root = donors[0]
+        state = new.state()
+        for t in list(self.carried) + [state[k] for k in sorted(state)]:
+            group.broadcast(t if self.fresh or i == root else t.clone(), root)
+        if self.fresh:
+            new.load_state(state)
+            self.state_from = group.members[root]
+            self.fresh = False
+
     # -- the lost trainers' rows -------------------------------------------------------------------------
+    def _catch_up(self) -> None:
+        """A joining trainer takes the agreements made before it joined: their count, the changes shared out by the
+        last, and their shares (the store's copies)."""
+        k = 0
+        while self.membership.store.check([f"agree/phase{k + 1}/epoch"]):
+            k += 1
+        self.phases = k
+        if k:
+            self.taken = int(self.membership.store.get(f"agree/phase{k}/epoch"))
+        self._load_shares()
+
+    def _load_shares(self) -> None:
+        for k in range(1, self.phases + 1):
+            if k not in self.shares and self.membership.store.check([f"share/{k}"]):
+                rec = json.loads(self.membership.store.get(f"share/{k}"))
+                self.shares[k] = (rec["live"], [[tuple(x) for x in part] for part in rec["parts"]])
+
     def takeover(self, give_up: Callable[[], bool] = lambda: False) -> Takeover | None:
-        """After this trainer read all it was given: agree with the trainers left on the losses so far, and return
-        this trainer's share of the rows of those not shared out yet (None: no new loss, or `give_up()` turned true
-        while waiting for the others)."""
-        self.phases += 1
-        epoch = self.membership.agree(f"phase{self.phases}", self.trainer, give_up)
-        if epoch is None or epoch <= self.taken:
+        """After this trainer read all it was given: agree with the trainers in the job on the changes so far, and
+        return this trainer's share of the rows of the trainers lost since the last agreement (None: no new loss,
+        or `give_up()` turned true while waiting for the others). A lost trainer's rows that its restart got back
+        (`admit`) are not shared out."""
+        while True:
+            self.phases += 1
+            epoch = self.membership.agree(f"phase{self.phases}", self.trainer, give_up)
+            if epoch is None:
+                return None
+            if self.trainer in self.membership.live(epoch):
+                break
+            self.taken = max(self.taken, epoch)  # (an agreement made before this trainer joined)
+            self._load_shares()
+        if epoch <= self.taken:
             return None
         losses = self.membership.losses(epoch)
-        new = [x for x in losses if x.seq > self.taken]
+        phase = f"phase{self.phases}"
+        new = [x for x in losses if x.seq > self.taken and self.membership.claim_rows(x.seq, phase) == phase]
         self.taken = epoch
+        if not new:  # (the same on every trainer: the claims are the store's)
+            return None
+        self._load_shares()
         live = self.membership.live(epoch)
         cfg, data, plan = self.job.cfg, self.job.data, self.job.plan
         W, T = cfg.workers, self.job.roles.trainers
@@ -104,6 +214,7 @@ class Recovery:
             left += self._unread(loss.trainer, shards)
         parts = split_plan(left, len(live) * W)
         self.shares[self.phases] = (live, parts)
+        self.membership.store.compare_set(f"share/{self.phases}", "", json.dumps({"live": live, "parts": parts}))
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)

@@ -174,6 +174,8 @@ class Trainer:
         self.mark_base: int | None = None  # fr marks count from here (default: this trainer's start); equal on all
         self.errors: list[str] = []
         self.recovery = recovery
+        if recovery is not None:  # what a trainer that joins the job takes from a peer
+            recovery.carried = (self.flat.flat, self.accumulator)
         self.takeovers: list[Takeover] = []  # the shares of lost trainers' rows this trainer read
         self.takeover_positions = torch.zeros(cfg.workers, dtype=torch.int64)  # the current share's (Recovery.begin)
 
@@ -225,6 +227,8 @@ class Trainer:
     def _worker(self, w: int, takeover: Takeover | None = None) -> None:
         """Worker w: its reader shard of this trainer's data, or of `takeover` (a share of lost trainers' rows)."""
         marks, stop_at = self.checkpoints, self.stop_at
+        if takeover is None and self.recovery is not None and not self.recovery.reads_own:
+            return  # (a restarted trainer whose rows were shared out before it joined)
         if takeover is None:
             source, shard, shards = self.source, self.rank * self.cfg.workers + w, self.cfg.trainers * self.cfg.workers
             pos = self.state.positions[self.rank]
@@ -263,6 +267,8 @@ class Trainer:
     def _sync_round(self, active: bool) -> int:
         """One round of the sync (the foreground's); a round that failed because a peer was lost is skipped after
         the sync is re-formed among the trainers left (returns 1: someone may still be active)."""
+        if self.recovery is not None and self.recovery.changed():
+            self._regroup(self.sync)
         try:
             return self.sync.sync(active)
         except Exception:
@@ -332,13 +338,15 @@ class Trainer:
                                     daemon=True) for w in range(self.cfg.workers)]
         done = threading.Event()
         shadow = None
-        if self.cfg.sync.mode == "shadow" and not isinstance(self.sync, NoSync):  # (T=1: nothing to sync)
+        # (T=1: nothing to sync, unless trainers may join)
+        if self.cfg.sync.mode == "shadow" and (not isinstance(self.sync, NoSync) or self.recovery is not None):
             def on_active() -> bool:
                 return not done.is_set()
 
             shadow = ShadowThread(self.sync, interval=self.cfg.sync.interval, is_active=on_active,
                                   iterations=lambda: int(self.state.iterations[self.rank]),
-                                  recover=self._regroup if self.recovery is not None else None)
+                                  recover=self._regroup if self.recovery is not None else None,
+                                  changed=self.recovery.changed if self.recovery is not None else lambda: False)
             self._shadow = shadow
         for t in workers:
             t.start()

@@ -15,17 +15,49 @@ collectives and none waits forever on a finished peer. Local algorithms (EASGD, 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from cocosync.shadowsync.config import SyncConfig
 
-__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "HierarchicalGroup"]
+__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "DenseGroup", "HierarchicalGroup", "ShmGroup"]
 
 
-class HierarchicalGroup:
+class DenseGroup(ABC):
+    """The trainers a collective sync averages over, where they are not one torch.distributed process group."""
+
+    @abstractmethod
+    def size(self) -> int: ...
+
+    @abstractmethod
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        """Sum `buf` over the trainers, in place."""
+
+
+class ShmGroup(DenseGroup):
+    """Trainers of one machine through a shared-memory communicator made without torch.distributed (job/membership.py:
+    the sync re-formed after a trainer's loss or join). `members`: the trainers' indices, in the communicator's rank
+    order."""
+
+    def __init__(self, comm: Any, members: list[int]):
+        self.comm, self.members = comm, list(members)
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        if self.size() > 1:
+            self.comm.all_reduce(buf, "sum")
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> None:
+        """`buf` from member index `root` onto every member, in place."""
+        if self.size() > 1:
+            self.comm.broadcast(buf, root)
+
+
+class HierarchicalGroup(DenseGroup):
     """The trainers of a job across machines, as a collective sync sees them: `intra` holds this node's trainers
     (the cocosync backend: shared memory; None when a node has one trainer), `inter` the trainers with this trainer's
     node-local index, one per node (gloo; None on one node).
@@ -97,7 +129,7 @@ class SyncAlgorithm(ABC):
     name = "base"
     collective = False  # True when sync() runs a collective that every trainer must join
 
-    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | HierarchicalGroup | None = None):
+    def __init__(self, flat: torch.Tensor, cfg: SyncConfig, group: dist.ProcessGroup | DenseGroup | None = None):
         if flat.dim() != 1 or not flat.is_contiguous():
             raise ValueError("sync algorithms work on a 1-D contiguous flat parameter buffer (see FlatParams)")
         self.flat, self.cfg, self.group = flat, cfg, group
@@ -125,7 +157,7 @@ class SyncAlgorithm(ABC):
     # -- helpers for the collective algorithms ---------------------------------------------------------
     def group_size(self) -> int:
         """Trainers taking part in the collective sync."""
-        if isinstance(self.group, HierarchicalGroup):
+        if isinstance(self.group, DenseGroup):
             return self.group.size()
         return dist.get_world_size(self.group) if dist.is_initialized() else 1
 
@@ -138,7 +170,7 @@ class SyncAlgorithm(ABC):
         buf[n] = 1.0 if active else 0.0
         buf[n + 1] = 1.0 if self.holding else 0.0
         world = self.group_size()
-        if isinstance(self.group, HierarchicalGroup):
+        if isinstance(self.group, DenseGroup):
             self.group.all_reduce(buf)
         elif world > 1:
             dist.all_reduce(buf, group=self.group)

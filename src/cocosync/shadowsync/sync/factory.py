@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.shadowsync.config import SyncConfig
-from cocosync.shadowsync.sync.base import HierarchicalGroup, NoSync, SyncAlgorithm
+from cocosync.shadowsync.sync.base import DenseGroup, NoSync, SyncAlgorithm
 from cocosync.shadowsync.sync.bmuf import BMUF
 from cocosync.shadowsync.sync.compiled import CompiledSync, NotOnOneMachine
 from cocosync.shadowsync.sync.dssync import DSSync
@@ -27,7 +27,7 @@ def changes_nothing_alone(cfg: SyncConfig) -> bool:
 
 
 def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | None = None,
-              group: dist.ProcessGroup | None = None, trainers: int | None = None) -> SyncAlgorithm:
+              group: dist.ProcessGroup | DenseGroup | None = None, trainers: int | None = None) -> SyncAlgorithm:
     """The algorithm named by cfg.method (mode-independent: shadow vs foreground is the caller's loop); with
     `trainers` = 1, NoSync where the algorithm would change nothing (a T=1 run is then reproducible)."""
     if cfg.method == "none" or (trainers == 1 and changes_nothing_alone(cfg)):
@@ -37,7 +37,7 @@ def make_sync(flat: torch.Tensor, cfg: SyncConfig, *, center: torch.Tensor | Non
             raise ValueError("EASGD needs the shared central copy (center=...)")
         return EASGD(flat, cfg, center=center, trainers=trainers or 1)
     if cfg.method in ("ma", "bmuf"):
-        plain = cfg.compiled and not isinstance(group, HierarchicalGroup) and dist.is_initialized()
+        plain = cfg.compiled and not isinstance(group, DenseGroup) and dist.is_initialized()
         if plain and dist.get_world_size(group) > 1:
             try:  # the compiled program on shared memory (sync/compiled.py)
                 return CompiledSync(flat, cfg, group)

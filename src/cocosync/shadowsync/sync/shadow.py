@@ -32,10 +32,12 @@ class ShadowThread:
 
     def __init__(self, algorithm: SyncAlgorithm, *, interval: float, is_active: Callable[[], bool],
                  iterations: Callable[[], int] = lambda: 0, name: str = "shadow-sync",
-                 recover: Callable[[SyncAlgorithm], SyncAlgorithm | None] | None = None):
-        """`recover(algorithm)`: called when a round raised; the algorithm to go on with (a peer was lost and the
-        sync re-formed among the others), or None to stop with the error."""
-        self.algorithm, self.interval, self._recover = algorithm, interval, recover
+                 recover: Callable[[SyncAlgorithm], SyncAlgorithm | None] | None = None,
+                 changed: Callable[[], bool] = lambda: False):
+        """`recover(algorithm)`: called when a round raised, or before a round when `changed()` (the trainers in the
+        job changed: one joined); the algorithm to go on with (the sync re-formed among the trainers in the job), or
+        None to stop with the error (a changed sync is tried as it is: it raises if it cannot go on)."""
+        self.algorithm, self.interval, self._recover, self._changed = algorithm, interval, recover, changed
         self._is_active, self._iterations = is_active, iterations
         self.error: BaseException | None = None
         self.active_syncs = 0  # syncs that started while this trainer was still training
@@ -53,6 +55,8 @@ class ShadowThread:
         try:
             while not self._abort.is_set():
                 active = self._is_active()
+                if self._recover is not None and self._changed():
+                    self.algorithm = self._recover(self.algorithm) or self.algorithm
                 t0 = time.perf_counter()
                 try:
                     with self.gate:
