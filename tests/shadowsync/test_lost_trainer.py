@@ -26,14 +26,17 @@ from cocosync.testing.sockets import job_ranks
 EXAMPLES = 400_000
 
 
-def _start(tmp_path: Path, *extra: str, trainers: int = 4, examples: int = EXAMPLES) -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, *extra: str, trainers: int = 4, examples: int = EXAMPLES,
+           stderr: Path | None = None) -> tuple[subprocess.Popen, Path]:
+    """The job, its launcher's stderr piped (or written to `stderr`, read while it runs)."""
     out = tmp_path / "run"
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
     cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", str(trainers), "--examples", str(examples),
            "--eval-examples", "4000", "--no-progress", "--out", str(out), "--timeout", "200", "--config",
            str(tmp_path / "c.toml"), *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    err = subprocess.PIPE if stderr is None else open(stderr, "w")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     return proc, out
 
 
@@ -104,6 +107,85 @@ def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path)
     _scores_as_it_ended(out, s)
     assert not _alive(victim)
     assert _shm() - before == set()
+
+
+RESTART_EXAMPLES = 1_600_000  # (long enough for a restart, ~5 s on a loaded 2-core machine, to join before the end)
+
+
+def _restarted_pid(proc: subprocess.Popen, old: int, t: int) -> int:
+    """Trainer t's pid once a process other than `old` runs it (its restart)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        pid = job_ranks(proc.pid).get(t + 1)
+        if pid is not None and pid != old:
+            return pid
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    pytest.fail(f"trainer {t} was not started again: {proc.communicate(timeout=10)}")
+
+
+def test_a_killed_trainer_started_again_takes_the_model_from_a_peer_and_reads_the_rest_of_its_rows(tmp_path):
+    """--max-restarts: the keeper starts the killed trainer again; the new process joins the running job (the others
+    never stop), takes the dense model from a trainer in the job and reads the rest of its own rows: every row is read
+    once, none by the others. Then the restart is killed too: with no restart left, the others read its rows."""
+    before = _shm()
+    log = tmp_path / "stderr"
+    proc, out = _start(tmp_path, "--max-restarts", "1", examples=RESTART_EXAMPLES, stderr=log)
+    victim = _trainer_pid(proc, out, 2, after=100_000)
+    os.kill(victim, signal.SIGKILL)
+    restarted = _restarted_pid(proc, victim, 2)
+    _finish(proc)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"trainer 2 (pid {victim}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
+    assert f"trainer 2 (pid {restarted}) joined again (restart 1 of 1)" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [m["trainers"] for m in s["membership"]] == [4, 3, 4] and s["membership"][2]["joined"] == 2
+    [r] = s["restarts"]
+    assert (r["trainer"], r["restart"], r["pid"], r["read_own_rows"]) == (2, 1, restarted, True)
+    assert r["state_from"] in (0, 1, 3) and r["trains_after_s"] < 10, r
+    # every row read once: trainer 2's rows by its two processes, none by the others
+    assert s["examples"] == RESTART_EXAMPLES and s["takeover_rows"] == 0 and s["short_by"] == 0
+    assert s["lost"][0]["examples"] + r["examples"] == RESTART_EXAMPLES // 4 and r["examples"] > 0
+    assert s["trainers_left"] == 4 and s["eval_ne"] < 0.9, s["eval_ne"]
+    meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
+    assert meta["examples_seen"] == RESTART_EXAMPLES
+    _scores_as_it_ended(out, s)
+    assert _shm() - before == set()
+
+
+def test_a_restart_killed_in_turn_stays_lost_and_the_others_read_its_rows(tmp_path):
+    before = _shm()
+    log = tmp_path / "stderr"
+    proc, out = _start(tmp_path, "--max-restarts", "1", examples=RESTART_EXAMPLES, stderr=log)
+    victim = _trainer_pid(proc, out, 1, after=100_000)
+    os.kill(victim, signal.SIGKILL)
+    restarted = _restarted_pid(proc, victim, 1)
+    _wait_for(log, f"trainer 1 (pid {restarted}) joined again", proc)
+    time.sleep(1.0)  # (it trains)
+    os.kill(restarted, signal.SIGKILL)
+    _finish(proc)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"trainer 1 (pid {restarted}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [m["trainers"] for m in s["membership"]] == [4, 3, 4, 3]
+    assert [(x["trainer"], x["pid"], x["restart"]) for x in s["lost"]] == [(1, victim, 0), (1, restarted, 1)]
+    assert s["restarts"] == [] and s["trainers_left"] == 3  # (the restart's own result died with it)
+    # every row read once: trainer 1's by its two processes and, the rest, by the others
+    assert s["examples"] == RESTART_EXAMPLES and s["short_by"] == 0
+    assert sum(x["examples"] for x in s["lost"]) + s["takeover_rows"] == RESTART_EXAMPLES // 4
+    assert s["takeover_rows"] > 0
+    assert _shm() - before == set()
+
+
+def _wait_for(log: Path, line: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while line not in log.read_text():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"never said {line!r}: {log.read_text()[-3000:]}")
+        time.sleep(0.05)
 
 
 def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_checkpoint(tmp_path):

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
-from setproctitle import setproctitle
+from setproctitle import getproctitle, setproctitle
 
 from cocosync.runtime.comm.backend import BACKEND
 from cocosync.runtime.comm.collectives import ShmCommunicator
@@ -502,11 +502,12 @@ def _keep(what: str, record: Callable[[int, int], bool], restarts: int = 0,
     """Fork, and in the parent wait for the child (see `keep_trainer`); `record(pid, signal)` says whether a child
     killed by a signal was recorded as a loss the job goes on from; then, up to `restarts` times while
     `again(restart)`, a new child is forked. Returns the child's restart in the child, None in the keeper."""
-    restart, handler = 0, signal.getsignal(signal.SIGINT)
+    restart, handler, own = 0, signal.getsignal(signal.SIGINT), getproctitle()
     while True:
         pid = os.fork()
         if pid == 0:
             signal.signal(signal.SIGINT, handler)  # (a rank's own, not the keeper's)
+            setproctitle(own)  # (the rank's title: a restart is forked by the keeper, titled as such)
             return restart
         setproctitle(f"cocosync keeper of {what} (pid {pid})")  # (the child keeps the rank's title)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
