@@ -1,5 +1,6 @@
-"""`cocosync bench faults`: a one-machine job with a trainer, then an embedding server, killed against the same job
-uninterrupted; and a two-machine job with its second machine killed against that job uninterrupted."""
+"""`cocosync bench faults`: a one-machine job with a trainer (lost, then started again), then an embedding server,
+killed against the same job uninterrupted; and a two-machine job with its second machine killed against that job
+uninterrupted."""
 
 import json
 
@@ -15,7 +16,7 @@ def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_t
     assert "a rank or machine killed at 30% of 200,000 examples, T=4" in res.output
     assert "checkpoint at " in res.output  # (where the lost machine's shard came from)
     found = json.loads((tmp_path / "faults.json").read_text())["by_kill"]
-    assert set(found) == {"trainer", "server", "node"}
+    assert set(found) == {"trainer", "restart", "server", "node"}
     for kind, f in found.items():
         assert f["examples_lost"] == [0], kind  # every row read: a lost trainer's by the others
         assert abs(f["ne_change"][0]) < 0.1, kind
@@ -26,4 +27,4 @@ def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_t
 
 def test_bench_faults_refuses_an_unknown_kind_of_kill(tmp_path):
     res = CliRunner().invoke(main, ["bench", "faults", "--kill", "trainer,machine", "--out", str(tmp_path)])
-    assert res.exit_code == 2 and "'machine'" in res.output and "trainer, server, node" in res.output, res.output
+    assert res.exit_code == 2 and "'machine'" in res.output and "trainer, restart, server, node" in res.output, res.output

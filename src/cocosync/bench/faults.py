@@ -1,13 +1,15 @@
 """``cocosync bench faults``: what a lost trainer, embedding server or machine costs a job. For each seed, the same
 job (`cocosync train`, T trainers, shadow-bmuf by default) runs uninterrupted, and once per kind of loss in `--kill`
 with it inflicted (kill -9) once the job has trained `--at` of its examples: trainer 1 or embedding server 0 of a
-one-machine job, or node 1 of two loopback machines (`cocosync train --nnodes 2`, T/2 trainers and an embedding
-server each, periodic checkpoints every fifth of the run; its command and every process under it killed), against
-the same two-machine job uninterrupted. Per run: the eval NE, the examples trained (every one, or the shortfall), how
-long after the kill the loss was recorded (a trainer's or server's keeper, or for a machine node 0's launcher) and
-the trainers left had re-formed their sync, where a lost machine's shard was restored from and how old its rows
-were, and the wall time. The target: the job finishes with no example lost and an eval NE within 0.5% of the
-uninterrupted run's (1% for a machine), over the seeds (their mean, the worst named), for each kind."""
+one-machine job, trainer 1 with `--max-restarts 1` (its restart joins the running job), or node 1 of two loopback
+machines (`cocosync train --nnodes 2`, T/2 trainers and an embedding server each, periodic checkpoints every fifth of
+the run; its command and every process under it killed), against the same two-machine job uninterrupted. Per run:
+the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
+trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
+where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
+its process started, and the wall time. The target: the job finishes with no example lost and an eval NE within 0.5%
+of the uninterrupted run's (1% for a machine), over the seeds (their mean, the worst named), for each kind; a restart
+trains within 10 s of its start."""
 
 from __future__ import annotations
 
@@ -32,9 +34,11 @@ __all__ = ["faults_cmd", "NE_TARGET"]
 NE_TARGET = 0.005
 #: a lost machine's target: its cold rows come back from the last checkpoint
 NODE_NE_TARGET = 0.01
+#: seconds from a restarted trainer's start to its first training step
+RESTART_TARGET_S = 10.0
 COLUMNS = ["killed", "seed", "eval NE uninterrupted", "eval NE, killed", "NE change", "examples lost",
            "loss recorded (s after kill)", "sync re-formed (s after kill)", "shard restored from (rows' age)",
-           "seconds (uninterrupted / killed)"]
+           "restart trains (s after its start)", "seconds (uninterrupted / killed)"]
 
 
 def _command(out: Path, seed: int, examples: int, trainers: int, sync: str) -> list[str]:
@@ -110,7 +114,7 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tup
 
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
-VICTIMS = {"trainer": 2, "server": 0, "node": -1}
+VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1}
 
 
 @click.command("faults")
@@ -120,9 +124,9 @@ VICTIMS = {"trainer": 2, "server": 0, "node": -1}
               help="examples of every run.")
 @click.option("--at", type=click.FloatRange(0.0, 0.95), default=0.3, show_default=True,
               help="the kill comes once the job has trained this fraction of its examples.")
-@click.option("--kill", default="trainer,server,node", show_default=True,
-              help="what each killed run kills, comma-separated: trainer (trainer 1), server (embedding server 0), "
-                   "node (node 1 of two loopback machines).")
+@click.option("--kill", default="trainer,restart,server,node", show_default=True,
+              help="what each killed run kills, comma-separated: trainer (trainer 1), restart (trainer 1, started "
+                   "again: --max-restarts 1), server (embedding server 0), node (node 1 of two loopback machines).")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
 @click.option("--shard-mirror-interval", "mirror_ms", type=click.FloatRange(0, 60_000), default=0, show_default=True,
               help="milliseconds: the two-machine jobs mirror their shards (0: none; a lost machine's come back from "
@@ -143,8 +147,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
     console = Console(width=180)
     root = Path(out)
     rows: list[list] = []
-    found: dict[str, dict[str, list[float]]] = {k: {"changes": [], "lost": [], "recorded": [], "reformed": []}
-                                                for k in kinds}
+    found: dict[str, dict[str, list[float]]] = {k: {"changes": [], "lost": [], "recorded": [], "reformed": [],
+                                                    "trains_after": []} for k in kinds}
     for seed in range(seeds):
         bases: dict[bool, dict] = {}
         for kind in kinds:
@@ -160,11 +164,13 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                 hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync, mirror_ms), kill_out,
                                             trainers, int(at * examples))
             else:
-                hit, killed_at = _run_killing(_command(kill_out, seed, examples, trainers, sync), kill_out,
-                                              VICTIMS[kind], int(at * examples))
+                cmd = _command(kill_out, seed, examples, trainers, sync) + (
+                    ["--max-restarts", "1"] if kind == "restart" else [])
+                hit, killed_at = _run_killing(cmd, kill_out, VICTIMS[kind], int(at * examples))
             assert killed_at is not None
             change = hit["eval_ne"] / base["eval_ne"] - 1
-            losses = hit.get({"trainer": "lost", "server": "lost_servers", "node": "lost_nodes"}[kind])
+            losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
+                              "node": "lost_nodes"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
@@ -174,14 +180,18 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                 where = (r["source"] if r["source"] in ("initial rows", "mirror")
                          else f"checkpoint at {r['examples']:,}")
                 restored = f"{where} ({r['age_s']:.1f} s)"
+            restarts = hit.get("restarts") or []
+            after = restarts[0]["trains_after_s"] if restarts else float("nan")
             f = found[kind]
+            f["trains_after"].append(after)
             f["changes"].append(change)
             f["lost"].append(examples - hit["examples"])
             f["recorded"].append(rec)
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
                          f"{examples - hit['examples']:,}", f"{rec:.2f}", "-" if kind == "server" else f"{ref:.2f}",
-                         restored, f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
+                         restored, "-" if kind != "restart" else f"{after:.1f}" if restarts else "did not join",
+                         f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
             console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with a "
                           f"{kind} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
     verdicts = []
@@ -190,12 +200,18 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         mean, worst = statistics.fmean(f["changes"]), max(f["changes"], key=abs)
         rows.append([kind, "mean", "", "", f"{mean:+.2%} (worst {worst:+.2%})", f"{max(f['lost']):,.0f} (most)",
                      f"{statistics.median(f['recorded']):.2f} (median)",
-                     "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "", ""])
+                     "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "",
+                     f"{max(f['trains_after']):.1f} (most)" if kind == "restart" else "", ""])
         target = NODE_NE_TARGET if kind == "node" else NE_TARGET
         ok = abs(mean) <= target and max(f["lost"]) == 0
+        joined = ""
+        if kind == "restart":  # (nan, a restart that did not join, fails the comparison)
+            ok = ok and all(x <= RESTART_TARGET_S for x in f["trains_after"])
+            joined = (f", the restart trained {max(f['trains_after']):.1f} s after its start at most (target: "
+                      f"{RESTART_TARGET_S:g} s)")
         verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
-                        f"(target: 0 lost, within {target:.1%})")
+                        f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
     title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}{mirrored}, "
              f"{seeds} seeds "
@@ -206,6 +222,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         console.print(line)
     write_json(root / "faults.json", {"by_kill": {k: {"ne_change": f["changes"], "examples_lost": f["lost"],
                                                       "loss_recorded_s": f["recorded"],
-                                                      "sync_reformed_s": f["reformed"]} for k, f in found.items()},
+                                                      "sync_reformed_s": f["reformed"],
+                                                      "restart_trains_after_s": f["trains_after"]}
+                                                  for k, f in found.items()},
                                       "trainers": trainers, "examples": examples, "at": at, "sync": sync,
                                       "shard_mirror_interval_ms": mirror_ms})
