@@ -179,6 +179,23 @@ def test_a_restart_killed_in_turn_stays_lost_and_the_others_read_its_rows(tmp_pa
     assert _shm() - before == set()
 
 
+def test_a_trainer_lost_near_the_end_is_not_started_again_and_the_others_read_its_rows(tmp_path):
+    """A restart comes too late once a trainer has read its own rows (the others share the lost trainer's out then):
+    its keeper does not start it, or the restart gives up joining; either way every row is read and the job ends."""
+    before = _shm()
+    log = tmp_path / "stderr"
+    proc, out = _start(tmp_path, "--max-restarts", "1", stderr=log)
+    victim = _trainer_pid(proc, out, 3, after=int(EXAMPLES * 0.8))
+    os.kill(victim, signal.SIGKILL)
+    _finish(proc)
+    stderr = log.read_text()
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "trainer 3 is not started again" in stderr or "did not join" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == EXAMPLES and s["short_by"] == 0 and s["restarts"] == [] and s["trainers_left"] == 3
+    assert _shm() - before == set()
+
+
 def _wait_for(log: Path, line: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while line not in log.read_text():
@@ -281,6 +298,28 @@ def test_the_membership_reads_losses_in_order_and_agrees_without_the_lost(tmp_pa
     slow = Membership(dist.PrefixStore("job2/", store), _roles(2), 1, timeout=0.2)
     threading.Timer(1.0, lambda: slow.store.set("agree/apart/1", "0")).start()
     assert slow.agree("apart", 0) == 0
+
+
+def test_the_membership_replays_losses_and_joins_and_a_restart_claims_its_rows_only_before_an_agreement(tmp_path):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    m = Membership(dist.PrefixStore("cocosync/", store), _roles(3), 1, timeout=5.0)
+    lost = record_change(m.store, "lost", 1, pid=7, signal="SIGKILL")
+    record_change(m.store, "joined", 1, pid=8, restart=1)
+    record_change(m.store, "lost", 2, pid=9, signal="SIGKILL")
+    assert m.live(1) == [0, 2] and m.live(2) == [0, 1, 2] and m.live() == [0, 1]
+    assert m.first_live() == [0]  # (trainer 1's process is a restart: in none of the job's process groups)
+    assert [x.describe() for x in m.changes()] == ["trainer 1 (pid 7) was lost: killed by SIGKILL",
+                                                   "trainer 1 (pid 8) joined again (restart 1)",
+                                                   "trainer 2 (pid 9) was lost: killed by SIGKILL"]
+    assert m.restarts(1) == 1 and m.restarts(1, epoch=1) == 0
+    # an arrival at an agreement counts for the process that made it: the lost one's is not its restart's
+    m.store.set("agree/end/1", "0")
+    assert m.agree("end", 0, give_up=lambda: True) is None
+    m.store.set("agree/end/1", "1")
+    assert m.agree("end", 0) == 3
+    # trainer 1's rows go to whichever claims them first: its restart, or an agreement that shares them out
+    assert m.claim_rows(lost, "join") == "join" and m.claim_rows(lost, "phase1") == "join"
+    assert m.claim_rows(3, "phase1") == "phase1" and m.claim_rows(3, "join") == "phase1"
 
 
 _KEEPER = textwrap.dedent("""
