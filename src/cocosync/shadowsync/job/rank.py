@@ -267,6 +267,7 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     trainer, membership, recovery = run.trainer, job.membership, run.trainer.recovery
     assert membership is not None and recovery is not None  # (attach_job's Job has one)
     resumed = int(trainer.state.positions[t].sum())
+    built = time.time()
     membership.record_start(t, resumed, restart)
     membership.store.add(ABSENT, -1)
     record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart)
@@ -285,7 +286,8 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     result = {k: v for k, v in result.items() if k not in ("dense", "state")}
     # (its rows before this start were the lost process's: not resumed ones)
     membership.publish_result(t, restart, {**result, "resumed_from": 0, "restart": restart, "pid": os.getpid(),
-                                           "started": started, "admitted": admitted, "state_from": recovery.state_from,
+                                           "started": started, "built": built, "admitted": admitted,
+                                           "state_from": recovery.state_from,
                                            "reads_own": recovery.reads_own})
     link.finish(t)
 
@@ -674,7 +676,9 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
                      "examples": read - start, "resumed_from": 0 if restart else start, "node": x.node,
                      "restart": restart})  # (a restart's start is where the process lost before it stopped)
     restarts = [{"trainer": r["trainer"], "restart": r["restart"], "pid": r["pid"], "started": r["started"],
-                 "joined": r["admitted"], "trains_after_s": r["start"] - r["started"], "state_from": r["state_from"],
+                 "joined": r["admitted"], "trains_after_s": r["start"] - r["started"],
+                 "built_in_s": r["built"] - r["started"], "joined_in_s": r["admitted"] - r["built"],
+                 "state_from": r["state_from"],
                  "read_own_rows": r["reads_own"], "examples": r["examples"]} for r in results if r.get("restart")]
     nodes = _lost_nodes(job, run)
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
