@@ -179,23 +179,6 @@ def test_a_restart_killed_in_turn_stays_lost_and_the_others_read_its_rows(tmp_pa
     assert _shm() - before == set()
 
 
-def test_a_trainer_lost_near_the_end_is_not_started_again_and_the_others_read_its_rows(tmp_path):
-    """A restart comes too late once a trainer has read its own rows (the others share the lost trainer's out then):
-    its keeper does not start it, or the restart gives up joining; either way every row is read and the job ends."""
-    before = _shm()
-    log = tmp_path / "stderr"
-    proc, out = _start(tmp_path, "--max-restarts", "1", stderr=log)
-    victim = _trainer_pid(proc, out, 3, after=int(EXAMPLES * 0.8))
-    os.kill(victim, signal.SIGKILL)
-    _finish(proc)
-    stderr = log.read_text()
-    assert proc.returncode == 0, stderr[-3000:]
-    assert "trainer 3 is not started again" in stderr or "did not join" in stderr, stderr[-3000:]
-    s = json.loads((out / "summary.json").read_text())
-    assert s["examples"] == EXAMPLES and s["short_by"] == 0 and s["restarts"] == [] and s["trainers_left"] == 3
-    assert _shm() - before == set()
-
-
 def _wait_for(log: Path, line: str, proc: subprocess.Popen, timeout: float = 60) -> None:
     deadline = time.monotonic() + timeout
     while line not in log.read_text():
@@ -358,6 +341,47 @@ def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, t
 
 
 
+_RESTARTING_KEEPER = textwrap.dedent("""
+    import datetime, os, signal, sys
+    import torch.distributed as dist
+    from cocosync.shadowsync.job.membership import ABSENT, keep_trainer
+    port, restarts = int(sys.argv[1]), int(sys.argv[2])
+    def store():
+        return dist.PrefixStore("cocosync/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                           timeout=datetime.timedelta(seconds=10)))
+    restart = keep_trainer(1, 2, 1, store, restarts)
+    if restart is not None:  # every process of trainer 1 is killed (a restart joins first: it is back in the job)
+        print(f"restart {restart}", flush=True)
+        if restart:
+            store().add(ABSENT, -1)
+        os.kill(os.getpid(), signal.SIGKILL)
+    print("keeper returns", flush=True)
+""")
+
+
+@pytest.mark.parametrize("when,code,restarts,changes", [
+    ("reading", 0, [0, 1, 2], 3),  # while the trainers read their own rows: started again, up to --max-restarts
+    ("phase1", 0, [0], 1),  # a trainer has read its own rows: lost, not started again (the others read its rows)
+    ("end", -signal.SIGKILL, [0], 0),  # the job's end is agreed (collective): no loss the job goes on from
+])
+def test_the_keeper_starts_a_lost_trainer_again_only_while_the_trainers_read_their_own_rows(tmp_path, when, code,
+                                                                                              restarts, changes):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    view = dist.PrefixStore("cocosync/", store)
+    if when != "reading":
+        view.set(f"agree/{when}/any", "1")
+        view.set(f"agree/{when}/epoch", "0")
+    script = tmp_path / "keeper.py"
+    script.write_text(_RESTARTING_KEEPER)
+    proc = subprocess.run([sys.executable, str(script), str(store.port), "2"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert [int(x.split()[1]) for x in proc.stdout.splitlines() if x.startswith("restart")] == restarts
+    assert int(view.add(EPOCH, 0)) == changes
+    if when == "phase1":
+        assert "trainer 1 is not started again" in proc.stderr
+
+
 def _rows(segments: list) -> list[tuple[int, int]]:
     """The (base shard, row) pairs of plan segments."""
     return [(base, r) for base, first, n in segments for r in range(first, first + n)]
@@ -422,6 +446,43 @@ def test_a_trainer_lost_while_reading_a_lost_trainers_rows_leaves_the_rest_to_th
     read += _rows([s for part in third[0] for s in part])
     assert sorted(read) == _rows([(6, 0, per), (7, 0, per)])  # every row of trainer 3's shards, each once
     assert recovery[0].share_rows_read(1) == sum(len(_rows(p)) for p in first[1])
+
+
+@pytest.mark.parametrize("got_back", [False, True])
+def test_a_trainer_lost_twice_has_its_rows_shared_out_once(got_back):
+    """Trainer 2 is lost, started again, and its restart is lost too: the agreement that follows shares out the rest
+    of trainer 2's own rows once, whether the restart got them back and read some (`got_back`), or never did (it
+    gave up joining): then the rows are the first loss's, not its restart's."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from cocosync.shadowsync.config import TrainConfig
+    from cocosync.shadowsync.data.sources import build_configs
+    from cocosync.shadowsync.job.recovery import Recovery
+
+    T, W, E = 3, 1, 3000
+    cfg = TrainConfig(examples=E, trainers=T, workers=W)
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    m = Membership(dist.PrefixStore("cocosync/", store), _roles(T), 1, timeout=5.0)
+    job = SimpleNamespace(cfg=cfg, data=build_configs(cfg)[0], plan=None, roles=_roles(T),
+                          positions=torch.full((T, W), 1000, dtype=torch.int64),
+                          share_positions=torch.zeros(T, W + 1, dtype=torch.int64))
+    job.positions[2] = 300
+    first = record_change(m.store, "lost", 2, pid=1, signal="SIGKILL")
+    record_change(m.store, "joined", 2, pid=2, restart=1)
+    if got_back:
+        assert m.claim_rows(first, "join") == "join"
+        job.positions[2] = 700  # the restart read 400 more
+    record_change(m.store, "lost", 2, pid=2, signal="SIGKILL")
+    rows = 0
+    for t in (0, 1):
+        m.store.set(f"agree/phase1/{t}", "0")
+    for t in (0, 1):
+        got = Recovery(job, m, t).takeover()
+        assert got is not None
+        rows += sum(r for shard in got.source.plan for _, _, r in shard) // 2  # (each sees every part)
+    assert rows == 1000 - (700 if got_back else 300)
 
 
 def test_a_command_is_the_first_value_set_and_a_rank_whose_giver_may_be_lost_can_set_the_fallback():

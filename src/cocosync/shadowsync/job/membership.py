@@ -61,6 +61,7 @@ __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
+FIRST_LOST = "first-lost"  # the trainers whose first process (the job's own) was lost
 SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
 NODE_LOSSES = "node-losses"  # the count of lost machines
 END = "end"  # the agreement of the trainers left at the end of their data (after it, the job's end is collective)
@@ -364,6 +365,11 @@ class Membership:
         ('join') and an agreement that shares them out ('phase<k>'); returns that claimant."""
         return self.store.compare_set(f"rows/{seq}", "", who).decode()
 
+    def rows_claimant(self, seq: int) -> str | None:
+        """Who claimed the unread rows of the trainer lost at change `seq` (None: no one yet)."""
+        key = f"rows/{seq}"
+        return self.store.get(key).decode() if self.store.check([key]) else None
+
     def arrived(self, key: str) -> bool:
         """Whether some trainer has arrived at agreement `key`."""
         return bool(self.store.check([f"agree/{key}/any"]))
@@ -458,15 +464,21 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
     the agent started), its restart (0: the job's own start); in this process, the keeper, which waits for it: None
     once the trainer finished (exit status 0) or was lost, a rank that finished as far as the agent is concerned. A
     trainer that failed (another exit status) ends the keeper with its status; one killed by a signal is recorded as
-    lost if at least `min_trainers` are left, else the keeper dies by the same signal (the agent then stops the job,
-    naming it). A lost trainer is started again (a new child, which joins the job) up to `max_restarts` times while
+    lost if at least `min_trainers` are left (and one of the job's own processes, which finish it) and the trainers
+    have not agreed that the job ends, else the keeper dies by the same signal (the agent then stops the job, naming
+    it). A lost trainer is started again (a new child, which joins the job) up to `max_restarts` times while
     `joins_open`. `store()`: a client of the job's store, under the job's prefix."""
 
-    def record(pid: int, sig: int) -> bool:
+    def record(pid: int, sig: int, restart: int) -> bool:
         client = store()
+        if job_ending(client):  # (the job's end is collective over the trainers in the job then)
+            return False
         absent = int(client.add(ABSENT, 1))
-        if trainers - absent < min_trainers:
+        # the job's end runs in its process groups: one of the trainers it started must be left to finish it
+        first_lost = int(client.add(FIRST_LOST, 0 if restart else 1))
+        if trainers - absent < min_trainers or first_lost >= trainers:
             client.add(ABSENT, -1)  # not a loss the job goes on from: it stops, naming the trainer
+            client.add(FIRST_LOST, 0 if restart else -1)
             return False
         record_change(client, "lost", trainer, pid=pid, signal=signal.Signals(sig).name)
         return True
@@ -487,8 +499,10 @@ def keep_server(server: int, store: Callable[[], Any]) -> bool:
     """As `keep_trainer`, for embedding server `server`: a server killed by a signal is always recorded as lost (its
     shard stays in the machine's shared memory, where the trainers use it); True in the child."""
 
-    def record(pid: int, sig: int) -> bool:
+    def record(pid: int, sig: int, restart: int) -> bool:
         client = store()
+        if job_ending(client):  # (the job's end is collective over every rank left)
+            return False
         client.set(f"lost-server/{server}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
                                                         "time": time.time()}))
         client.add(SERVER_LOSSES, 1)  # (after the record: a reader that counts it finds it)
@@ -497,10 +511,10 @@ def keep_server(server: int, store: Callable[[], Any]) -> bool:
     return _keep(f"embedding server {server}", record) is not None
 
 
-def _keep(what: str, record: Callable[[int, int], bool], restarts: int = 0,
+def _keep(what: str, record: Callable[[int, int, int], bool], restarts: int = 0,
           again: Callable[[int], bool] = lambda restart: False) -> int | None:
-    """Fork, and in the parent wait for the child (see `keep_trainer`); `record(pid, signal)` says whether a child
-    killed by a signal was recorded as a loss the job goes on from; then, up to `restarts` times while
+    """Fork, and in the parent wait for the child (see `keep_trainer`); `record(pid, signal, restart)` says whether a
+    child killed by a signal was recorded as a loss the job goes on from; then, up to `restarts` times while
     `again(restart)`, a new child is forked. Returns the child's restart in the child, None in the keeper."""
     restart, handler, own = 0, signal.getsignal(signal.SIGINT), getproctitle()
     while True:
@@ -524,7 +538,7 @@ def _keep(what: str, record: Callable[[int, int], bool], restarts: int = 0,
                 return None
             os._exit(code)
         sig = os.WTERMSIG(status)
-        if record(pid, sig):
+        if record(pid, sig, restart):
             if restart < restarts and again(restart + 1):
                 restart += 1
                 continue

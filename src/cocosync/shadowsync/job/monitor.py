@@ -386,7 +386,8 @@ class Monitor:
             self.lost[t] = rec
             left = self.cfg.trainers - len(self.lost)
             self.console.print(f"[yellow]trainer {t} (pid {rec.get('pid')}) was lost ("
-                               + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}")
+                               + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}"
+                                  if str(rec.get("signal")).startswith("SIG") else str(rec.get("signal")))
                                + f") after about {progress.get('trainer_examples', 0):,} examples: {left} trainer"
                                + ("s go" if left > 1 else " goes") + " on and will read its unread rows "
                                f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)

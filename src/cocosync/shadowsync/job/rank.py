@@ -274,7 +274,7 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     sync = recovery.admit(trainer.sync, give_up=lambda: not joins_open(membership.store))
     if sync is None:  # the others finished their own rows meanwhile: they read this trainer's
         membership.store.add(ABSENT, 1)
-        record_change(membership.store, "lost", t, pid=os.getpid(), signal="a restart too late to join")
+        record_change(membership.store, "lost", t, pid=os.getpid(), signal="its restart came too late to join")
         print(f"trainer {t} (restart {restart}) did not join: the trainers had read their own rows", file=sys.stderr,
               flush=True)
         return

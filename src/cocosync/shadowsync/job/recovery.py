@@ -32,7 +32,7 @@ from cocosync.runtime.comm.shm import leave_collectives
 from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
 from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
 from cocosync.shadowsync.job.job import Job
-from cocosync.shadowsync.job.membership import Membership
+from cocosync.shadowsync.job.membership import Loss, Membership
 from cocosync.shadowsync.sync import make_sync
 from cocosync.shadowsync.sync.base import ShmGroup, SyncAlgorithm
 from cocosync.shadowsync.sync.dssync import DSSync
@@ -211,7 +211,7 @@ class Recovery:
             shards, base_shards = plan.shards, plan.base_shards
         left = []
         for loss in new:
-            left += self._unread(loss.trainer, shards)
+            left += self._unread(loss, shards)
         parts = split_plan(left, len(live) * W)
         self.shares[self.phases] = (live, parts)
         self.membership.store.compare_set(f"share/{self.phases}", "", json.dumps({"live": live, "parts": parts}))
@@ -248,15 +248,26 @@ class Recovery:
         pos = [int(p) for p in self.job.share_positions[d, 1:]] if started else [0] * W
         return k, parts[j * W:(j + 1) * W], pos
 
-    def _unread(self, d: int, own: list) -> list:
-        """The rows lost trainer d had not read: of its own shards (`own`: every trainer's), or, when it was given a
-        share of an earlier loss's rows (which it reads once its own are done), of its last share."""
+    def _unread(self, loss: Loss, own: list) -> list:
+        """The rows the process lost at `loss` had not read: of its own shards (`own`: every trainer's), or, when it
+        was given a share of an earlier loss's rows (which it reads once its own are done), of its last share. A
+        restart owns its trainer's own rows only if it got them back (`admit`): otherwise they are the earlier
+        loss's, shared out with it."""
+        d = loss.trainer
         last = self._last_share(d)
         if last is None:
+            if not self._owned_rows(loss):
+                return []
             W = self.job.cfg.workers
             return unread(own[d * W:(d + 1) * W], self.positions(d))
         _, parts, pos = last
         return unread(parts, pos)
+
+    def _owned_rows(self, loss: Loss) -> bool:
+        """Whether the process lost at `loss` read its trainer's own rows: the job's own process, or a restart that
+        got them back from the loss before it."""
+        before = [x for x in self.membership.losses(loss.seq) if x.trainer == loss.trainer and x.seq < loss.seq]
+        return not before or self.membership.rows_claimant(before[-1].seq) == "join"
 
     def share_rows_read(self, d: int) -> int:
         """Rows lost trainer d read in its shares of lost trainers' rows (every share but its last in full)."""
