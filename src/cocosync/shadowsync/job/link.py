@@ -44,6 +44,16 @@ def report_failure(store: Any, rank: int, message: str) -> None:
     store.compare_set(FIRST_FAILURE, "", rec)  # (sets it only where it is not set)
 
 
+def leave_fenced(trainer: int) -> None:
+    """Trainer `trainer` was recorded as lost while it still ran (its machine fell silent and the job went on without
+    it): leave at once (exit status 1), reporting nothing, so that it never trains beside the trainers that took its
+    place."""
+    print(f"trainer {trainer}: this machine was recorded as lost (the job went on without it): leaving",
+          file=sys.stderr, flush=True)
+    unlink_pending()
+    os._exit(1)
+
+
 def job_prefix(secret: str | None = None) -> str:
     """The prefix of the job's keys in its store: PREFIX, then the run's secret where it has one (default: the one
     SECRET_ENV names)."""
@@ -143,10 +153,7 @@ class Link:
                     stopping = self.store.check(["stop"])
                     fenced = lost_key is not None and self.store.check([lost_key])
                 if fenced:
-                    print(f"trainer {trainer}: this machine was recorded as lost (the job went on without it): "
-                          "leaving", file=sys.stderr, flush=True)
-                    unlink_pending()
-                    os._exit(1)
+                    leave_fenced(trainer)
                 if stopping:
                     stop[0] = 1
                 self._closed.wait(interval)

@@ -32,6 +32,7 @@ from cocosync.runtime.comm.shm import leave_collectives
 from cocosync.shadowsync.data.plan import DataPlan, base_plan, split_plan, unread
 from cocosync.shadowsync.data.sources import base_shard_rows, trainer_source
 from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.link import leave_fenced
 from cocosync.shadowsync.job.membership import Loss, Membership
 from cocosync.shadowsync.sync import make_sync
 from cocosync.shadowsync.sync.base import ShmGroup, SyncAlgorithm
@@ -93,6 +94,8 @@ class Recovery:
         (`old` failed for another reason)."""
         # the old sync is given up here: a trainer left waiting in one of its collectives for this one fails now
         leave_collectives(f"trainer {self.trainer}'s sync is re-formed")
+        if self.trainer not in self.membership.live():  # (recorded as lost while it ran: its machine was fenced)
+            leave_fenced(self.trainer)
         if self.before_regroup is not None and not self.before_regroup():
             return None
         seen = self.epoch
