@@ -394,3 +394,20 @@ def test_a_checkpoint_into_a_full_disk_is_one_line_and_keeps_the_last_whole_one(
         assert (run / "checkpoints" / "latest").read_text().strip() == kept[1]
     finally:
         subprocess.run(["umount", str(disk)])
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--trainers", "2", "--min-trainers", "2", "--max-restarts", "1"],
+     ["--max-restarts 1", "does not go on without a lost trainer", "--min-trainers 2 of 2"]),
+    (["--trainers", "2", "--sync", "shadow-dssync", "--max-restarts", "1"], ["--max-restarts 1", "DS-Sync"]),
+    (["--trainers", "2", "--max-restarts", "-1"], ["max_restarts=-1", "from 0 to 100"]),
+])
+def test_restarts_a_job_cannot_use_are_refused_naming_why(tmp_path, args, needles):
+    _one_error(_train(tmp_path, "--examples", "10000", *args), *needles)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_restarts_are_refused_across_machines(tmp_path):
+    res = _train(tmp_path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555",
+                 "--max-restarts", "1", "--examples", "10000")
+    _one_error(res, "--max-restarts 1", "one-machine job only", "--nnodes 2")

@@ -113,6 +113,9 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     args = get_args_parser().parse_args([*launch, "-m", _MODULE])
     nnodes = int(args.nnodes)
     trainers = _trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes
+    if cfg.max_restarts and nnodes > 1:
+        raise ConfigError(f"--max-restarts {cfg.max_restarts}: a lost trainer is started again in a one-machine job "
+                          f"only (this one has --nnodes {nnodes}); leave it at 0")
     if cluster.resume is None:  # (each machine counts its own copy, whose contents the ranks compare)
         cfg = dataclasses.replace(with_range_lines(dataclasses.replace(cfg, trainers=trainers)), trainers=cfg.trainers)
     job = job_dict(cfg, cluster)
