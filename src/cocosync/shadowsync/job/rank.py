@@ -558,16 +558,20 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         run.tables.flush()  # every row gradient of the batches before the mark is on its server
         # Every trainer's part is needed: after a change of the trainers (a loss, a restart's join) the command is
         # 'skip', for every rank alike (a trainer that saw no loss would otherwise wait for a command the others
-        # never send), before any trainer pauses its sync for its state (a restart, in none of the job's groups,
-        # takes no part in checkpoints: it would never pause). After an embedding server's loss (one machine) the
-        # trainers save without the servers: trainer 0 saves every shard from the machine's shared memory (a job
-        # with EASGD's sync servers stops checkpointing: their centre is theirs alone).
+        # never send). A trainer takes its state first (its sync paused in a round every trainer paused at: across
+        # machines that round comes only once a lost machine is recorded, so no command is given while one is
+        # silent), but gives the pause up once a change is recorded (a restart, in none of the job's groups, never
+        # pauses). After an embedding server's loss (one machine) the trainers save without the servers: trainer 0
+        # saves every shard from the machine's shared memory (a job with EASGD's sync servers stops checkpointing:
+        # their centre is theirs alone).
         gone = membership.lost_servers() if membership is not None and t == 0 else []
         lost = (lambda: membership.epoch() > 0 or bool(trainer.state.stop[0])) if membership is not None else None
+        state = trainer.checkpoint_state(give_up=lost) if lost is not None else trainer.checkpoint_state()
         command = _command(job, "checkpoint", lost_servers=[x.server for x in gone], skip_if=lost)
         if command.name == "skip" or (command.lost_servers and roles.sync_per_node):
             return
-        state = trainer.checkpoint_state()
+        if state is None:  # (a change after the leader's command: this checkpoint is saved as far as it can be)
+            state = trainer.checkpoint_state()
         parts: dict[str, Stateful] = {part_name("trainer", t): Snapshot(state)}
         group = None
         if command.lost_servers:

@@ -3,10 +3,10 @@ the job): its dense sync re-formed among the trainers in the job, and its share 
 
 The sync: each re-formed sync is a shared-memory communicator of the trainers in the job at one epoch of the
 membership (Membership.sync_group), made through the store alone, since a trainer started again is in none of the
-job's process groups. A lost trainer's peers find out when their collective fails; a join, when the sync loop looks
-at the epoch before a round (every LOOK_EVERY seconds). A trainer that joins takes the dense replica, its optimizer
-state and the sync's state from the first member that did not join, in the new group's first collectives (live
-recovery: no checkpoint is read), and only then starts training.
+job's process groups. A lost trainer's peers find out when their collective fails; a join (--max-restarts), when the
+sync loop looks at the epoch before a round (every LOOK_EVERY seconds). A trainer that joins takes the dense
+replica, its optimizer state and the sync's state from the first member that did not join, in the new group's first
+collectives (live recovery: no checkpoint is read), and only then starts training.
 
 The rows: a trainer's W reader shards are segments of the data source's sharding (data/plan.py); the node's shared
 reader positions (Job.positions) say how far the lost trainer read each one when it died. What is left of them is cut
@@ -81,7 +81,10 @@ class Recovery:
     # -- the dense sync ---------------------------------------------------------------------------------
     def changed(self) -> bool:
         """Whether the trainers changed since this trainer's sync was formed (looked up at most every LOOK_EVERY s:
-        the sync loop asks before each round)."""
+        the sync loop asks before each round). Only where a trainer may join (--max-restarts): a loss is found by
+        the collective it breaks."""
+        if not self.job.cfg.max_restarts:
+            return False
         now = time.monotonic()
         if now - self._looked < self.LOOK_EVERY:
             return False
