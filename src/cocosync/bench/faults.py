@@ -87,7 +87,7 @@ def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float)
 
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tuple[dict, float | None]:
     """Two loopback machines of `trainers // 2` trainers each; with `at`, node 1 killed whole once the job has
-    trained `at` examples. (summary, time of the kill)."""
+    written a periodic checkpoint past `at` examples. (summary, time of the kill)."""
     before = semaphores()
     procs = start_nodes(args, nproc_per_node=1 + trainers // 2)
     killed_at = None
@@ -97,7 +97,9 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tup
             time.sleep(0.05)
             lines = metrics.read_text().splitlines() if metrics.exists() else []
             records = [json.loads(x) for x in lines if x.strip().endswith("}")]
-            if any(r.get("event") == "train" and r.get("examples", 0) >= at for r in records):
+            # just after a periodic checkpoint was written, past `at` (a machine lost in the middle of a save is
+            # another case)
+            if records and records[-1].get("event") == "checkpoint" and records[-1].get("examples", 0) >= at:
                 kill_machine(procs[1].pid)
                 killed_at = time.time()
         runs = wait_nodes(procs, timeout=3600)
