@@ -3,7 +3,8 @@ job (`cocosync train`, T trainers, shadow-bmuf by default) runs uninterrupted, a
 with it inflicted (kill -9) once the job has trained `--at` of its examples: trainer 1 or embedding server 0 of a
 one-machine job, trainer 1 with `--max-restarts 1` (its restart joins the running job), or node 1 of two loopback
 machines (`cocosync train --nnodes 2`, T/2 trainers and an embedding server each, periodic checkpoints every fifth of
-the run; its command and every process under it killed), against the same two-machine job uninterrupted. Per run:
+the run; its command and every process under it killed just after the first checkpoint past `--at`), against the
+same two-machine job uninterrupted. Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
