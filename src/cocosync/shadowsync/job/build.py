@@ -22,7 +22,7 @@ from cocosync.shadowsync.checkpoint import read_positions, resharded_trainers
 from cocosync.shadowsync.config import ClusterConfig, DataConfig, ModelConfig, TrainConfig
 from cocosync.shadowsync.data.plan import DataPlan, replan
 from cocosync.shadowsync.data.sources import base_shard_rows
-from cocosync.shadowsync.job.job import ExchangeGroups, Job
+from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
 from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
@@ -143,6 +143,9 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         dense_group = HierarchicalGroup(intra, inter, roles.trainers)
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
         dense_group = trainer_group
+    # the periodic checkpoints' collectives across machines: a group of their own, which a rank that gave a save up
+    # after a machine's loss destroys, releasing the ranks of its machine still waiting for it in the save
+    save_group = ReleasableGroup(dist.new_group(list(range(topo.world_size)))) if nnodes > 1 else None
     held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group,
                                                                                            mirror_group]
     cross = (inter, hot_group, exchange.group) if kind == "trainer" else ()
@@ -159,7 +162,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                resumed_from=resumed_from, membership=membership, positions=positions, share_positions=share_positions,
                held_groups=tuple(g for g in held if g is not None),
                cross_groups=tuple(g for g in cross if g is not None), mirrors=mirrors, mirror_stamps=mirror_stamps,
-               mirror_group=mirror_group)
+               mirror_group=mirror_group, save_group=save_group)
 
 
 def _restartable(cfg: TrainConfig, roles: Roles, link: Link | None) -> bool:
@@ -207,7 +210,7 @@ def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Dat
                dense_group=None, center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size,
                plan=plan, link=link, resumed_from=resumed_from, membership=membership, positions=positions,
                share_positions=share_positions, held_groups=(), cross_groups=(), mirrors={}, mirror_stamps=None,
-               mirror_group=None)
+               mirror_group=None, save_group=None)
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

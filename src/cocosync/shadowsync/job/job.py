@@ -22,7 +22,31 @@ from cocosync.shadowsync.model.sharding import TablePlan
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard
 
-__all__ = ["Job", "ExchangeGroups"]
+__all__ = ["Job", "ExchangeGroups", "ReleasableGroup"]
+
+
+class ReleasableGroup:
+    """A gloo group that this rank can leave while its peers wait in one of its collectives: `release` destroys it
+    and drops the last reference to it, which closes its connections, so that a peer waiting for this rank there
+    fails at once ("Connection closed by peer"). torch's `destroy_process_group` alone leaves the connections open
+    while the group object lives, and abort() does not close them either: the peer would wait for its timeout."""
+
+    def __init__(self, group: dist.ProcessGroup):
+        self._group: dist.ProcessGroup | None = group
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        if self._group is None:
+            raise RuntimeError("this process group was released (a machine of the job was lost)")
+        return self._group
+
+    def release(self) -> None:
+        """Destroy the group, if not done yet. Call it outside any `except` block that a collective of the group
+        raised into (the traceback's frames hold it), or after `traceback.clear_frames` on that traceback."""
+        if self._group is not None:
+            group, self._group = self._group, None
+            dist.destroy_process_group(group)
+            del group
 
 
 @dataclass(frozen=True)
@@ -91,6 +115,10 @@ class Job:
     """float64 [embedding servers per node], shared: when each mirror here last took a round (time.time())."""
     mirror_group: dist.ProcessGroup | None
     """on an embedding server with mirrors: it and the other machine's server of the same local index."""
+    save_group: ReleasableGroup | None
+    """every rank of a job across machines: the periodic checkpoints' collectives (None: the default group). A rank
+    whose save failed releases it, so that its machine's ranks waiting for it in the save fail too; every rank
+    releases it before the job's end."""
 
     @property
     def dense_params(self) -> int:

@@ -418,10 +418,10 @@ class Membership:
         return self._group(self.alive_ranks(live, lost_servers), None)
 
     def drop(self, groups: tuple[Any, ...]) -> None:
-        """Destroy those of `groups` not destroyed yet (a group with a lost machine's ranks is of no more use, and
-        torch names a group made by its members alone by how many groups each holds: see `_group`)."""
+        """Destroy those of `groups` not destroyed yet, skipping None (a group with a lost machine's ranks is of no
+        more use, and torch names a group made by its members alone by how many groups each holds: see `_group`)."""
         for group in groups:
-            if not any(group is g for g in self._dropped):
+            if group is not None and not any(group is g for g in self._dropped):
                 dist.destroy_process_group(group)
                 self._dropped.append(group)
 

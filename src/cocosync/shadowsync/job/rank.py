@@ -176,10 +176,12 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 if command.name == "skip" or command.lost_servers:  # none, or the trainers' own (_periodic_checkpoints)
                     continue
                 try:
-                    dist.barrier()  # the hot rows are back in their shards (_settle_hot)
-                    save_job({name: part}, Path(cfg.out_dir), None, owner=owner, writer=roles.rank_of("trainer", 0))
-                except Exception:  # (a machine lost during the save: the trainers give this checkpoint up)
-                    if job.membership is None or topo.nnodes == 1 or not job.membership.wait_for_node_loss():
+                    _save_served(job, {name: part}, owner)
+                except Exception as e:  # (a machine lost during the save: the trainers give this checkpoint up)
+                    if job.membership is None or job.save_group is None:
+                        raise
+                    _leave_save(job, e)
+                    if not job.membership.wait_for_node_loss():
                         raise
             alive, gone = command.alive, command.lost_servers
             if mirror is not None:
@@ -193,6 +195,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         # alone); the first trainer left writes the summary and the checkpoint's metadata (trainer 0 unless it was
         # lost)
         group, writer = None, roles.rank_of("trainer", alive[0] if alive else 0)
+        if job.save_group is not None:  # (every rank holds as many groups as the others when the job's group is made)
+            job.save_group.release()
         if (alive is not None or gone) and job.membership is not None:
             live = alive if alive is not None else list(range(roles.trainers))
             group = job.membership.job_group(live, gone, held=job.held_groups)
@@ -545,8 +549,11 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         written: list[Path] = []  # the checkpoint's directory, once it is named
         try:
             save_at(mark, written)
-        except Exception:
-            if run.machine is None or not run.machine.prepare():
+        except Exception as e:
+            if run.machine is None or job.save_group is None:
+                raise
+            _leave_save(job, e)
+            if not run.machine.prepare():
                 raise
             # a machine was lost during the save: this checkpoint is given up (`latest` still names the last one),
             # and the later ones are skipped (a loss was recorded)
@@ -573,14 +580,14 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         if state is None:  # (a change after the leader's command: this checkpoint is saved as far as it can be)
             state = trainer.checkpoint_state()
         parts: dict[str, Stateful] = {part_name("trainer", t): Snapshot(state)}
-        group = None
+        group = _save_group(job)
         if command.lost_servers:
             group = job.trainer_group
             if t == 0:
                 parts.update({part_name("embedding", s): shard for s, shard in job.shards.items()})
         else:
             _settle_hot(job, run)
-            dist.barrier()  # every node's hot rows are back in their shards before a server saves its shard
+            dist.barrier(group=group)  # every node's hot rows are back in their shards before a server saves its shard
         seen = torch.tensor([int(state["positions"].sum())])
         dist.all_reduce(seen, group=job.trainer_group)
         seen += job.examples_before
@@ -595,6 +602,37 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
 
     trainer.checkpoints = CheckpointMarks(per_trainer, int(trainer.state.positions[t].sum()), last, W, save)
+
+
+def _save_served(job: Job, parts: dict[str, Stateful], owner: str) -> None:
+    """An embedding or sync server's part of a periodic checkpoint (collective with every rank)."""
+    group = _save_group(job)
+    dist.barrier(group=group)  # the hot rows are back in their shards (_settle_hot)
+    save_job(parts, Path(job.cfg.out_dir), None, owner=owner, writer=job.roles.rank_of("trainer", 0), group=group)
+
+
+def _save_group(job: Job) -> dist.ProcessGroup | None:
+    """The group of a periodic checkpoint's collectives: the job's save group across machines, else the default."""
+    return job.save_group.group if job.save_group is not None else None
+
+
+def _leave_save(job: Job, error: BaseException) -> None:
+    """A save failed with `error` (maybe a machine lost during it): release the save group, so that the ranks of this
+    machine still waiting for this one in the save fail too instead of waiting for ever (a lost machine resets its
+    own connections, not those between the ranks left). The error's frames hold the group: their locals go first."""
+    seen: set[int] = set()
+    errors: list[BaseException | None] = [error]
+    while errors:  # the error, what it was raised from, and what a checkpoint error gathered (DCP's, per rank)
+        e = errors.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        failures = getattr(e, "failures", None)
+        gathered = failures.values() if isinstance(failures, dict) else ()
+        errors += [e.__cause__, e.__context__, *(f for f in gathered if isinstance(f, BaseException))]
+    assert job.save_group is not None
+    job.save_group.release()
 
 
 def _settle_hot(job: Job, run: _TrainerRun, *, close: bool = False) -> None:

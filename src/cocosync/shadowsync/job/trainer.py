@@ -338,8 +338,9 @@ class Trainer:
                                     daemon=True) for w in range(self.cfg.workers)]
         done = threading.Event()
         shadow = None
-        # (T=1: nothing to sync, unless trainers may join)
-        if self.cfg.sync.mode == "shadow" and (not isinstance(self.sync, NoSync) or self.recovery is not None):
+        # (one trainer, from the start or left alone after losses: nothing to sync, unless trainers may join)
+        may_join = self.recovery is not None and self.cfg.max_restarts > 0
+        if self.cfg.sync.mode == "shadow" and (not isinstance(self.sync, NoSync) or may_join):
             def on_active() -> bool:
                 return not done.is_set()
 
