@@ -95,13 +95,16 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
 def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_job_finishes(tmp_path):
     """kill -9 of one trainer of node 1 (the OOM killer's way): node 1's agent stops its other ranks, and its command,
     naming the killed rank, exits 1 and leaves the job to node 0, which goes on as after the machine's loss. With
-    --shard-mirror-interval, node 1's shard comes back from its mirror on node 0, a few seconds old."""
+    --shard-mirror-interval, node 1's shard comes back from its mirror on node 0, a few seconds old. The job syncs
+    with EASGD against a centre sharded over a sync server per machine: node 0's sync server adopts the lost range
+    (from a trainer's replica), the trainers' exchanges go there, and the last checkpoint holds the whole centre."""
     from cocosync.testing.multinode import worker_pids
 
     out = tmp_path / "run"
+    per_node = 4  # an embedding server, a sync server, 2 trainers
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "2000",
-                         "--sync", "shadow-bmuf", "--shard-mirror-interval", "200", "--out", str(out)],
-                        nproc_per_node=3)
+                         "--sync", "shadow-easgd", "--shard-mirror-interval", "200", "--out", str(out)],
+                        nproc_per_node=per_node)
     try:
         deadline = time.monotonic() + 150
         while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.3 * EXAMPLES:
@@ -117,13 +120,21 @@ def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_j
                 kill_machine(p.pid)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [0, 1], text
-    assert f"trainer {victim // 3 * 2 + victim % 3 - 1} (rank {victim}, node {victim // 3}) was killed by SIGKILL: " \
+    node, local = divmod(victim, per_node)
+    assert f"trainer {node * 2 + local - 2} (rank {victim}, node {node}) was killed by SIGKILL: " \
            "this machine leaves the job" in runs[1].output, text
     assert "shard restored on node 0 from its mirror on this machine" in runs[0].output, text
+    assert "range 1 of EASGD's centre adopted by sync0 from trainer 0's replica" in runs[0].output, text
     s = json.loads((out / "summary.json").read_text())
-    assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [victim // 3]
+    assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [node]
     (shard,) = s["lost_nodes"][0]["restored"]
     assert shard["source"] == "mirror" and 0 < shard["age_s"] < 10, shard
+    (centre,) = s["lost_nodes"][0]["centre"]
+    assert (centre["range"], centre["server"]) == (1, "sync0"), centre
+    assert s["eval_ne"] < 0.8, s["eval_ne"]  # (the final model is the centre: its adopted range trained on)
+    tensors = read_tensors(Path(s["checkpoint"]))
+    assert {"center.0", "center.1"} <= tensors.keys()
+    assert torch.isfinite(tensors["center.1"]).all() and tensors["center.1"].abs().sum() > 0
     assert leftover_segments() == []
 
 

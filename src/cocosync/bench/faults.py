@@ -87,10 +87,11 @@ def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float)
 
 
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tuple[dict, float | None]:
-    """Two loopback machines of `trainers // 2` trainers each; with `at`, node 1 killed whole once the job has
-    trained `at` examples. (summary, time of the kill)."""
+    """Two loopback machines of `trainers // 2` trainers each (after an embedding server, and EASGD's sync server);
+    with `at`, node 1 killed whole once the job has trained `at` examples. (summary, time of the kill)."""
     before = semaphores()
-    procs = start_nodes(args, nproc_per_node=1 + trainers // 2)
+    servers = 1 + any(a.endswith("easgd") for a in args)
+    procs = start_nodes(args, nproc_per_node=servers + trainers // 2)
     killed_at = None
     try:
         metrics = out / "metrics.jsonl"

@@ -56,8 +56,9 @@ from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.sync.base import ShmGroup
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
-           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "EPOCH", "ABSENT", "SERVER_LOSSES",
-           "NODE_LOSSES", "END", "job_ending", "Join", "record_change", "joins_open"]
+           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "RestoredRange", "restored_ranges",
+           "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join", "record_change",
+           "joins_open"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -145,6 +146,22 @@ class Restored:
     name: str  # the shared-memory segment (named until every trainer left here has mapped it)
 
 
+@dataclass(frozen=True)
+class RestoredRange:
+    """One range of EASGD's centre whose sync server was lost, as adopted by a sync server left (`server`, its RPC
+    name): from `source` (a trainer's replica of the range), at `time` (time.time())."""
+
+    range: int
+    server: str
+    source: str
+    time: float
+
+
+def restored_ranges(store: Any, ranges: list[int]) -> list[RestoredRange]:
+    """The records of the adopted centre ranges among `ranges` (those recorded)."""
+    return [RestoredRange(**json.loads(store.get(f"centre/{r}"))) for r in ranges if store.check([f"centre/{r}"])]
+
+
 def restored_shards(store: Any, servers: list[int]) -> list[Restored]:
     """The records of the restored shards among `servers` (those recorded)."""
     out = []
@@ -158,10 +175,11 @@ def survives_node_loss(nnodes: int, lookup_transport: str, sync_method: str, syn
                        trainers_per_node: int, min_trainers: int, launched: bool) -> bool:
     """Whether a job goes on without a lost machine: two machines launched by `cocosync train --nnodes` (the machine
     that hosts the job's store survives, the other may be lost), rows between them through the lookup exchange (the
-    survivor restores the lost machine's shards and reads every row in place), a dense sync that re-forms among the
-    trainers left (MA or BMUF; no EASGD centre on sync servers), and at least --min-trainers on one machine."""
-    return (launched and nnodes == 2 and lookup_transport == "exchange" and sync_method in ("ma", "bmuf")
-            and sync_servers == 0 and trainers_per_node >= min_trainers)
+    survivor restores the lost machine's shards and reads every row in place), a dense sync that goes on among the
+    trainers left (MA or BMUF re-formed among them; EASGD with its centre's lost ranges adopted by the sync servers
+    left), and at least --min-trainers on one machine."""
+    dense = (sync_method in ("ma", "bmuf") and sync_servers == 0) or (sync_method == "easgd" and sync_servers > 0)
+    return launched and nnodes == 2 and lookup_transport == "exchange" and dense and trainers_per_node >= min_trainers
 
 
 def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bool:
@@ -444,12 +462,14 @@ class Membership:
         return [self.roles.rank_of("trainer", t) for t in live]
 
     def alive_ranks(self, live: list[int], lost_servers: list[int] = ()) -> list[int]:
-        """The ranks of every server but the embedding servers `lost_servers`, and of the live trainers `live`, in
-        rank order."""
+        """The ranks of every server but the embedding servers `lost_servers` and those of lost machines (their sync
+        servers), and of the live trainers `live`, in rank order."""
         kept = set(self.trainer_ranks(live))
         gone = {self.roles.rank_of("embedding", s) for s in lost_servers}
+        lost = {n.node for n in self.lost_nodes()} if self.roles.topo.nnodes > 1 else set()
         return [r for r in range(self.roles.topo.world_size)
-                if (r in kept if self.roles.role(r)[0] == "trainer" else r not in gone)]
+                if (r in kept if self.roles.role(r)[0] == "trainer" else r not in gone)
+                and self.roles.node_of(r) not in lost]
 
 
 def joins_open(store: Any) -> bool:

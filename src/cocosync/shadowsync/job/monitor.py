@@ -32,6 +32,7 @@ from cocosync.shadowsync.job.membership import (
     SERVER_LOSSES,
     job_ending,
     record_node_loss,
+    restored_ranges,
     restored_shards,
     survives_losses,
     survives_node_loss,
@@ -93,6 +94,7 @@ class Monitor:
         self.hosts_store = hosts_store
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
         self._said_restored: set[int] = set()  # lost servers whose restored shard was named
+        self._said_ranges: set[int] = set()  # ranges of EASGD's centre whose adoption was named
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
         self.survives_node_loss = survives_node_loss(nodes, cluster.lookup_transport, cfg.sync.method,
                                                      self.roles.sync_per_node, self.per_node, cfg.min_trainers,
@@ -316,13 +318,15 @@ class Monitor:
             if record_node_loss(self.store, self.roles, n, silent):
                 self.lost_nodes[n] = silent
                 trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
-                E = self.roles.embedding_per_node
+                E, P = self.roles.embedding_per_node, self.roles.sync_per_node
                 left = self.cfg.trainers - len(trainers)
+                sync = (f", sync server{'s' if P > 1 else ''} {', '.join(str(i) for i in range(n * P, (n + 1) * P))}"
+                        if P else "")
                 self.console.print(f"[yellow]node {n} was lost (no word from its launcher for {silent:.1f} s): "
-                                   f"trainers {', '.join(map(str, trainers))} and embedding server"
+                                   f"trainers {', '.join(map(str, trainers))}{sync} and embedding server"
                                    f"{'s' if E > 1 else ''} {', '.join(str(s) for s in range(n * E, (n + 1) * E))} "
-                                   f"with it; {left} trainer{'s go' if left > 1 else ' goes'} on, restore its shards "
-                                   "and read its unread rows", soft_wrap=True)
+                                   f"with it; {left} trainer{'s go' if left > 1 else ' goes'} on, restore its shards"
+                                   f"{' and centre ranges' if P else ''} and read its unread rows", soft_wrap=True)
         self._say_restored()
         return None
 
@@ -342,6 +346,12 @@ class Monitor:
                    if self._node_of_trainer(t) == n)
 
     def _say_restored(self) -> None:
+        P = self.roles.sync_per_node
+        ranges = [r for n in self.lost_nodes for r in range(n * P, (n + 1) * P) if r not in self._said_ranges]
+        for c in restored_ranges(self.store, ranges):
+            self._said_ranges.add(c.range)
+            self.console.print(f"range {c.range} of EASGD's centre adopted by {c.server} from {c.source} (current)",
+                               soft_wrap=True)
         E = self.roles.embedding_per_node
         servers = [s for n in self.lost_nodes for s in range(n * E, (n + 1) * E) if s not in self._said_restored]
         for r in restored_shards(self.store, servers):

@@ -15,7 +15,11 @@ fails waits for the launcher that hosts the job's store to record the machine's 
   (`restored/<s>`) for the summary and the monitor;
 * the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`): the lookups in flight and every
   lookup after read them in place, and the row gradients pushed to the lost machine and not yet applied there are
-  lost with it.
+  lost with it;
+* with EASGD, each range of the centre whose sync server was lost is adopted by a sync server left (the first
+  trainer left here hands it that range of its replica: the centre is an elastic average of the replicas, and this
+  replica is current), recorded in the store (`centre/<r>`), and every trainer's view of the centre sends the range
+  there from then on (sync/center.py: `RemoteCenter.adopt`, `reroute`).
 
 The dense sync re-forms among the trainers left (recovery.py), and the lost machine's trainers' unread rows are read
 by the trainers left from the positions they last published (`Membership.published_positions`): the rows they read
@@ -43,10 +47,11 @@ import torch
 from cocosync.runtime.comm.shm import create_named, map_named, unlink_named
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
-from cocosync.shadowsync.job.membership import NodeLoss, Restored
+from cocosync.shadowsync.job.membership import NodeLoss, Restored, RestoredRange
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
+from cocosync.shadowsync.sync.center import RemoteCenter
 
 __all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout"]
 
@@ -66,10 +71,15 @@ class LostMachine:
     """A trainer's handler of a lost machine (see the module doc): `__call__(error)` is `ShardedEmbeddings.on_lost`
     and runs before the dense sync re-forms (`prepare`)."""
 
-    def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None):
+    def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
+                 center: RemoteCenter | None = None, replica: torch.Tensor | None = None):
+        """`center`, `replica`: with EASGD across machines, this trainer's view of the centre and its dense replica
+        (flat), whose ranges stand in for the centre's lost ones."""
         self.job, self.trainer, self.tables, self.hot_sync = job, trainer, tables, hot_sync
+        self.center, self.replica = center, replica
         self.hot_lost = False  # the hot rows' sync was given up (the replica is the truth now)
         self.adopted: dict[int, Shard] = {}
+        self.ranges: list[RestoredRange] = []  # the centre's ranges adopted after the loss (EASGD)
         self.nodes: list[NodeLoss] = []
         self._lock = threading.Lock()
         self._outcome: bool | None = None
@@ -108,7 +118,36 @@ class LostMachine:
         servers = [s for n in lost for s in range(n * E, (n + 1) * E)]
         self.adopted = {s: self._restore(s, membership) for s in servers}
         self.tables.adopt(self.adopted)
+        if self.center is not None:
+            P = self.job.roles.sync_per_node
+            self.ranges = [self._adopt_range(r, membership, lost) for n in lost for r in range(n * P, (n + 1) * P)]
         return True
+
+    def _adopt_range(self, r: int, membership: Any, lost: list[int]) -> RestoredRange:
+        """Range `r` of EASGD's centre (its sync server lost) adopted by a sync server left: the first trainer left
+        here hands it that range of its replica and records it; every trainer sends the range there from now on."""
+        assert self.center is not None and self.replica is not None
+        roles, store = self.job.roles, membership.store
+        left = [i for i in range(len(self.center.servers)) if roles.node_of(roles.rank_of("sync", i)) not in lost]
+        if not left:
+            raise RuntimeError(f"range {r} of EASGD's centre was lost with its machine and no sync server is left")
+        onto = roles.rpc_name(roles.rank_of("sync", left[r % len(left)]))
+        key = f"centre/{r}"
+        if self.trainer == self._here(membership)[0]:
+            lo, hi = self.center.bounds[r]
+            self.center.adopt(r, self.replica[lo:hi], onto)
+            rec = RestoredRange(r, onto, f"trainer {self.trainer}'s replica", time.time())
+            store.set(key, json.dumps(asdict(rec)))
+            return rec
+        deadline = time.monotonic() + membership.timeout
+        while not store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"range {r} of EASGD's centre was not adopted by a sync server within "
+                                   f"{membership.timeout:.0f}s")
+            time.sleep(0.02)
+        rec = RestoredRange(**json.loads(store.get(key)))
+        self.center.reroute(r, rec.server)
+        return rec
 
     def _here(self, membership: Any) -> list[int]:
         """The trainers left on this machine."""

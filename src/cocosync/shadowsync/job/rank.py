@@ -87,6 +87,7 @@ from cocosync.shadowsync.job.membership import (
     ServerLoss,
     joins_open,
     record_change,
+    restored_ranges,
     restored_shards,
 )
 from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout
@@ -99,7 +100,7 @@ from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard_mirror import ShardMirror
-from cocosync.shadowsync.sync.center import RemoteCenter
+from cocosync.shadowsync.sync.center import RemoteCenter, served_ranges
 
 __all__ = ["run_cluster", "run_restarted"]
 
@@ -209,6 +210,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 parts.update(_lost_parts(job, summary, saved, meta))
             if summary is not None:  # a lost server's shard, from this machine's shared memory (restored there)
                 parts.update({part_name("embedding", s): _shard(job, run, s) for s in gone})
+            if kind == "sync":  # its range, and those it adopted from lost ones (EASGD across machines)
+                parts[name] = Snapshot({k: v for c in served_ranges().values() for k, v in c.state_dict().items()})
             ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
             if summary is not None:
                 summary["checkpoint"] = str(ckpt)
@@ -394,14 +397,14 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerR
         every = max(1, job.cluster.eval_every // roles.trainers)
         on_eval = _EvalCurve(job, tables, logger, console)
     recovery = Recovery(job, job.membership, t, restart) if job.membership is not None else None
-    machine = None
-    if across and recovery is not None:
-        machine = LostMachine(job, t, tables, hot_sync)
-        tables.on_lost = machine
-        recovery.before_regroup = machine.prepare
     trainer = Trainer(cfg, t, state, source, group=job.dense_group, embeddings=tables, center=center,
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every,
                       recovery=recovery)
+    machine = None
+    if across and recovery is not None:
+        machine = LostMachine(job, t, tables, hot_sync, center=center, replica=trainer.flat.flat)
+        tables.on_lost = machine
+        recovery.before_regroup = machine.prepare
     return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval, machine)
 
 
@@ -648,11 +651,13 @@ def _lost_nodes(job: Job, run: _TrainerRun) -> list[dict]:
     """The machines lost, each with its shards as restored (where from, the rows' age)."""
     if job.membership is None or job.roles.topo.nnodes == 1:
         return []
-    E, out = job.roles.embedding_per_node, []
+    E, P, out = job.roles.embedding_per_node, job.roles.sync_per_node, []
     for n in job.membership.lost_nodes():
         restored = restored_shards(job.membership.store, list(range(n.node * E, (n.node + 1) * E)))
+        ranges = restored_ranges(job.membership.store, list(range(n.node * P, (n.node + 1) * P)))
         out.append({**dataclasses.asdict(n), "restored": [
-            {k: v for k, v in dataclasses.asdict(r).items() if k != "name"} for r in restored]})
+            {k: v for k, v in dataclasses.asdict(r).items() if k != "name"} for r in restored],
+            **({"centre": [dataclasses.asdict(r) for r in ranges]} if P else {})})
     return out
 
 

@@ -138,6 +138,8 @@ class Recovery:
         cfg, live = self.job.cfg.sync, group.members
         if cfg.method == "dssync":
             new: SyncAlgorithm = DSSync(old.flat, cfg, group=group, round_group=group)
+        elif cfg.method == "easgd":  # no collective: the same exchanges with the centre (its lost ranges adopted)
+            new = old
         else:
             new = make_sync(old.flat, cfg, group=group, trainers=len(live))
         new.load_state(old.state())

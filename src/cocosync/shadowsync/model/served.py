@@ -20,6 +20,10 @@ class Served(Generic[T]):
     def serve(self, index: int, obj: T) -> None:
         self._by_index[index] = obj
 
+    def items(self) -> list[tuple[int, T]]:
+        """What this process serves, by index."""
+        return sorted(self._by_index.items(), key=lambda kv: kv[0])
+
     def __getitem__(self, index: int) -> T:
         obj = self._by_index.get(index)
         if obj is None:

@@ -4,6 +4,10 @@ each range updated by RPC (lock-free, Hogwild on the centre, as the single-node 
 A trainer's exchange sends its snapshot's ranges to their servers in one message each, in parallel; each server
 runs EASGD's program (programs/sync.py: d = alpha * (x - c), x -= d, c += d) on its range and answers with the moved
 point x - d: the elastic step of both sides in one round trip.
+
+A range whose server was lost with its machine is adopted by a sync server left (`RemoteCenter.adopt`): it serves the
+range from then on, starting from the values it is handed (a trainer's replica of that range: the centre is an
+elastic average of the replicas), and every trainer's view sends that range there (`RemoteCenter.reroute`).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch.distributed.rpc as rpc
 
 from cocosync.shadowsync.model.served import Served
 
-__all__ = ["CenterShard", "RemoteCenter", "serve_center", "center_bounds", "easgd_step"]
+__all__ = ["CenterShard", "RemoteCenter", "serve_center", "served_ranges", "center_bounds", "easgd_step"]
 
 
 @lru_cache(maxsize=8)
@@ -66,6 +70,15 @@ def serve_center(server: int, shard: CenterShard) -> None:
     _SERVED.serve(server, shard)
 
 
+def served_ranges() -> dict[int, CenterShard]:
+    """The centre's ranges this process serves (a sync server's own, and those it adopted), by index."""
+    return dict(_SERVED.items())
+
+
+def _rpc_adopt(server: int, values: torch.Tensor) -> None:
+    _SERVED.serve(server, CenterShard(values, server))
+
+
 def _rpc_exchange(server: int, x: torch.Tensor, alpha: float) -> torch.Tensor:
     return _SERVED[server].exchange(x, alpha)
 
@@ -89,6 +102,19 @@ class RemoteCenter:
         futures = [rpc.rpc_async(name, _rpc_exchange, args=(s, x[lo:hi].clone(), float(alpha)))
                    for s, (name, (lo, hi)) in enumerate(zip(self.servers, self.bounds))]
         return torch.cat([f.wait() for f in futures])
+
+    def adopt(self, index: int, values: torch.Tensor, onto: str) -> None:
+        """Range `index` (its server lost) is served from now on by the sync server named `onto`, from `values`
+        (this range's elements), and this view sends it there (the other trainers' views: `reroute`)."""
+        lo, hi = self.bounds[index]
+        if values.numel() != hi - lo:
+            raise ValueError(f"range {index} of the centre has {hi - lo} elements, not {values.numel()}")
+        rpc.rpc_sync(onto, _rpc_adopt, args=(index, values.detach().clone()))
+        self.servers[index] = onto
+
+    def reroute(self, index: int, onto: str) -> None:
+        """Send range `index` to the sync server named `onto` from now on (it adopted the range)."""
+        self.servers[index] = onto
 
     def values(self) -> torch.Tensor:
         """The whole centre (the final model of an EASGD run)."""
