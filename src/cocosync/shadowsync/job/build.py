@@ -84,7 +84,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     # the other machine's shards, mirrored here (--shard-mirror-interval, a job that survives a machine's loss)
     mirrored = survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
                                   roles.trainers_per_node, cfg.min_trainers, link is not None) and \
-        cluster.shard_mirror_interval > 0
+        cluster.shard_mirror_interval > 0 and topo.nnodes == 2
     mirrors: dict[int, Shard] = {}
     mirror_stamps = None
     if mirrored:

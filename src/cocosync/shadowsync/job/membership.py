@@ -50,10 +50,11 @@ from setproctitle import getproctitle, setproctitle
 
 from cocosync.runtime.comm.backend import BACKEND
 from cocosync.runtime.comm.collectives import ShmCommunicator
+from cocosync.runtime.comm.gloo_device import gloo_backend
 from cocosync.runtime.comm.topology import NodeGroups, Topology
 from cocosync.shadowsync.job.link import FIRST_FAILURE
 from cocosync.shadowsync.job.roles import Roles
-from cocosync.shadowsync.sync.base import ShmGroup
+from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
            "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "RestoredRange", "restored_ranges",
@@ -144,6 +145,7 @@ class Restored:
     rows: int
     hot_rows: int
     name: str  # the shared-memory segment (named until every trainer left here has mapped it)
+    node: int = 0  # the machine it was restored on
 
 
 @dataclass(frozen=True)
@@ -173,13 +175,13 @@ def restored_shards(store: Any, servers: list[int]) -> list[Restored]:
 
 def survives_node_loss(nnodes: int, lookup_transport: str, sync_method: str, sync_servers: int,
                        trainers_per_node: int, min_trainers: int, launched: bool) -> bool:
-    """Whether a job goes on without a lost machine: two machines launched by `cocosync train --nnodes` (the machine
-    that hosts the job's store survives, the other may be lost), rows between them through the lookup exchange (the
-    survivor restores the lost machine's shards and reads every row in place), a dense sync that goes on among the
-    trainers left (MA or BMUF re-formed among them; EASGD with its centre's lost ranges adopted by the sync servers
-    left), and at least --min-trainers on one machine."""
+    """Whether a job goes on without a lost machine: machines launched by `cocosync train --nnodes` (the machine that
+    hosts the job's store survives, any other may be lost), rows between them through the lookup exchange (the
+    machines left restore the lost one's shards, dealt out over them, and re-form the exchange among them), a dense
+    sync that goes on among the trainers left (MA or BMUF re-formed among them; EASGD with its centre's lost ranges
+    adopted by the sync servers left), and at least --min-trainers on one machine."""
     dense = (sync_method in ("ma", "bmuf") and sync_servers == 0) or (sync_method == "easgd" and sync_servers > 0)
-    return launched and nnodes == 2 and lookup_transport == "exchange" and dense and trainers_per_node >= min_trainers
+    return launched and nnodes >= 2 and lookup_transport == "exchange" and dense and trainers_per_node >= min_trainers
 
 
 def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bool:
@@ -393,12 +395,14 @@ class Membership:
         return bool(self.store.check([f"agree/{key}/any"]))
 
     # -- the dense sync among the trainers in the job -------------------------------------------------------
-    def sync_group(self, epoch: int, trainer: int, give_up: Callable[[], bool] = lambda: False) -> ShmGroup | None:
-        """The dense sync's group of the trainers in the job after `epoch` changes (`live(epoch)`: on this machine),
-        made through the store alone (a trainer that joined again is in no process group of the job's start): a
-        shared-memory communicator named by the epoch. Each member says it is ready; the first to see every member
-        ready seals the group, and every member uses it. If the epoch moves on first (another change), or
-        `give_up()` turns true, the group is abandoned, by every member alike: None (form the next one)."""
+    def sync_group(self, epoch: int, trainer: int,
+                   give_up: Callable[[], bool] = lambda: False) -> ShmGroup | GlooGroup | None:
+        """The dense sync's group of the trainers in the job after `epoch` changes (`live(epoch)`), made through the
+        store alone (a trainer that joined again is in no process group of the job's start): a shared-memory
+        communicator named by the epoch where they are on one machine, else a gloo group on the store. Each member
+        says it is ready; the first to see every member ready seals the group, and every member uses it. If the
+        epoch moves on first (another change), or `give_up()` turns true, the group is abandoned, by every member
+        alike: None (form the next one)."""
         live = self.live(epoch)
         key = f"group/{epoch}"
         self.store.set(f"{key}/ready/{trainer}", "1")
@@ -416,8 +420,12 @@ class Membership:
                 time.sleep(POLL)
         if self.store.get(f"{key}/state") != b"sealed":
             return None
-        job = self.store.compare_set("group-id", "", uuid.uuid4().hex[:10]).decode()
         n, i = len(live), live.index(trainer)
+        if len({self.roles.node_of(r) for r in self.trainer_ranks(live)}) > 1:  # (machines left after one's loss)
+            pg = gloo_backend(dist.PrefixStore(f"{key}/gloo", self.store), i, n,
+                              datetime.timedelta(seconds=self.timeout))
+            return GlooGroup(pg, live)
+        job = self.store.compare_set("group-id", "", uuid.uuid4().hex[:10]).decode()
         topo = Topology(rank=i, world_size=n, local_rank=i, local_world_size=n, node=0)
         groups = NodeGroups(topo=topo, job_id=f"{job}-e{epoch}", members=self.trainer_ranks(live))
         return ShmGroup(ShmCommunicator(groups, timeout=self.timeout), live)

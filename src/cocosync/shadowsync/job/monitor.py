@@ -299,7 +299,17 @@ class Monitor:
         was recorded as lost (it was silent too long: its ranks are stopped, the job goes on without them). Once the
         trainers have agreed that the job ends, no machine is recorded as lost (the end is collective over all)."""
         if not self.hosts_store:
-            return FENCED if self.fenced() else None
+            if self.fenced():
+                return FENCED
+            for n in range(self.nodes):  # (the others lost: this machine's launcher then ends with its ranks)
+                if n != self.node and n not in self.lost_nodes:
+                    rec = get_if_set(self.store, f"lost-node/{n}")
+                    try:
+                        if rec is not None:
+                            self.lost_nodes[n] = float(json.loads(rec)["silent_s"])
+                    except (ValueError, TypeError, KeyError):  # (not a record node 0's launcher wrote: skipped)
+                        pass
+            return None
         now = time.monotonic()
         for n in range(self.nodes):
             if n == self.node or n in self.lost_nodes:
@@ -358,7 +368,7 @@ class Monitor:
             self._said_restored.add(r.server)
             where = {"initial rows": "its initial rows", "mirror": "its mirror on this machine"}.get(
                 r.source, f"the checkpoint at {r.examples:,} examples")
-            self.console.print(f"embedding server {r.server}'s shard restored on node {self.node} from {where} "
+            self.console.print(f"embedding server {r.server}'s shard restored on node {r.node} from {where} "
                                f"({r.rows:,} rows, {r.age_s:.1f} s old; its {r.hot_rows:,} hot rows current: this "
                                "machine's replica)", soft_wrap=True)
 

@@ -51,7 +51,8 @@ __all__ = ["torchrun_args", "run_node"]
 
 _MODULE = "cocosync.shadowsync"
 WAITING_EVERY = 30.0  # seconds between two lines while the rendezvous waits for the other machines
-#: seconds the agent gets to report this machine's ranks once they have exited after another machine's loss
+#: seconds the agent gets to report this machine's ranks once they have exited after another machine's loss (on the
+#: machine that hosts the job's store; a third of it on the others)
 EXIT_GRACE = 3.0
 
 
@@ -113,6 +114,10 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     args = get_args_parser().parse_args([*launch, "-m", _MODULE])
     nnodes = int(args.nnodes)
     trainers = _trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes
+    if cluster.shard_mirror_interval > 0 and nnodes > 2:
+        shown = f"{cluster.shard_mirror_interval * 1e3:g}"
+        raise ConfigError(f"--shard-mirror-interval {shown}: each machine mirrors its shards on the other of two "
+                          f"machines (this job has --nnodes {nnodes}); leave it at 0")
     if cfg.max_restarts and nnodes > 1:
         raise ConfigError(f"--max-restarts {cfg.max_restarts}: a lost trainer is started again in a one-machine job "
                           f"only (this one has --nnodes {nnodes}); leave it at 0")
@@ -195,7 +200,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
             if monitor.lost_nodes:
                 # every rank here finished: a failed one ends the agent at once, one that succeeded leaves it in its
                 # exit barrier, which waits (300 s) for the lost machine's agent, which never comes
-                thread.join(EXIT_GRACE)
+                # (the machine that hosts the store leaves last: the others' agents fail loudly once it is gone)
+                thread.join(EXIT_GRACE if node_rank == 0 else EXIT_GRACE / 3)
                 if thread.is_alive():
                     return 0
         thread.join()

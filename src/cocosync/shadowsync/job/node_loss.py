@@ -43,12 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from cocosync.runtime.comm.gloo_device import gloo_backend
 from cocosync.runtime.comm.shm import create_named, map_named, unlink_named
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import NodeLoss, Restored, RestoredRange
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
@@ -83,6 +86,7 @@ class LostMachine:
         self.nodes: list[NodeLoss] = []
         self._lock = threading.Lock()
         self._outcome: bool | None = None
+        self._failed: Exception | None = None
         self.started = time.time()
 
     def bound_waits(self) -> None:
@@ -99,8 +103,14 @@ class LostMachine:
 
     def prepare(self) -> bool:
         with self._lock:
+            if self._failed is not None:  # (once: a second try would find the first's segments)
+                raise RuntimeError(f"the recovery from a lost machine failed: {self._failed!r}")
             if self._outcome is None:
-                self._outcome = self._handle()
+                try:
+                    self._outcome = self._handle()
+                except Exception as e:
+                    self._failed = e
+                    raise
             return self._outcome
 
     def _handle(self) -> bool:
@@ -109,19 +119,52 @@ class LostMachine:
         self.nodes = membership.wait_for_node_loss()
         if not self.nodes:
             return False
-        if self.hot_sync is not None:
-            self.hot_sync.abandon()
-            self.hot_lost = True
-        membership.drop(self.job.cross_groups)
+        roles = self.job.roles
         lost = [n.node for n in self.nodes]
-        E = self.job.roles.embedding_per_node
+        left = [n for n in range(roles.topo.nnodes) if n not in lost]
+        tag = "-".join(map(str, lost))  # (names the groups re-formed after these losses, the same on every machine)
+        if self.hot_sync is not None:
+            if len(left) == 1:
+                self.hot_sync.abandon()
+                self.hot_lost = True
+            else:  # the first trainers of the machines left sync on
+                firsts = [roles.ranks("trainer")[n * roles.trainers_per_node] for n in left]
+                self.hot_sync.regroup(self._group(f"hot/{tag}", left), ", ".join(
+                    f"{roles.rpc_name(r)} (host {self.job.hosts[r]})" for r in firsts if r != roles.topo.rank))
+        membership.drop(self.job.cross_groups)
+        E = roles.embedding_per_node
         servers = [s for n in lost for s in range(n * E, (n + 1) * E)]
-        self.adopted = {s: self._restore(s, membership) for s in servers}
-        self.tables.adopt(self.adopted)
+        # each lost server's shard is restored on one machine left, the servers dealt out over them
+        owner = {s: left[i % len(left)] for i, s in enumerate(servers)}
+        self.adopted = {s: self._restore(s, membership) for s in servers if owner[s] == roles.topo.node}
+        self.tables.adopt(self.adopted, remote=self._exchange(left, owner, tag) if len(left) > 1 else None)
         if self.center is not None:
             P = self.job.roles.sync_per_node
             self.ranges = [self._adopt_range(r, membership, lost) for n in lost for r in range(n * P, (n + 1) * P)]
         return True
+
+    def _group(self, key: str, left: list[int]) -> Any:
+        """A gloo group of this trainer and its peers of the same local index on the machines `left` (in node order),
+        made through the job's store under `key`: the job's process groups hold the lost machine's ranks."""
+        membership = self.job.membership
+        assert membership is not None
+        roles = self.job.roles
+        timeout = datetime.timedelta(seconds=cross_timeout(self.job.cfg.heartbeat_timeout))
+        return gloo_backend(dist.PrefixStore(f"{key}/{self.trainer % roles.trainers_per_node}", membership.store),
+                            left.index(roles.topo.node), len(left), timeout)
+
+    def _exchange(self, left: list[int], owner: dict[int, int], tag: str) -> LookupExchange:
+        """This trainer's lookup exchange with its peers on the machines left: each server's rows go to the machine
+        that holds its shard now (its own, or the one that restored it)."""
+        job, roles = self.job, self.job.roles
+        E, Tn = roles.embedding_per_node, roles.trainers_per_node
+        S = E * roles.topo.nnodes
+        owners = torch.tensor([left.index(owner.get(s, s // E)) for s in range(S)], dtype=torch.int64)
+        peers = [roles.ranks("trainer")[n * Tn + self.trainer % Tn] for n in left]
+        return LookupExchange(self._group(f"exchange/{tag}", left), {**job.shards, **self.adopted}, servers=S,
+                              servers_per_node=E, dim=job.tables.width, interval=job.cluster.exchange_interval,
+                              labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers],
+                              owners=owners)
 
     def _adopt_range(self, r: int, membership: Any, lost: list[int]) -> RestoredRange:
         """Range `r` of EASGD's centre (its sync server lost) adopted by a sync server left: the first trainer left
@@ -133,7 +176,7 @@ class LostMachine:
             raise RuntimeError(f"range {r} of EASGD's centre was lost with its machine and no sync server is left")
         onto = roles.rpc_name(roles.rank_of("sync", left[r % len(left)]))
         key = f"centre/{r}"
-        if self.trainer == self._here(membership)[0]:
+        if self.trainer == min(membership.live()):  # (one trainer of the job hands it over)
             lo, hi = self.center.bounds[r]
             self.center.adopt(r, self.replica[lo:hi], onto)
             rec = RestoredRange(r, onto, f"trainer {self.trainer}'s replica", time.time())
@@ -148,6 +191,14 @@ class LostMachine:
         rec = RestoredRange(**json.loads(store.get(key)))
         self.center.reroute(r, rec.server)
         return rec
+
+    def saved_here(self) -> dict[int, Shard]:
+        """The shards this machine restored, on the first trainer left here (which saves them in the last
+        checkpoint); empty elsewhere."""
+        membership = self.job.membership
+        if not self.adopted or membership is None or self.trainer != self._here(membership)[0]:
+            return {}
+        return self.adopted
 
     def _here(self, membership: Any) -> list[int]:
         """The trainers left on this machine."""
@@ -192,9 +243,9 @@ class LostMachine:
 
     def _shard(self, buf: torch.Tensor, n: int, dim: int) -> Shard:
         cfg = self.job.cfg
-        w = buf[:n * dim * 4].view(torch.float32).view(n, dim)
-        acc = buf[n * dim * 4:n * dim * 4 + n * 4].view(torch.float32)
-        versions = buf[n * dim * 4 + n * 4:].view(torch.int64)
+        versions = buf[:n * 8].view(torch.int64)  # (first: 8-byte aligned whatever n and dim)
+        w = buf[n * 8:n * 8 + n * dim * 4].view(torch.float32).view(n, dim)
+        acc = buf[n * 8 + n * dim * 4:].view(torch.float32)
         return Shard(w, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
                      weight_decay=cfg.embedding_weight_decay)
 
@@ -211,17 +262,18 @@ class LostMachine:
             shard.weight.copy_(initial_rows(job.tables.table_rows, job.tables.width, init_std=m.embedding_init_std,
                                             seed=m.seed, rowhash=job.rowhash, server=server))
             source, examples, age = "initial rows", 0, time.time() - self.started
-        return self._hot_rows(server, shard, Restored(server, source, examples, age, shard.weight.shape[0], 0, name))
+        return self._hot_rows(server, shard, Restored(server, source, examples, age, shard.weight.shape[0], 0,
+                                                      name))
 
     def _hot_rows(self, server: int, shard: Shard, rec: Restored) -> Restored:
         """Write this machine's replica of the hot rows (the truth for them) into a restored shard; `rec` with their
-        count."""
+        count and this machine."""
         job, hot = self.job, 0
         if job.hot is not None:
             for _, slots, _ in job.hot.owned({server: shard}, job.rowhash.servers):
                 hot += slots.numel()
             job.hot.write_back({server: shard}, job.rowhash.servers)
-        return dataclasses.replace(rec, hot_rows=hot)
+        return dataclasses.replace(rec, hot_rows=hot, node=job.roles.topo.node)
 
     def _checkpoint(self) -> tuple[Path, int, float] | None:
         """(path, examples, when written) of the checkpoint to restore from: the job's last periodic one, else the

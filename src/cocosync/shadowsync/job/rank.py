@@ -208,8 +208,10 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             parts: dict[str, Stateful] = {name: saved}
             if summary is not None and summary["lost"]:
                 parts.update(_lost_parts(job, summary, saved, meta))
-            if summary is not None:  # a lost server's shard, from this machine's shared memory (restored there)
-                parts.update({part_name("embedding", s): _shard(job, run, s) for s in gone})
+            if run is not None and run.machine is not None:  # the shards this machine restored after a loss
+                parts.update({part_name("embedding", s): shard for s, shard in run.machine.saved_here().items()})
+            elif summary is not None:  # a lost server's shard, from this machine's shared memory (one machine)
+                parts.update({part_name("embedding", s): job.shards[s] for s in gone})
             if kind == "sync":  # its range, and those it adopted from lost ones (EASGD across machines)
                 parts[name] = Snapshot({k: v for c in served_ranges().values() for k, v in c.state_dict().items()})
             ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
@@ -341,14 +343,6 @@ class _TrainerRun:
     hot_sync: HotSync | None = None  # on a node's first trainer
     curve: _EvalCurve | None = None  # trainer 0's eval curve (--eval-every)
     machine: LostMachine | None = None  # where the job goes on without a lost machine
-
-
-def _shard(job: Job, run: _TrainerRun | None, server: int) -> Any:
-    """Embedding server `server`'s shard in this machine's shared memory: its own, or restored after its machine's
-    loss."""
-    if run is not None and run.machine is not None and server in run.machine.adopted:
-        return run.machine.adopted[server]
-    return job.shards[server]
 
 
 def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerRun:

@@ -35,7 +35,7 @@ from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import leave_fenced
 from cocosync.shadowsync.job.membership import Loss, Membership
 from cocosync.shadowsync.sync import make_sync
-from cocosync.shadowsync.sync.base import ShmGroup, SyncAlgorithm
+from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup, SyncAlgorithm
 from cocosync.shadowsync.sync.dssync import DSSync
 
 __all__ = ["Recovery", "Takeover"]
@@ -134,7 +134,7 @@ class Recovery:
         self.reads_own = not started and self.membership.claim_rows(own.seq, "join") == "join"
         return new
 
-    def _formed(self, old: SyncAlgorithm, group: ShmGroup, epoch: int) -> SyncAlgorithm:
+    def _formed(self, old: SyncAlgorithm, group: ShmGroup | GlooGroup, epoch: int) -> SyncAlgorithm:
         cfg, live = self.job.cfg.sync, group.members
         if cfg.method == "dssync":
             new: SyncAlgorithm = DSSync(old.flat, cfg, group=group, round_group=group)
@@ -148,7 +148,7 @@ class Recovery:
         self.epoch = epoch
         return new
 
-    def _share_state(self, group: ShmGroup, new: SyncAlgorithm) -> None:
+    def _share_state(self, group: ShmGroup | GlooGroup, new: SyncAlgorithm) -> None:
         """Trainers that joined take the dense replica, its optimizer state and the sync's state from the first
         member that did not (one flag per member first, summed: nothing more is sent when none joined)."""
         n, i = group.size(), group.members.index(self.trainer)

@@ -159,17 +159,19 @@ class ShardedEmbeddings:
         self._ended: TransportCounters | None = None  # a transport given up (adopt): its last counters
 
     # -- servers lost with their machine ----------------------------------------------------------------------
-    def adopt(self, shards: dict[int, Shard]) -> None:
+    def adopt(self, shards: dict[int, Shard], remote: RemoteRows | None = None) -> None:
         """Take `shards` (restored copies of other machines' servers, in this machine's shared memory) as local: their
-        rows are read and updated in place from now on. Once every server is local the transport is given up (its
-        counters kept). Lookups issued before keep their remote part: `wait` reads it here when the transport fails
-        them (`on_lost`)."""
+        rows are read and updated in place from now on. `remote`: the transport to the other machines left, which
+        replaces the one that broke; without it, once every server is local the transport is given up. (A transport
+        given up keeps its counters.) Lookups issued before keep their remote part: `wait` reads it here, or asks the
+        new transport, when the old one fails them (`on_lost`)."""
         with self._lock:
             for s, shard in shards.items():
                 self.servers[s] = shard
             self._place()
-            if len(self._local_servers) == len(self.servers) and self.remote is not None:
-                self._ended, self.remote = self.remote.counters(), None
+            if self.remote is not None and (remote is not None or len(self._local_servers) == len(self.servers)):
+                c = self.remote.counters()
+                self._ended, self.remote = c if self._ended is None else self._ended + c, remote
 
     def _place(self) -> None:
         """Which servers are local: one attribute, replaced whole (workers place rows while `adopt` runs)."""
@@ -186,9 +188,14 @@ class ShardedEmbeddings:
         return self.on_lost is not None and self.on_lost(err)
 
     def _resplit(self, lk: Lookup) -> None:
-        """Place `lk`'s rows again (some servers were adopted since it was issued)."""
+        """Place `lk`'s rows again (some servers were adopted since it was issued) and ask the transport that replaced
+        the broken one for the rows still remote."""
         split = self._split(lk.uniq)
         lk.local, lk.hot, lk.remote_idx, lk.remote = split["local"], split["hot"], split["remote_idx"], None
+        if lk.remote_idx.numel():
+            if self.remote is None:
+                raise ExchangeLost("rows of another machine's servers are left with no transport to reach them")
+            lk.remote = self.remote.lookup(lk.uniq[lk.remote_idx])
 
     # -- lookups ----------------------------------------------------------------------------------------
     def fetch(self, ids: torch.Tensor) -> Lookup:
@@ -352,7 +359,7 @@ class ShardedEmbeddings:
             except ExchangeLost as e:
                 if self.remote is not None and not self._recovered(e):
                     raise
-                stale += self._apply_local(rows, g, v)
+                stale += self._apply_after_loss(rows, g, v)
         with self._lock:
             st = self.stats
             st.bytes_sent += r.numel() * (16 + self.dim * 4)
@@ -360,11 +367,16 @@ class ShardedEmbeddings:
             st.stale_sum += stale
             st.stale_rows += lk.uniq.numel()
 
-    def _apply_local(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> int:
-        """Apply gradients of global rows whose servers are all local now; their summed staleness."""
+    def _apply_after_loss(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> int:
+        """Apply gradients of global rows after a machine's loss: those of servers local now here (their summed
+        staleness), the rest through the transport that replaced the broken one."""
         stale = 0
-        for s, idx, ids in self._split(rows)["local"]:
+        split = self._split(rows)
+        for s, idx, ids in split["local"]:
             stale += self.servers[s].apply(ids, grads.index_select(0, idx), versions[idx])
+        r = split["remote_idx"]
+        if r.numel() and self.remote is not None:
+            self.remote.push(rows[r], grads.index_select(0, r), versions[r])
         return stale
 
     def flush(self) -> None:
@@ -380,7 +392,9 @@ class ShardedEmbeddings:
             except ExchangeLost as e:
                 if not self._recovered(e):
                     raise
-        c = self._ended if self.remote is None else remote.counters()
+        remote = self.remote
+        c = self._ended if remote is None else remote.counters() if self._ended is None else \
+            self._ended + remote.counters()
         with self._lock:
             st = self.stats
             stale = remote.take_stale() if remote is not None else 0

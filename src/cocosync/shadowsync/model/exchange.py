@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
+from torch.distributed import AllToAllOptions
 
 from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.lookup_thread import ExchangeLost, LookupThread
@@ -129,12 +129,15 @@ def _bounds(counts: list[int]) -> list[int]:
     return [0, *itertools.accumulate(counts)]
 
 
-def _node_of(rows: torch.Tensor, servers: int, per_node: int) -> torch.Tensor:
+def _node_of(rows: torch.Tensor, servers: int, per_node: int, owners: torch.Tensor | None = None) -> torch.Tensor:
+    """The peer each global row is sent to: its server's node (server s on node s // per_node), or `owners[s]`."""
+    if owners is not None:
+        return owners.index_select(0, rows % servers)
     return (rows % servers).div_(per_node, rounding_mode="floor")
 
 
-def sort_lookups(parts: list[torch.Tensor], servers: int, per_node: int, n: int, *,
-                 native: Any = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def sort_lookups(parts: list[torch.Tensor], servers: int, per_node: int, n: int, *, native: Any = None,
+                 owners: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """A round's lookups (int64 global rows per part): its distinct rows node-major (ascending within a node: the
     batches of a round share their hot rows), where each row of the parts concatenated is in them, rows per node.
     `native`: the C++ module (runtime/comm/native, the same bits), else this Python path, its reference."""
@@ -143,15 +146,15 @@ def sort_lookups(parts: list[torch.Tensor], servers: int, per_node: int, n: int,
         ids, where, counts = native.sort_lookups(parts, servers, per_node, n)
         return ids, where, counts.tolist()
     ids = torch.cat(parts)
-    keys, where = torch.unique(_node_of(ids, servers, per_node).bitwise_left_shift_(_NODE_SHIFT).bitwise_or_(ids),
-                               return_inverse=True)
+    keys, where = torch.unique(_node_of(ids, servers, per_node, owners).bitwise_left_shift_(_NODE_SHIFT)
+                               .bitwise_or_(ids), return_inverse=True)
     counts = torch.bincount(keys.bitwise_right_shift(_NODE_SHIFT), minlength=n).tolist()
     return keys.bitwise_and_(_ROW_MASK), where, counts
 
 
 def sort_pushes(rows: list[torch.Tensor], versions: list[torch.Tensor], grads: list[torch.Tensor], servers: int,
-                per_node: int, n: int, *, native: Any = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                       list[int]]:
+                per_node: int, n: int, *, native: Any = None,
+                owners: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
     """A round's pushes concatenated and stably ordered by node: rows, versions, float32 gradients, rows per node."""
     rows = [r.to(torch.int64).contiguous() for r in rows]
     versions = [v.to(torch.int64).contiguous() for v in versions]
@@ -160,7 +163,7 @@ def sort_pushes(rows: list[torch.Tensor], versions: list[torch.Tensor], grads: l
         ids, vers, g, counts = native.sort_pushes(rows, versions, grads, servers, per_node, n, grads[0].shape[1])
         return ids, vers, g, counts.tolist()
     ids = torch.cat(rows)
-    node = _node_of(ids, servers, per_node)
+    node = _node_of(ids, servers, per_node, owners)
     perm = torch.argsort(node, stable=True)
     counts = torch.bincount(node, minlength=n).tolist()
     return ids[perm], torch.cat(versions)[perm], torch.cat(grads)[perm], counts
@@ -247,13 +250,18 @@ class LookupExchange(LookupThread):
     server count S (global row g lives on server g % S, at its row g // S); `servers_per_node`: server s lives on node
     s // servers_per_node; `labels[n]`: how errors name node n's peer; `native`: sort and pack each round in C++
     (the module of runtime/comm/native, when enabled and built) rather than in Python, the reference; `relays`: the
-    trainers whose rows this exchange also carries (node-exchange: it runs on the node's first server)."""
+    trainers whose rows this exchange also carries (node-exchange: it runs on the node's first server); `owners`:
+    int64 [servers], the group rank that serves each server's rows, where that is not its node (an exchange re-formed
+    among the machines left after a loss, some holding a lost machine's shards: it sorts in Python, the
+    reference)."""
 
     def __init__(self, group: Any, shards: Mapping[int, Any], *, servers: int, servers_per_node: int, dim: int,
-                 interval: float, labels: Sequence[str], native: bool = True, relays: RelayHost | None = None):
+                 interval: float, labels: Sequence[str], native: bool = True, relays: RelayHost | None = None,
+                 owners: torch.Tensor | None = None):
         self.group, self.dim, self.interval = group, int(dim), float(interval)
-        self.native = native_module() if native else None
-        self.me, self.n = dist.get_rank(group), dist.get_world_size(group)
+        self.owners = owners
+        self.native = native_module() if native and owners is None else None
+        self.me, self.n = group.rank(), group.size()
         self.shards, self.servers, self.per_node = dict(shards), int(servers), int(servers_per_node)
         self.labels = list(labels)
         self.relays = relays  # node-exchange: the node's trainers' mailboxes, whose lookups this exchange carries
@@ -266,7 +274,7 @@ class LookupExchange(LookupThread):
 
     # -- the client side (the trainer's workers) ----------------------------------------------------------------
     def node_of(self, rows: torch.Tensor) -> torch.Tensor:
-        return _node_of(rows, self.servers, self.per_node)
+        return _node_of(rows, self.servers, self.per_node, self.owners)
 
     def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
         """Look up global rows of other nodes' shards; the future gives (rows [len, dim], their versions)."""
@@ -324,7 +332,8 @@ class LookupExchange(LookupThread):
                              8 * _HEADER + _answer_nbytes(awaiting.looked[p], awaiting.pushed[p], dim)
                              + _request_nbytes(*cap_in[p], dim) for p in range(n)]
                 recvbuf = torch.empty(sum(out_sizes), dtype=torch.uint8)
-                dist.all_to_all_single(recvbuf, sendbuf, out_sizes, in_sizes, group=self.group)
+                # (the group's own call: it may be a gloo group made through the job's store, outside torch's map)
+                self.group.alltoall_base(recvbuf, sendbuf, out_sizes, in_sizes, AllToAllOptions()).wait()
                 self.rounds += 1
                 self.bytes_sent += sendbuf.numel()
                 everyone_done, caps_in, answers, requests = done, [(0, 0)] * n, [], []
@@ -361,11 +370,12 @@ class LookupExchange(LookupThread):
         pushes = [p for p in parts if p.future is None]
         where = (self.servers, self.per_node, self.n)
         if rnd.lookups:
-            rnd.ids, rnd.where, rnd.looked = sort_lookups([p.ids for p in rnd.lookups], *where, native=self.native)
+            rnd.ids, rnd.where, rnd.looked = sort_lookups([p.ids for p in rnd.lookups], *where, native=self.native,
+                                                          owners=self.owners)
         if pushes:
             rnd.push_ids, rnd.push_versions, rnd.grads, rnd.pushed = sort_pushes(
                 [p.ids for p in pushes], [p.versions for p in pushes], [p.grads for p in pushes], *where,
-                native=self.native)
+                native=self.native, owners=self.owners)
             rnd.pushes = sum(p.owner < 0 for p in pushes)
             rnd.relayed_pushes = collections.Counter(p.owner for p in pushes if p.owner >= 0)
         return rnd

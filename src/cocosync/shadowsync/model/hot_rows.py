@@ -35,7 +35,6 @@ import time
 from typing import Any, Mapping
 
 import torch
-import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.shard import Shard
@@ -151,7 +150,7 @@ class HotSync:
         self.longest, self.bound = float(interval), float(staleness)
         self.interval = self.longest  # the next sync's (the same on every node)
         self.native = native_module() if native else None
-        self.n = dist.get_world_size(group)
+        self.n = group.size()
         H, dim = len(hot), hot.shard.weight.shape[1]
         self.H, self.dim = H, dim
         # pack_changes' layout, then 2 flags (settle, close) and the previous sync's staleness sum and uses
@@ -170,7 +169,8 @@ class HotSync:
         self._settled = 0  # syncs every node asked to settle
         self._error: BaseException | None = None
         self._abandoned = False  # the other nodes are lost: this replica is the only one (`abandon`)
-        self._thread = threading.Thread(target=in_role("hot-sync", self._run), name="cocosync-hot-rows",
+        self._generation = 0  # the group's (`regroup`): a thread of an earlier group leaves no trace when it ends
+        self._thread = threading.Thread(target=in_role("hot-sync", self._run), args=(0,), name="cocosync-hot-rows",
                                         daemon=True)
 
     @torch.no_grad()
@@ -183,7 +183,7 @@ class HotSync:
             acc[slots] = shard.accumulator.index_select(0, local)
             ver[slots] = shard.versions.index_select(0, local)
         for t in (w, acc, ver):
-            dist.all_reduce(t, group=self.group)
+            self.group.allreduce([t]).wait()
         for dst, src in ((rep.weight, w), (rep.accumulator, acc), (rep.versions, ver), (self._base_w, w),
                          (self._base_acc, acc), (self._base_v, ver)):
             dst.copy_(src)
@@ -206,6 +206,20 @@ class HotSync:
         if self._thread.is_alive():
             self._thread.join()
 
+    def regroup(self, group: Any, label: str) -> None:
+        """Another node was lost and more than one is left: sync from now on with `group` (the first trainer of each
+        node left, a gloo group made through the job's store). The replica and the consensus it last synced stay:
+        every node left took the same syncs (the one that failed took no one's changes), so the changes made since
+        are sent at the next sync. The old group's thread is not waited for: its sync may wait for a peer that left
+        it until the group's timeout; it then ends, touching nothing (its buffers are its own)."""
+        with self._lock:
+            self._generation += 1
+            self.group, self.n, self.label, self._error = group, group.size(), label, None
+            self._buf, self._mine = torch.zeros_like(self._buf), torch.zeros_like(self._mine)
+            self._thread = threading.Thread(target=in_role("hot-sync", self._run), args=(self._generation,),
+                                            name="cocosync-hot-rows", daemon=True)
+        self._thread.start()
+
     def settle(self, *, close: bool = False) -> None:
         """Collective over the nodes, with every trainer's workers paused: returns once a sync has taken every
         node's updates, so every replica is the consensus (then `HotRows.write_back`). `close`: and stop."""
@@ -226,7 +240,7 @@ class HotSync:
         """The final settle; the thread stops."""
         self.settle(close=True)
 
-    def _run(self) -> None:
+    def _run(self, generation: int) -> None:
         deadline = time.monotonic()
         try:
             while True:
@@ -234,31 +248,32 @@ class HotSync:
                 with self._lock:
                     while not self._want and not self._abandoned and (left := deadline - time.monotonic()) > 0:
                         self._lock.wait(left)
-                    if self._abandoned:
+                    if self._abandoned or generation != self._generation:
                         return
-                    want = self._want
-                if self._sync(want):
+                    want, group, buf, mine = self._want, self.group, self._buf, self._mine
+                if self._sync(want, group, buf, mine):
                     return
         except BaseException as e:  # noqa: BLE001 - a waiting settle gets the reason
             with self._lock:
-                self._error = e
+                if generation == self._generation:  # (an earlier group's failure: regroup replaced it)
+                    self._error = e
                 self._lock.notify_all()
 
     @torch.no_grad()
-    def _sync(self, want: int) -> bool:
-        """One sync; True once every node asked to close."""
+    def _sync(self, want: int, group: Any, buf: torch.Tensor, mine: torch.Tensor) -> bool:
+        """One sync over `group`, in this thread's buffers; True once every node asked to close."""
         cpu0 = time.thread_time()
-        rep, buf, n = self.hot.shard, self._buf, self.n
+        rep, n = self.hot.shard, group.size()
         state = (rep.weight, rep.accumulator, rep.versions, self._base_w, self._base_acc, self._base_v)
         pack_changes(*state, buf, native=self.native)
-        self._mine.copy_(buf[:-4])
+        mine.copy_(buf[:-4])
         buf[-4:] = torch.tensor([float(want >= 1), float(want == 2), *self._last])
-        dist.all_reduce(buf, group=self.group)
+        group.allreduce([buf]).wait()  # (the group's own call: it may be made through the job's store)
         settles, closes, stale_sum, uses = buf[-4:].tolist()
         everyone_settles, everyone_closes = int(settles) == n, int(closes) == n
-        stale = merge_changes(*state, buf, self._mine, native=self.native)
+        stale = merge_changes(*state, buf, mine, native=self.native)
         H, dim = self.H, self.dim
-        self._last = (stale, float(self._mine[H * (dim + 1):].sum()))
+        self._last = (stale, float(mine[H * (dim + 1):].sum()))
         now = time.monotonic()
         with self._lock:
             if self._ended is not None and not want:  # a settle's sync follows a pause: not a stall

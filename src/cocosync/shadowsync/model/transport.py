@@ -42,6 +42,11 @@ class TransportCounters:
     cpu_s: float = 0.0  # exchange: its thread's CPU
     push_calls: int = 0  # RPC: messages of pushes alone (queue full, or the final flush)
 
+    def __add__(self, other: TransportCounters) -> TransportCounters:
+        return TransportCounters(self.rounds + other.rounds, self.messages + other.messages,
+                                 self.wire_bytes + other.wire_bytes, self.cpu_s + other.cpu_s,
+                                 self.push_calls + other.push_calls)
+
 
 class RemoteRows(Protocol):
     """Rows of other nodes' shards, by global row (row g on server g % S)."""

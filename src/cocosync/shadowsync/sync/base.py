@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from cocosync.shadowsync.config import SyncConfig
 
-__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "DenseGroup", "HierarchicalGroup", "ShmGroup"]
+__all__ = ["FlatParams", "SyncAlgorithm", "NoSync", "DenseGroup", "HierarchicalGroup", "ShmGroup", "GlooGroup"]
 
 
 class DenseGroup(ABC):
@@ -55,6 +55,29 @@ class ShmGroup(DenseGroup):
         """`buf` from member index `root` onto every member, in place."""
         if self.size() > 1:
             self.comm.broadcast(buf, root)
+
+
+class GlooGroup(DenseGroup):
+    """Trainers of several machines through a gloo group made through the job's store, outside torch's map of groups
+    (job/membership.py: the sync re-formed among the trainers of the machines left after one's loss). `members`: the
+    trainers' indices, in the group's rank order."""
+
+    def __init__(self, pg: Any, members: list[int]):
+        self.pg, self.members = pg, list(members)
+
+    def size(self) -> int:
+        return len(self.members)
+
+    def all_reduce(self, buf: torch.Tensor) -> None:
+        if self.size() > 1:
+            self.pg.allreduce([buf]).wait()
+
+    def broadcast(self, buf: torch.Tensor, root: int) -> None:
+        """`buf` from member index `root` onto every member, in place."""
+        if self.size() > 1:
+            opts = dist.BroadcastOptions()
+            opts.rootRank = root
+            self.pg.broadcast([buf], opts).wait()
 
 
 class HierarchicalGroup(DenseGroup):
