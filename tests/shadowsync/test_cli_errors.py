@@ -411,3 +411,9 @@ def test_restarts_are_refused_across_machines(tmp_path):
     res = _train(tmp_path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555",
                  "--max-restarts", "1", "--examples", "10000")
     _one_error(res, "--max-restarts 1", "one-machine job only", "--nnodes 2")
+
+
+def test_the_shard_mirror_is_refused_beyond_two_machines(tmp_path):
+    res = _train(tmp_path, "--nnodes", "3", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29556",
+                 "--shard-mirror-interval", "200", "--examples", "10000")
+    _one_error(res, "--shard-mirror-interval 200", "the other of two machines", "--nnodes 3")

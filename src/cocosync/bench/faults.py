@@ -1,10 +1,10 @@
 """``cocosync bench faults``: what a lost trainer, embedding server or machine costs a job. For each seed, the same
 job (`cocosync train`, T trainers, shadow-bmuf by default) runs uninterrupted, and once per kind of loss in `--kill`
 with it inflicted (kill -9) once the job has trained `--at` of its examples: trainer 1 or embedding server 0 of a
-one-machine job, trainer 1 with `--max-restarts 1` (its restart joins the running job), or node 1 of two loopback
-machines (`cocosync train --nnodes 2`, T/2 trainers and an embedding server each, periodic checkpoints every fifth of
-the run; its command and every process under it killed, whatever the job is doing then: a periodic checkpoint's
-save included), against the same two-machine job uninterrupted. Per run:
+one-machine job, trainer 1 with `--max-restarts 1` (its restart joins the running job), or node 1 of `--nodes`
+loopback machines (default two: `cocosync train --nnodes N`, T/N trainers and an embedding server each, periodic
+checkpoints every fifth of the run; its command and every process under it killed, whatever the job is doing then:
+a periodic checkpoint's save included), against the same multi-machine job uninterrupted. Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
@@ -86,12 +86,12 @@ def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float)
             *(["--shard-mirror-interval", f"{mirror_ms:g}"] if mirror_ms else [])]
 
 
-def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tuple[dict, float | None]:
-    """Two loopback machines of `trainers // 2` trainers each (after an embedding server, and EASGD's sync server);
-    with `at`, node 1 killed whole once the job has trained `at` examples. (summary, time of the kill)."""
+def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2) -> tuple[dict, float | None]:
+    """`nodes` loopback machines of `trainers // nodes` trainers each (after an embedding server, and EASGD's sync
+    server); with `at`, node 1 killed whole once the job has trained `at` examples. (summary, time of the kill)."""
     before = semaphores()
     servers = 1 + any(a.endswith("easgd") for a in args)
-    procs = start_nodes(args, nproc_per_node=servers + trainers // 2)
+    procs = start_nodes(args, nnodes=nodes, nproc_per_node=servers + trainers // nodes)
     killed_at = None
     try:
         metrics = out / "metrics.jsonl"
@@ -108,9 +108,9 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None) -> tup
             if p.poll() is None:
                 kill_machine(p.pid)
     remove_semaphores_since(before)
-    failed = [r for r in runs[: 1 if at is not None else 2] if r.returncode != 0]
+    failed = [r for i, r in enumerate(runs) if r.returncode != 0 and (at is None or i != 1)]
     if failed or (at is not None and killed_at is None):
-        raise click.ClickException(f"the two-machine job failed or ended before the kill: "
+        raise click.ClickException(f"the multi-machine job failed or ended before the kill: "
                                    f"{(failed[0].output if failed else runs[0].output)[-800:]}")
     return json.loads((out / "summary.json").read_text()), killed_at
 
@@ -128,24 +128,29 @@ VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1}
               help="the kill comes once the job has trained this fraction of its examples.")
 @click.option("--kill", default="trainer,restart,server,node", show_default=True,
               help="what each killed run kills, comma-separated: trainer (trainer 1), restart (trainer 1, started "
-                   "again: --max-restarts 1), server (embedding server 0), node (node 1 of two loopback machines).")
+                   "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines).")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
 @click.option("--shard-mirror-interval", "mirror_ms", type=click.FloatRange(0, 60_000), default=0, show_default=True,
-              help="milliseconds: the two-machine jobs mirror their shards (0: none; a lost machine's come back from "
-                   "the last checkpoint).")
+              help="milliseconds: the jobs of two machines mirror their shards (0: none; a lost machine's come "
+                   "back from the last checkpoint).")
+@click.option("--nodes", type=click.IntRange(2, 8), default=2, show_default=True,
+              help="loopback machines of the job whose node 1 --kill node kills (T/nodes trainers each).")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-faults", show_default=True)
 def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, sync: str, mirror_ms: float,
-               out: str) -> None:
-    """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a two-machine job,
+               nodes: int, out: str) -> None:
+    """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a multi-machine job,
     against the same job uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
     kinds = [k.strip() for k in kill.split(",") if k.strip()]
     for k in kinds:
         if k not in VICTIMS:
             raise click.BadParameter(f"{k!r}: expected a comma-separated list of {', '.join(VICTIMS)}",
                                      param_hint="--kill")
-    if "node" in kinds and trainers % 2:
-        raise click.BadParameter(f"{trainers}: a machine's loss runs T/2 trainers on each of two machines: expected "
-                                 "an even count", param_hint="--trainers")
+    if "node" in kinds and trainers % nodes:
+        raise click.BadParameter(f"{trainers}: a machine's loss runs T/{nodes} trainers on each of {nodes} machines: "
+                                 f"expected a multiple of {nodes}", param_hint="--trainers")
+    if mirror_ms and nodes > 2:
+        raise click.BadParameter(f"{mirror_ms:g}: shards are mirrored between two machines, not {nodes}",
+                                 param_hint="--shard-mirror-interval")
     console = Console(width=180)
     root = Path(out)
     rows: list[list] = []
@@ -156,15 +161,15 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         for kind in kinds:
             node = kind == "node"
             if node not in bases:  # the uninterrupted job of the same shape
-                base_out = root / f"seed{seed}-uninterrupted{'-2nodes' if node else ''}"
+                base_out = root / f"seed{seed}-uninterrupted{f'-{nodes}nodes' if node else ''}"
                 bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync, mirror_ms), base_out, trainers,
-                                          None)[0]
+                                          None, nodes)[0]
                                if node else _run(_command(base_out, seed, examples, trainers, sync), base_out))
             base = bases[node]
             kill_out = root / f"seed{seed}-{kind}-killed"
             if node:
                 hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync, mirror_ms), kill_out,
-                                            trainers, int(at * examples))
+                                            trainers, int(at * examples), nodes)
             else:
                 cmd = _command(kill_out, seed, examples, trainers, sync) + (
                     ["--max-restarts", "1"] if kind == "restart" else [])
@@ -215,8 +220,9 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
-    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}{mirrored}, "
-             f"{seeds} seeds "
+    machines = f", {nodes} machines" if "node" in kinds and nodes != 2 else ""
+    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}{mirrored}"
+             f"{machines}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
     console.print(markdown_table(COLUMNS, rows), markup=False)
