@@ -329,7 +329,7 @@ class Monitor:
                 self.lost_nodes[n] = silent
                 trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
                 E, P = self.roles.embedding_per_node, self.roles.sync_per_node
-                left = self.cfg.trainers - len(trainers)
+                left = sum(self._node_of_trainer(t) not in self.lost_nodes for t in range(self.cfg.trainers))
                 sync = (f", sync server{'s' if P > 1 else ''} {', '.join(str(i) for i in range(n * P, (n + 1) * P))}"
                         if P else "")
                 self.console.print(f"[yellow]node {n} was lost (no word from its launcher for {silent:.1f} s): "

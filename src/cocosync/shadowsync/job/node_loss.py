@@ -63,6 +63,11 @@ __all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout"]
 LAST_CHECKPOINT = "last-checkpoint"
 
 
+#: seconds a trainer waits after a machine's loss is recorded for other machines lost with it to be recorded (the
+#: launcher records every machine silent for as long in one pass, milliseconds apart)
+SETTLE = 0.5
+
+
 def cross_timeout(heartbeat_timeout: float) -> float:
     """Seconds a collective with another machine may wait once training runs: --heartbeat-timeout (a stopped trainer
     is named by its own machine's launcher by then), at least 10 (a round of the lookup exchange or of the hot rows'
@@ -111,6 +116,14 @@ class LostMachine:
                 except Exception as e:
                     self._failed = e
                     raise
+            elif self._outcome and self.job.membership is not None:
+                later = [n.node for n in self.job.membership.lost_nodes() if n.node not in {m.node for m in self.nodes}]
+                if later:  # (the groups re-formed after the first loss hold it)
+                    self._failed = RuntimeError(
+                        f"node {later[0]} was lost after node {', '.join(str(n.node) for n in self.nodes)}: a job goes "
+                        "on without the machines of its first loss only (a later one stops it; resume from its last "
+                        "checkpoint)")
+                    raise self._failed
             return self._outcome
 
     def _handle(self) -> bool:
@@ -119,6 +132,14 @@ class LostMachine:
         self.nodes = membership.wait_for_node_loss()
         if not self.nodes:
             return False
+        # machines lost together are recorded one after another: re-form once, after all of them (with two machines
+        # only the one that does not host the store can be lost)
+        while self.job.roles.topo.nnodes > 2:
+            time.sleep(SETTLE)
+            recorded = membership.lost_nodes()
+            if len(recorded) == len(self.nodes):
+                break
+            self.nodes = recorded
         roles = self.job.roles
         lost = [n.node for n in self.nodes]
         left = [n for n in range(roles.topo.nnodes) if n not in lost]
