@@ -26,11 +26,12 @@ other rank reads it through `Membership`:
 Servers' losses have a counter and records of their own (`server-losses`, `lost-server/<s>`): they change no
 trainer's sync or data, only who is at the job's end.
 
-Across two machines (`cocosync train --nnodes 2`) the job goes on without the machine that does not host the job's
-store when that machine's launcher falls silent (`survives_node_loss`): the launcher that hosts the store records
-the loss (`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above), and the
-ranks left restore its shards (job/node_loss.py). Each trainer publishes its reader positions with its heartbeat
-(`pos/<t>`), where the others read a lost machine's (`published_positions`).
+Across machines (`cocosync train --nnodes N`) the job goes on without a machine that does not host the job's store
+when that machine's launcher falls silent (`survives_node_loss`): the launcher that hosts the store records the loss
+(`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above), and the ranks
+left restore its shards and re-form what they did with it (job/node_loss.py); the dense sync re-forms as above, in a
+gloo group made through the store where the trainers left span machines. Each trainer publishes its reader
+positions with its heartbeat (`pos/<t>`), where the others read a lost machine's (`published_positions`).
 """
 
 from __future__ import annotations

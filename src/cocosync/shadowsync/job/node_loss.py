@@ -1,33 +1,40 @@
 """What a trainer does when a machine of its job is lost (membership.py: `survives_node_loss`, `record_node_loss`):
-the lost machine's embedding shards restored on this machine, where its trainers read and update them in place.
+the lost machine's embedding shards restored on the machines left, where their trainers read and update them in
+place, and the job's cross-machine parts re-formed among those machines.
 
-The first thread of a trainer whose rows from the other machine fail (the lookup exchange broke) or whose dense sync
-fails waits for the launcher that hosts the job's store to record the machine's loss, then, once per process:
+The first thread of a trainer whose rows from another machine fail (the lookup exchange broke) or whose dense sync
+fails waits for the launcher that hosts the job's store to record the machine's loss (with more than two machines,
+`SETTLE` seconds more for machines lost with it: they are one loss), then, once per process:
 
-* the replicated hot rows stop syncing: this machine's replica is the only one left, and the truth for those rows;
-* the groups this trainer alone holds with the lost machine are destroyed (torch names the groups the trainers left
-  make by how many groups each holds: they must hold as many);
-* each of the lost machine's shards is restored into this machine's shared memory: its mirror here, a few seconds
-  old (`--shard-mirror-interval`: model/shard_mirror.py), else made by the first trainer left here from the job's
-  last periodic checkpoint, else from the checkpoint the job resumed from, else from the tables' initial rows (the
-  seed draws them again), and mapped by the others; with the hot rows from this machine's replica. The restored
-  rows' source and age (seconds since the mirror's last round or the checkpoint) are recorded in the store
-  (`restored/<s>`) for the summary and the monitor;
-* the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`): the lookups in flight and every
-  lookup after read them in place, and the row gradients pushed to the lost machine and not yet applied there are
-  lost with it;
+* the replicated hot rows: with one machine left they stop syncing (its replica is the truth for those rows); with
+  more, their sync re-forms among the machines left (`HotSync.regroup`);
+* the groups this trainer holds with the lost machine are destroyed (torch names the groups the trainers left make
+  by how many groups each holds: they must hold as many);
+* the lost machine's shards are dealt out over the machines left; each of this machine's share is restored into its
+  shared memory: its mirror here, a few seconds old (two machines, `--shard-mirror-interval`:
+  model/shard_mirror.py), else made by the first trainer left here from the job's last periodic checkpoint, else from
+  the checkpoint the job resumed from, else from the tables' initial rows (the seed draws them again), and mapped by
+  the others; with the hot rows from this machine's replica. The restored rows' machine, source and age (seconds
+  since the mirror's last round or the checkpoint) are recorded in the store (`restored/<s>`) for the summary and
+  the monitor;
+* the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`) and, with more than one machine
+  left, a lookup exchange re-formed among them, which sends each server's rows to the machine that holds its shard
+  now: the lookups in flight are read in place or asked again there, and the row gradients pushed to the lost
+  machine and not yet applied there are lost with it. The groups re-formed here are gloo groups made through the
+  job's store (the job's own groups hold the lost machine's ranks);
 * with EASGD, each range of the centre whose sync server was lost is adopted by a sync server left (the first
-  trainer left here hands it that range of its replica: the centre is an elastic average of the replicas, and this
-  replica is current), recorded in the store (`centre/<r>`), and every trainer's view of the centre sends the range
-  there from then on (sync/center.py: `RemoteCenter.adopt`, `reroute`).
+  trainer left in the job hands it that range of its replica: the centre is an elastic average of the replicas, and
+  this replica is current), recorded in the store (`centre/<r>`), and every trainer's view of the centre sends the
+  range there from then on (sync/center.py: `RemoteCenter.adopt`, `reroute`).
 
-The dense sync re-forms among the trainers left (recovery.py), and the lost machine's trainers' unread rows are read
-by the trainers left from the positions they last published (`Membership.published_positions`): the rows they read
-since that last heartbeat are read again.
+A machine lost after that stops the job (the groups re-formed hold it). The dense sync re-forms among the trainers
+left (recovery.py), and the lost machine's trainers' unread rows are read by the trainers left from the positions
+they last published (`Membership.published_positions`): the rows they read since that last heartbeat are read again.
 
 A machine killed or shut down resets its connections, and its peers' collectives fail at once. One cut off or hung
 resets nothing: once training runs, a collective with another machine gives up after `cross_timeout` seconds
-(`bound_waits`; until then, the groups' timeout, which covers start-up and a resume's load).
+(`bound_waits`; until then, the groups' timeout, which covers start-up and a resume's load). So does a collective of
+the old groups whose peer left it for the new ones.
 """
 
 from __future__ import annotations
