@@ -625,8 +625,9 @@ def _leave_save(job: Job, error: BaseException) -> None:
             continue
         seen.add(id(e))
         traceback.clear_frames(e.__traceback__)
-        failures = getattr(e, "failures", None)
-        gathered = failures.values() if isinstance(failures, dict) else ()
+        failures = getattr(e, "failures", None)  # (DCP's: rank -> (error, its stack summary))
+        gathered = [f[0] if isinstance(f, tuple) and f else f for f in
+                    (failures.values() if isinstance(failures, dict) else ())]
         errors += [e.__cause__, e.__context__, *(f for f in gathered if isinstance(f, BaseException))]
     assert job.save_group is not None
     job.save_group.release()
