@@ -4,11 +4,13 @@ ones' unread rows, and the job ends there with its summary and a checkpoint."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -25,6 +27,25 @@ from cocosync.testing.multinode import (
 )
 
 EXAMPLES = 600_000
+
+
+@contextlib.contextmanager
+def _machines(procs: list) -> Iterator[None]:
+    """On the way out, however the test went: every machine still up killed whole."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_machine(p.pid)
+
+
+def _until_trained(procs: list, out: Path, examples: float, poll: float = 0.1) -> None:
+    """Wait (150 s at most, every agent alive) until the job has trained `examples`."""
+    deadline = time.monotonic() + 150
+    while not (recs := _train_records(out)) or recs[-1]["examples"] < examples:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(poll)
 
 
 def _train_records(out: Path) -> list[dict]:
@@ -47,7 +68,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--checkpoint-every", "120000", "--out", str(out)],
                         nproc_per_node=3, two_hosts=two_hosts)
-    try:
+    with _machines(procs):
         deadline = time.monotonic() + 150
         # the second checkpoint's directory is made as its save begins (the ranks of both machines are in its
         # collectives then: the survivors must not wait there for ever)
@@ -58,10 +79,6 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
         kill_machine(procs[1].pid)
         killed = time.time()
         runs = wait_nodes(procs, timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_machine(p.pid)
     remove_semaphores_since(before)
     node0 = runs[0]
     assert node0.returncode == 0, node0.output[-5000:]
@@ -105,19 +122,12 @@ def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_j
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "2000",
                          "--sync", "shadow-easgd", "--shard-mirror-interval", "200", "--out", str(out)],
                         nproc_per_node=per_node)
-    try:
-        deadline = time.monotonic() + 150
-        while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.3 * EXAMPLES:
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.1)
+    with _machines(procs):
+        _until_trained(procs, out, 0.3 * EXAMPLES)
         ranks = worker_pids(procs[1].pid)
         victim = max(ranks)  # (servers first: a machine's highest rank is a trainer)
         os.kill(ranks[victim], signal.SIGKILL)
         runs = wait_nodes(procs, timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_machine(p.pid)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [0, 1], text
     node, local = divmod(victim, per_node)
@@ -155,19 +165,12 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     examples = 2 * EXAMPLES  # (the loss must be recorded before the trainers agree on the job's end)
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "2000",
                          "--sync", "shadow-bmuf", "--out", str(out)], nproc_per_node=3)
-    try:
-        deadline = time.monotonic() + 150
-        while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.2 * examples:
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.1)
+    with _machines(procs):
+        _until_trained(procs, out, 0.2 * examples)
         os.kill(procs[1].pid, signal.SIGSTOP)  # its command only: its ranks go on, unheard
         time.sleep(6)
         os.kill(procs[1].pid, signal.SIGCONT)
         runs = wait_nodes(procs, timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_machine(p.pid)
     assert runs[0].returncode == 0, runs[0].output[-4000:]
     assert runs[1].returncode == 1, runs[1].output[-4000:]
     assert "this machine was recorded as lost by the machine that hosts the job's store" in runs[1].output
@@ -192,20 +195,15 @@ def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "2000",
                          "--sync", "shadow-bmuf", "--heartbeat-timeout", "10", "--out", str(out)],
                         nproc_per_node=3, two_hosts=True)
-    try:
-        deadline = time.monotonic() + 150
-        while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.3 * EXAMPLES:
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.1)
-        subprocess.run([*link, "down"], check=True)
-        cut = time.time()
-        node0 = wait_nodes(procs[:1], timeout=150)[0]
-    finally:
-        subprocess.run([*link, "up"], check=False)
-        for p in procs:
-            if p.poll() is None:
-                kill_machine(p.pid)
-        assert twohosts_script() is not None
+    with _machines(procs):
+        try:
+            _until_trained(procs, out, 0.3 * EXAMPLES)
+            subprocess.run([*link, "down"], check=True)
+            cut = time.time()
+            node0 = wait_nodes(procs[:1], timeout=150)[0]
+        finally:
+            subprocess.run([*link, "up"], check=False)
+    assert twohosts_script() is not None
     assert node0.returncode == 0, node0.output[-5000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [1]
@@ -224,18 +222,11 @@ def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_pat
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--checkpoint-every", "80000", "--heartbeat-timeout", "10",
                          "--out", str(out)], nnodes=4, nproc_per_node=2)
-    try:
-        deadline = time.monotonic() + 150
-        while not (recs := _train_records(out)) or recs[-1]["examples"] < 0.3 * examples:
-            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
-            time.sleep(0.05)
+    with _machines(procs):
+        _until_trained(procs, out, 0.3 * examples, poll=0.05)
         kill_machine(procs[1].pid)
         kill_machine(procs[2].pid)
         runs = wait_nodes(procs, timeout=150)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                kill_machine(p.pid)
     remove_semaphores_since(before)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert runs[0].returncode == 0 and runs[3].returncode == 0, text
