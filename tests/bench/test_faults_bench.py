@@ -10,10 +10,10 @@ from cocosync.cli import main
 
 
 def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_the_uninterrupted_runs(tmp_path):
-    res = CliRunner().invoke(main, ["bench", "faults", "--seeds", "1", "--trainers", "4", "--examples", "200000",
+    res = CliRunner().invoke(main, ["bench", "faults", "--seeds", "1", "--trainers", "4", "--examples", "400000",
                                     "--at", "0.3", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert "a rank or machine killed at 30% of 200,000 examples, T=4" in res.output
+    assert "a rank or machine killed at 30% of 400,000 examples, T=4" in res.output
     assert "checkpoint at " in res.output  # (where the lost machine's shard came from)
     found = json.loads((tmp_path / "faults.json").read_text())["by_kill"]
     assert set(found) == {"trainer", "restart", "server", "node"}

@@ -195,7 +195,7 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     trainer 0 saves the shard in the periodic checkpoints that follow, and the first trainer in the last one, which
     scores as the run did."""
     before = _shm()
-    # one periodic checkpoint, at 600k: well after the kill (a loss during a checkpoint's save stops the job)
+    # one periodic checkpoint, at 600k: after the kill
     proc, out = _start(tmp_path, "--checkpoint-every", "600000", trainers=2, examples=3 * EXAMPLES)
     victim = _trainer_pid(proc, out, 0, local_rank=0)
     os.kill(victim, signal.SIGKILL)
@@ -213,6 +213,35 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     periodic = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", saved[-1]["path"], "--json"],
                               capture_output=True, text=True, timeout=120)  # (the shard is in it)
     assert periodic.returncode == 0, periodic.stderr[-2000:]
+    _scores_as_it_ended(out, s)
+    assert not _alive(victim)
+    assert _shm() - before == set()
+
+
+def test_an_embedding_server_lost_while_the_job_ends_is_survived_and_takes_no_part_in_its_checkpoints(tmp_path):
+    """On one machine the trainers save the shards from shared memory: a periodic checkpoint is taken while the server
+    is stopped (SIGSTOP), and the server, killed once the job has scored its model (its end has begun), is recorded as
+    lost; the job ends with every shard in its last checkpoint."""
+    before = _shm()
+    proc, out = _start(tmp_path, "--checkpoint-every", "200000", trainers=2)
+    victim = _trainer_pid(proc, out, 0, local_rank=0)
+    os.kill(victim, signal.SIGSTOP)
+    deadline = time.monotonic() + 120
+    metrics = out / "metrics.jsonl"
+    while not any(json.loads(x).get("event") == "eval" for x in metrics.read_text().splitlines()):
+        if time.monotonic() > deadline or proc.poll() is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"the job did not score its model with its server stopped: {proc.communicate(timeout=10)}")
+        time.sleep(0.05)
+    os.kill(victim, signal.SIGKILL)
+    stdout, stderr = _finish(proc)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert f"embedding server 0 (pid {victim}) was lost (killed by SIGKILL)" in stderr, stderr[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert [(x["server"], x["pid"]) for x in s["lost_servers"]] == [(0, victim)]
+    assert s["examples"] == EXAMPLES and s["lost"] == [] and s["server_cpu_seconds"] == 0  # (its record died with it)
+    records = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [r["examples"] // 200_000 for r in records if r.get("event") == "checkpoint"] == [1]
     _scores_as_it_ended(out, s)
     assert not _alive(victim)
     assert _shm() - before == set()

@@ -58,9 +58,9 @@ from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
-           "survives_node_loss", "record_node_loss", "Restored", "restored_shards", "RestoredRange", "restored_ranges",
-           "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join", "record_change",
-           "joins_open"]
+           "servers_leave_at_end", "survives_node_loss", "record_node_loss", "Restored", "restored_shards",
+           "RestoredRange", "restored_ranges", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending",
+           "Join", "record_change", "joins_open"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -216,6 +216,14 @@ def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: 
     return launched and nnodes == 1 and min_trainers < trainers and sync_method != "dssync"
 
 
+def servers_leave_at_end(nnodes: int, sync_method: str) -> bool:
+    """Whether the embedding servers of a job that goes on without them (`survives_losses`) take no part in its end:
+    on one machine without RPC (EASGD's sync servers are RPC peers of every rank, and RPC's shutdown waits for them).
+    Their shards are in the machine's shared memory, where the trainers save them, so a server lost while the job
+    ends is lost as at any other time."""
+    return nnodes == 1 and sync_method != "easgd"
+
+
 class Membership:
     """A rank's view of which trainers are left, read from the job's store (`store`: a client of it, under the
     job's prefix)."""
@@ -334,6 +342,31 @@ class Membership:
                 raise TimeoutError(f"{count} server losses counted but {len(found)} recorded after "
                                    f"{self.timeout:.0f}s")
             time.sleep(POLL)
+
+    def server_left(self, server: int, cpu: list[Any]) -> None:
+        """Embedding server `server` leaves the job's end (`servers_leave_at_end`), with its CPU record for the
+        summary: (kind, CPU seconds since set-up, those by thread role, its node exchange's counters or None)."""
+        self.store.set(f"server-end/{server}", json.dumps(cpu))
+
+    def servers_at_end(self, servers: list[int]) -> tuple[list[list[Any]], list[ServerLoss]]:
+        """The CPU records of those of embedding servers `servers` that left the job's end, and the losses of the
+        others (before or during the end); waits for one or the other of each."""
+        left: dict[int, list[Any]] = {}
+        deadline = time.monotonic() + self.timeout
+        todo = list(servers)
+        while todo:
+            for s in list(todo):
+                if self.store.check([f"server-end/{s}"]):
+                    left[s] = json.loads(self.store.get(f"server-end/{s}"))
+                    todo.remove(s)
+                elif self.store.check([f"lost-server/{s}"]):
+                    todo.remove(s)
+            if todo and time.monotonic() > deadline:
+                raise TimeoutError(f"embedding server(s) {', '.join(map(str, todo))} neither left the job's end nor "
+                                   f"were recorded as lost after {self.timeout:.0f}s")
+            if todo:
+                time.sleep(POLL)
+        return list(left.values()), [x for x in self.lost_servers() if x.server in servers and x.server not in left]
 
     def start(self, trainer: int, restart: int = 0) -> int:
         """The examples trainer `trainer` had read when it started (its `restart`-th start: 0 the job's own)."""
@@ -524,13 +557,14 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
     return _keep(f"trainer {trainer}", record, max_restarts, again)
 
 
-def keep_server(server: int, store: Callable[[], Any]) -> bool:
-    """As `keep_trainer`, for embedding server `server`: a server killed by a signal is always recorded as lost (its
-    shard stays in the machine's shared memory, where the trainers use it); True in the child."""
+def keep_server(server: int, store: Callable[[], Any], leaves_at_end: bool) -> bool:
+    """As `keep_trainer`, for embedding server `server`: a server killed by a signal is recorded as lost (its shard
+    stays in the machine's shared memory, where the trainers use it), unless the job is ending and the server takes
+    part in its end (`leaves_at_end` false: see `servers_leave_at_end`); True in the child."""
 
     def record(pid: int, sig: int, restart: int) -> bool:
         client = store()
-        if job_ending(client):  # (the job's end is collective over every rank left)
+        if not leaves_at_end and job_ending(client):  # (the job's end is then collective over every rank left)
             return False
         client.set(f"lost-server/{server}", json.dumps({"pid": pid, "signal": signal.Signals(sig).name,
                                                         "time": time.time()}))

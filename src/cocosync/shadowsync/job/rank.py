@@ -89,6 +89,7 @@ from cocosync.shadowsync.job.membership import (
     record_change,
     restored_ranges,
     restored_shards,
+    servers_leave_at_end,
 )
 from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout
 from cocosync.shadowsync.job.recovery import Recovery
@@ -149,6 +150,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         job = build_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
                      resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
         kind, index = roles.role()
+        # one machine: the embedding servers leave the job's end to the trainers, so one lost meanwhile is survived
+        leaving = _servers_leave(job)
         exchanged = None  # node-exchange: what this server's exchange did (the summary's exchange counters)
         run = _make_trainer(job, index, console) if kind == "trainer" else None
         part: Stateful = (job.shards[index] if kind == "embedding" else job.center if kind == "sync"
@@ -174,8 +177,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
             mirror = _start_mirror(job, index) if kind == "embedding" else None
             while (command := _command(job, None)).name in ("checkpoint", "skip"):
-                if command.name == "skip" or command.lost_servers:  # none, or the trainers' own (_periodic_checkpoints)
-                    continue
+                if command.name == "skip" or command.lost_servers or (kind == "embedding" and leaving):
+                    continue  # none, or the trainers' own (_periodic_checkpoints)
                 try:
                     _save_served(job, {name: part}, owner)
                 except Exception as e:  # (a machine lost during the save: the trainers give this checkpoint up)
@@ -192,15 +195,21 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 exchanged = {"rounds": node_exchange.rounds, "messages": node_exchange.rounds * (node_exchange.n - 1),
                              "wire_bytes": node_exchange.bytes_sent, "exchange_cpu_s": node_exchange.cpu_s,
                              "stale_sum": node_exchange.take_stale()}
+            if kind == "embedding" and leaving:  # (its shard is in shared memory: the trainers save it)
+                job.membership.server_left(index, [kind, time.process_time() - cpu0,
+                                                   thread_cpu.role_cpu_since(threads0), exchanged])
+                dist.destroy_process_group()
+                return None
         # the rest runs over the ranks still in the job: every rank but lost trainers and servers (made by them
         # alone); the first trainer left writes the summary and the checkpoint's metadata (trainer 0 unless it was
         # lost)
         group, writer = None, roles.rank_of("trainer", alive[0] if alive else 0)
         if job.save_group is not None:  # (every rank holds as many groups as the others when the job's group is made)
             job.save_group.release()
-        if (alive is not None or gone) and job.membership is not None:
+        servers = list(range(job.rowhash.servers)) if leaving else gone
+        if (alive is not None or servers) and job.membership is not None:
             live = alive if alive is not None else list(range(roles.trainers))
-            group = job.membership.job_group(live, gone, held=job.held_groups)
+            group = job.membership.job_group(live, servers, held=job.held_groups)
         dist.barrier(group=group)
         if cfg.checkpoint:
             meta = _meta(job, summary["examples"] + summary["resumed_from"], summary["stopped"]) if summary else None
@@ -210,8 +219,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                 parts.update(_lost_parts(job, summary, saved, meta))
             if run is not None and run.machine is not None:  # the shards this machine restored after a loss
                 parts.update({part_name("embedding", s): shard for s, shard in run.machine.saved_here().items()})
-            elif summary is not None:  # a lost server's shard, from this machine's shared memory (one machine)
-                parts.update({part_name("embedding", s): job.shards[s] for s in gone})
+            elif summary is not None:  # the shards of the servers not in the end, from shared memory (one machine)
+                parts.update({part_name("embedding", s): job.shards[s] for s in servers})
             if kind == "sync":  # its range, and those it adopted from lost ones (EASGD across machines)
                 parts[name] = Snapshot({k: v for c in served_ranges().values() for k, v in c.state_dict().items()})
             ckpt = save_job(parts, Path(cfg.out_dir), meta, owner=owner, writer=writer, group=group)
@@ -222,6 +231,11 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
         dist.all_gather_object(cpu, (kind, time.process_time() - cpu0, thread_cpu.role_cpu_since(threads0), exchanged),
                                group=group)
         if summary is not None:
+            if leaving:  # the servers' own records, or their losses (one may be lost while the job ends)
+                left, lost = job.membership.servers_at_end(servers)
+                cpu += left
+                known = {x["server"] for x in summary["lost_servers"]}
+                summary["lost_servers"] += [_server_loss(x) for x in lost if x.server not in known]
             add_job_cpu(summary, cpu, Path(job.cfg.out_dir))
         if link is not None and kind == "trainer":
             link.finish(index)
@@ -459,6 +473,16 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
     return _finish(job, run, results, losses, servers), alive, [x.server for x in servers]
 
 
+def _servers_leave(job: Job) -> bool:
+    """Whether this job's embedding servers may be lost and leave its checkpoints and its end to the trainers (one
+    machine: `servers_leave_at_end`)."""
+    return job.membership is not None and servers_leave_at_end(job.roles.topo.nnodes, job.cfg.sync.method)
+
+
+def _server_loss(x: ServerLoss) -> dict:
+    return {"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time}
+
+
 def _membership_over_time(job: Job, start: float) -> list[dict]:
     """The trainers in the job over time: at the start, then after each loss and each join."""
     T = job.roles.trainers
@@ -540,6 +564,7 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     trainer = run.trainer
     T, W = roles.trainers, cfg.workers
     per_trainer = max(1, every // T)
+    leaving = _servers_leave(job)
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
 
     def save(mark: int) -> None:
@@ -565,9 +590,9 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         # never send). A trainer takes its state first (its sync paused in a round every trainer paused at: across
         # machines that round comes only once a lost machine is recorded, so no command is given while one is
         # silent), but gives the pause up once a change is recorded (a restart, in none of the job's groups, never
-        # pauses). After an embedding server's loss (one machine) the trainers save without the servers: trainer 0
-        # saves every shard from the machine's shared memory (a job with EASGD's sync servers stops checkpointing:
-        # their centre is theirs alone).
+        # pauses). Where the embedding servers may be lost on one machine (`servers_leave_at_end`), or after one was,
+        # the trainers save without them: trainer 0 saves every shard from the machine's shared memory (a job with
+        # EASGD's sync servers stops checkpointing after a server's loss: their centre is theirs alone).
         gone = membership.lost_servers() if membership is not None and t == 0 else []
         lost = (lambda: membership.epoch() > 0 or bool(trainer.state.stop[0])) if membership is not None else None
         state = trainer.checkpoint_state(give_up=lost) if lost is not None else trainer.checkpoint_state()
@@ -578,7 +603,7 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
             state = trainer.checkpoint_state()
         parts: dict[str, Stateful] = {part_name("trainer", t): Snapshot(state)}
         group = _save_group(job)
-        if command.lost_servers:
+        if command.lost_servers or leaving:
             group = job.trainer_group
             if t == 0:
                 parts.update({part_name("embedding", s): shard for s, shard in job.shards.items()})
@@ -773,7 +798,7 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         "interrupted": bool(trainer.state.stop[0]),  # the launcher asked the trainers to stop (Ctrl-C, --timeout)
         # the trainers lost, each with what it had read (trained) before; the trainers left at the end
         "lost": lost, "trainers_left": len(results), "restarts": restarts,
-        "lost_servers": [{"server": x.server, "pid": x.pid, "signal": x.signal, "time": x.time} for x in servers],
+        "lost_servers": [_server_loss(x) for x in servers],
         "lost_nodes": nodes,
         "membership": _membership_over_time(job, min(r["start"] for r in results)),
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),

@@ -25,7 +25,7 @@ from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_dict, config_to_dict
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
-from cocosync.shadowsync.job.membership import keep_server, keep_trainer, survives_losses
+from cocosync.shadowsync.job.membership import keep_server, keep_trainer, servers_leave_at_end, survives_losses
 from cocosync.shadowsync.job.rank import run_cluster, run_restarted
 from cocosync.shadowsync.metrics import json_safe
 
@@ -115,7 +115,8 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     if _may_be_lost(cfg, cluster):
         trainer, server = _trainer_index(cluster, cfg), _embedding_index(cluster)
         restart = (keep_trainer(trainer, cfg.trainers, cfg.min_trainers, env_store_client, cfg.max_restarts)
-                   if trainer is not None else 0 if keep_server(server, env_store_client) else None)
+                   if trainer is not None else 0 if keep_server(server, env_store_client, servers_leave_at_end(
+                       int(os.environ.get("GROUP_WORLD_SIZE", "1")), cfg.sync.method)) else None)
         if restart is None:
             return  # the keeper: its rank's work finished or was lost
         try:  # the rank's work, forked by its keeper: it leaves through os._exit (the agent started the keeper)
