@@ -20,7 +20,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # minutes: 30 torchrun launches of the example script, each must exit cleanly
 test-soak: $(STAMP)

@@ -41,15 +41,11 @@ def test_no_cycle_among_runtime_and_lower_modules():
     assert not inside, inside
 
 
-#: the DSL's operator pair: the IR's nodes print and check themselves through the ops that build them
-ALLOWED_CYCLES = [["cocosync.dsl.ir", "cocosync.dsl.ops"]]
-
-
 def test_no_module_cycle_anywhere_in_src():
     """Every module of src, lazy imports counted (a lazy import hides a cycle, it does not remove it)."""
     edges = {(i.importer, i.target) for i in RUNTIME_EDGES if i.importer != i.target}
     found = [sorted(c) for c in cycles(edges)]
-    assert [c for c in found if c not in ALLOWED_CYCLES] == [], found
+    assert found == [], found
 
 
 def test_the_embedding_storage_imports_nothing_of_the_job():

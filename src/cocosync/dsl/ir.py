@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
@@ -54,29 +54,33 @@ class Node:
         return f"<{self.op} {self.name or '?'}: {type_str(self)}>"
 
     # Arithmetic builds new nodes. `==` stays identity (nodes are dict keys); use ops.eq / ops.ne for values.
-    def __add__(self, o): return _ops().add(self, o)
-    def __radd__(self, o): return _ops().add(o, self)
-    def __sub__(self, o): return _ops().sub(self, o)
-    def __rsub__(self, o): return _ops().sub(o, self)
-    def __mul__(self, o): return _ops().mul(self, o)
-    def __rmul__(self, o): return _ops().mul(o, self)
-    def __truediv__(self, o): return _ops().div(self, o)
-    def __rtruediv__(self, o): return _ops().div(o, self)
-    def __pow__(self, o): return _ops().pow(self, o)
-    def __neg__(self): return _ops().neg(self)
-    def __abs__(self): return _ops().abs(self)
-    def __matmul__(self, o): return _ops().matmul(self, o)
-    def __lt__(self, o): return _ops().lt(self, o)
-    def __le__(self, o): return _ops().le(self, o)
-    def __gt__(self, o): return _ops().gt(self, o)
-    def __ge__(self, o): return _ops().ge(self, o)
+    def __add__(self, o): return _ARITH["add"](self, o)
+    def __radd__(self, o): return _ARITH["add"](o, self)
+    def __sub__(self, o): return _ARITH["sub"](self, o)
+    def __rsub__(self, o): return _ARITH["sub"](o, self)
+    def __mul__(self, o): return _ARITH["mul"](self, o)
+    def __rmul__(self, o): return _ARITH["mul"](o, self)
+    def __truediv__(self, o): return _ARITH["div"](self, o)
+    def __rtruediv__(self, o): return _ARITH["div"](o, self)
+    def __pow__(self, o): return _ARITH["pow"](self, o)
+    def __neg__(self): return _ARITH["neg"](self)
+    def __abs__(self): return _ARITH["abs"](self)
+    def __matmul__(self, o): return _ARITH["matmul"](self, o)
+    def __lt__(self, o): return _ARITH["lt"](self, o)
+    def __le__(self, o): return _ARITH["le"](self, o)
+    def __gt__(self, o): return _ARITH["gt"](self, o)
+    def __ge__(self, o): return _ARITH["ge"](self, o)
     __hash__ = object.__hash__
 
 
-def _ops():
-    from cocosync.dsl import ops
+#: the ops behind Node's operators, by name: bound by cocosync.dsl.ops (`bind_operators`), which builds nodes and so
+#: imports this module; `cocosync.dsl` imports both
+_ARITH: dict[str, Callable[..., Node]] = {}
 
-    return ops
+
+def bind_operators(**ops: Callable[..., Node]) -> None:
+    """Node's operators (`a + b`, `-a`, `a @ b`, `a < b`, ...) build nodes with these DSL ops, by name."""
+    _ARITH.update(ops)
 
 
 def topo_order(outputs: Iterable[Node]) -> list[Node]:

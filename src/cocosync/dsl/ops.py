@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cocosync.dsl.ir import Node
+from cocosync.dsl.ir import Node, bind_operators
 from cocosync.dsl.registry import OPS
 from cocosync.dsl.types import (
     FLAT,
@@ -301,6 +301,10 @@ def update(state: Node, value: Any) -> Node:
         raise DslError(f"update: value {_desc(value)} has layout {value.layout}, state {state.name!r} is "
                        f"{state.layout}; they must match (or the value must be Replicated)")
     return _node("update", (state, value), state.shape, state.dtype, state.layout)
+
+
+bind_operators(add=add, sub=sub, mul=mul, div=div, pow=pow, neg=neg, abs=abs, matmul=matmul, lt=lt, le=le, gt=gt,
+               ge=ge)
 
 
 # ---- communication --------------------------------------------------------------------------------------------
