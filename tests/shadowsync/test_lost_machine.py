@@ -8,6 +8,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Iterator
@@ -15,8 +16,9 @@ from typing import Iterator
 import pytest
 import torch
 
-from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, create_named, leftover_segments
 from cocosync.shadowsync.checkpoint import read_tensors
+from cocosync.shadowsync.job.node_loss import remove_restored, restored_segment
 from cocosync.testing.multinode import (
     kill_machine,
     remove_semaphores_since,
@@ -245,3 +247,21 @@ def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_pat
     for server in range(4):
         assert torch.isfinite(tensors[f"emb.{server}.weight"]).all(), server
     assert leftover_segments() == []
+
+
+def test_the_segments_a_machines_ranks_restored_and_left_named_are_removed_once_they_are_gone(tmp_path):
+    """A job that ends while a trainer restores a lost shard leaves its segment named (it is unnamed once every trainer
+    of the machine mapped it): the machine's launcher removes those of its ranks that are gone, and no other."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    mine = [restored_segment(s, pid) for s, pid in ((0, gone.pid), (1, gone.pid), (0, os.getpid()))]
+    for name in mine:
+        create_named(name, 64)
+    try:
+        removed = remove_restored([gone.pid, os.getpid()])
+        assert sorted(Path(p).name for p in removed) == sorted(f"{SHM_PREFIX}{n}" for n in mine[:2])
+        assert not any(Path(p).exists() for p in removed)
+        assert Path(f"{SHM_DIR}/{SHM_PREFIX}{mine[2]}").exists()  # (a rank still running keeps its segment)
+    finally:
+        for name in mine:
+            Path(f"{SHM_DIR}/{SHM_PREFIX}{name}").unlink(missing_ok=True)

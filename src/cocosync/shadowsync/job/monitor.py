@@ -153,6 +153,10 @@ class Monitor:
                 self._pids[rank] = pid
         return self._pids.get(rank)
 
+    def verified_pids(self) -> list[int]:
+        """The pids of this machine's ranks verified so far (`_pid`), without reading the store (which may be gone)."""
+        return list(self._pids.values())
+
     def pid_of(self, rank: int) -> int | None:
         """The pid rank `rank` said, once verified as a process this launcher started (None before)."""
         return self._pid(rank)

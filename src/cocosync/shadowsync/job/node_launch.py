@@ -45,6 +45,7 @@ from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, SECRET_ENV
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
+from cocosync.shadowsync.job.node_loss import remove_restored
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_node_rank
 
 __all__ = ["torchrun_args", "run_node"]
@@ -209,6 +210,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         shutil.rmtree(args.log_dir, ignore_errors=True)  # (a failure's error files were read when it was seen)
+        if monitor is not None:  # what this machine's ranks restored and left named, once they are gone
+            remove_restored(monitor.verified_pids())
     error = outcome.get("error")
     if isinstance(error, ChildFailedError) and monitor is not None and monitor.fenced():
         console.print(f"[red]{escape(FENCED)}", soft_wrap=True)  # (its trainers left as they saw it)

@@ -41,19 +41,20 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import glob
 import json
 import os
 import threading
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.gloo_device import gloo_backend
-from cocosync.runtime.comm.shm import create_named, map_named, unlink_named
+from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, create_named, map_named, pid_alive, unlink_named
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import NodeLoss, Restored, RestoredRange
@@ -63,7 +64,7 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
 
-__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout"]
+__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "restored_segment", "remove_restored"]
 
 #: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
 #: its metadata
@@ -73,6 +74,28 @@ LAST_CHECKPOINT = "last-checkpoint"
 #: seconds a trainer waits after a machine's loss is recorded for other machines lost with it to be recorded (the
 #: launcher records every machine silent for as long in one pass, milliseconds apart)
 SETTLE = 0.5
+
+
+def restored_segment(server: int, pid: int) -> str:
+    """The name of the segment that process `pid` (the first trainer left on a machine) restores lost embedding server
+    `server`'s shard in. It is unnamed once every trainer of the machine mapped it."""
+    return f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{pid}-restored-s{server}"
+
+
+def remove_restored(pids: Iterable[int]) -> list[str]:
+    """Remove the restored shards' segments that processes `pids` (a machine's ranks) left named, once they are gone:
+    those of a job that ended while its trainers were restoring or mapping them. Their paths."""
+    removed = []
+    for pid in pids:
+        if pid_alive(pid):
+            continue
+        for path in glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*-{pid}-restored-s*"):
+            try:
+                os.unlink(path)
+                removed.append(path)
+            except FileNotFoundError:
+                pass
+    return removed
 
 
 def cross_timeout(heartbeat_timeout: float) -> float:
@@ -250,7 +273,7 @@ class LostMachine:
         n, dim = job.rowhash.shard_rows(server), job.tables.width
         nbytes = n * dim * 4 + n * 4 + n * 8
         if self.trainer == here[0]:
-            name = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'job')}-{os.getpid()}-restored-s{server}"
+            name = restored_segment(server, os.getpid())
             buf = create_named(name, nbytes)
             shard = self._shard(buf, n, dim)
             rec = self._fill(server, shard, name)
