@@ -181,10 +181,11 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     assert leftover_segments() == []
 
 
-def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp_path):
+def test_a_machine_cut_off_from_the_network_during_a_save_is_given_up_and_the_job_finishes(tmp_path):
     """Node 1's network link cut (two simulated machines: nothing resets node 0's connections to it, they fall
-    silent) at ~30%: node 0 records it lost after its launcher's silence, its trainers give up their collectives with
-    it after --heartbeat-timeout (10 s here) and finish the job."""
+    silent) as the second periodic checkpoint's save begins: node 0 records it lost after its launcher's silence, its
+    ranks give the save up after its bound (`save_timeout`: --heartbeat-timeout, 10 s here, plus the time to write
+    the tables slowly), not the job's group timeout, then their collectives with it, and finish the job."""
     import subprocess
 
     from cocosync.testing.multinode import twohosts_script
@@ -195,11 +196,15 @@ def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp
     link = ["ip", "-n", f"{prefix}-hostB", "link", "set", f"{prefix}vB"]
     out = tmp_path / "run"
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "2000",
-                         "--sync", "shadow-bmuf", "--heartbeat-timeout", "10", "--out", str(out)],
-                        nproc_per_node=3, two_hosts=True)
+                         "--sync", "shadow-bmuf", "--heartbeat-timeout", "10", "--checkpoint-every", "120000",
+                         "--out", str(out)], nproc_per_node=3, two_hosts=True)
     with _machines(procs):
         try:
-            _until_trained(procs, out, 0.3 * EXAMPLES)
+            deadline = time.monotonic() + 150
+            while len(list((out / "checkpoints").glob("seen-*"))) < 2:  # (made as the save begins)
+                assert all(p.poll() is None for p in procs), "an agent exited before the cut"
+                assert time.monotonic() < deadline, "the job did not reach its second checkpoint"
+                time.sleep(0.005)
             subprocess.run([*link, "down"], check=True)
             cut = time.time()
             node0 = wait_nodes(procs[:1], timeout=150)[0]
@@ -210,6 +215,8 @@ def test_a_machine_cut_off_from_the_network_is_given_up_and_the_job_finishes(tmp
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [1]
     assert s["regrouped_at"] - cut < 10 + 20, s["regrouped_at"] - cut
+    for ckpt in (out / "checkpoints").glob("seen-*"):  # (the save given up left no directory cut short)
+        assert (ckpt / "meta.json").exists(), sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
 def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_path):

@@ -4,6 +4,7 @@ groups (the trainers', the dense sync's, the lookup exchange's, the hot rows'), 
 
 from __future__ import annotations
 
+import datetime
 import os
 import socket
 import sys
@@ -26,6 +27,7 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
 from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
+from cocosync.shadowsync.job.node_loss import save_timeout
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.job.segments import NodeTensors
@@ -146,6 +148,9 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     # the periodic checkpoints' collectives across machines: a group of their own, which a rank that gave a save up
     # after a machine's loss destroys, releasing the ranks of its machine still waiting for it in the save
     save_group = ReleasableGroup(dist.new_group(list(range(topo.world_size)))) if nnodes > 1 else None
+    if save_group is not None:  # (its first collective is a periodic save's, once training runs)
+        nbytes = tables.total_rows * (tables.width * 4 + 12) + 16 * flat.numel()  # rows, Adagrad, versions; dense
+        save_group.group.set_timeout(datetime.timedelta(seconds=save_timeout(cfg.heartbeat_timeout, nbytes)))
     held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group,
                                                                                            mirror_group]
     cross = (inter, hot_group, exchange.group) if kind == "trainer" else ()

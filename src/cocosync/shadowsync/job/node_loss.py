@@ -64,7 +64,7 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
 
-__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "restored_segment", "remove_restored"]
+__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "save_timeout", "restored_segment", "remove_restored"]
 
 #: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
 #: its metadata
@@ -74,6 +74,18 @@ LAST_CHECKPOINT = "last-checkpoint"
 #: seconds a trainer waits after a machine's loss is recorded for other machines lost with it to be recorded (the
 #: launcher records every machine silent for as long in one pass, milliseconds apart)
 SETTLE = 0.5
+
+
+#: bytes per second that a periodic checkpoint's slowest writer is granted (a slow network file system)
+SAVE_WRITE_FLOOR = 20e6
+
+
+def save_timeout(heartbeat_timeout: float, nbytes: int) -> float:
+    """Seconds a collective of a periodic checkpoint's save across machines may wait: `cross_timeout` plus the time to
+    write `nbytes` (every shard and the dense state: no rank writes more) at SAVE_WRITE_FLOOR, since the save's last
+    collective waits for its slowest writer. A machine cut off during a save resets no connection: the ranks left give
+    the save up after this, rather than at the job's group timeout."""
+    return cross_timeout(heartbeat_timeout) + nbytes / SAVE_WRITE_FLOOR
 
 
 def restored_segment(server: int, pid: int) -> str:
