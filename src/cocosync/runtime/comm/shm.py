@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import errno
+import glob
 import itertools
 import mmap
 import os
@@ -39,7 +40,7 @@ from cocosync.runtime.comm.topology import NodeGroups, node_groups
 
 __all__ = ["Arena", "ArenaFull", "CollectiveTimeout", "Flags", "default_timeout", "pid_alive", "SHM_DIR", "SHM_PREFIX",
            "shm_space", "sweep_stale_segments", "leftover_segments", "create_named", "map_named", "unlink_named",
-           "leave_collectives"]
+           "remove_named", "leave_collectives"]
 
 SHM_DIR = "/dev/shm"
 SHM_PREFIX = "cocosync-"
@@ -549,6 +550,18 @@ def sweep_stale_segments(older_than: float = STALE_SECONDS) -> list[str]:
                 removed.append(name)
         except OSError:
             continue  # gone meanwhile, or not ours to remove
+    return removed
+
+
+def remove_named(pattern: str) -> list[str]:
+    """Remove the named segments /dev/shm/cocosync-<pattern> (a glob pattern); their paths."""
+    removed = []
+    for path in glob.glob(f"{SHM_DIR}/{SHM_PREFIX}{pattern}"):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:  # (gone meanwhile)
+            pass
     return removed
 
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import glob
 import json
 import os
 import threading
@@ -54,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.gloo_device import gloo_backend
-from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, create_named, map_named, pid_alive, unlink_named
+from cocosync.runtime.comm.shm import create_named, map_named, pid_alive, remove_named, unlink_named
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import NodeLoss, Restored, RestoredRange
@@ -97,17 +96,7 @@ def restored_segment(server: int, pid: int) -> str:
 def remove_restored(pids: Iterable[int]) -> list[str]:
     """Remove the restored shards' segments that processes `pids` (a machine's ranks) left named, once they are gone:
     those of a job that ended while its trainers were restoring or mapping them. Their paths."""
-    removed = []
-    for pid in pids:
-        if pid_alive(pid):
-            continue
-        for path in glob.glob(f"{SHM_DIR}/{SHM_PREFIX}*-{pid}-restored-s*"):
-            try:
-                os.unlink(path)
-                removed.append(path)
-            except FileNotFoundError:
-                pass
-    return removed
+    return [path for pid in pids if not pid_alive(pid) for path in remove_named(f"*-{pid}-restored-s*")]
 
 
 def cross_timeout(heartbeat_timeout: float) -> float:

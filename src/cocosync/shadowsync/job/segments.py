@@ -7,14 +7,12 @@ the job ends, however it ends (`remove_job_segments`), and any process that mapp
 
 from __future__ import annotations
 
-import glob
-import os
 import uuid
 from typing import Any
 
 import torch
 
-from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, Arena, create_named, map_named
+from cocosync.runtime.comm.shm import Arena, create_named, map_named, remove_named
 
 __all__ = ["NodeTensors", "remove_job_segments"]
 
@@ -51,12 +49,4 @@ def remove_job_segments(store: Any) -> list[str]:
     """Remove the named segments of the job whose store `store` is (a client under the job's prefix); their paths."""
     if not store.check([SEGMENTS_ID]):
         return []
-    job = store.get(SEGMENTS_ID).decode()
-    removed = []
-    for path in glob.glob(f"{SHM_DIR}/{SHM_PREFIX}{job}-*"):
-        try:
-            os.unlink(path)
-            removed.append(path)
-        except FileNotFoundError:
-            pass
-    return removed
+    return remove_named(f"{store.get(SEGMENTS_ID).decode()}-*")
