@@ -28,4 +28,4 @@ def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_t
 def test_bench_faults_refuses_an_unknown_kind_of_kill(tmp_path):
     res = CliRunner().invoke(main, ["bench", "faults", "--kill", "trainer,machine", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "'machine'" in res.output, res.output
-    assert "trainer, restart, server, node" in res.output, res.output
+    assert "trainer, restart, server, node, rejoin" in res.output, res.output

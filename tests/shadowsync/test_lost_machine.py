@@ -181,6 +181,64 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     assert leftover_segments() == []
 
 
+def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_place(tmp_path):
+    """kill -9 of node 1 early in the run; node 0 records the loss and goes on alone. Node 1's command, started again,
+    joins the running job in the lost machine's place (no rendezvous, no restart of node 0's ranks): its trainers take
+    the dense model from node 0's (live: no checkpoint read) and the rest of their own rows, and train within 10 s of
+    the command's start. The job ends with every example read once, four trainers, and the join in the summary. On
+    two simulated machines where twohosts.sh works (the joining machine maps none of node 0's memory), else on
+    loopback."""
+    from cocosync.testing.launch import free_port
+
+    two_hosts = twohosts_available()
+    out = tmp_path / "run"
+    examples = 4_000_000  # (node 0 must still read its own rows when the machine joins: joins close after that)
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-bmuf", "--out", str(out)]
+    port = free_port()
+    before = semaphores()
+    procs = start_nodes(args, nproc_per_node=3, two_hosts=two_hosts, port=port)
+    with _machines(procs):
+        _until_trained(procs, out, 200_000)
+        # while every machine is in the job, node 1's command started again is refused (a rendezvous would restart
+        # every rank of the job)
+        extra = start_nodes(args, nproc_per_node=3, two_hosts=two_hosts, port=port, only=[1])[0]
+        refused = wait_nodes([extra], timeout=60)[0]
+        assert refused.returncode == 2 and "is running and this machine cannot join it: no machine of the job is " \
+            "lost" in refused.output, refused.output[-2000:]
+        kill_machine(procs[1].pid)
+        time.sleep(4.0)  # (node 0 records the loss after 3 s of silence; a start before that is refused: again)
+        for _ in range(10):
+            started = time.time()
+            again = start_nodes(args, nproc_per_node=3, two_hosts=two_hosts, port=port, only=[1])[0]
+            procs.append(again)
+            try:
+                again.wait(timeout=1.5)
+            except subprocess.TimeoutExpired:
+                break
+            time.sleep(1.0)
+        runs = wait_nodes([procs[0], procs[-1]], timeout=200)
+    remove_semaphores_since(before)
+    node0, node1 = runs
+    assert node0.returncode == 0, node0.output[-5000:]
+    assert node1.returncode == 0, node1.output[-5000:]
+    assert "node 1 of the job at" in node1.output and "this machine joins in its place with trainers 2, 3" in \
+        node1.output, node1.output[-3000:]
+    assert "joins the job in node 1's place with trainers 2, 3" in node0.output, node0.output[-3000:]
+    assert "trainers 2, 3 joined in node 1's place" in node0.output, node0.output[-3000:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
+    assert s["trainers_left"] == 4 and s["takeover_rows"] == 0  # (the joining trainers read their own rows)
+    assert [m["trainers"] for m in s["membership"]] == [4, 3, 2, 3, 4]
+    assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1]
+    assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3]
+    for r in s["restarts"]:
+        assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] > 0, r
+        assert r["joined"] - started < 10, r["joined"] - started  # trains within 10 s of the command's start
+    assert s["eval_ne"] < 0.8, s["eval_ne"]
+    assert leftover_segments() == []
+
+
 def test_a_machine_cut_off_from_the_network_during_a_save_is_given_up_and_the_job_finishes(tmp_path):
     """Node 1's network link cut (two simulated machines: nothing resets node 0's connections to it, they fall
     silent) as the second periodic checkpoint's save begins: node 0 records it lost after its launcher's silence, its

@@ -4,13 +4,16 @@ with it inflicted (kill -9) once the job has trained `--at` of its examples: tra
 one-machine job, trainer 1 with `--max-restarts 1` (its restart joins the running job), or node 1 of `--nodes`
 loopback machines (default two: `cocosync train --nnodes N`, T/N trainers and an embedding server each, periodic
 checkpoints every fifth of the run; its command and every process under it killed, whatever the job is doing then:
-a periodic checkpoint's save included), against the same multi-machine job uninterrupted. Per run:
+a periodic checkpoint's save included), against the same multi-machine job uninterrupted; `rejoin`: node 1 killed
+so, and its command started again once the job has trained `--rejoin-at` of its examples (it joins the running job
+in its place). Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
-its process started, and the wall time. The target: the job finishes with no example lost and an eval NE within 0.5%
-of the uninterrupted run's (1% for a machine), over the seeds (their mean, the worst named), for each kind; a restart
-trains within 10 s of its start."""
+its process started (a machine that joined: after its command started), and the wall time. The target: the job
+finishes with no example lost and an eval NE within 0.5% of the uninterrupted run's (1% for a machine), over the
+seeds (their mean, the worst named), for each kind; a restart or a machine that joins trains within 10 s of its
+start."""
 
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import click
 from rich.console import Console
 
 from cocosync.bench.common import markdown_table, print_table, write_json
+from cocosync.testing.launch import free_port
 from cocosync.testing.multinode import kill_machine, remove_semaphores_since, semaphores, start_nodes, wait_nodes
 from cocosync.testing.sockets import job_ranks
 
@@ -39,7 +43,7 @@ NODE_NE_TARGET = 0.01
 RESTART_TARGET_S = 10.0
 COLUMNS = ["killed", "seed", "eval NE uninterrupted", "eval NE, killed", "NE change", "examples lost",
            "loss recorded (s after kill)", "sync re-formed (s after kill)", "shard restored from (rows' age)",
-           "restart trains (s after its start)", "seconds (uninterrupted / killed)"]
+           "restart or join trains (s after its start)", "seconds (uninterrupted / killed)"]
 
 
 def _command(out: Path, seed: int, examples: int, trainers: int, sync: str) -> list[str]:
@@ -86,37 +90,58 @@ def _node_args(out: Path, seed: int, examples: int, sync: str, mirror_ms: float)
             *(["--shard-mirror-interval", f"{mirror_ms:g}"] if mirror_ms else [])]
 
 
-def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2) -> tuple[dict, float | None]:
+def _trained(metrics: Path, examples: int) -> bool:
+    lines = metrics.read_text().splitlines() if metrics.exists() else []
+    records = [json.loads(x) for x in lines if x.strip().endswith("}")]
+    return any(r.get("event") == "train" and r.get("examples", 0) >= examples for r in records)
+
+
+def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2,
+               rejoin_at: int | None = None) -> tuple[dict, float | None, float | None]:
     """`nodes` loopback machines of `trainers // nodes` trainers each (after an embedding server, and EASGD's sync
-    server); with `at`, node 1 killed whole once the job has trained `at` examples. (summary, time of the kill)."""
+    server); with `at`, node 1 killed whole once the job has trained `at` examples; with `rejoin_at`, its command
+    started again once the job has trained that many (and node 0 has recorded the loss: a start refused before is
+    made again). (summary, time of the kill, time node 1's command started again)."""
     before = semaphores()
     servers = 1 + any(a.endswith("easgd") for a in args)
-    procs = start_nodes(args, nnodes=nodes, nproc_per_node=servers + trainers // nodes)
-    killed_at = None
+    port = free_port()
+    nproc = servers + trainers // nodes
+    procs = start_nodes(args, nnodes=nodes, nproc_per_node=nproc, port=port)
+    killed_at = rejoined_at = None
+    metrics = out / "metrics.jsonl"
     try:
-        metrics = out / "metrics.jsonl"
         while at is not None and killed_at is None and all(p.poll() is None for p in procs):
             time.sleep(0.05)
-            lines = metrics.read_text().splitlines() if metrics.exists() else []
-            records = [json.loads(x) for x in lines if x.strip().endswith("}")]
-            if any(r.get("event") == "train" and r.get("examples", 0) >= at for r in records):
+            if _trained(metrics, at):
                 kill_machine(procs[1].pid)
                 killed_at = time.time()
+        while rejoin_at is not None and killed_at is not None and rejoined_at is None and procs[0].poll() is None:
+            time.sleep(0.05)
+            if _trained(metrics, rejoin_at) and time.time() - killed_at > 3.5:
+                started = time.time()
+                again = start_nodes(args, nnodes=nodes, nproc_per_node=nproc, port=port, only=[1])[0]
+                procs.append(again)
+                try:
+                    again.wait(timeout=1.5)  # (refused: node 0 has not recorded the loss yet)
+                except subprocess.TimeoutExpired:
+                    rejoined_at = started
         runs = wait_nodes(procs, timeout=3600)
     finally:
         for p in procs:
             if p.poll() is None:
                 kill_machine(p.pid)
     remove_semaphores_since(before)
-    failed = [r for i, r in enumerate(runs) if r.returncode != 0 and (at is None or i != 1)]
-    if failed or (at is not None and killed_at is None):
-        raise click.ClickException(f"the multi-machine job failed or ended before the kill: "
+    # (node 1 killed, and its starts again that were refused, fail; the start that joined must not)
+    ignored = {1, *range(nodes, len(runs) - 1)} if at is not None else set()
+    failed = [r for i, r in enumerate(runs) if r.returncode != 0 and i not in ignored]
+    if failed or (at is not None and killed_at is None) or (rejoin_at is not None and rejoined_at is None):
+        raise click.ClickException(f"the multi-machine job failed or ended before the kill (or the machine's join): "
                                    f"{(failed[0].output if failed else runs[0].output)[-800:]}")
-    return json.loads((out / "summary.json").read_text()), killed_at
+    return json.loads((out / "summary.json").read_text()), killed_at, rejoined_at
 
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
-VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1}
+VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1}
 
 
 @click.command("faults")
@@ -128,7 +153,10 @@ VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1}
               help="the kill comes once the job has trained this fraction of its examples.")
 @click.option("--kill", default="trainer,restart,server,node", show_default=True,
               help="what each killed run kills, comma-separated: trainer (trainer 1), restart (trainer 1, started "
-                   "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines).")
+                   "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines), "
+                   "rejoin (node 1, its command started again at --rejoin-at).")
+@click.option("--rejoin-at", type=click.FloatRange(0.0, 0.95), default=0.5, show_default=True,
+              help="--kill rejoin: node 1's command starts again once the job has trained this fraction.")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
 @click.option("--shard-mirror-interval", "mirror_ms", type=click.FloatRange(0, 60_000), default=0, show_default=True,
               help="milliseconds: the jobs of two machines mirror their shards (0: none; a lost machine's come "
@@ -136,8 +164,8 @@ VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1}
 @click.option("--nodes", type=click.IntRange(2, 8), default=2, show_default=True,
               help="loopback machines of the job whose node 1 --kill node kills (T/nodes trainers each).")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-faults", show_default=True)
-def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, sync: str, mirror_ms: float,
-               nodes: int, out: str) -> None:
+def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: float, kill: str, sync: str,
+               mirror_ms: float, nodes: int, out: str) -> None:
     """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a multi-machine job,
     against the same job uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
     kinds = [k.strip() for k in kill.split(",") if k.strip()]
@@ -145,7 +173,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         if k not in VICTIMS:
             raise click.BadParameter(f"{k!r}: expected a comma-separated list of {', '.join(VICTIMS)}",
                                      param_hint="--kill")
-    if "node" in kinds and trainers % nodes:
+    if ("node" in kinds or "rejoin" in kinds) and trainers % nodes:
         raise click.BadParameter(f"{trainers}: a machine's loss runs T/{nodes} trainers on each of {nodes} machines: "
                                  f"expected a multiple of {nodes}", param_hint="--trainers")
     if mirror_ms and nodes > 2:
@@ -159,7 +187,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
     for seed in range(seeds):
         bases: dict[bool, dict] = {}
         for kind in kinds:
-            node = kind == "node"
+            node = kind in ("node", "rejoin")
             if node not in bases:  # the uninterrupted job of the same shape
                 base_out = root / f"seed{seed}-uninterrupted{f'-{nodes}nodes' if node else ''}"
                 bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync, mirror_ms), base_out, trainers,
@@ -167,9 +195,11 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                                if node else _run(_command(base_out, seed, examples, trainers, sync), base_out))
             base = bases[node]
             kill_out = root / f"seed{seed}-{kind}-killed"
+            rejoined_at = None
             if node:
-                hit, killed_at = _run_nodes(_node_args(kill_out, seed, examples, sync, mirror_ms), kill_out,
-                                            trainers, int(at * examples), nodes)
+                hit, killed_at, rejoined_at = _run_nodes(
+                    _node_args(kill_out, seed, examples, sync, mirror_ms), kill_out, trainers, int(at * examples),
+                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None)
             else:
                 cmd = _command(kill_out, seed, examples, trainers, sync) + (
                     ["--max-restarts", "1"] if kind == "restart" else [])
@@ -177,7 +207,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
             assert killed_at is not None
             change = hit["eval_ne"] / base["eval_ne"] - 1
             losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
-                              "node": "lost_nodes"}[kind])
+                              "node": "lost_nodes", "rejoin": "lost_nodes"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
@@ -189,6 +219,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                 restored = f"{where} ({r['age_s']:.1f} s)"
             restarts = hit.get("restarts") or []
             after = restarts[0]["trains_after_s"] if restarts else float("nan")
+            if kind == "rejoin":  # (from its command's start: the launcher's own start-up counts)
+                after = max(r["joined"] for r in restarts) - rejoined_at if restarts else float("nan")
             f = found[kind]
             f["trains_after"].append(after)
             f["changes"].append(change)
@@ -197,7 +229,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
                          f"{examples - hit['examples']:,}", f"{rec:.2f}", "-" if kind == "server" else f"{ref:.2f}",
-                         restored, "-" if kind != "restart" else f"{after:.1f}" if restarts else "did not join",
+                         restored, "-" if kind not in ("restart", "rejoin") else f"{after:.1f}" if restarts
+                         else "did not join",
                          f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
             console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with a "
                           f"{kind} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
@@ -208,21 +241,23 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
         rows.append([kind, "mean", "", "", f"{mean:+.2%} (worst {worst:+.2%})", f"{max(f['lost']):,.0f} (most)",
                      f"{statistics.median(f['recorded']):.2f} (median)",
                      "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "",
-                     f"{max(f['trains_after']):.1f} (most)" if kind == "restart" else "", ""])
-        target = NODE_NE_TARGET if kind == "node" else NE_TARGET
+                     f"{max(f['trains_after']):.1f} (most)" if kind in ("restart", "rejoin") else "", ""])
+        target = NODE_NE_TARGET if kind in ("node", "rejoin") else NE_TARGET
         ok = abs(mean) <= target and max(f["lost"]) == 0
         joined = ""
-        if kind == "restart":  # (nan, a restart that did not join, fails the comparison)
+        if kind in ("restart", "rejoin"):  # (nan, a restart that did not join, fails the comparison)
             ok = ok and all(x <= RESTART_TARGET_S for x in f["trains_after"])
-            joined = (f", the restart trained {max(f['trains_after']):.1f} s after its start at most (target: "
+            who = "the restart" if kind == "restart" else "the machine that joined"
+            joined = (f", {who} trained {max(f['trains_after']):.1f} s after its start at most (target: "
                       f"{RESTART_TARGET_S:g} s)")
         verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
-    machines = f", {nodes} machines" if "node" in kinds and nodes != 2 else ""
-    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples, T={trainers}, {sync}{mirrored}"
-             f"{machines}, {seeds} seeds "
+    machines = f", {nodes} machines" if ("node" in kinds or "rejoin" in kinds) and nodes != 2 else ""
+    rejoins = f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else ""
+    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}, T={trainers}, {sync}"
+             f"{mirrored}{machines}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
     console.print(markdown_table(COLUMNS, rows), markup=False)
@@ -233,5 +268,6 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, kill: str, s
                                                       "sync_reformed_s": f["reformed"],
                                                       "restart_trains_after_s": f["trains_after"]}
                                                   for k, f in found.items()},
-                                      "trainers": trainers, "examples": examples, "at": at, "sync": sync,
+                                      "trainers": trainers, "examples": examples, "at": at, "rejoin_at": rejoin_at,
+                                      "sync": sync,
                                       "shard_mirror_interval_ms": mirror_ms})

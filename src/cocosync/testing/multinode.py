@@ -77,20 +77,22 @@ def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, e
 
 def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, two_hosts: bool = False,
                 env: dict | None = None, cwd: str | os.PathLike | None = None, launcher: str = "cocosync",
-                node_args: Sequence[Sequence[str]] = ()) -> list[subprocess.Popen]:
+                node_args: Sequence[Sequence[str]] = (), port: int | None = None,
+                only: Sequence[int] | None = None) -> list[subprocess.Popen]:
     """Start `torchrun ... <module_args>` (e.g. ["-m", "cocosync.shadowsync", "--examples", "4000"]) as `nnodes`
     agents, output piped; with `two_hosts` (nnodes must be 2) on the simulated machines A and B of twohosts.sh.
     `launcher`: "torchrun" (torchrun's command: each rank exec'd cold, in a session of its own) or "cocosync"
     (`cocosync train --nnodes`: the same agent in-process, its ranks forked warm in its session; job/node_launch.py).
-    `node_args[i]`: more arguments for node i alone (a machine started with other options)."""
+    `node_args[i]`: more arguments for node i alone (a machine started with other options). `port` (with `only`:
+    the nodes to start, e.g. a machine started again in a running job): the rendezvous port (default: a free one)."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher={launcher!r}: expected one of {LAUNCHERS}")
-    port = free_port()
+    port = free_port() if port is None else port
     run_id = f"cocosync-{os.getpid()}-{port}"
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COCOSYNC_RUN_ID": run_id,
                 **(env or {})}
     procs: list[subprocess.Popen] = []
-    for node in range(nnodes):
+    for node in range(nnodes) if only is None else only:
         node_env = dict(base_env)
         args = [*module_args, *(node_args[node] if node < len(node_args) else ())]
         if two_hosts:

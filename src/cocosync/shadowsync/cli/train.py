@@ -78,6 +78,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     a second Ctrl-C aborts. With --nnodes, the job spans machines: this command runs torchrun's agent for this
     machine (the job of `torchrun ... -m cocosync.shadowsync`, its ranks forked warm), with embedding parameter
     servers and sync servers; Ctrl-C, SIGTERM or --timeout on any machine stops every machine's trainers.
+    A lost machine (not node 0) does not stop the job, and its command started again joins the running job in
+    its place (docs/multinode.md says what survives what).
     """
     from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.job.trainer import TrainerFailure

@@ -159,6 +159,25 @@ class InMemorySource:
             yield Batch(self.dense[s], self.sparse[s], self.label[s], None if self.prob is None else self.prob[s])
 
 
+class StreamedSource:
+    """The synthetic training set generated as it is read, the same rows as `InMemorySource` holds: shard s of S
+    streams its rows from where its reader starts. A trainer that joins a running job trains at once this way, where
+    generating its whole share first took seconds (the rows cost the same CPU, spread over its training)."""
+
+    def __init__(self, data: DataConfig, rows: int):
+        self.data, self.rows = data, rows
+
+    def shard_rows(self, shard: int, shards: int) -> int:
+        return (shard + 1) * self.rows // shards - shard * self.rows // shards
+
+    def batches(self, shard: int, shards: int, batch_size: int, start: int = 0) -> Iterator[Any]:
+        lo, hi = shard * self.rows // shards, (shard + 1) * self.rows // shards
+        if lo + start >= hi:
+            return iter(())
+        return iter(SyntheticStream(self.data, seed=self.data.seed, split=TRAIN, rows=self.rows,
+                                    batch_size=batch_size, skip_rows=lo + start, max_rows=hi - lo - start))
+
+
 class FileSource:
     """Data file(s) read by `CriteoReader` or `TabularReader`, `examples` rows over S shards: shard s reads its
     line-aligned byte range of each file (its rows as counted by the launcher, `DataConfig.range_lines`: a range
@@ -186,7 +205,7 @@ class Epochs:
     """`epochs` passes over a source (dlrm's and TorchRec's --epochs): each shard reads its rows that many times in
     the same order; a reader position counts rows over all passes, so checkpoints resume inside any pass."""
 
-    def __init__(self, inner: InMemorySource | FileSource, epochs: int):
+    def __init__(self, inner: InMemorySource | FileSource | StreamedSource, epochs: int):
         self.inner, self.epochs = inner, epochs
 
     def share_memory_(self) -> "Epochs":
@@ -203,7 +222,7 @@ class Epochs:
             yield from self.inner.batches(shard, shards, batch_size, max(0, start - epoch * n))
 
 
-def _passes(source: InMemorySource | FileSource, cfg: TrainConfig) -> Any:
+def _passes(source: InMemorySource | FileSource | StreamedSource, cfg: TrainConfig) -> Any:
     return source if cfg.epochs == 1 else Epochs(source, cfg.epochs)
 
 
@@ -220,11 +239,16 @@ def base_shard_rows(cfg: TrainConfig, data: DataConfig, shard: int, shards: int)
     return cfg.epochs * ((shard + 1) * cfg.examples // shards - shard * cfg.examples // shards)
 
 
-def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int, plan: DataPlan | None = None) -> Any:
+def trainer_source(cfg: TrainConfig, data: DataConfig, trainer: int, plan: DataPlan | None = None, *,
+                   streamed: bool = False) -> Any:
     """The training rows of one trainer only (its W shards of T*W): a synthetic trainer generates just those rows,
     the same ones `make_source` would give it. `plan`: the job resumed on another trainer count reads its shards'
-    segments of the original sharding (data/plan.py); a synthetic trainer generates the base shards they touch."""
+    segments of the original sharding (data/plan.py); a synthetic trainer generates the base shards they touch.
+    `streamed`: synthetic rows are generated as they are read (`StreamedSource`), not all before training."""
     W = cfg.workers
+    if streamed and data.train_path is None:
+        base = _passes(StreamedSource(data, cfg.examples), cfg)
+        return base if plan is None else PlannedSource(base, plan.base_shards, plan.shards)
     if plan is None:
         shards, mine = cfg.trainers * W, range(trainer * W, (trainer + 1) * W)
     else:

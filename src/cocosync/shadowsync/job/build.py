@@ -25,8 +25,9 @@ from cocosync.shadowsync.data.plan import DataPlan, replan
 from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
-from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows
+from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
 from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
+from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.node_loss import save_timeout
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
@@ -37,7 +38,7 @@ from cocosync.shadowsync.sync import FlatParams
 from cocosync.shadowsync.sync.base import HierarchicalGroup
 from cocosync.shadowsync.sync.center import CenterShard, center_bounds, serve_center
 
-__all__ = ["loopback_interfaces", "init_rpc", "build_job", "attach_job", "data_plan"]
+__all__ = ["loopback_interfaces", "init_rpc", "build_job", "attach_job", "join_job", "data_plan"]
 
 _LOOPBACK = ("127.", "localhost", "::1")
 
@@ -216,6 +217,31 @@ def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Dat
                plan=plan, link=link, resumed_from=resumed_from, membership=membership, positions=positions,
                share_positions=share_positions, held_groups=(), cross_groups=(), mirrors={}, mirror_stamps=None,
                mirror_group=None, save_group=None)
+
+
+def join_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
+             plan: DataPlan | None, link: Link, resumed_from: int) -> Job:
+    """The `Job` of a trainer of a machine that joins a running job in a lost one's place (job/node_join.py), built
+    without any collective: no shards (the machines in the job hold the lost machine's), this machine's reader
+    positions and replica of the hot rows as named segments of its own (the node's first trainer makes them, the
+    others map them), and no group yet (the trainer makes them with the job once it has recorded its join)."""
+    topo = roles.topo
+    model = run_model(cfg, data, model_cfg)
+    tables = model.plan
+    rowhash = RowHash(tables.total_rows, roles.embedding_per_node * topo.nnodes)
+    timeout = cfg.heartbeat_timeout + 30.0
+    first = roles.role()[1] % roles.trainers_per_node == 0
+    node = NodeTensors(None, link.client(), first, f"{topo.node}-joined", timeout=timeout)
+    positions, share_positions = _node_positions(cfg, roles, node)
+    hot = joined_hot_rows(cfg, cluster, data, model, lambda name, shape, dtype: node.empty(name, shape, dtype))
+    flat = FlatParams(model.dense_parameters()).flat
+    membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
+    return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
+               shards={}, trainer_group=None, exchange=ExchangeGroups(), hot=hot, hot_group=None, dense_group=None,
+               center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size, plan=plan, link=link,
+               resumed_from=resumed_from, membership=membership, positions=positions,
+               share_positions=share_positions, held_groups=(), cross_groups=(), mirrors={}, mirror_stamps=None,
+               mirror_group=None, save_group=None, fence_key=fence_key(topo.node))
 
 
 def data_plan(cfg: TrainConfig, data: DataConfig, roles: Roles, path: Path, meta: dict) -> DataPlan | None:

@@ -57,6 +57,11 @@ class ExchangeGroups:
     """the exchange this rank runs: trainer i of every node, or (node-exchange) the nodes' first embedding servers."""
     mailboxes: tuple[Mailbox, ...] = ()
     """node-exchange: one per local trainer, in the node's shared memory."""
+    machines: tuple[int, ...] = ()
+    """the machines `group` spans, in node order, where they are not every machine of the job (a machine that joined
+    in a lost one's place: job/node_join.py)."""
+    owners: torch.Tensor | None = None
+    """with `machines`: the member of `group` that holds each embedding server's shard."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,9 @@ class Job:
     """every rank of a job across machines: the periodic checkpoints' collectives (None: the default group). A rank
     whose save failed releases it, so that its machine's ranks waiting for it in the save fail too; every rank
     releases it before the job's end."""
+    fence_key: str | None = None
+    """the store key whose presence tells this machine's trainers that the job went on without them (default:
+    `lost-node/<node>`; a machine that joined in a lost one's place has its own)."""
 
     @property
     def dense_params(self) -> int:

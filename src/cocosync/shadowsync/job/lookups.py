@@ -5,6 +5,8 @@ trainer uses (its own exchange, its relay to the node's server, or RPC) and the 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -21,7 +23,8 @@ from cocosync.shadowsync.model.shard import Shard
 from cocosync.shadowsync.model.sharding import TablePlan
 from cocosync.shadowsync.model.transport import RemoteRows, RpcRows
 
-__all__ = ["hot_rows", "exchange_groups", "hosts_exchange", "node_exchange", "trainer_transport"]
+__all__ = ["hot_rows", "hot_row_ids", "joined_hot_rows", "exchange_groups", "hosts_exchange", "node_exchange",
+           "trainer_transport"]
 
 RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mailbox slot holds
 
@@ -29,22 +32,43 @@ RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mai
 def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel,
              arena: Arena) -> HotRows | None:
     """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
-    choice from the first training rows, broadcast (collective over the job)."""
+    choice from the first training rows (`hot_row_ids`), broadcast (collective over the job)."""
     if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
         return None
-    ids = [None]
-    if dist.get_rank() == 0:
-        sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
-        rows = model.plan.row_ids(model.features(sample)) if sample is not None else None
-        ids = [choose_hot_rows(rows, torch.zeros(rows.shape[1], dtype=torch.int64), cluster.hot_rows)
-               if rows is not None else torch.empty(0)]
+    ids = [hot_row_ids(cfg, cluster, data, model) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
-    H, dim = ids[0].numel(), model.plan.width
+    return _replica(cfg, ids[0], model.plan.width, lambda shape, dtype: arena.shared_empty(shape, dtype))
+
+
+def hot_row_ids(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel) -> torch.Tensor:
+    """The hot set: the --hot-rows rows seen most often in the first HOT_SAMPLE_ROWS training rows (the same on every
+    machine that reads them)."""
+    sample = first_sparse(cfg, data, HOT_SAMPLE_ROWS)
+    if sample is None:
+        return torch.empty(0, dtype=torch.int64)
+    rows = model.plan.row_ids(model.features(sample))
+    return choose_hot_rows(rows, torch.zeros(rows.shape[1], dtype=torch.int64), cluster.hot_rows)
+
+
+def _replica(cfg: TrainConfig, ids: torch.Tensor, dim: int,
+             empty: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]) -> HotRows | None:
+    H = ids.numel()
     if not H:
         return None
-    shard = Shard(arena.shared_empty((H, dim)), arena.shared_empty(H), arena.shared_empty(H, torch.int64),
+    shard = Shard(empty((H, dim), torch.float32), empty((H,), torch.float32), empty((H,), torch.int64),
                   optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr, weight_decay=cfg.embedding_weight_decay)
-    return HotRows(ids[0], shard)
+    return HotRows(ids, shard)
+
+
+def joined_hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel,
+                    empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]) -> HotRows | None:
+    """The hot rows' replica of a machine that joins a running job (job/node_join.py): the same ids, chosen again
+    from the same rows, in segments `empty(name, shape, dtype)` makes (zeros until `HotSync.take`)."""
+    if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
+        return None
+    names = iter(("hot-w", "hot-acc", "hot-v"))
+    return _replica(cfg, hot_row_ids(cfg, cluster, data, model), model.plan.width,
+                    lambda shape, dtype: empty(next(names), shape, dtype))
 
 
 def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, tables: TablePlan,
@@ -101,10 +125,12 @@ def trainer_transport(job: Job, t: int, labels: list[str]) -> RemoteRows | None:
         return RpcRows(names, dim, max_inflight=job.cluster.max_inflight, group=job.cluster.lookup_batches,
                        labels=labels)
     if job.exchange.group is not None:
+        peers = (roles.ranks("trainer")[t % Tn::Tn] if not job.exchange.machines
+                 else [roles.ranks("trainer")[n * Tn + t % Tn] for n in job.exchange.machines])
         return LookupExchange(job.exchange.group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
                               servers_per_node=roles.embedding_per_node, dim=dim,
-                              interval=job.cluster.exchange_interval,
-                              labels=[_label(job, r) for r in roles.ranks("trainer")[t % Tn::Tn]])
+                              interval=job.cluster.exchange_interval, labels=[_label(job, r) for r in peers],
+                              owners=job.exchange.owners)
     host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
     return RelayClient(job.exchange.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
                        interval=job.cluster.exchange_interval,

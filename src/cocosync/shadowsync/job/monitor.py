@@ -95,6 +95,7 @@ class Monitor:
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
         self._said_restored: set[int] = set()  # lost servers whose restored shard was named
         self._said_ranges: set[int] = set()  # ranges of EASGD's centre whose adoption was named
+        self._said_joins: dict[int, bool] = {}  # lost machines whose place another took: whether its trainers joined
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
         self.survives_node_loss = survives_node_loss(nodes, cluster.lookup_transport, cfg.sync.method,
                                                      self.roles.sync_per_node, self.per_node, cfg.min_trainers,
@@ -342,7 +343,30 @@ class Monitor:
                                    f"with it; {left} trainer{'s go' if left > 1 else ' goes'} on, restore its shards"
                                    f"{' and centre ranges' if P else ''} and read its unread rows", soft_wrap=True)
         self._say_restored()
+        self._say_joined()
         return None
+
+    def _say_joined(self) -> None:
+        """Say each machine that joins in a lost one's place (job/node_join.py): as it claims the place, and once its
+        trainers have joined (they train from then on)."""
+        for n in self.lost_nodes:
+            rec = self._get(f"node-join/{n}")
+            if not isinstance(rec, dict):
+                continue
+            trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
+            if n not in self._said_joins:
+                self._said_joins[n] = False
+                self.console.print(f"[green]a machine (host {escape(str(rec.get('host')))}) joins the job in node "
+                                   f"{n}'s place with trainers {', '.join(map(str, trainers))}: they take the dense "
+                                   "model from a trainer in the job and the rest of their rows", soft_wrap=True)
+            if not self._said_joins[n]:
+                joined = {int(x["trainer"]) for x in (self._get(f"change/{k}") for k in range(
+                    1, int(self.store.add(EPOCH, 0)) + 1)) if isinstance(x, dict) and x.get("kind") == "joined"}
+                if set(trainers) <= joined:
+                    self._said_joins[n] = True
+                    self.console.print(f"[green]trainers {', '.join(map(str, trainers))} joined in node {n}'s place "
+                                       f"({time.time() - float(rec.get('time', time.time())):.1f} s after the "
+                                       f"machine came): {self.cfg.trainers} trainers train", soft_wrap=True)
 
     def fenced(self) -> bool:
         """Whether this machine was recorded as lost (False where the store cannot say: it left)."""

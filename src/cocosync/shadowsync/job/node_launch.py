@@ -20,14 +20,17 @@ import dataclasses
 import datetime
 import json
 import logging
+import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch.distributed as dist
 from rich.console import Console
@@ -40,13 +43,16 @@ from torch.distributed.run import config_from_args, get_args_parser
 from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
+from cocosync.runtime.comm.shm import remove_named
 from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
 from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
-from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, SECRET_ENV
+from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
+from cocosync.shadowsync.job.node_join import claim_node
 from cocosync.shadowsync.job.node_loss import remove_restored
-from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_node_rank
+from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
+from cocosync.shadowsync.job.segments import SEGMENTS_ID
 
 __all__ = ["torchrun_args", "run_node"]
 
@@ -140,6 +146,11 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         job_file.write_text(json.dumps(job, indent=2) + "\n")
         rank_args = ["--job", str(job_file), *(["--json"] if json_out else [])]
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *launch, "-m", _MODULE, *rank_args])
+    if node_rank > 0:  # a running job that lost a machine: this one joins in its place (job/node_join.py)
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        node = _node_to_join(host, port, nnodes, cfg)
+        if node is not None:
+            return _run_joined(job, cfg, cluster, nnodes, int(args.nproc_per_node), node, host, port)
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
     # the agent's error files, in a directory of ours removed at the end: torch's default is a /tmp/torchelastic_*
     # per logs spec, left behind by every run
@@ -237,6 +248,90 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     if monitor is not None and monitor.interrupted:
         return exit_status(monitor.stop_reason)
     return 0
+
+
+def _node_to_join(host: str, port: int, nnodes: int, cfg: TrainConfig) -> int | None:
+    """The lost machine of a running job at the endpoint whose place this machine takes (node_join.claim_node), or
+    None where no job runs there yet (this machine goes to the rendezvous). A ConfigError where a job runs there
+    that this machine cannot join (every machine is in it; too late; a sync a machine cannot join)."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:  # (no store yet: the machine that hosts it has not started)
+        return None
+    store = dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
+                                                   timeout=datetime.timedelta(seconds=30)))
+    if cfg.sync.method not in ("ma", "bmuf") and any(store.check([f"lost-node/{n}"]) for n in range(1, nnodes)):
+        raise ConfigError(f"--sync {cfg.sync.algorithm}: a machine joins a running job in a lost one's place with MA "
+                          "or BMUF (EASGD's sync servers are not started again)")
+    node, why = claim_node(store, nnodes, socket.gethostname())
+    if node is not None:
+        return node
+    if store.check(["pid/0"]):  # (the job's ranks run: a rendezvous would restart every one of them)
+        raise ConfigError(f"the job at {host}:{port} is running and this machine cannot join it: {why}")
+    return None
+
+
+def _run_joined(job: dict, cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, nproc: int, node: int, host: str,
+                port: int) -> int:
+    """Start this machine's trainers in lost node `node`'s place (its servers' shards stay where the machines in the
+    job restored them) and wait for them: 0 once they are done, 1 if one failed (the others are stopped); the first
+    Ctrl-C or SIGTERM asks every trainer of the job to stop with a checkpoint, as on any machine, a second aborts."""
+    console = Console(stderr=True)
+    E, S = cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
+    trainers = range(node * (nproc - E - S), (node + 1) * (nproc - E - S))
+    console.print(f"node {node} of the job at {host}:{port} was lost: this machine joins in its place with trainers "
+                  f"{', '.join(map(str, trainers))} (the machines in the job keep its shards)", soft_wrap=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})
+    os.environ.pop(SECRET_ENV, None)
+    launcher_env = dict(os.environ)
+    store = dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
+                                                   timeout=datetime.timedelta(seconds=30)))
+    procs: dict[int, Any] = {}
+    signals: list[int] = []
+    previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
+                for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        # forked from this process, which imported what a trainer runs and runs no thread yet (the fork server
+        # would import it all again first: seconds before the trainers train)
+        context = multiprocessing.get_context("fork")
+        for local in range(E + S, nproc):
+            rank = node * nproc + local
+            env = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(nnodes * nproc),
+                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
+                   "MASTER_ADDR": host, "MASTER_PORT": str(port)}
+            proc = context.Process(target=run_joined_rank, args=(job, launcher_env, env, os.getpid()),
+                                   name=f"cocosync-joined-rank{rank}", daemon=False)
+            proc.start()
+            procs[rank] = proc
+        asked = False
+        while any(p.is_alive() for p in procs.values()):
+            for p in procs.values():
+                p.join(0.1)
+            if signals and not asked:
+                asked = True
+                name = signal.Signals(signals[0]).name
+                store.set("stop", f"{'Ctrl-C' if name == 'SIGINT' else name} on the machine that joined in node "
+                                  f"{node}'s place")
+                console.print("[yellow]stopping the trainers of every machine (they keep what they trained: a "
+                              "checkpoint and the summary) — again to abort", soft_wrap=True)
+            failed = [r for r, p in procs.items() if p.exitcode not in (None, 0)]
+            if failed or len(signals) > 1:
+                for p in procs.values():
+                    if p.is_alive():
+                        p.kill()
+                why = f"rank {failed[0]} exited with status {procs[failed[0]].exitcode}" if failed else "aborted"
+                console.print(f"[red]the machine that joined in node {node}'s place stops: {escape(why)}",
+                              soft_wrap=True)
+                return 1 if failed else 128 + signals[0]
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for p in procs.values():
+            p.join(5)
+        if store.check([SEGMENTS_ID]):  # (what its trainers made and left named)
+            remove_named(f"{store.get(SEGMENTS_ID).decode()}-n{node}-joined-*")
 
 
 def _abort(status: int, log_dir: str) -> None:

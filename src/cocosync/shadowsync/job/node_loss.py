@@ -63,7 +63,8 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
 
-__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "save_timeout", "restored_segment", "remove_restored"]
+__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "save_timeout", "restored_segment", "remove_restored",
+           "holders", "machine_group", "machine_exchange"]
 
 #: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
 #: its metadata
@@ -104,6 +105,42 @@ def cross_timeout(heartbeat_timeout: float) -> float:
     is named by its own machine's launcher by then), at least 10 (a round of the lookup exchange or of the hot rows'
     sync takes milliseconds; the dense sync's, well under a second)."""
     return max(10.0, heartbeat_timeout)
+
+
+def holders(nnodes: int, per_node: int, lost: list[int]) -> dict[int, int]:
+    """The machine that holds each embedding server's shard once machines `lost` are lost: a server's own, and a lost
+    machine's servers dealt out over the machines left (in node order), the same on every machine."""
+    left = [n for n in range(nnodes) if n not in lost]
+    out = {s: s // per_node for s in range(nnodes * per_node)}
+    out.update({s: left[i % len(left)] for i, s in enumerate(s for n in lost for s in range(n * per_node,
+                                                                                           (n + 1) * per_node))})
+    return out
+
+
+def machine_group(job: Job, trainer: int, key: str, machines: list[int]) -> Any:
+    """A gloo group of trainer `trainer` and its peers of the same local index on `machines` (in node order; this
+    trainer's machine among them), made through the job's store under `key`: the job's own groups hold the ranks of
+    the machines as they were at its start."""
+    membership = job.membership
+    assert membership is not None  # (a job that survives a machine's loss has one)
+    roles = job.roles
+    timeout = datetime.timedelta(seconds=cross_timeout(job.cfg.heartbeat_timeout))
+    return gloo_backend(dist.PrefixStore(f"{key}/{trainer % roles.trainers_per_node}", membership.store),
+                        machines.index(roles.topo.node), len(machines), timeout)
+
+
+def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], held: dict[int, int],
+                     shards: dict[int, Shard]) -> LookupExchange:
+    """Trainer `trainer`'s lookup exchange on `group` (`machine_group` over `machines`): each server's rows go to the
+    machine that holds its shard (`held`), and this machine serves `shards`."""
+    roles = job.roles
+    E, Tn = roles.embedding_per_node, roles.trainers_per_node
+    owners = torch.tensor([machines.index(held[s]) for s in range(E * roles.topo.nnodes)], dtype=torch.int64)
+    peers = [roles.ranks("trainer")[n * Tn + trainer % Tn] for n in machines]
+    return LookupExchange(group, shards, servers=E * roles.topo.nnodes, servers_per_node=E, dim=job.tables.width,
+                          interval=job.cluster.exchange_interval,
+                          labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers],
+                          owners=owners)
 
 
 class LostMachine:
@@ -185,38 +222,21 @@ class LostMachine:
                     f"{roles.rpc_name(r)} (host {self.job.hosts[r]})" for r in firsts if r != roles.topo.rank))
         membership.drop(self.job.cross_groups)
         E = roles.embedding_per_node
-        servers = [s for n in lost for s in range(n * E, (n + 1) * E)]
-        # each lost server's shard is restored on one machine left, the servers dealt out over them
-        owner = {s: left[i % len(left)] for i, s in enumerate(servers)}
-        self.adopted = {s: self._restore(s, membership) for s in servers if owner[s] == roles.topo.node}
-        self.tables.adopt(self.adopted, remote=self._exchange(left, owner, tag) if len(left) > 1 else None)
+        held = holders(roles.topo.nnodes, E, lost)
+        self.adopted = {s: self._restore(s, membership) for n in lost for s in range(n * E, (n + 1) * E)
+                        if held[s] == roles.topo.node}
+        remote = None
+        if len(left) > 1:  # each server's rows go to the machine that holds its shard now
+            remote = machine_exchange(self.job, self.trainer, self._group(f"exchange/{tag}", left), left, held,
+                                      {**self.job.shards, **self.adopted})
+        self.tables.adopt(self.adopted, remote=remote)
         if self.center is not None:
             P = self.job.roles.sync_per_node
             self.ranges = [self._adopt_range(r, membership, lost) for n in lost for r in range(n * P, (n + 1) * P)]
         return True
 
     def _group(self, key: str, left: list[int]) -> Any:
-        """A gloo group of this trainer and its peers of the same local index on the machines `left` (in node order),
-        made through the job's store under `key`: the job's process groups hold the lost machine's ranks."""
-        membership = self.job.membership
-        assert membership is not None
-        roles = self.job.roles
-        timeout = datetime.timedelta(seconds=cross_timeout(self.job.cfg.heartbeat_timeout))
-        return gloo_backend(dist.PrefixStore(f"{key}/{self.trainer % roles.trainers_per_node}", membership.store),
-                            left.index(roles.topo.node), len(left), timeout)
-
-    def _exchange(self, left: list[int], owner: dict[int, int], tag: str) -> LookupExchange:
-        """This trainer's lookup exchange with its peers on the machines left: each server's rows go to the machine
-        that holds its shard now (its own, or the one that restored it)."""
-        job, roles = self.job, self.job.roles
-        E, Tn = roles.embedding_per_node, roles.trainers_per_node
-        S = E * roles.topo.nnodes
-        owners = torch.tensor([left.index(owner.get(s, s // E)) for s in range(S)], dtype=torch.int64)
-        peers = [roles.ranks("trainer")[n * Tn + self.trainer % Tn] for n in left]
-        return LookupExchange(self._group(f"exchange/{tag}", left), {**job.shards, **self.adopted}, servers=S,
-                              servers_per_node=E, dim=job.tables.width, interval=job.cluster.exchange_interval,
-                              labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers],
-                              owners=owners)
+        return machine_group(self.job, self.trainer, key, left)
 
     def _adopt_range(self, r: int, membership: Any, lost: list[int]) -> RestoredRange:
         """Range `r` of EASGD's centre (its sync server lost) adopted by a sync server left: the first trainer left

@@ -73,9 +73,16 @@ from cocosync.shadowsync.data.sources import (
     with_init_ctr,
     with_schema,
 )
-from cocosync.shadowsync.job.build import attach_job, build_job, data_plan, init_rpc, loopback_interfaces
+from cocosync.shadowsync.job.build import (
+    attach_job,
+    build_job,
+    data_plan,
+    init_rpc,
+    join_job,
+    loopback_interfaces,
+)
 from cocosync.shadowsync.job.eval_curve import BestModel, describe
-from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.job import ExchangeGroups, Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
@@ -91,7 +98,8 @@ from cocosync.shadowsync.job.membership import (
     restored_shards,
     servers_leave_at_end,
 )
-from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout
+from cocosync.shadowsync.job.node_join import MachineJoins, join_key, join_machines, joined_nodes
+from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout, machine_group
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -103,7 +111,7 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard_mirror import ShardMirror
 from cocosync.shadowsync.sync.center import RemoteCenter, served_ranges
 
-__all__ = ["run_cluster", "run_restarted"]
+__all__ = ["run_cluster", "run_restarted", "run_joined"]
 
 #: seconds a failed server waits before it leaves, so that the trainers report the lost peer first
 SERVER_EXIT_GRACE = 5.0
@@ -315,6 +323,79 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     link.finish(t)
 
 
+def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> None:
+    """A trainer of a machine that joins the running job in a lost machine's place (job/node_join.py): it records its
+    join, makes the lookup exchange (and, the machine's first trainer, the hot rows' sync) with the machines in the
+    job, takes the dense model from a trainer there, reads the rest of its lost predecessor's rows, and leaves its
+    measurements in the store for the trainer that finishes the job."""
+    started = time.time()
+    console = console or Console(stderr=True)
+    topo = job_topology()
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
+    cfg = with_init_ctr(with_schema(dataclasses.replace(cfg, trainers=roles.trainers)))
+    loopback_interfaces()
+    link = Link.from_env(topo.rank)
+    if link is None:
+        raise RuntimeError("a machine joins a running job through its launcher (cocosync train --nnodes)")
+    torch.set_num_threads(cfg.threads)
+    resume = resolve(cluster.resume) if cluster.resume is not None else None
+    meta = read_meta(resume) if resume is not None else None
+    data, model_cfg = build_configs(cfg)
+    plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
+    job = join_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
+                   resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
+    t, Tn = roles.role()[1], roles.trainers_per_node
+    membership = job.membership
+    assert membership is not None  # (join_job's Job has one)
+    published = membership.published_positions(t)
+    if published is None:
+        raise RuntimeError(f"trainer {t} of the lost machine never published its reader positions: its rows cannot "
+                           "be read again from where it stopped")
+    job.positions[t] = torch.tensor(published, dtype=torch.int64)
+    restart = membership.restarts(t) + 1
+    membership.record_start(t, sum(published), restart)
+    membership.store.add(ABSENT, -1)
+    record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart, node=topo.node)
+    machines, held = join_machines(membership.store, roles)
+    key = join_key(topo.node)
+    group = machine_group(job, t, f"exchange/{key}", machines)
+    owners = torch.tensor([machines.index(held[s]) for s in range(job.rowhash.servers)], dtype=torch.int64)
+    hot_group = machine_group(job, t, f"hot/{key}", machines) if job.hot is not None and t % Tn == 0 else None
+    job = dataclasses.replace(job, exchange=ExchangeGroups(group, machines=tuple(machines), owners=owners),
+                              hot_group=hot_group)
+    run = _make_trainer(job, t, console, restart, joined=True)
+    trainer, recovery = run.trainer, run.trainer.recovery
+    assert recovery is not None
+    taken = f"hot-taken/{topo.node}"
+    if run.hot_sync is not None:  # this machine's replica: the consensus, from a machine in the job
+        run.hot_sync.take()
+        run.hot_sync.start()
+        membership.store.set(taken, "1")
+    built = time.time()
+    sync = recovery.admit(trainer.sync, give_up=lambda: not joins_open(membership.store))
+    if sync is None:  # the others finished their own rows meanwhile: they read this trainer's
+        membership.store.add(ABSENT, 1)
+        record_change(membership.store, "lost", t, pid=os.getpid(), signal="its machine joined too late")
+        raise RuntimeError(f"trainer {t} did not join: the trainers in the job had read their own rows")
+    trainer.sync = sync
+    while job.hot is not None and not membership.store.check([taken]):  # (no read of the replica before it is whole)
+        time.sleep(0.02)
+    admitted = time.time()
+    result = trainer.train()
+    membership.agree(END, t)
+    result = {k: v for k, v in result.items() if k not in ("dense", "state")}
+    # (its rows before this start were the lost process's: not resumed ones); published before the exchange and the
+    # hot rows' sync close, which wait for the trainer that reads it
+    membership.publish_result(t, restart, {**result, "resumed_from": 0, "restart": restart, "pid": os.getpid(),
+                                           "started": started, "built": built, "admitted": admitted,
+                                           "state_from": recovery.state_from, "reads_own": recovery.reads_own,
+                                           "node": topo.node})
+    if run.hot_sync is not None:
+        run.hot_sync.close()
+    run.tables.close()
+    link.finish(t)
+
+
 def _start_mirror(job: Job, server: int) -> ShardMirror | None:
     """Embedding server `server`'s mirroring of its shard with the other machine (--shard-mirror-interval)."""
     if job.mirror_group is None:
@@ -359,8 +440,9 @@ class _TrainerRun:
     machine: LostMachine | None = None  # where the job goes on without a lost machine
 
 
-def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerRun:
-    """Trainer t's run (`restart` > 0: a lost trainer started again, which joins the job: job/recovery.py)."""
+def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: bool = False) -> _TrainerRun:
+    """Trainer t's run (`restart` > 0: a lost trainer started again, which joins the job: job/recovery.py;
+    `joined`: on a machine that joined in a lost one's place, job/node_join.py)."""
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
@@ -384,10 +466,10 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerR
     if job.link is not None:  # (where another machine may read this trainer's rows after its loss: its positions)
         job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10),
                       positions=job.positions[t] if across else None,
-                      lost_key=f"lost-node/{roles.topo.node}" if across else None)
+                      lost_key=(job.fence_key or f"lost-node/{roles.topo.node}") if across else None)
     elif cfg.timeout is not None:  # no launcher to ask (plain torchrun): the trainer keeps --timeout, from its start
         _stop_after(state.stop, cfg.timeout)
-    source = trainer_source(cfg, data, t, job.plan)
+    source = trainer_source(cfg, data, t, job.plan, streamed=restart > 0)  # (a joining trainer trains at once)
     logger = None
     if t == 0 and not restart:  # (a restart's records go to the run's metrics through the trainer that finishes)
         out = Path(cfg.out_dir)
@@ -409,10 +491,11 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0) -> _TrainerR
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every,
                       recovery=recovery)
     machine = None
-    if across and recovery is not None:
+    if across and recovery is not None and not joined:
         machine = LostMachine(job, t, tables, hot_sync, center=center, replica=trainer.flat.flat)
         tables.on_lost = machine
-        recovery.before_regroup = machine.prepare
+        # a machine's loss, then maybe another's join in its place, before the sync re-forms
+        recovery.before_regroup = MachineJoins(job, t, tables, hot_sync, machine).prepare
     return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval, machine)
 
 
@@ -748,7 +831,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
                  "joined": r["admitted"], "trains_after_s": r["start"] - r["started"],
                  "built_in_s": r["built"] - r["started"], "joined_in_s": r["admitted"] - r["built"],
                  "state_from": r["state_from"],
-                 "read_own_rows": r["reads_own"], "examples": r["examples"]} for r in results if r.get("restart")]
+                 "read_own_rows": r["reads_own"], "examples": r["examples"],
+                 **({"node": r["node"]} if r.get("node") is not None else {})} for r in results if r.get("restart")]
     nodes = _lost_nodes(job, run)
     flat = run.center.values() if run.center is not None else trainer.flat.flat.clone()
     table = run.tables.snapshot()
@@ -800,6 +884,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         "lost": lost, "trainers_left": len(results), "restarts": restarts,
         "lost_servers": [_server_loss(x) for x in servers],
         "lost_nodes": nodes,
+        "joined_nodes": [dataclasses.asdict(j) for j in joined_nodes(job.membership.store, job.roles.topo.nnodes)]
+        if job.membership is not None and job.roles.topo.nnodes > 1 else [],
         "membership": _membership_over_time(job, min(r["start"] for r in results)),
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
         # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)

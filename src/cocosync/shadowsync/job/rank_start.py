@@ -26,11 +26,11 @@ from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_d
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
 from cocosync.shadowsync.job.membership import keep_server, keep_trainer, servers_leave_at_end, survives_losses
-from cocosync.shadowsync.job.rank import run_cluster, run_restarted
+from cocosync.shadowsync.job.rank import run_cluster, run_joined, run_restarted
 from cocosync.shadowsync.metrics import json_safe
 
-__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "job_dict", "run_job", "run_job_dict",
-           "report", "leave", "die_with_parent", "title", "parse_title"]
+__all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "run_joined_rank", "job_dict", "run_job",
+           "run_job_dict", "report", "leave", "die_with_parent", "title", "parse_title"]
 
 #: put in each rank's environment by the launcher: the keys the elastic agent set for that rank (RANK, LOCAL_RANK,
 #: MASTER_PORT, ...), which win over the launcher's environment handed along
@@ -52,6 +52,24 @@ def run_node_rank(job: dict, json_out: bool, launcher_env: dict[str, str], launc
     """One rank of `cocosync train --nnodes` on this machine: `become_rank`, then `job` (run_job_dict's form)."""
     become_rank(f"--out {job['config']['out_dir']}", launcher_env, launcher_pid)
     run_job_dict(job, json_out)
+
+
+def run_joined_rank(job: dict, launcher_env: dict[str, str], rank_env: dict[str, str], launcher_pid: int) -> None:
+    """A trainer of a machine that joins a running job in a lost one's place (node_launch.py), forked warm:
+    `become_rank` with `rank_env` (the lost machine's numbering of its ranks, as the agent had set it), then
+    `rank.run_joined`. It leaves through os._exit (a child of the fork server): 0 once done, 1 if it failed."""
+    os.environ.update(rank_env)
+    os.environ[RANK_KEYS_ENV] = ",".join(sorted(rank_env))
+    become_rank(f"--out {job['config']['out_dir']}", launcher_env, launcher_pid)
+    console = Console(stderr=True)
+    try:
+        run_joined(config_from_dict(job["config"]), ClusterConfig(**job["cluster"]), console=console)
+    except SystemExit as e:
+        _exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception would end it
+        traceback.print_exc()
+        _exit(1)
+    _exit(0)
 
 
 def become_rank(what: str, launcher_env: dict[str, str], launcher_pid: int) -> None:

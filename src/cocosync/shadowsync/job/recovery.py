@@ -81,9 +81,9 @@ class Recovery:
     # -- the dense sync ---------------------------------------------------------------------------------
     def changed(self) -> bool:
         """Whether the trainers changed since this trainer's sync was formed (looked up at most every LOOK_EVERY s:
-        the sync loop asks before each round). Only where a trainer may join (--max-restarts): a loss is found by
-        the collective it breaks."""
-        if not self.job.cfg.max_restarts:
+        the sync loop asks before each round). Only where a trainer may join (--max-restarts; across machines, a
+        machine in a lost one's place: node_join.py): a loss is found by the collective it breaks."""
+        if not self.job.cfg.max_restarts and self.job.roles.topo.nnodes == 1:
             return False
         now = time.monotonic()
         if now - self._looked < self.LOOK_EVERY:

@@ -25,7 +25,7 @@ class NodeTensors:
     or (`store` given: a client of the job's store) as named segments, created by local rank 0 (`creator`) and mapped
     by the others, and by a trainer started again (`creator` False, any time later)."""
 
-    def __init__(self, arena: Arena | None, store: Any | None, creator: bool, node: int, timeout: float):
+    def __init__(self, arena: Arena | None, store: Any | None, creator: bool, node: int | str, timeout: float):
         if arena is None and store is None:
             raise ValueError("NodeTensors needs an arena or a store")
         self.arena, self.creator, self.timeout = arena, creator, timeout

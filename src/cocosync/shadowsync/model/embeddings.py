@@ -161,17 +161,19 @@ class ShardedEmbeddings:
     # -- servers lost with their machine ----------------------------------------------------------------------
     def adopt(self, shards: dict[int, Shard], remote: RemoteRows | None = None) -> None:
         """Take `shards` (restored copies of other machines' servers, in this machine's shared memory) as local: their
-        rows are read and updated in place from now on. `remote`: the transport to the other machines left, which
-        replaces the one that broke; without it, once every server is local the transport is given up. (A transport
-        given up keeps its counters.) Lookups issued before keep their remote part: `wait` reads it here, or asks the
-        new transport, when the old one fails them (`on_lost`)."""
+        rows are read and updated in place from now on. `remote`: the transport to the other machines, which replaces
+        the one that broke (or, a machine joined, the one before, or none); without it, once every server is local
+        the transport is given up (a transport given up keeps its counters). Lookups issued before keep their remote
+        part: `wait` reads it here, or asks the new transport, when the old one fails them (`on_lost`)."""
         with self._lock:
             for s, shard in shards.items():
                 self.servers[s] = shard
             self._place()
-            if self.remote is not None and (remote is not None or len(self._local_servers) == len(self.servers)):
-                c = self.remote.counters()
-                self._ended, self.remote = c if self._ended is None else self._ended + c, remote
+            if remote is not None or len(self._local_servers) == len(self.servers):
+                if self.remote is not None:
+                    c = self.remote.counters()
+                    self._ended = c if self._ended is None else self._ended + c
+                self.remote = remote
 
     def _place(self) -> None:
         """Which servers are local: one attribute, replaced whole (workers place rows while `adopt` runs)."""

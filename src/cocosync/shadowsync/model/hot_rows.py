@@ -35,6 +35,7 @@ import time
 from typing import Any, Mapping
 
 import torch
+import torch.distributed as dist
 
 from cocosync.runtime.comm.native import one_shot as native_module
 from cocosync.shadowsync.model.shard import Shard
@@ -206,19 +207,41 @@ class HotSync:
         if self._thread.is_alive():
             self._thread.join()
 
-    def regroup(self, group: Any, label: str) -> None:
+    def regroup(self, group: Any, label: str, *, joined: bool = False) -> None:
         """Another node was lost and more than one is left: sync from now on with `group` (the first trainer of each
         node left, a gloo group made through the job's store). The replica and the consensus it last synced stay:
         every node left took the same syncs (the one that failed took no one's changes), so the changes made since
         are sent at the next sync. The old group's thread is not waited for: its sync may wait for a peer that left
-        it until the group's timeout; it then ends, touching nothing (its buffers are its own)."""
+        it until the group's timeout; it then ends, touching nothing (its buffers are its own).
+
+        `joined`: a node joins (`group` holds it too, member 0 one of this group's): before the first sync, member 0
+        hands the joining nodes the consensus (`take`); a replica given up with `abandon` syncs again."""
         with self._lock:
             self._generation += 1
             self.group, self.n, self.label, self._error = group, group.size(), label, None
             self._buf, self._mine = torch.zeros_like(self._buf), torch.zeros_like(self._mine)
             self._thread = threading.Thread(target=in_role("hot-sync", self._run), args=(self._generation,),
                                             name="cocosync-hot-rows", daemon=True)
+            if joined:
+                self._abandoned = False
+        if joined:
+            self._broadcast_consensus()
         self._thread.start()
+
+    @torch.no_grad()
+    def take(self) -> None:
+        """On a joining node (collective with the members' `regroup(..., joined=True)`): this replica and its
+        consensus become member 0's consensus; the members' changes since come with the first sync. Then `start`."""
+        self._broadcast_consensus()
+        rep = self.hot.shard
+        for dst, src in ((rep.weight, self._base_w), (rep.accumulator, self._base_acc), (rep.versions, self._base_v)):
+            dst.copy_(src)
+
+    def _broadcast_consensus(self) -> None:
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        for t in (self._base_w, self._base_acc, self._base_v):
+            self.group.broadcast([t], opts).wait()
 
     def settle(self, *, close: bool = False) -> None:
         """Collective over the nodes, with every trainer's workers paused: returns once a sync has taken every

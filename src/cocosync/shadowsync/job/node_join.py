@@ -1,0 +1,170 @@
+"""A machine that joins a running job in the place of a lost one (across machines: `cocosync train --nnodes N
+--node-rank K` started again after its machine's loss, or on another machine with the same command).
+
+Its launcher finds, in the job's store, a machine recorded as lost whose place no machine has taken, while the
+trainers still read their own rows (`claim_node`: `node-join/<n>`); otherwise it goes to the rendezvous as any
+machine. It then starts that machine's trainers (not its servers: the lost machine's shards were restored on the
+machines left, which keep them). Each trainer joins as a lost trainer started again does on one machine
+(recovery.py): it records its join, takes the dense model from a trainer in the job (live recovery: no checkpoint is
+read), and reads the rest of its own rows from the positions its lost predecessor last published, unless the
+trainers left had already shared them out.
+
+What this machine did with the others is made again with it, through the job's store (gloo groups on a prefix of it:
+the job's own groups were formed at its start):
+
+* the lookup exchange: trainer i of every machine in the job, each server's rows sent to the machine that holds its
+  shard (node_loss.holders); the joining machine holds none, so all its rows but the hot ones come through it;
+* the hot rows' sync: the first trainers of the machines; the joining machine's replica starts from the consensus a
+  machine in the job hands it (`HotSync.take`), and that machine's changes since come with the first sync (a
+  machine left alone had given its sync up: it syncs again);
+* the dense sync, re-formed over every trainer in the job (recovery.py: the joining trainers take the model).
+
+The machines in the job see a join between two rounds of their dense sync (it looks at the membership's epoch every
+`Recovery.LOOK_EVERY` seconds): `MachineJoins.prepare` runs before the sync re-forms, once every trainer of the
+joining machine has recorded its join. A machine joins one at a time; a machine that joined is not lost again
+without stopping the job (the job's record of lost machines is by node).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from cocosync.shadowsync.job.job import Job
+from cocosync.shadowsync.job.link import FIRST_FAILURE
+from cocosync.shadowsync.job.membership import Join, Membership, job_ending, joins_open
+from cocosync.shadowsync.job.node_loss import LostMachine, holders, machine_exchange, machine_group
+from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.hot_rows import HotSync
+
+__all__ = ["NodeJoin", "claim_node", "joined_nodes", "join_machines", "join_key", "MachineJoins", "fence_key"]
+
+#: the store's counter of machines that joined (each `node-join/<n>` is written before it counts)
+NODE_JOINS = "node-joins"
+
+
+@dataclass(frozen=True)
+class NodeJoin:
+    """A machine that took lost machine `node`'s place: when its launcher claimed it (time.time()) and its host."""
+
+    node: int
+    time: float
+    host: str
+
+
+def fence_key(node: int) -> str:
+    """The store key that would fence the machine that joined in node `node`'s place (never set: a machine that
+    joined is not recorded as lost again)."""
+    return f"lost-node/{node}/joined"
+
+
+def join_key(node: int) -> str:
+    """The prefix of the groups made when a machine joins in node `node`'s place."""
+    return f"join-{node}"
+
+
+def claim_node(store: Any, nnodes: int, host: str) -> tuple[int | None, str]:
+    """The lost machine whose place this one takes (`store`: a client of the job's store, under the job's prefix):
+    the first one recorded as lost and not yet taken, while the trainers still read their own rows and no rank has
+    failed; else None and why not (no machine is lost: this machine goes to the rendezvous)."""
+    lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
+    if not lost:
+        return None, "no machine of the job is lost"
+    if store.check([FIRST_FAILURE]) or job_ending(store):
+        return None, "the job is ending"
+    if not joins_open(store):
+        return None, "the trainers left have read their own rows and share out the lost ones' (too late to join)"
+    if int(store.add(NODE_JOINS, 0)) < len([n for n in lost if store.check([f"node-join/{n}"])]):
+        return None, "another machine is joining"
+    for n in lost:
+        rec = json.dumps(asdict(NodeJoin(n, time.time(), host)))
+        if store.compare_set(f"node-join/{n}", "", rec).decode() == rec:
+            store.add(NODE_JOINS, 1)
+            return n, ""
+    return None, "every lost machine's place is taken"
+
+
+def joined_nodes(store: Any, nnodes: int) -> list[NodeJoin]:
+    """The machines that joined in lost ones' places, by node."""
+    out = []
+    for n in range(1, nnodes):
+        if store.check([f"node-join/{n}"]):
+            out.append(NodeJoin(**json.loads(store.get(f"node-join/{n}"))))
+    return out
+
+
+def join_machines(store: Any, roles: Roles) -> tuple[list[int], dict[int, int]]:
+    """The machines in the job (those never lost and those that joined, in node order), and the machine that holds
+    each embedding server's shard."""
+    nnodes = roles.topo.nnodes
+    lost = [n for n in range(nnodes) if store.check([f"lost-node/{n}"])]
+    joined = {j.node for j in joined_nodes(store, nnodes)}
+    machines = [n for n in range(nnodes) if n not in lost or n in joined]
+    return machines, holders(nnodes, roles.embedding_per_node, lost)
+
+
+def _trainers_of(roles: Roles, node: int) -> list[int]:
+    Tn = roles.trainers_per_node
+    return list(range(node * Tn, (node + 1) * Tn))
+
+
+class MachineJoins:
+    """A trainer's side of a machine that joins (see the module doc): `prepare` is its `Recovery.before_regroup`,
+    after the lost machine's handling (`LostMachine.prepare`)."""
+
+    def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
+                 machine: LostMachine):
+        self.job, self.trainer, self.tables, self.hot_sync, self.machine = job, trainer, tables, hot_sync, machine
+        self.admitted: list[NodeJoin] = []
+        self._closing: list[threading.Thread] = []
+
+    def prepare(self) -> bool:
+        """Whether a machine's loss explains the sync's change (`LostMachine.prepare`); then, each machine that
+        joined since is taken in."""
+        if not self.machine.prepare():
+            return False
+        membership = self.job.membership
+        assert membership is not None
+        done = {j.node for j in self.admitted}
+        for join in joined_nodes(membership.store, self.job.roles.topo.nnodes):
+            if join.node not in done:
+                self._admit(join, membership)
+        return True
+
+    def _admit(self, join: NodeJoin, membership: Membership) -> None:
+        roles = self.job.roles
+        self._wait_joined(join.node, membership)
+        machines, held = join_machines(membership.store, roles)
+        key = join_key(join.node)
+        shards = {**self.job.shards, **self.machine.adopted}
+        old = self.tables.remote
+        exchange = machine_exchange(self.job, self.trainer, machine_group(self.job, self.trainer, f"exchange/{key}",
+                                                                          machines), machines, held, shards)
+        self.tables.adopt({}, remote=exchange)
+        if old is not None:  # (its peers leave it too: it serves them until every one is done)
+            closing = threading.Thread(target=old.close, name="cocosync-exchange-close", daemon=True)
+            closing.start()
+            self._closing.append(closing)
+        if self.hot_sync is not None:
+            firsts = [roles.ranks("trainer")[n * roles.trainers_per_node] for n in machines]
+            self.hot_sync.regroup(machine_group(self.job, self.trainer, f"hot/{key}", machines), ", ".join(
+                f"{roles.rpc_name(r)} (node {roles.node_of(r)})" for r in firsts if r != roles.topo.rank),
+                joined=True)
+        self.admitted.append(join)
+
+    def _wait_joined(self, node: int, membership: Membership) -> None:
+        """Wait until every trainer of the machine that joins in node `node`'s place has recorded its join."""
+        want = set(_trainers_of(self.job.roles, node))
+        deadline = time.monotonic() + membership.timeout
+        while True:
+            joined = {x.trainer for x in membership.changes() if isinstance(x, Join) and x.trainer in want}
+            if joined == want:
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the machine joining in node {node}'s place: trainers "
+                                   f"{sorted(want - joined)} did not join within {membership.timeout:.0f}s")
+            time.sleep(0.02)
