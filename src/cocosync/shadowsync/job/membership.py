@@ -60,7 +60,7 @@ from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
            "servers_leave_at_end", "survives_node_loss", "record_node_loss", "Restored", "restored_shards",
            "RestoredRange", "restored_ranges", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending",
-           "Join", "record_change", "joins_open"]
+           "Join", "record_change", "joins_open", "JOINING", "JOINING_SINCE"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -68,6 +68,10 @@ FIRST_LOST = "first-lost"  # the trainers whose first process (the job's own) wa
 SERVER_LOSSES = "server-losses"  # the count of lost embedding servers
 NODE_LOSSES = "node-losses"  # the count of lost machines
 END = "end"  # the agreement of the trainers left at the end of their data (after it, the job's end is collective)
+#: trainers of a machine that claimed a lost one's place and have not recorded their join yet (a store counter;
+#: `JOINING_SINCE`: when the last claim was made): no agreement is decided while there are any (job/node_join.py)
+JOINING = "joining"
+JOINING_SINCE = "joining-since"
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -383,8 +387,10 @@ class Membership:
         """Every trainer left calls this with the same `key` once it has read all it was given: returns the epoch
         all of them take as the losses so far (the first to see every live trainer arrived fixes it). A trainer
         lost while the others wait is not waited for; one still training is, however long it takes (without a
-        collective sync the trainers finish apart; a silent one is the heartbeats' to find). None if `give_up()`
-        turns true first (the job is stopping)."""
+        collective sync the trainers finish apart; a silent one is the heartbeats' to find). Nor is it decided
+        while a machine that claimed a lost one's place has trainers yet to record their join (at most the
+        membership's timeout after the claim), so that no trainer joins after the others agreed without it. None if
+        `give_up()` turns true first (the job is stopping)."""
         self.store.set(f"agree/{key}/{trainer}", str(self.restarts(trainer)))  # (a lost process's arrival is not its
         self.store.set(f"agree/{key}/any", "1")                                # restart's)
         decided = f"agree/{key}/epoch"
@@ -392,12 +398,22 @@ class Membership:
             if give_up():
                 return None
             epoch = self.epoch()
+            if self._joining():
+                time.sleep(POLL)
+                continue
             if all(self.store.check([f"agree/{key}/{t}"])
                    and int(self.store.get(f"agree/{key}/{t}")) == self.restarts(t, epoch) for t in self.live(epoch)):
                 self.store.compare_set(decided, "", str(epoch))
                 break
             time.sleep(POLL)
         return int(self.store.get(decided))
+
+    def _joining(self) -> bool:
+        """Whether trainers of a machine that claimed a lost one's place are yet to record their join (given up
+        the membership's timeout after the claim: its machine failed on the way)."""
+        if int(self.store.add(JOINING, 0)) <= 0:
+            return False
+        return time.time() - float(self.store.get(JOINING_SINCE)) < self.timeout
 
     def publish_result(self, trainer: int, restart: int, result: dict) -> None:
         """A restarted trainer's measurements at its end (it is in none of the job's process groups: the trainer

@@ -59,12 +59,14 @@ class Monitor:
 
     def __init__(self, cfg: TrainConfig, name: str, store: Any, nproc: int, cluster: ClusterConfig, console: Any,
                  *, nodes: int = 1, ranks: list[int] | None = None, bar: bool = True, tail: bool = True,
-                 prefix: str = PREFIX, hosts_store: bool = True):
+                 prefix: str = PREFIX, hosts_store: bool = True, fence_key: str | None = None):
         """`store`: a client of the ranks' store; `nproc`: ranks per machine; `cfg.trainers`: the job's trainers,
         over `nodes` machines. `ranks`: the ranks on this machine (default: node 0's, one machine). `bar`: a live
         progress bar on a terminal (off where the ranks write to the same terminal); `tail`: print trainer 0's eval
         and checkpoint records; `prefix`: the job's keys' (link.job_prefix); `hosts_store`: this machine hosts the
-        job's store (across machines: it watches the others' launchers and records a silent one as lost)."""
+        job's store (across machines: it watches the others' launchers and records a silent one as lost);
+        `fence_key`: the store key that says this machine was recorded as lost (default `lost-node/<node>`; a machine
+        that joined in a lost one's place has its own)."""
         self.cfg, self.name, self.nproc, self.console = cfg, name, nproc, console
         self.store = dist.PrefixStore(prefix, store)
         self.nodes, self.per_node = nodes, cfg.trainers // nodes
@@ -92,6 +94,7 @@ class Monitor:
         self.lost_servers: dict[int, dict] = {}  # embedding servers lost, by index: their record
         self.node = self.ranks[0] // nproc if self.ranks else 0  # this machine's node index in the job
         self.hosts_store = hosts_store
+        self.fence_key = fence_key or f"lost-node/{self.node}"
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
         self._said_restored: set[int] = set()  # lost servers whose restored shard was named
         self._said_ranges: set[int] = set()  # ranges of EASGD's centre whose adoption was named
@@ -371,7 +374,7 @@ class Monitor:
     def fenced(self) -> bool:
         """Whether this machine was recorded as lost (False where the store cannot say: it left)."""
         try:
-            return get_if_set(self.store, f"lost-node/{self.node}") is not None
+            return get_if_set(self.store, self.fence_key) is not None
         except RuntimeError:
             return False
 

@@ -35,13 +35,13 @@ from typing import Any
 
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import FIRST_FAILURE
-from cocosync.shadowsync.job.membership import Join, Membership, job_ending, joins_open
+from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Join, Membership, job_ending, joins_open
 from cocosync.shadowsync.job.node_loss import LostMachine, holders, machine_exchange, machine_group
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
 
-__all__ = ["NodeJoin", "claim_node", "joined_nodes", "join_machines", "join_key", "MachineJoins", "fence_key"]
+__all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "MachineJoins", "fence_key"]
 
 #: the store's counter of machines that joined (each `node-join/<n>` is written before it counts)
 NODE_JOINS = "node-joins"
@@ -67,10 +67,11 @@ def join_key(node: int) -> str:
     return f"join-{node}"
 
 
-def claim_node(store: Any, nnodes: int, host: str) -> tuple[int | None, str]:
+def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tuple[int | None, str]:
     """The lost machine whose place this one takes (`store`: a client of the job's store, under the job's prefix):
     the first one recorded as lost and not yet taken, while the trainers still read their own rows and no rank has
-    failed; else None and why not (no machine is lost: this machine goes to the rendezvous)."""
+    failed; else None and why not (no machine is lost: this machine goes to the rendezvous). A claim holds the
+    trainers' agreements until its trainers have joined (`JOINING`; each says it is there with `joined`)."""
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
         return None, "no machine of the job is lost"
@@ -83,9 +84,18 @@ def claim_node(store: Any, nnodes: int, host: str) -> tuple[int | None, str]:
     for n in lost:
         rec = json.dumps(asdict(NodeJoin(n, time.time(), host)))
         if store.compare_set(f"node-join/{n}", "", rec).decode() == rec:
+            store.set(JOINING_SINCE, str(time.time()))
+            store.add(JOINING, trainers_per_node)
             store.add(NODE_JOINS, 1)
             return n, ""
     return None, "every lost machine's place is taken"
+
+
+def joined(store: Any, trainer: int) -> None:
+    """Trainer `trainer` of a machine that claimed a lost one's place recorded its join, or will not (it failed on
+    the way: its launcher says so for it); once per trainer."""
+    if int(store.add(f"joining-done/{trainer}", 1)) == 1:
+        store.add(JOINING, -1)
 
 
 def joined_nodes(store: Any, nnodes: int) -> list[NodeJoin]:

@@ -49,7 +49,7 @@ from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
-from cocosync.shadowsync.job.node_join import claim_node
+from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
 from cocosync.shadowsync.job.node_loss import remove_restored
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
 from cocosync.shadowsync.job.segments import SEGMENTS_ID
@@ -148,7 +148,7 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *launch, "-m", _MODULE, *rank_args])
     if node_rank > 0:  # a running job that lost a machine: this one joins in its place (job/node_join.py)
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
-        node = _node_to_join(host, port, nnodes, cfg)
+        node = _node_to_join(host, port, nnodes, trainers // nnodes, cfg)
         if node is not None:
             return _run_joined(job, cfg, cluster, nnodes, int(args.nproc_per_node), node, host, port)
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
@@ -250,7 +250,7 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     return 0
 
 
-def _node_to_join(host: str, port: int, nnodes: int, cfg: TrainConfig) -> int | None:
+def _node_to_join(host: str, port: int, nnodes: int, trainers_per_node: int, cfg: TrainConfig) -> int | None:
     """The lost machine of a running job at the endpoint whose place this machine takes (node_join.claim_node), or
     None where no job runs there yet (this machine goes to the rendezvous). A ConfigError where a job runs there
     that this machine cannot join (every machine is in it; too late; a sync a machine cannot join)."""
@@ -263,7 +263,7 @@ def _node_to_join(host: str, port: int, nnodes: int, cfg: TrainConfig) -> int | 
     if cfg.sync.method not in ("ma", "bmuf") and any(store.check([f"lost-node/{n}"]) for n in range(1, nnodes)):
         raise ConfigError(f"--sync {cfg.sync.algorithm}: a machine joins a running job in a lost one's place with MA "
                           "or BMUF (EASGD's sync servers are not started again)")
-    node, why = claim_node(store, nnodes, socket.gethostname())
+    node, why = claim_node(store, nnodes, trainers_per_node, socket.gethostname())
     if node is not None:
         return node
     if store.check(["pid/0"]):  # (the job's ranks run: a rendezvous would restart every one of them)
@@ -274,62 +274,68 @@ def _node_to_join(host: str, port: int, nnodes: int, cfg: TrainConfig) -> int | 
 def _run_joined(job: dict, cfg: TrainConfig, cluster: ClusterConfig, nnodes: int, nproc: int, node: int, host: str,
                 port: int) -> int:
     """Start this machine's trainers in lost node `node`'s place (its servers' shards stay where the machines in the
-    job restored them) and wait for them: 0 once they are done, 1 if one failed (the others are stopped); the first
-    Ctrl-C or SIGTERM asks every trainer of the job to stop with a checkpoint, as on any machine, a second aborts."""
+    job restored them) and watch them as any machine's launcher does (monitor.py: the job's progress, --timeout, the
+    trainers' heartbeats; Ctrl-C or SIGTERM asks every trainer of the job to stop with a checkpoint, a second
+    aborts). Returns the exit status: 0 once they are done; 1 if one failed or stopped responding (the others are
+    stopped); 130 / 143 / 124 after a stop."""
     console = Console(stderr=True)
     E, S = cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
-    trainers = range(node * (nproc - E - S), (node + 1) * (nproc - E - S))
+    Tn = nproc - E - S
+    ranks = [node * nproc + local for local in range(E + S, nproc)]
     console.print(f"node {node} of the job at {host}:{port} was lost: this machine joins in its place with trainers "
-                  f"{', '.join(map(str, trainers))} (the machines in the job keep its shards)", soft_wrap=True)
+                  f"{', '.join(str(t) for t in range(node * Tn, (node + 1) * Tn))} (the machines in the job keep its "
+                  "shards)", soft_wrap=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})
     os.environ.pop(SECRET_ENV, None)
     launcher_env = dict(os.environ)
-    store = dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
-                                                   timeout=datetime.timedelta(seconds=30)))
+    raw = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    store = dist.PrefixStore(PREFIX, raw)
+    for rank in ranks:  # (the lost machine's ranks said theirs: the monitor reads each rank's pid there)
+        store.delete_key(f"pid/{rank}")
     procs: dict[int, Any] = {}
-    signals: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _: signals.append(signum))
-                for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        # forked from this process, which imported what a trainer runs and runs no thread yet (the fork server
-        # would import it all again first: seconds before the trainers train)
-        context = multiprocessing.get_context("fork")
-        for local in range(E + S, nproc):
-            rank = node * nproc + local
-            env = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(nnodes * nproc),
-                   "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
-                   "MASTER_ADDR": host, "MASTER_PORT": str(port)}
-            proc = context.Process(target=run_joined_rank, args=(job, launcher_env, env, os.getpid()),
-                                   name=f"cocosync-joined-rank{rank}", daemon=False)
-            proc.start()
-            procs[rank] = proc
-        asked = False
+    # forked from this process, which imported what a trainer runs and runs no thread yet (the fork server would
+    # import it all again first: seconds before the trainers train)
+    context = multiprocessing.get_context("fork")
+    for local, rank in zip(range(E + S, nproc), ranks):
+        env = {"RANK": str(rank), "LOCAL_RANK": str(local), "WORLD_SIZE": str(nnodes * nproc),
+               "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": str(node), "GROUP_WORLD_SIZE": str(nnodes),
+               "MASTER_ADDR": host, "MASTER_PORT": str(port)}
+        proc = context.Process(target=run_joined_rank, args=(job, launcher_env, env, os.getpid()),
+                               name=f"cocosync-joined-rank{rank}", daemon=False)
+        proc.start()
+        procs[rank] = proc
+
+    def wait_failed() -> None:  # (the monitor watches while this runs: until every trainer exits, or one failed)
         while any(p.is_alive() for p in procs.values()):
             for p in procs.values():
                 p.join(0.1)
-            if signals and not asked:
-                asked = True
-                name = signal.Signals(signals[0]).name
-                store.set("stop", f"{'Ctrl-C' if name == 'SIGINT' else name} on the machine that joined in node "
-                                  f"{node}'s place")
-                console.print("[yellow]stopping the trainers of every machine (they keep what they trained: a "
-                              "checkpoint and the summary) — again to abort", soft_wrap=True)
-            failed = [r for r, p in procs.items() if p.exitcode not in (None, 0)]
-            if failed or len(signals) > 1:
-                for p in procs.values():
-                    if p.is_alive():
-                        p.kill()
-                why = f"rank {failed[0]} exited with status {procs[failed[0]].exitcode}" if failed else "aborted"
-                console.print(f"[red]the machine that joined in node {node}'s place stops: {escape(why)}",
-                              soft_wrap=True)
-                return 1 if failed else 128 + signals[0]
+            if any(p.exitcode not in (None, 0) for p in procs.values()):
+                return
+
+    waiter = threading.Thread(target=wait_failed, name="cocosync-joined-ranks", daemon=True)
+    monitor = Monitor(cfg, f"{cfg.sync.algorithm} T={cfg.trainers} nodes={nnodes}", raw, nproc, cluster, console,
+                      nodes=nnodes, ranks=ranks, bar=False, tail=False, hosts_store=False, fence_key=fence_key(node))
+    try:
+        waiter.start()
+        monitor.run(waiter)
+        failed = [r for r, p in procs.items() if p.exitcode not in (None, 0)]
+        if monitor.failure is not None or failed:
+            why = monitor.failure or f"trainer rank {failed[0]} exited with status {procs[failed[0]].exitcode}"
+            console.print(f"[red]the machine that joined in node {node}'s place stops: {escape(why)}",
+                          soft_wrap=True)
+            _first_failure(monitor, console)
+            return 1
+        if monitor.interrupted:
+            return exit_status(monitor.stop_reason)
         return 0
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         for p in procs.values():
+            if p.is_alive():
+                p.kill()
             p.join(5)
+        for t in range(node * Tn, (node + 1) * Tn):  # (one that failed before its join holds no agreement)
+            joined(store, t)
         if store.check([SEGMENTS_ID]):  # (what its trainers made and left named)
             remove_named(f"{store.get(SEGMENTS_ID).decode()}-n{node}-joined-*")
 

@@ -98,7 +98,7 @@ from cocosync.shadowsync.job.membership import (
     restored_shards,
     servers_leave_at_end,
 )
-from cocosync.shadowsync.job.node_join import MachineJoins, join_key, join_machines, joined_nodes
+from cocosync.shadowsync.job.node_join import MachineJoins, join_key, join_machines, joined, joined_nodes
 from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout, machine_group
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
@@ -356,6 +356,7 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     membership.record_start(t, sum(published), restart)
     membership.store.add(ABSENT, -1)
     record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart, node=topo.node)
+    joined(membership.store, t)  # (the agreements held for it from its machine's claim count it in now)
     machines, held = join_machines(membership.store, roles)
     key = join_key(topo.node)
     group = machine_group(job, t, f"exchange/{key}", machines)
@@ -372,11 +373,10 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
         run.hot_sync.start()
         membership.store.set(taken, "1")
     built = time.time()
-    sync = recovery.admit(trainer.sync, give_up=lambda: not joins_open(membership.store))
-    if sync is None:  # the others finished their own rows meanwhile: they read this trainer's
-        membership.store.add(ABSENT, 1)
-        record_change(membership.store, "lost", t, pid=os.getpid(), signal="its machine joined too late")
-        raise RuntimeError(f"trainer {t} did not join: the trainers in the job had read their own rows")
+    # (in the job from its join's record on: every agreement after it waits for it; its own rows may have been shared
+    # out meanwhile, then it reads what the next agreements give it)
+    sync = recovery.admit(trainer.sync, give_up=lambda: False)
+    assert sync is not None
     trainer.sync = sync
     while job.hot is not None and not membership.store.check([taken]):  # (no read of the replica before it is whole)
         time.sleep(0.02)
