@@ -263,3 +263,19 @@ def test_byte_ranges_lines_at_the_edges_crlf_no_final_newline_and_errors(tmp_pat
         CriteoReader(str(gz), cfg, shard=(0, 2), split="bytes")
     with pytest.raises(ValueError, match="split='rows': expected 'lines' or 'bytes'"):
         CriteoReader(str(p), cfg, split="rows")
+
+
+def test_rows_generated_as_they_are_read_are_the_rows_generated_before_training():
+    """A trainer that joins a running job streams its synthetic rows (`streamed`) from its reader's position: the
+    same rows, batch for batch, as the ones generated whole before training."""
+    from cocosync.shadowsync.config import TrainConfig
+    from cocosync.shadowsync.data.sources import build_configs, trainer_source, with_init_ctr, with_schema
+
+    cfg = with_init_ctr(with_schema(TrainConfig(examples=60_000, trainers=3, workers=2)))
+    data, _ = build_configs(cfg)
+    whole, streamed = trainer_source(cfg, data, 1, None), trainer_source(cfg, data, 1, None, streamed=True)
+    for shard, start in ((2, 0), (3, 777), (2, 9_999), (3, 10_000)):
+        a, b = list(whole.batches(shard, 6, 512, start)), list(streamed.batches(shard, 6, 512, start))
+        assert [x.label.shape[0] for x in a] == [x.label.shape[0] for x in b]
+        for x, y in zip(a, b):
+            assert torch.equal(x.sparse, y.sparse) and torch.equal(x.dense, y.dense) and torch.equal(x.label, y.label)

@@ -228,3 +228,56 @@ def test_a_staleness_bound_syncs_more_often_the_same_on_every_node(bound):
         assert a["interval"] == 0.02 and a["interval_sum"] == pytest.approx(0.02 * a["syncs"])
     else:  # each sync misses dozens of the other node's updates per row: the interval shrinks towards 2 ms
         assert a["interval"] < 0.006 and a["syncs"] > 0.6 / 0.02 * 2
+
+
+def _join_rank(n1: int, n2: int, n3: int) -> dict:
+    """Both nodes train the hot rows and sync; node 1 is lost (both stop syncing: node 0 goes on alone, its replica the
+    truth); a fresh node 1 joins with an empty replica (`take`) while node 0's sync re-forms with it (`regroup(...,
+    joined=True)`), and both train on."""
+    import torch.distributed as dist
+
+    from cocosync.shadowsync.model.hot_rows import HotSync
+
+    me = dist.get_rank()
+    first, second = dist.new_group([0, 1]), dist.new_group([0, 1])
+    H = HOT.numel()
+
+    def replica() -> HotRows:
+        return HotRows(HOT, Shard(torch.zeros(H, DIM), torch.zeros(H), torch.zeros(H, dtype=torch.int64),
+                                  optimizer="sgd", lr=0.1))
+
+    def train(hot: HotRows, n: int) -> None:
+        for _ in range(n):
+            hot.shard.apply(torch.arange(H), torch.full((H, DIM), 1e-3 * (me + 1)), hot.shard.versions.clone())
+
+    hot = replica()
+    sync = HotSync(hot, first, interval=0.005)
+    sync.fill({me: _shards(2, "sgd")[me]}, 2)
+    sync.start()
+    train(hot, n1)
+    sync.settle()
+    sync.abandon()  # (node 1: its loss; node 0: the other node is lost)
+    dist.barrier()
+    if me == 0:
+        train(hot, n2)  # alone
+        sync.regroup(second, "node 1", joined=True)
+    else:
+        hot = replica()  # a new machine: nothing of the old one
+        sync = HotSync(hot, second, interval=0.005)
+        sync.take()
+        sync.start()
+    train(hot, n3)
+    sync.settle()
+    sync.close()
+    return {"weight": hot.shard.weight.clone(), "versions": hot.shard.versions.clone()}
+
+
+def test_a_node_that_joins_takes_the_consensus_and_the_syncs_go_on_with_it():
+    n1, n2, n3 = 5, 7, 3
+    with RankPool(2, timeout=120) as pool:
+        a, b = pool.run(_join_rank, n1, n2, n3)
+    # every update of both nodes, node 0's alone included, is on both replicas, and they agree
+    assert torch.equal(a["versions"], torch.full_like(a["versions"], 2 * n1 + n2 + 2 * n3))
+    assert torch.equal(a["versions"], b["versions"])
+    assert torch.allclose(a["weight"], b["weight"], atol=1e-6)
+    assert not torch.equal(a["weight"], torch.zeros_like(a["weight"]))

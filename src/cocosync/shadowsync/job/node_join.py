@@ -21,8 +21,10 @@ the job's own groups were formed at its start):
 
 The machines in the job see a join between two rounds of their dense sync (it looks at the membership's epoch every
 `Recovery.LOOK_EVERY` seconds): `MachineJoins.prepare` runs before the sync re-forms, once every trainer of the
-joining machine has recorded its join. A machine joins one at a time; a machine that joined is not lost again
-without stopping the job (the job's record of lost machines is by node).
+joining machine has recorded its join. One machine joins a job so far (its trainers do not re-form what they made
+for a later one), and a machine that joined is not lost again without stopping the job (the job's record of lost
+machines is by node). A claim holds the trainers' agreements until its trainers have joined, so that none joins
+after the others agreed without it (membership.py: `JOINING`).
 """
 
 from __future__ import annotations
@@ -43,8 +45,8 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 
 __all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "MachineJoins", "fence_key"]
 
-#: the store's counter of machines that joined (each `node-join/<n>` is written before it counts)
-NODE_JOINS = "node-joins"
+#: the store key a machine's claim of a lost one's place sets first (one machine joins a job)
+JOIN_GATE = "node-join"
 
 
 @dataclass(frozen=True)
@@ -69,9 +71,10 @@ def join_key(node: int) -> str:
 
 def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tuple[int | None, str]:
     """The lost machine whose place this one takes (`store`: a client of the job's store, under the job's prefix):
-    the first one recorded as lost and not yet taken, while the trainers still read their own rows and no rank has
-    failed; else None and why not (no machine is lost: this machine goes to the rendezvous). A claim holds the
-    trainers' agreements until its trainers have joined (`JOINING`; each says it is there with `joined`)."""
+    the first one recorded as lost, while the trainers still read their own rows, no rank has failed and no machine
+    has joined the job yet (one does, so far); else None and why not (no machine is lost: this machine goes to the
+    rendezvous). A claim holds the trainers' agreements until its trainers have joined (`JOINING`; each says it is
+    there with `joined`)."""
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
         return None, "no machine of the job is lost"
@@ -79,16 +82,13 @@ def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tu
         return None, "the job is ending"
     if not joins_open(store):
         return None, "the trainers left have read their own rows and share out the lost ones' (too late to join)"
-    if int(store.add(NODE_JOINS, 0)) < len([n for n in lost if store.check([f"node-join/{n}"])]):
-        return None, "another machine is joining"
-    for n in lost:
-        rec = json.dumps(asdict(NodeJoin(n, time.time(), host)))
-        if store.compare_set(f"node-join/{n}", "", rec).decode() == rec:
-            store.set(JOINING_SINCE, str(time.time()))
-            store.add(JOINING, trainers_per_node)
-            store.add(NODE_JOINS, 1)
-            return n, ""
-    return None, "every lost machine's place is taken"
+    rec = json.dumps(asdict(NodeJoin(lost[0], time.time(), host)))
+    if store.compare_set(JOIN_GATE, "", rec).decode() != rec:
+        return None, "a machine has joined it in a lost one's place already (one machine joins a job, so far)"
+    store.set(JOINING_SINCE, str(time.time()))
+    store.add(JOINING, trainers_per_node)
+    store.set(f"node-join/{lost[0]}", rec)
+    return lost[0], ""
 
 
 def joined(store: Any, trainer: int) -> None:

@@ -1,0 +1,94 @@
+"""A machine joining in a lost one's place (job/node_join.py), its parts alone: who holds each shard, the claim of a
+lost machine's place in the job's store (and why one is refused), and the agreements a claim holds until its
+trainers have joined. The whole join runs in tests/shadowsync/test_lost_machine.py."""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+
+import torch.distributed as dist
+
+from cocosync.runtime.comm.topology import Topology
+from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Membership
+from cocosync.shadowsync.job.node_join import claim_node, join_machines, joined, joined_nodes
+from cocosync.shadowsync.job.node_loss import holders
+from cocosync.shadowsync.job.roles import Roles
+
+
+def _store() -> dist.Store:
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                           timeout=datetime.timedelta(seconds=10))
+    return dist.PrefixStore("cocosync/", master)
+
+
+def test_a_lost_machines_shards_are_dealt_out_over_the_machines_left():
+    assert holders(2, 1, [1]) == {0: 0, 1: 0}
+    assert holders(4, 2, [1, 2]) == {0: 0, 1: 0, 2: 0, 3: 3, 4: 0, 5: 3, 6: 3, 7: 3}
+    assert holders(3, 1, []) == {0: 0, 1: 1, 2: 2}
+
+
+def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own_rows():
+    store = _store()
+    assert claim_node(store, 3, 2, "h") == (None, "no machine of the job is lost")
+    store.set("lost-node/2", "{}")
+    store.set("lost-node/1", "{}")
+    node, why = claim_node(store, 3, 2, "a")
+    assert (node, why) == (1, "")
+    assert int(store.add(JOINING, 0)) == 2  # its two trainers hold the agreements until they join
+    joined(store, 2)
+    joined(store, 2)  # (once per trainer)
+    joined(store, 3)
+    assert int(store.add(JOINING, 0)) == 0
+    node, why = claim_node(store, 3, 2, "b")  # one machine joins a job, so far
+    assert node is None and "joined it in a lost one's place already" in why
+    [j] = joined_nodes(store, 3)
+    assert (j.node, j.host) == (1, "a")
+
+
+def test_a_machine_that_comes_too_late_or_to_an_ending_job_is_refused():
+    store = _store()
+    store.set("lost-node/1", "{}")
+    store.set("agree/phase1/any", "1")
+    assert claim_node(store, 2, 2, "h") == (None, "the trainers left have read their own rows and share out the "
+                                                  "lost ones' (too late to join)")
+    store = _store()
+    store.set("lost-node/1", "{}")
+    store.set("agree/end/epoch", "0")
+    assert claim_node(store, 2, 2, "h") == (None, "the job is ending")
+
+
+def test_the_machines_in_the_job_after_a_join_and_who_holds_each_shard():
+    store = _store()
+    roles = Roles(Topology(rank=0, world_size=6, local_rank=0, local_world_size=2, node=0), 1, 0)
+    store.set("lost-node/1", "{}")
+    assert join_machines(store, roles) == ([0, 2], {0: 0, 1: 0, 2: 2})
+    assert claim_node(store, 3, 1, "h")[0] == 1
+    assert join_machines(store, roles) == ([0, 1, 2], {0: 0, 1: 0, 2: 2})  # (it holds no shard)
+
+
+def test_a_claimed_join_holds_the_agreements_until_its_trainers_have_joined():
+    store = _store()
+    roles = Roles(Topology(rank=0, world_size=4, local_rank=0, local_world_size=2, node=0), 0, 0)
+    membership = Membership(store, roles, 1, timeout=30.0)
+    store.set(JOINING_SINCE, str(time.time()))
+    store.add(JOINING, 1)
+    for t in range(roles.trainers):
+        store.set(f"agree/end/{t}", "0")
+    decided: list[int | None] = []
+    waiter = threading.Thread(target=lambda: decided.append(membership.agree("end", 0)))
+    waiter.start()
+    time.sleep(0.3)
+    assert not decided  # every trainer is there, but a joining one is not yet
+    joined(store, 1)
+    waiter.join(10)
+    assert decided == [0]
+    # a claim whose trainers never came holds them no longer than the membership's timeout
+    store2 = _store()
+    late = Membership(store2, roles, 1, timeout=0.2)
+    store2.set(JOINING_SINCE, str(time.time() - 1.0))
+    store2.add(JOINING, 2)
+    for t in range(roles.trainers):
+        store2.set(f"agree/phase1/{t}", "0")
+    assert late.agree("phase1", 0) == 0
