@@ -208,6 +208,11 @@ def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_pla
             "lost" in refused.output, refused.output[-2000:]
         kill_machine(procs[1].pid)
         time.sleep(4.0)  # (node 0 records the loss after 3 s of silence; a start before that is refused: again)
+        # a machine started with other options than the job's is refused, naming them
+        other = start_nodes([*args, "--seed", "7"], nproc_per_node=3, two_hosts=two_hosts, port=port, only=[1])[0]
+        refused = wait_nodes([other], timeout=60)[0]
+        assert refused.returncode == 2 and "runs with other options than this machine's" in refused.output and \
+            "seed: 0 on node 0, 7 on node 1" in refused.output, refused.output[-2000:]
         for _ in range(10):
             started = time.time()
             again = start_nodes(args, nproc_per_node=3, two_hosts=two_hosts, port=port, only=[1])[0]

@@ -130,7 +130,7 @@ class MachineJoins:
                  machine: LostMachine):
         self.job, self.trainer, self.tables, self.hot_sync, self.machine = job, trainer, tables, hot_sync, machine
         self.admitted: list[NodeJoin] = []
-        self._closing: list[threading.Thread] = []
+        self._closing: list[threading.Thread] = []  # the exchanges replaced, each closing with its peers
 
     def prepare(self) -> bool:
         """Whether a machine's loss explains the sync's change (`LostMachine.prepare`); then, each machine that

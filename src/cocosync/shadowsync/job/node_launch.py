@@ -52,6 +52,7 @@ from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
 from cocosync.shadowsync.job.node_loss import remove_restored
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
+from cocosync.shadowsync.job.same_job import PER_MACHINE, differences, job_options
 from cocosync.shadowsync.job.segments import SEGMENTS_ID
 
 __all__ = ["torchrun_args", "run_node"]
@@ -61,6 +62,8 @@ WAITING_EVERY = 30.0  # seconds between two lines while the rendezvous waits for
 #: seconds the agent gets to report this machine's ranks once they have exited after another machine's loss (on the
 #: machine that hosts the job's store; a third of it on the others)
 EXIT_GRACE = 3.0
+#: the store key where node 0's launcher leaves the options the job was started with (`same_job.job_options`)
+LAUNCH_OPTIONS = "launch-options"
 
 
 class _RankKeys(DefaultLogsSpecs):
@@ -148,7 +151,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         os.execv(sys.executable, [sys.executable, "-m", "torch.distributed.run", *launch, "-m", _MODULE, *rank_args])
     if node_rank > 0:  # a running job that lost a machine: this one joins in its place (job/node_join.py)
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
-        node = _node_to_join(host, port, nnodes, trainers // nnodes, cfg)
+        node = _node_to_join(host, port, nnodes, int(args.nproc_per_node), node_rank, trainers // nnodes, cfg,
+                             cluster)
         if node is not None:
             return _run_joined(job, cfg, cluster, nnodes, int(args.nproc_per_node), node, host, port)
     warm_start.start()  # (imports while the rendezvous waits for the other machines)
@@ -200,6 +204,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         if thread.is_alive():
             monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console,
                                hosts_store=node_rank == 0)
+            if node_rank == 0:  # what a machine that joins later must have been started with
+                monitor.store.set(LAUNCH_OPTIONS, _options_json(cfg, cluster, config.nproc_per_node))
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
             if monitor.failure is not None:
                 console.print(f"[red]{escape(monitor.failure)}", soft_wrap=True)
@@ -250,16 +256,30 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     return 0
 
 
-def _node_to_join(host: str, port: int, nnodes: int, trainers_per_node: int, cfg: TrainConfig) -> int | None:
+def _options_json(cfg: TrainConfig, cluster: ClusterConfig, nproc: int) -> str:
+    """The options every machine of the job must share (same_job.job_options), as the store holds them."""
+    return json.dumps(job_options(cfg, cluster, nproc), default=str, sort_keys=True)
+
+
+def _node_to_join(host: str, port: int, nnodes: int, nproc: int, node_rank: int, trainers_per_node: int,
+                  cfg: TrainConfig, cluster: ClusterConfig) -> int | None:
     """The lost machine of a running job at the endpoint whose place this machine takes (node_join.claim_node), or
     None where no job runs there yet (this machine goes to the rendezvous). A ConfigError where a job runs there
-    that this machine cannot join (every machine is in it; too late; a sync a machine cannot join)."""
+    that this machine cannot join (every machine is in it; too late; a sync a machine cannot join; other options
+    than the job's, named as the machines' check at the job's start names them)."""
     try:
         socket.create_connection((host, port), timeout=1.0).close()
     except OSError:  # (no store yet: the machine that hosts it has not started)
         return None
     store = dist.PrefixStore(PREFIX, dist.TCPStore(host, port, is_master=False,
                                                    timeout=datetime.timedelta(seconds=30)))
+    if store.check([LAUNCH_OPTIONS]):  # (the job's: its ranks compared theirs; a joining machine is in none of that)
+        theirs = json.loads(store.get(LAUNCH_OPTIONS))
+        diff = differences({0: theirs, node_rank: json.loads(_options_json(cfg, cluster, nproc))})
+        if diff:
+            raise ConfigError(f"the job at {host}:{port} runs with other options than this machine's; start it with "
+                              "the job's (only " + ", ".join(sorted(PER_MACHINE)) + " may differ):\n  "
+                              + "\n  ".join(diff))
     if cfg.sync.method not in ("ma", "bmuf") and any(store.check([f"lost-node/{n}"]) for n in range(1, nnodes)):
         raise ConfigError(f"--sync {cfg.sync.algorithm}: a machine joins a running job in a lost one's place with MA "
                           "or BMUF (EASGD's sync servers are not started again)")
