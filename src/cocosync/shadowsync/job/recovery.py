@@ -56,6 +56,8 @@ class Recovery:
 
     #: seconds between two looks at the membership's epoch from the sync loop (a join is seen within this)
     LOOK_EVERY = 0.1
+    #: across machines (a gloo group): rounds of the sync between two looks, which its members take together
+    LOOK_EVERY_ROUNDS = 8
 
     def __init__(self, job: Job, membership: Membership, trainer: int, restart: int = 0):
         """`restart`: this trainer's restart (0: the job's own process; else a lost trainer started again, which
@@ -77,6 +79,8 @@ class Recovery:
         self.reads_own = True  # this trainer reads (the rest of) its own shards (a joiner: if it got them back)
         self.state_from: int | None = None  # the trainer this one took the model from (a joiner)
         self._looked = 0.0
+        self._group: ShmGroup | GlooGroup | None = None  # the sync's group as re-formed last
+        self._rounds = 0  # the sync's rounds on it (calls of `changed`)
 
     # -- the dense sync ---------------------------------------------------------------------------------
     def changed(self) -> bool:
@@ -85,11 +89,29 @@ class Recovery:
         machine in a lost one's place: node_join.py): a loss is found by the collective it breaks."""
         if not self.job.cfg.max_restarts and self.job.roles.topo.nnodes == 1:
             return False
+        if isinstance(self._group, GlooGroup):
+            return self._changed_together(self._group)
         now = time.monotonic()
         if now - self._looked < self.LOOK_EVERY:
             return False
         self._looked = now
         return self.membership.epoch() > self.epoch
+
+    def _changed_together(self, group: GlooGroup) -> bool:
+        """Across machines: whether any member of the sync's gloo group sees a change, looked at by every member at
+        the same round (every LOOK_EVERY_ROUNDS-th), so that they all leave the group after that round. A member that
+        left it on its own would leave a peer waiting in its next collective (a shared-memory group releases such a
+        peer; a gloo group only at its timeout). A failed look is a change (a peer was lost: the re-forming finds
+        out)."""
+        self._rounds += 1
+        if self._rounds % self.LOOK_EVERY_ROUNDS:
+            return False
+        try:
+            seen = torch.tensor([float(self.membership.epoch() > self.epoch)])
+            group.all_reduce(seen)
+        except Exception:  # noqa: BLE001 - the sync's next round would fail the same way: re-form
+            return True
+        return bool(seen.item() > 0)
 
     def regroup(self, old: SyncAlgorithm) -> SyncAlgorithm | None:
         """The sync of `old`'s algorithm among the trainers in the job, once a change past this trainer's epoch is
@@ -146,6 +168,7 @@ class Recovery:
         new.syncs, new.holding = old.syncs, old.holding
         self._share_state(group, new)
         self.epoch = epoch
+        self._group, self._rounds = group, 0
         return new
 
     def _share_state(self, group: ShmGroup | GlooGroup, new: SyncAlgorithm) -> None:

@@ -269,6 +269,7 @@ class Trainer:
         the sync is re-formed among the trainers left (returns 1: someone may still be active)."""
         if self.recovery is not None and self.recovery.changed():
             self._regroup(self.sync)
+            return 1  # (as after a failed round: every member asks `changed` before its new group's first)
         try:
             return self.sync.sync(active)
         except Exception:

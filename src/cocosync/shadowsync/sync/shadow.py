@@ -57,6 +57,7 @@ class ShadowThread:
                 active = self._is_active()
                 if self._recover is not None and self._changed():
                     self.algorithm = self._recover(self.algorithm) or self.algorithm
+                    continue  # (as after a failed round: every member asks `changed` before its new group's first)
                 t0 = time.perf_counter()
                 try:
                     with self.gate:
