@@ -33,6 +33,8 @@ def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own
     store = _store()
     assert claim_node(store, 3, 2, "h") == (None, "no machine of the job is lost")
     store.set("lost-node/2", "{}")
+    node, why = claim_node(store, 3, 2, "h")  # (two machines left)
+    assert node is None and why.startswith("2 machines are left: a machine joins where one is left"), why
     store.set("lost-node/1", "{}")
     node, why = claim_node(store, 3, 2, "a")
     assert (node, why) == (1, "")
@@ -64,8 +66,10 @@ def test_the_machines_in_the_job_after_a_join_and_who_holds_each_shard():
     roles = Roles(Topology(rank=0, world_size=6, local_rank=0, local_world_size=2, node=0), 1, 0)
     store.set("lost-node/1", "{}")
     assert join_machines(store, roles) == ([0, 2], {0: 0, 1: 0, 2: 2})
+    store.set("lost-node/2", "{}")
+    assert join_machines(store, roles) == ([0], {0: 0, 1: 0, 2: 0})
     assert claim_node(store, 3, 1, "h")[0] == 1
-    assert join_machines(store, roles) == ([0, 1, 2], {0: 0, 1: 0, 2: 2})  # (it holds no shard)
+    assert join_machines(store, roles) == ([0, 1], {0: 0, 1: 0, 2: 0})  # (it holds no shard)
 
 
 def test_a_claimed_join_holds_the_agreements_until_its_trainers_have_joined():
