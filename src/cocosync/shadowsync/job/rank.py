@@ -272,6 +272,25 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     return summary
 
 
+def _late_job(cfg: TrainConfig, cluster: ClusterConfig, build: Callable[..., Job], no_launcher: str) -> Job:
+    """The `Job` of a trainer that joins a running job (a restart, or a machine in a lost one's place), built by
+    `build` (attach_job, join_job) without any collective; its launcher's link is required (`no_launcher`: why)."""
+    topo = job_topology()
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
+    cfg = with_init_ctr(with_schema(dataclasses.replace(cfg, trainers=roles.trainers)))
+    loopback_interfaces()
+    link = Link.from_env(topo.rank)
+    if link is None:
+        raise RuntimeError(no_launcher)
+    torch.set_num_threads(cfg.threads)
+    resume = resolve(cluster.resume) if cluster.resume is not None else None
+    meta = read_meta(resume) if resume is not None else None
+    data, model_cfg = build_configs(cfg)
+    plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
+    return build(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
+                 resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
+
+
 def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, console: Any = None) -> None:
     """A lost trainer started again by its keeper (--max-restarts): it joins the running job without any collective
     of the job's start (job/recovery.py: it takes the dense model from a trainer in the job), reads the rest of its
@@ -279,20 +298,9 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     the job, which also saves its part of the last checkpoint."""
     started = time.time()
     console = console or Console(stderr=True)
-    topo = job_topology()
-    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
-    cfg = with_init_ctr(with_schema(dataclasses.replace(cfg, trainers=roles.trainers)))
-    loopback_interfaces()
-    link = Link.from_env(topo.rank)
-    if link is None:
-        raise RuntimeError("a restarted trainer needs the job's launcher (cocosync train)")
-    torch.set_num_threads(cfg.threads)
-    resume = resolve(cluster.resume) if cluster.resume is not None else None
-    meta = read_meta(resume) if resume is not None else None
-    data, model_cfg = build_configs(cfg)
-    plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
-    job = attach_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
-                     resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
+    job = _late_job(cfg, cluster, attach_job, "a restarted trainer needs the job's launcher (cocosync train)")
+    roles, link = job.roles, job.link
+    assert link is not None  # (_late_job's Job has one)
     t = roles.role()[1]
     run = _make_trainer(job, t, console, restart)
     trainer, membership, recovery = run.trainer, job.membership, run.trainer.recovery
@@ -330,20 +338,10 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     measurements in the store for the trainer that finishes the job."""
     started = time.time()
     console = console or Console(stderr=True)
-    topo = job_topology()
-    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
-    cfg = with_init_ctr(with_schema(dataclasses.replace(cfg, trainers=roles.trainers)))
-    loopback_interfaces()
-    link = Link.from_env(topo.rank)
-    if link is None:
-        raise RuntimeError("a machine joins a running job through its launcher (cocosync train --nnodes)")
-    torch.set_num_threads(cfg.threads)
-    resume = resolve(cluster.resume) if cluster.resume is not None else None
-    meta = read_meta(resume) if resume is not None else None
-    data, model_cfg = build_configs(cfg)
-    plan = data_plan(cfg, data, roles, resume, meta) if resume is not None else None
-    job = join_job(cfg, cluster, roles, data, model_cfg, plan=plan, link=link,
-                   resumed_from=int(meta["examples_seen"]) if meta is not None else 0)
+    job = _late_job(cfg, cluster, join_job, "a machine joins a running job through its launcher (cocosync train "
+                    "--nnodes)")
+    roles, topo, link = job.roles, job.roles.topo, job.link
+    assert link is not None  # (_late_job's Job has one)
     t, Tn = roles.role()[1], roles.trainers_per_node
     membership = job.membership
     assert membership is not None  # (join_job's Job has one)

@@ -13,7 +13,7 @@ import signal
 import sys
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import click
 from rich.console import Console
@@ -62,14 +62,8 @@ def run_joined_rank(job: dict, launcher_env: dict[str, str], rank_env: dict[str,
     os.environ[RANK_KEYS_ENV] = ",".join(sorted(rank_env))
     become_rank(f"--out {job['config']['out_dir']}", launcher_env, launcher_pid)
     console = Console(stderr=True)
-    try:
-        run_joined(config_from_dict(job["config"]), ClusterConfig(**job["cluster"]), console=console)
-    except SystemExit as e:
-        _exit(e.code if isinstance(e.code, int) else 1)
-    except BaseException:  # noqa: BLE001 - as an uncaught exception would end it
-        traceback.print_exc()
-        _exit(1)
-    _exit(0)
+    _leave_after(lambda: run_joined(config_from_dict(job["config"]), ClusterConfig(**job["cluster"]),
+                                    console=console))
 
 
 def become_rank(what: str, launcher_env: dict[str, str], launcher_pid: int) -> None:
@@ -137,19 +131,15 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
                        int(os.environ.get("GROUP_WORLD_SIZE", "1")), cfg.sync.method)) else None)
         if restart is None:
             return  # the keeper: its rank's work finished or was lost
-        try:  # the rank's work, forked by its keeper: it leaves through os._exit (the agent started the keeper)
+        def work() -> None:  # the rank's work, forked by its keeper (the agent started the keeper)
             die_with_parent()  # (a fork clears the parent-death signal)
             os.setpgid(0, 0)  # a process group of its own, as every rank's (become_rank)
             if restart:
                 run_restarted(cfg, cluster, restart, console=console)
             else:
                 _run(cfg, cluster, console, json_out)
-        except SystemExit as e:
-            _exit(e.code if isinstance(e.code, int) else 1)
-        except BaseException:  # noqa: BLE001 - as an uncaught exception would end it
-            traceback.print_exc()
-            _exit(1)
-        _exit(0)
+
+        _leave_after(work)
     _run(cfg, cluster, console, json_out)
 
 
@@ -171,6 +161,19 @@ def _embedding_index(cluster: ClusterConfig) -> int | None:
     """This rank's embedding server index on one machine (None: another role)."""
     local = int(os.environ["LOCAL_RANK"])
     return local if local < cluster.embedding_servers else None
+
+
+def _leave_after(work: Callable[[], None]) -> None:
+    """Run `work` in a process that is not the one its starter waits for as a rank (a keeper's child, a fork of the
+    launcher) and leave through os._exit: 0 once done, the code of a SystemExit, 1 after an exception (printed)."""
+    try:
+        work()
+    except SystemExit as e:
+        _exit(e.code if isinstance(e.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - as an uncaught exception would end it
+        traceback.print_exc()
+        _exit(1)
+    _exit(0)
 
 
 def _exit(code: int) -> None:
