@@ -86,8 +86,9 @@ class Recovery:
     def changed(self) -> bool:
         """Whether the trainers changed since this trainer's sync was formed (looked up at most every LOOK_EVERY s:
         the sync loop asks before each round). Only where a trainer may join (--max-restarts; across machines, a
-        machine in a lost one's place: node_join.py): a loss is found by the collective it breaks."""
-        if not self.job.cfg.max_restarts and self.job.roles.topo.nnodes == 1:
+        machine in a lost one's place, which comes only after a loss: once this trainer's sync was re-formed,
+        node_join.py): a loss is found by the collective it breaks."""
+        if not self.job.cfg.max_restarts and (self.job.roles.topo.nnodes == 1 or self._group is None):
             return False
         if isinstance(self._group, GlooGroup):
             return self._changed_together(self._group)
