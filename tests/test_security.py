@@ -43,7 +43,7 @@ def _crafted(tmp_path):
 @pytest.mark.parametrize("args", [["eval"], ["train", "--no-progress", "--resume"]])
 def test_a_crafted_checkpoint_is_refused_and_runs_nothing(tmp_path, args):
     path, marker = _crafted(tmp_path)
-    res = subprocess.run([sys.executable, "-m", "cocosync.cli", *args, str(path)], capture_output=True, text=True,
+    res = subprocess.run([sys.executable, "-m", "cocosync_start", *args, str(path)], capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert res.returncode != 0
     assert "refused to load" in res.stderr and str(path) in res.stderr, res.stderr[-2000:]
@@ -111,7 +111,7 @@ def test_rank_pool_listens_on_loopback_only():
 def test_a_training_run_listens_on_loopback_only(tmp_path):
     """shadow-ma with 2 trainers: the launcher's rendezvous store and the trainers' gloo group, sampled while the
     run is alive."""
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--sync", "shadow-ma", "--examples", "60000",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--sync", "shadow-ma", "--examples", "60000",
            "--eval-examples", "2000", "--no-progress", "--out", str(tmp_path / "run"), "--timeout", "120"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set = set()
@@ -158,7 +158,7 @@ def test_a_writer_without_the_runs_secret_cannot_stop_a_local_run(tmp_path):
     import torch.distributed as dist
 
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "800000", "--no-progress", "--out", str(out),
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--examples", "800000", "--no-progress", "--out", str(out),
            "--timeout", "200"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:

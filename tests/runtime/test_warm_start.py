@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from cocosync.runtime.warm_start import WARM_MODULES, adopt_environment
+from cocosync_start import EARLY_ENV, starts_ranks
 from cocosync.testing.launch import RankPool
 
 _PROBE = "COCOSYNC_WARM_PROBE"
@@ -144,8 +145,9 @@ def test_the_fork_server_leaves_without_the_interpreters_teardown(tmp_path, quic
     launcher = textwrap.dedent(f"""
         import os
         from multiprocessing import forkserver
+        import cocosync_start
         from cocosync.runtime import warm_start
-        warm_start.WARM_MODULES = {modules!r}
+        cocosync_start.WARM_MODULES = {modules!r}
         p = warm_start.context().Process(target=os.getpid)
         p.start()
         p.join()
@@ -162,3 +164,44 @@ def test_the_fork_server_leaves_without_the_interpreters_teardown(tmp_path, quic
     assert not _alive(server)
     assert Path(f"{mark}.hook").exists()  # the probe was preloaded, and its exit hook ran in both cases
     assert Path(f"{mark}.teardown").exists() == (not quick)
+
+
+@pytest.mark.parametrize("argv, starts", [
+    (["train"], True), (["--debug", "train", "--examples", "10"], True), (["demo"], True),
+    (["train", "--help"], False), (["train", "-h"], False), (["eval", "run"], False), (["bench", "job-start"], False),
+    ([], False), (["--help"], False)])
+def test_the_command_starts_the_server_early_only_where_it_starts_ranks(argv, starts):
+    assert starts_ranks(argv) is starts
+
+
+def _early_servers(launcher: int) -> list[int]:
+    """Processes whose environment says they are a fork server `launcher` started before importing cocosync."""
+    mark = f"{EARLY_ENV}={launcher}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:  # gone, or not ours
+            pass
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="reads /proc")
+def test_the_command_starts_its_fork_server_before_cocosync_and_one_refused_at_its_checks_leaves_none(tmp_path):
+    """`cocosync train` starts the ranks' fork server before it imports cocosync (torch), so the two import side by
+    side; where the command stops at its checks (no such data file) the server dies with it at once, mid-import."""
+    proc = subprocess.Popen([sys.executable, "-m", "cocosync_start", "train", "--data", str(tmp_path / "nope.tsv"),
+                             "--out", str(tmp_path / "run")], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    servers: list[int] = []
+    deadline = time.monotonic() + 60
+    while not servers and proc.poll() is None and time.monotonic() < deadline:
+        servers = _early_servers(proc.pid)
+        time.sleep(0.01)
+    assert servers, "no fork server ran while the command was importing cocosync"
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "nope.tsv" in err, err[-2000:]
+    deadline = time.monotonic() + 2  # (the server alone would import for ~3 s more)
+    while _alive(servers[0]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not _alive(servers[0]), "the fork server outlived the refused command"

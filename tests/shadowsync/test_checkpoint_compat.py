@@ -16,7 +16,7 @@ FIXTURE = Path(__file__).parent / "data" / "run-c92ecf7"
 
 
 def _cocosync(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "cocosync.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cocosync_start", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -185,7 +185,7 @@ def test_a_run_that_does_not_fit_dev_shm_is_refused_before_it_starts(tmp_path):
     if subprocess.run(["unshare", "-m", "true"], capture_output=True).returncode != 0:
         pytest.skip("unshare -m is not permitted here (needs root): no private /dev/shm")
     out = tmp_path / "run"
-    run = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && {sys.executable} -m cocosync.cli train --no-progress "
+    run = (f"mount -t tmpfs -o size=16m tmpfs /dev/shm && {sys.executable} -m cocosync_start train --no-progress "
            f"--examples 100000 --out {out}")
     res = subprocess.run(["unshare", "-m", "sh", "-c", run], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
@@ -303,7 +303,7 @@ def test_a_bad_multi_machine_option_is_one_line_naming_it(tmp_path, args, named)
 
 def test_a_machine_shape_without_a_trainer_is_refused_before_the_rendezvous(tmp_path):
     """EASGD's sync server takes the second process of a 2-process machine: refused at once, naming the count."""
-    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--nproc-per-node", "2",
+    res = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--nnodes", "2", "--nproc-per-node", "2",
                           "--sync", "shadow-easgd", "--out", str(tmp_path / "run")], capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 2, res.stderr[-2000:]
@@ -354,7 +354,7 @@ def test_a_run_that_finished_says_so_and_only_a_stopped_one_says_stopped(tmp_pat
     write_synthetic(tmp_path / "eval.tsv", 2_000, 1)
     common = ["train", "--no-progress", "--data", str(tmp_path / "train.tsv"), "--eval-data",
               str(tmp_path / "eval.tsv"), "--examples", "20000", "--eval-examples", "2000"]
-    done = subprocess.run([sys.executable, "-m", "cocosync.cli", *common, "--out", str(tmp_path / "a")],
+    done = subprocess.run([sys.executable, "-m", "cocosync_start", *common, "--out", str(tmp_path / "a")],
                           capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "stopped" not in done.stderr  # (it said 'stopped at --stop-after' with no --stop-after given)
@@ -362,7 +362,7 @@ def test_a_run_that_finished_says_so_and_only_a_stopped_one_says_stopped(tmp_pat
 
     seen = json.loads((tmp_path / "a" / "summary.json").read_text())["examples"]
     assert seen == 20_000 or f"finished, {20_000 - seen:,} examples short of the budget" in done.stderr
-    stopped = subprocess.run([sys.executable, "-m", "cocosync.cli", *common, "--out", str(tmp_path / "b"),
+    stopped = subprocess.run([sys.executable, "-m", "cocosync_start", *common, "--out", str(tmp_path / "b"),
                               "--stop-after", "8000"], capture_output=True, text=True, timeout=240)
     assert stopped.returncode == 0 and "stopped at --stop-after; continue with" in stopped.stderr
 
@@ -382,7 +382,7 @@ def test_a_checkpoint_into_a_full_disk_is_one_line_and_keeps_the_last_whole_one(
         run = disk / "run"
         args = ["--table-size", "2000", "--examples", "20000", "--eval-examples", "1000", "-T", "1",
                 "--checkpoint-every", "10000", "--out", str(run)]
-        done = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--no-progress", *args],
+        done = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--no-progress", *args],
                               capture_output=True, text=True, timeout=240)
         assert done.returncode != 0
         err = [line for line in done.stderr.splitlines() if not line.startswith("E1")]

@@ -111,7 +111,7 @@ def test_two_node_run_learns_like_the_single_node_run(tmp_path):
     two = tmp_path / "two"
     _ok(run_nodes(["-m", "cocosync.shadowsync", *args, "--out", str(two)], nproc_per_node=2, timeout=240))
     one = tmp_path / "one"
-    subprocess.run([sys.executable, "-m", "cocosync.cli", "train", *args, "--trainers", "2", "--out", str(one),
+    subprocess.run([sys.executable, "-m", "cocosync_start", "train", *args, "--trainers", "2", "--out", str(one),
                     "--no-progress"], check=True, capture_output=True, timeout=240)
     ne2, ne1 = _summary(two)["eval_ne"], _summary(one)["eval_ne"]
     assert ne1 < 0.8 and ne2 < 0.8, (ne2, ne1)  # both learned (the base rate is 1.0)
@@ -195,7 +195,7 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     tmp.mkdir()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--node-rank", str(node),
+        cmd = [sys.executable, "-m", "cocosync_start", "train", "--nnodes", "2", "--node-rank", str(node),
                "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", *SMALL, "--sync", "fr-ma",
                "--no-progress", "--out", str(out)]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -328,7 +328,7 @@ def test_a_machine_waiting_for_the_others_says_so_and_ctrl_c_aborts_it(tmp_path)
     """Node 0 of a 2-node job started alone says what it waits for; Ctrl-C before the machines met aborts at once
     (nothing has trained: there is nothing to stop with a checkpoint), leaving no directory of the agent's."""
     endpoint = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--out",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--nnodes", "2", "--rdzv-endpoint", endpoint, "--out",
            str(tmp_path / "run")]
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -350,7 +350,7 @@ def test_a_machine_other_than_node_0_never_hosts_the_rendezvous_store(tmp_path):
     """Node 1 started with an endpoint where nothing listens (a wrong port) waits as a client: it hosts no store
     there (one would listen on every interface, and wait for a node 0 that is elsewhere)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint",
            f"127.0.0.1:{port}", "--out", str(tmp_path / "run")]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
@@ -365,7 +365,7 @@ def test_a_machine_other_than_node_0_never_hosts_the_rendezvous_store(tmp_path):
 
 def test_cocosync_train_nnodes_refuses_bad_options_before_the_rendezvous(tmp_path):
     """A bad training option is one line naming it from the command, before it waits for the other machines."""
-    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--nnodes", "2", "--rdzv-endpoint",
+    res = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--nnodes", "2", "--rdzv-endpoint",
                           f"127.0.0.1:{free_port()}", "--batch-size", "0", "--out", str(tmp_path / "run")],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "batch_size" in res.stderr.replace("-", "_"), res.stderr[-2000:]

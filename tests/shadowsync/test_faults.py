@@ -30,7 +30,7 @@ def _alive(pid: int) -> bool:
 
 def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--sync", "fr-ma", "--sync-every", "2", "--examples",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--sync", "fr-ma", "--sync-every", "2", "--examples",
            "3000000", "--eval-examples", "2000", "--no-progress", "--out", str(out), "--timeout", "300",
            "--heartbeat-timeout", "4", "--min-trainers", "2"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -69,7 +69,7 @@ def test_a_second_run_on_the_same_output_directory_is_refused(tmp_path):
     out = tmp_path / "run"
     out.mkdir()
     with _OutputLock(out):
-        res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--examples", "20000", "--no-progress",
+        res = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--examples", "20000", "--no-progress",
                               "--out", str(out)], capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "is in use by another run" in res.stderr and f"pid {os.getpid()}" in res.stderr, res.stderr[-2000:]

@@ -32,7 +32,7 @@ def _start(tmp_path: Path, *extra: str, trainers: int = 4, examples: int = EXAMP
     out = tmp_path / "run"
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
                                      "bottom_mlp = [32, 8]\ntop_mlp = [32]\n")
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--trainers", str(trainers), "--examples", str(examples),
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--trainers", str(trainers), "--examples", str(examples),
            "--eval-examples", "4000", "--no-progress", "--out", str(out), "--timeout", "200", "--config",
            str(tmp_path / "c.toml"), *extra]
     err = subprocess.PIPE if stderr is None else open(stderr, "w")
@@ -67,7 +67,7 @@ def _finish(proc: subprocess.Popen, timeout: float = 150) -> tuple[str, str]:
 
 def _scores_as_it_ended(out: Path, summary: dict) -> None:
     """The run's last checkpoint scores (cocosync eval) the eval NE the run ended with."""
-    scored = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", str(out), "--json"], capture_output=True,
+    scored = subprocess.run([sys.executable, "-m", "cocosync_start", "eval", str(out), "--json"], capture_output=True,
                             text=True, timeout=120)
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert json.loads(scored.stdout.strip().splitlines()[-1])["ne"] == pytest.approx(summary["eval_ne"], rel=1e-5)
@@ -210,7 +210,7 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     saved = [r for r in records if r.get("event") == "checkpoint"]
     assert [r["examples"] // 600_000 for r in saved] == [1], saved  # (at the batch that crossed it)
-    periodic = subprocess.run([sys.executable, "-m", "cocosync.cli", "eval", saved[-1]["path"], "--json"],
+    periodic = subprocess.run([sys.executable, "-m", "cocosync_start", "eval", saved[-1]["path"], "--json"],
                               capture_output=True, text=True, timeout=120)  # (the shard is in it)
     assert periodic.returncode == 0, periodic.stderr[-2000:]
     _scores_as_it_ended(out, s)

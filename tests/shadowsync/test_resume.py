@@ -44,7 +44,7 @@ def _seen(path) -> int:
 
 def _cli(out: Path, tmp: Path, *extra: str) -> subprocess.Popen:
     (tmp / "c.toml").write_text(CONFIG)
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--config", str(tmp / "c.toml"), "--no-progress",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--config", str(tmp / "c.toml"), "--no-progress",
            "--out", str(out), "--timeout", "120", *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
 

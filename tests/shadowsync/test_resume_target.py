@@ -10,7 +10,7 @@ import sys
 
 
 def _train(*args):
-    r = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--no-progress", *map(str, args)],
+    r = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--no-progress", *map(str, args)],
                        capture_output=True, text=True, timeout=240)
     return r
 

@@ -163,7 +163,7 @@ def test_foreground_easgd_runs_and_counts_its_sync_gap(tmp_path):
 # ------------------------------------------------------------------------------------------- failures
 def _start_cli(tmp_path, *extra: str) -> tuple[subprocess.Popen, Path]:
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--examples", "150000", "--eval-examples", "4000",
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--examples", "150000", "--eval-examples", "4000",
            "--no-progress", "--batch-size", "64", "--out", str(out), "--timeout", "120", "--config",
            str(tmp_path / "c.toml"), *extra]
     (tmp_path / "c.toml").write_text("[data_options]\ntable_size = 2000\n[model]\nembedding_dim = 8\n"
@@ -251,7 +251,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tmp_path):
 
 def test_the_timeout_stops_the_run_and_keeps_what_it_trained(tmp_path):
     out = tmp_path / "run"
-    res = subprocess.run([sys.executable, "-m", "cocosync.cli", "train", "--examples", "3000000", "--no-progress",
+    res = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--examples", "3000000", "--no-progress",
                           "--eval-examples", "2000", "--out", str(out), "--timeout", "10", "--sync", "shadow-ma"],
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 124, res.stderr[-3000:]

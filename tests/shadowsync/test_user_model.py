@@ -68,7 +68,7 @@ def files(tmp_path_factory):
 
 
 def _cocosync(*args, timeout=240):
-    r = subprocess.run([sys.executable, "-m", "cocosync.cli", *map(str, args)], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "cocosync_start", *map(str, args)], capture_output=True, text=True,
                        timeout=timeout)
     assert r.returncode == 0, r.stderr[-3000:]
     return r

@@ -47,7 +47,7 @@ COLUMNS = ["killed", "seed", "eval NE uninterrupted", "eval NE, killed", "NE cha
 
 
 def _command(out: Path, seed: int, examples: int, trainers: int, sync: str) -> list[str]:
-    return [sys.executable, "-m", "cocosync.cli", "train", "--examples", str(examples), "-T", str(trainers),
+    return [sys.executable, "-m", "cocosync_start", "train", "--examples", str(examples), "-T", str(trainers),
             "--seed", str(seed), "--sync", sync, "--out", str(out), "--no-progress", "--timeout", "1800"]
 
 

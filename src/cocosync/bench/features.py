@@ -55,7 +55,7 @@ def write_feature_files(out: Path, rows: int, max_values: int, seed: int = 0) ->
 
 
 def _train(path: Path, out: Path, examples: int, trainers: int) -> dict:
-    cmd = [sys.executable, "-m", "cocosync.cli", "train", "--data", str(path), "--examples", str(examples),
+    cmd = [sys.executable, "-m", "cocosync_start", "train", "--data", str(path), "--examples", str(examples),
            "--eval-examples", "2000", "-T", str(trainers), "--table-size", "2048", "--out", str(out),
            "--no-progress"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)

@@ -55,7 +55,7 @@ def _job(how: str, start: str, args: dict[str, Any], out: Path, record: Callable
                 result = run_training(cfg, console=Console(file=quiet))
             record(result.summary)
         else:
-            cmd = [sys.executable, "-m", "cocosync", "train", "--no-progress", "--out", str(out),
+            cmd = [sys.executable, "-m", "cocosync_start", "train", "--no-progress", "--out", str(out),
                    *[x for k, v in args.items() for x in (f"--{k.replace('_', '-')}", str(v))]]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                                   env={**os.environ, "COCOSYNC_WARM_START": warm})

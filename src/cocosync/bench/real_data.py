@@ -72,7 +72,7 @@ def train_dlrm(command: list[str], seed: int, out: Path, test: str, test_rows: i
     from cocosync.shadowsync.job.eval_curve import score_checkpoint
 
     run = out / f"dlrm-s{seed}"
-    args = [sys.executable, "-m", "cocosync.cli", *command[1:], "--seed", str(seed), "--out", str(run),
+    args = [sys.executable, "-m", "cocosync_start", *command[1:], "--seed", str(seed), "--out", str(run),
             "--no-progress"]
     try:
         done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)

@@ -17,12 +17,12 @@ does not import what the main module imports (the `cocosync` command imports eve
 
 The server leaves without the interpreter's teardown when its launcher exits (runtime/server_exit.py, preloaded
 first): tearing torch's modules down cost ~0.8 s of CPU after every `cocosync train`, with the command's output
-still open in the server.
+still open in the server. The `cocosync` command starts the server before it imports torch (the `cocosync_start`
+package, where `WARM_MODULES`, `context` and `start` live, outside this package whose import imports torch).
 """
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import select
 import signal
@@ -30,29 +30,11 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from multiprocessing import forkserver, spawn
+from multiprocessing import spawn
 
-__all__ = ["WARM_MODULES", "context", "start", "main_not_rerun", "adopt_environment", "die_with"]
+from cocosync_start import WARM_MODULES, context, start, warm
 
-#: imported once by the fork server: torch, and what a rank of `cocosync train` imports (the pools' ranks import less)
-WARM_MODULES = ("cocosync.runtime.server_exit", "torch", "torch.distributed", "numpy", "cocosync.shadowsync.job.rank",
-                "cocosync.shadowsync.job.rank_start", "torch.distributed.checkpoint", "matplotlib.pyplot")
-
-
-def context() -> multiprocessing.context.BaseContext:
-    """multiprocessing's fork-server context, its server preloading WARM_MODULES (set before the server starts; a server
-    already running keeps its list)."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(WARM_MODULES))
-    return ctx
-
-
-def start() -> None:
-    """Start the fork server now, so that it imports while this process does other work (its first child waits for
-    the imports). Idempotent: one server per process."""
-    context()
-    forkserver.ensure_running()
-
+__all__ = ["WARM_MODULES", "context", "start", "warm", "main_not_rerun", "adopt_environment", "die_with"]
 
 _starts = threading.local()
 _preparation_data = spawn.get_preparation_data

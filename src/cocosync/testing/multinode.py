@@ -68,7 +68,7 @@ def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, e
     if launcher == "cocosync":
         if list(module_args[:2]) != ["-m", "cocosync.shadowsync"]:
             raise ValueError(f"launcher='cocosync' runs `-m cocosync.shadowsync ...`, not {list(module_args[:2])}")
-        return [sys.executable, "-m", "cocosync.cli", "train", "--nnodes", str(nnodes), "--node-rank", str(node),
+        return [sys.executable, "-m", "cocosync_start", "train", "--nnodes", str(nnodes), "--node-rank", str(node),
                 "--nproc-per-node", str(nproc), "--rdzv-endpoint", endpoint, "--local-addr", local_addr,
                 *module_args[2:]]
     return [sys.executable, "-m", "torch.distributed.run",

@@ -16,6 +16,7 @@ from typing import Any
 import click
 from rich.markup import escape
 
+from cocosync.runtime import warm_start
 from cocosync.shadowsync.cli.options import SectionedCommand, config_options, job_from_options, show_defaults
 from cocosync.shadowsync.cli.options import console as make_console
 from cocosync.shadowsync.cli.rank import CONFIG_OPTION, rank_job
@@ -137,7 +138,6 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
     """This machine's ranks of the multi-machine job (job/node_launch.py) the config options describe; exits."""
     from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-    from cocosync.shadowsync.job.launch import WARM_START_ENV
     from cocosync.shadowsync.job.node_launch import run_node, torchrun_args
 
     if nnodes < 1 or nproc_per_node < 2:
@@ -164,8 +164,8 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
                            os.environ.get("COCOSYNC_RUN_ID", "cocosync-shadowsync"))
     try:
         cfg, cluster = rank_job(config_path, resume, params)
-        warm = os.environ.get(WARM_START_ENV, "1") != "0"
-        code = run_node(launch, cfg, cluster, json_out, node_rank=node_rank, warm=warm, progress=progress is not False)
+        code = run_node(launch, cfg, cluster, json_out, node_rank=node_rank, warm=warm_start.warm(),
+                        progress=progress is not False)
     except ConfigError as e:
         if debug_mode():
             raise

@@ -69,9 +69,6 @@ __all__ = ["RunResult", "run_training", "OutputLock", "crowded_shadow_advice"]
 
 _BACKEND = "cocosync-loopback"
 _STORES: dict[int, LoopbackStore] = {}  # port -> the store a run in this process owns
-#: "0": start each rank as a fresh `python -m cocosync.shadowsync --job` (~4 s of imports each) instead of forking it
-#: from the warm fork server (runtime/warm_start.py)
-WARM_START_ENV = "COCOSYNC_WARM_START"
 
 
 class _LoopbackRendezvous(DynamicRendezvousHandler):
@@ -205,7 +202,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     _describe_data(cfg, console)
     _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
-    if _warm():  # (not before the checks: a refused run starts no process)
+    if warm_start.warm():  # (not before the checks: a refused run starts no process)
         warm_start.start()  # the server imports while the rendezvous is set up
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -232,10 +229,6 @@ def check_resume(cfg: TrainConfig, cluster: ClusterConfig, *, work_left: bool = 
     if work_left:
         _check_work_left(int(meta.get("examples_seen", 0)), cfg, cluster.stop_after, path)
     return path
-
-
-def _warm() -> bool:
-    return os.environ.get(WARM_START_ENV, "1") != "0"
 
 
 def _check_work_left(seen: int, cfg: TrainConfig, stop_after: int | None, path: Path) -> None:
@@ -379,7 +372,7 @@ def _launch(cfg: TrainConfig, cluster: ClusterConfig, nproc: int, job: Path, con
     console.print(f"starting {nproc} processes on this machine ({servers}, "
                   + (f"{sync} sync server, " if sync else "") + f"{cfg.trainers} trainer"
                   + ("s" if cfg.trainers > 1 else "") + f"; their output: {escape(str(out))}/logs/) ...")
-    warm = _warm()
+    warm = warm_start.warm()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=f"cocosync-{uuid.uuid4().hex[:8]}",
                           rdzv_backend=_BACKEND, rdzv_endpoint=f"{LOOPBACK}:{store.port}", max_restarts=0,
                           monitor_interval=0.1, local_addr=LOOPBACK, logs_specs=_RankLogs(out / "logs"),
