@@ -50,7 +50,11 @@ def warm() -> bool:
 
 
 def starts_ranks(args: Sequence[str]) -> bool:
-    """Whether the `cocosync` command line `args` (without the program) starts ranks on this machine: `train` or
-    `demo`, not asking for help."""
+    """Whether the `cocosync` command line `args` (without the program) starts ranks on this machine at once: `train`
+    or `demo`, not asking for help, on one machine. A machine of a multi-machine job (`--nnodes`) starts its server
+    while it waits for the others (job/node_launch.py), and may find a running job to join, whose ranks it forks
+    itself: there the server's imports would only take CPU from the launcher's (on a machine still training, its
+    decision took 4-6x as long)."""
     words = [a for a in args if a != "--debug"]
-    return bool(words) and words[0] in _STARTS_RANKS and not {"-h", "--help"} & set(args)
+    flags = {a.split("=", 1)[0] for a in args}
+    return bool(words) and words[0] in _STARTS_RANKS and not {"-h", "--help", "--nnodes"} & flags

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from cocosync.runtime.warm_start import WARM_MODULES, adopt_environment
-from cocosync_start import EARLY_ENV, starts_ranks
 from cocosync.testing.launch import RankPool
+from cocosync_start import EARLY_ENV, starts_ranks
 
 _PROBE = "COCOSYNC_WARM_PROBE"
 
@@ -168,7 +168,8 @@ def test_the_fork_server_leaves_without_the_interpreters_teardown(tmp_path, quic
 
 @pytest.mark.parametrize("argv, starts", [
     (["train"], True), (["--debug", "train", "--examples", "10"], True), (["demo"], True),
-    (["train", "--help"], False), (["train", "-h"], False), (["eval", "run"], False), (["bench", "job-start"], False),
+    (["train", "--help"], False), (["train", "-h"], False), (["train", "--nnodes", "2"], False),
+    (["train", "--nnodes=2"], False), (["eval", "run"], False), (["bench", "job-start"], False),
     ([], False), (["--help"], False)])
 def test_the_command_starts_the_server_early_only_where_it_starts_ranks(argv, starts):
     assert starts_ranks(argv) is starts
