@@ -541,6 +541,8 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
         losses = membership.losses(epoch)
         if losses:  # the first trainer left of the job's start finishes it (trainer 0, unless it was lost)
             first = membership.first_live(epoch)
+            if job.save_group is not None:  # (a trainer whose save failed with a lost machine released it already:
+                job.save_group.release()  # torch names the group below by how many groups each member holds)
             group, alive, leader = membership.trainer_group(first), first, first[0]
             joined = [x for x in membership.live(epoch) if x not in first]  # (started again: results in the store)
     results: list[Any] = [None] * dist.get_world_size(group) if t == leader else []
