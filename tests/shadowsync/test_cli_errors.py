@@ -294,6 +294,8 @@ def test_lookup_transport_options_are_checked_in_the_units_the_user_typed(tmp_pa
     (["--rdzv-endpoint", "127.0.0.1:notaport"], "--rdzv-endpoint '127.0.0.1:notaport' is invalid"),
     (["--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 2: expected 0 .. 1"),
     (["--local-addr", "999.1.1.1"], "--local-addr '999.1.1.1' does not resolve to an address"),
+    (["--nnodes", "1:4"], "'1:4': a range of machines (torchrun's MIN:MAX) is not supported; expected the number of"),
+    (["--nnodes", "two"], "'two' is not a whole number of machines"),
 ])
 def test_a_bad_multi_machine_option_is_one_line_naming_it(tmp_path, args, named):
     res = CliRunner().invoke(cli, ["train", "--nnodes", "2", *args, "--out", str(tmp_path / "run")])

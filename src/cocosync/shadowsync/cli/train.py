@@ -49,6 +49,22 @@ _MULTI_MACHINE_ONLY = ("cluster__lookup_transport", "cluster__exchange_interval"
                        "cluster__shard_mirror_interval")
 
 
+def _machines(value: str | None) -> int | None:
+    """--nnodes: a number of machines. torchrun's elastic range (MIN:MAX) is refused, saying what the job does."""
+    if value is None:
+        return None
+    if ":" in value:
+        raise click.BadParameter(
+            f"{value!r}: a range of machines (torchrun's MIN:MAX) is not supported; expected the number of machines "
+            "the job starts with, e.g. --nnodes 2. The job goes on without a lost machine (but node 0), and the lost "
+            "machine's command started again joins it in its place (docs/multinode.md)", param_hint="'--nnodes'")
+    try:
+        return int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not a whole number of machines, e.g. --nnodes 2",
+                                 param_hint="'--nnodes'") from None
+
+
 @show_defaults
 @click.command(cls=SectionedCommand)
 @CONFIG_OPTION
@@ -58,8 +74,9 @@ _MULTI_MACHINE_ONLY = ("cluster__lookup_transport", "cluster__exchange_interval"
               help="continue a run (e.g. one stopped by Ctrl-C) from a checkpoint directory, or a run directory (its "
                    "latest checkpoint), with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
-@click.option("--nnodes", type=int,
-              help="multi-node: machines in the job (runs torchrun's agent for this one; see --rdzv-endpoint).")
+@click.option("--nnodes", metavar="N", callback=lambda ctx, param, value: _machines(value),
+              help="multi-node: machines in the job (runs torchrun's agent for this one; see --rdzv-endpoint). A "
+                   "lost machine's command started again joins in its place (docs/multinode.md).")
 @click.option("--node-rank", type=int, default=0, show_default=True,
               help="multi-node: this machine's index (0 hosts the rendezvous store).")
 @click.option("--nproc-per-node", type=int, default=2, show_default=True,
