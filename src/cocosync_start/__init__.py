@@ -54,7 +54,7 @@ def starts_ranks(args: Sequence[str]) -> bool:
     or `demo`, not asking for help, on one machine. A machine of a multi-machine job (`--nnodes`) starts its server
     while it waits for the others (job/node_launch.py), and may find a running job to join, whose ranks it forks
     itself: there the server's imports would only take CPU from the launcher's (on a machine still training, its
-    decision took 4-6x as long)."""
+    decision took 2.5-3.5x as long)."""
     words = [a for a in args if a != "--debug"]
     flags = {a.split("=", 1)[0] for a in args}
     return bool(words) and words[0] in _STARTS_RANKS and not {"-h", "--help", "--nnodes"} & flags
