@@ -202,7 +202,8 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     _describe_data(cfg, console)
     _check_eval_data(cfg)
     _check_shared_memory(cfg, cluster)
-    if warm_start.warm():  # (not before the checks: a refused run starts no process)
+    if warm_start.warm():  # (after the checks: a run_training refused starts no process; the `cocosync` command
+        # started it before its imports, and a server started so dies with a command refused: server_exit.py)
         warm_start.start()  # the server imports while the rendezvous is set up
     out = Path(cfg.out_dir)
     out.mkdir(parents=True, exist_ok=True)
