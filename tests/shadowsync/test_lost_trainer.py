@@ -19,7 +19,7 @@ import pytest
 import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology
-from cocosync.shadowsync.job.membership import EPOCH, Membership, record_change
+from cocosync.shadowsync.job.membership import ABSENT, EPOCH, LOSS_ACROSS, Membership, loss_across, record_change
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.testing.sockets import job_ranks
 
@@ -351,6 +351,9 @@ _KEEPER = textwrap.dedent("""
     print("keeper returns")
 """)
 
+_KEEPER_ACROSS = _KEEPER.replace("keep_trainer(1, trainers, least, store)",
+                                 "keep_trainer(1, trainers, least, store, per_node=int(sys.argv[5]))")
+
 
 @pytest.mark.parametrize("how,trainers,least,code,lost", [
     ("kill", 2, 1, 0, True),  # lost, enough left: the keeper ends as a rank that finished
@@ -370,6 +373,28 @@ def test_the_keeper_records_a_loss_only_where_the_job_can_go_on(tmp_path, how, t
     assert view.check(["change/1"]) == lost
     assert int(view.add(EPOCH, 0)) == int(lost)
 
+
+
+@pytest.mark.parametrize("per_node,first,code,lost", [
+    (2, None, 0, True),  # the job's first loss across machines, its machine keeps a trainer: a lone trainer's loss
+    (1, None, -signal.SIGKILL, False),  # its machine keeps none: the keeper dies, the machine leaves as a lost one
+    (2, "node", -signal.SIGKILL, False),  # a machine was lost first: a later loss is not survived
+    (2, "trainer 3", -signal.SIGKILL, False),  # so was another trainer
+])
+def test_across_machines_the_keeper_records_a_lone_trainers_loss_only_as_the_first(tmp_path, per_node, first, code,
+                                                                                     lost):
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=datetime.timedelta(seconds=10))
+    view = dist.PrefixStore("cocosync/", store)
+    if first is not None:
+        view.set(LOSS_ACROSS, first)
+    script = tmp_path / "keeper.py"
+    script.write_text(_KEEPER_ACROSS)
+    proc = subprocess.run([sys.executable, str(script), str(store.port), "kill", "4", "1", str(per_node)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == code, proc.stderr[-2000:]
+    assert view.check(["change/1"]) == lost and int(view.add(EPOCH, 0)) == int(lost)
+    assert loss_across(view) == ("trainer 1" if lost else first)
+    assert int(view.add(ABSENT, 0)) == int(lost)
 
 
 _RESTARTING_KEEPER = textwrap.dedent("""

@@ -6,7 +6,8 @@ loopback machines (default two: `cocosync train --nnodes N`, T/N trainers and an
 checkpoints every fifth of the run; its command and every process under it killed, whatever the job is doing then:
 a periodic checkpoint's save included), against the same multi-machine job uninterrupted; `rejoin`: node 1 killed
 so, and its command started again once the job has trained `--rejoin-at` of its examples (it joins the running job
-in its place). Per run:
+in its place); `node-trainer`: trainer 2 alone, node 1's first trainer, in the same multi-machine job (its machine
+goes on with its other trainers). Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
@@ -31,7 +32,14 @@ from rich.console import Console
 
 from cocosync.bench.common import markdown_table, print_table, write_json
 from cocosync.testing.launch import free_port
-from cocosync.testing.multinode import kill_machine, remove_semaphores_since, semaphores, start_nodes, wait_nodes
+from cocosync.testing.multinode import (
+    kill_machine,
+    remove_semaphores_since,
+    semaphores,
+    start_nodes,
+    wait_nodes,
+    worker_pids,
+)
 from cocosync.testing.sockets import job_ranks
 
 __all__ = ["faults_cmd", "NE_TARGET"]
@@ -97,11 +105,12 @@ def _trained(metrics: Path, examples: int) -> bool:
 
 
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2,
-               rejoin_at: int | None = None) -> tuple[dict, float | None, float | None]:
+               rejoin_at: int | None = None, lone: bool = False) -> tuple[dict, float | None, float | None]:
     """`nodes` loopback machines of `trainers // nodes` trainers each (after an embedding server, and EASGD's sync
-    server); with `at`, node 1 killed whole once the job has trained `at` examples; with `rejoin_at`, its command
-    started again once the job has trained that many (and node 0 has recorded the loss: a start refused before is
-    made again). (summary, time of the kill, time node 1's command started again)."""
+    server); with `at`, node 1 killed whole once the job has trained `at` examples (`lone`: node 1's first trainer
+    alone); with `rejoin_at`, its command started again once the job has trained that many (and node 0 has recorded
+    the loss: a start refused before is made again). (summary, time of the kill, time node 1's command started
+    again)."""
     before = semaphores()
     servers = 1 + any(a.endswith("easgd") for a in args)
     port = free_port()
@@ -113,7 +122,10 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
         while at is not None and killed_at is None and all(p.poll() is None for p in procs):
             time.sleep(0.05)
             if _trained(metrics, at):
-                kill_machine(procs[1].pid)
+                if lone:  # (node 1's ranks: its servers, then its trainers)
+                    os.kill(worker_pids(procs[1].pid)[nproc + servers], signal.SIGKILL)
+                else:
+                    kill_machine(procs[1].pid)
                 killed_at = time.time()
         while rejoin_at is not None and killed_at is not None and rejoined_at is None and procs[0].poll() is None:
             time.sleep(0.05)
@@ -132,7 +144,7 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
                 kill_machine(p.pid)
     remove_semaphores_since(before)
     # (node 1 killed, and its starts again that were refused, fail; the start that joined must not)
-    ignored = {1, *range(nodes, len(runs) - 1)} if at is not None else set()
+    ignored = {1, *range(nodes, len(runs) - 1)} if at is not None and not lone else set()
     failed = [r for i, r in enumerate(runs) if r.returncode != 0 and i not in ignored]
     if failed or (at is not None and killed_at is None) or (rejoin_at is not None and rejoined_at is None):
         raise click.ClickException(f"the multi-machine job failed or ended before the kill (or the machine's join): "
@@ -141,7 +153,9 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
 
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
-VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1}
+VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1, "node-trainer": -1}
+#: the kinds that kill in a job across machines (the others: a one-machine job)
+ACROSS = ("node", "rejoin", "node-trainer")
 
 
 @click.command("faults")
@@ -154,7 +168,8 @@ VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1}
 @click.option("--kill", default="trainer,restart,server,node", show_default=True,
               help="what each killed run kills, comma-separated: trainer (trainer 1), restart (trainer 1, started "
                    "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines), "
-                   "rejoin (node 1, its command started again at --rejoin-at).")
+                   "rejoin (node 1, its command started again at --rejoin-at), node-trainer (trainer 2 of the "
+                   "--nodes machines' job, node 1's first trainer, alone: its machine goes on).")
 @click.option("--rejoin-at", type=click.FloatRange(0.0, 0.95), default=0.5, show_default=True,
               help="--kill rejoin: node 1's command starts again once the job has trained this fraction.")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
@@ -173,7 +188,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
         if k not in VICTIMS:
             raise click.BadParameter(f"{k!r}: expected a comma-separated list of {', '.join(VICTIMS)}",
                                      param_hint="--kill")
-    if ("node" in kinds or "rejoin" in kinds) and trainers % nodes:
+    if any(k in ACROSS for k in kinds) and trainers % nodes:
         raise click.BadParameter(f"{trainers}: a machine's loss runs T/{nodes} trainers on each of {nodes} machines: "
                                  f"expected a multiple of {nodes}", param_hint="--trainers")
     if mirror_ms and nodes > 2:
@@ -187,7 +202,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
     for seed in range(seeds):
         bases: dict[bool, dict] = {}
         for kind in kinds:
-            node = kind in ("node", "rejoin")
+            node = kind in ACROSS
             if node not in bases:  # the uninterrupted job of the same shape
                 base_out = root / f"seed{seed}-uninterrupted{f'-{nodes}nodes' if node else ''}"
                 bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync, mirror_ms), base_out, trainers,
@@ -199,7 +214,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             if node:
                 hit, killed_at, rejoined_at = _run_nodes(
                     _node_args(kill_out, seed, examples, sync, mirror_ms), kill_out, trainers, int(at * examples),
-                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None)
+                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None, lone=kind == "node-trainer")
             else:
                 cmd = _command(kill_out, seed, examples, trainers, sync) + (
                     ["--max-restarts", "1"] if kind == "restart" else [])
@@ -207,12 +222,12 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             assert killed_at is not None
             change = hit["eval_ne"] / base["eval_ne"] - 1
             losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
-                              "node": "lost_nodes", "rejoin": "lost_nodes"}[kind])
+                              "node": "lost_nodes", "rejoin": "lost_nodes", "node-trainer": "lost"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
             restored = "-"
-            if node and loss and loss["restored"]:
+            if kind in ("node", "rejoin") and loss and loss["restored"]:
                 r = loss["restored"][0]
                 where = (r["source"] if r["source"] in ("initial rows", "mirror")
                          else f"checkpoint at {r['examples']:,}")
@@ -254,7 +269,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
-    machines = f", {nodes} machines" if ("node" in kinds or "rejoin" in kinds) and nodes != 2 else ""
+    machines = f", {nodes} machines" if any(k in ACROSS for k in kinds) and nodes != 2 else ""
     rejoins = f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else ""
     title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}, T={trainers}, {sync}"
              f"{mirrored}{machines}, {seeds} seeds "

@@ -97,7 +97,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     machine (the job of `torchrun ... -m cocosync.shadowsync`, its ranks forked warm), with embedding parameter
     servers and sync servers; Ctrl-C, SIGTERM or --timeout on any machine stops every machine's trainers.
     A lost machine (not node 0) does not stop the job, and its command started again joins the running job in
-    its place (docs/multinode.md says what survives what).
+    its place; nor does a lone trainer lost on any machine (its machine goes on with its other trainers):
+    docs/multinode.md says what survives what.
     """
     from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.job.trainer import TrainerFailure
@@ -219,8 +220,10 @@ def _print_result(console, result) -> None:
                       + ("; nothing was left to train" if s["examples"] == 0 else ""))
     lost = s.get("lost") or []
     for x in lost:
-        console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples",
-                      soft_wrap=True)
+        served = (f"; trainer {x['served_by']} served its part of the lookup exchange"
+                  if x.get("served_by") is not None else "")
+        console.print(f"[yellow]trainer {x['trainer']} was lost ({x['signal']}) after {x['examples']:,} examples"
+                      f"{served}", soft_wrap=True)
     for x in s.get("restarts") or []:
         console.print(f"[green]trainer {x['trainer']} was started again (restart {x['restart']}): it trained "
                       f"{x['trains_after_s']:.1f} s after its start, from trainer {x['state_from']}'s model, and read "

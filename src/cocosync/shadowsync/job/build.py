@@ -128,11 +128,15 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
             g = dist.new_group(roles.ranks("embedding")[lr::E])
             if (kind, index % E) == ("embedding", lr):
                 mirror_group = g
-    hot_group = dense_group = None
-    if hot is not None:
-        g = dist.new_group(trainers[0::Tn])
-        if kind == "trainer" and index % Tn == 0:
-            hot_group = g
+    hot_group = dense_group = hot_peers = None
+    if hot is not None:  # the machines' first trainers sync the hot rows
+        # (a group for each local index, every trainer holding one: torch names a group that trainers make later by
+        # their members alone, after a loss, by how many groups each holds, which must then be equal)
+        for i in range(Tn):
+            g = dist.new_group(trainers[i::Tn])
+            if kind == "trainer" and index % Tn == i:
+                hot_peers = g
+        hot_group = hot_peers if kind == "trainer" and index % Tn == 0 else None
     node_gloo_mine = None
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
@@ -152,9 +156,9 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     if save_group is not None:  # (its first collective is a periodic save's, once training runs)
         nbytes = tables.total_rows * (tables.width * 4 + 12) + 16 * flat.numel()  # rows, Adagrad, versions; dense
         save_group.group.set_timeout(datetime.timedelta(seconds=save_timeout(cfg.heartbeat_timeout, nbytes)))
-    held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_group, exchange.group,
+    held = ([trainer_group, intra, inter, node_gloo_mine] if kind == "trainer" else []) + [hot_peers, exchange.group,
                                                                                            mirror_group]
-    cross = (inter, hot_group, exchange.group) if kind == "trainer" else ()
+    cross = (inter, hot_peers, exchange.group) if kind == "trainer" else ()
     membership = None
     if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None) or \
             survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node, Tn,

@@ -32,6 +32,12 @@ when that machine's launcher falls silent (`survives_node_loss`): the launcher t
 left restore its shards and re-form what they did with it (job/node_loss.py); the dense sync re-forms as above, in a
 gloo group made through the store where the trainers left span machines. Each trainer publishes its reader
 positions with its heartbeat (`pos/<t>`), where the others read a lost machine's (`published_positions`).
+
+A lone trainer of a job across machines is lost as on one machine (`survives_trainer_loss`: it runs under a keeper,
+which records it), while its machine goes on: another trainer of that machine serves the lost one's part of the
+lookup exchange (job/node_loss.py). A job across machines goes on after its first loss only, a machine's (or
+machines' lost together) or a lone trainer's: the first to record one claims `LOSS_ACROSS` (`claim_loss_across`),
+and a later loss of either kind stops the job.
 """
 
 from __future__ import annotations
@@ -60,7 +66,8 @@ from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
            "servers_leave_at_end", "survives_node_loss", "record_node_loss", "Restored", "restored_shards",
            "RestoredRange", "restored_ranges", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending",
-           "Join", "record_change", "joins_open", "JOINING", "JOINING_SINCE"]
+           "Join", "record_change", "joins_open", "JOINING", "JOINING_SINCE", "survives_trainer_loss", "LOSS_ACROSS",
+           "claim_loss_across", "loss_across"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -72,6 +79,9 @@ END = "end"  # the agreement of the trainers left at the end of their data (afte
 #: `JOINING_SINCE`: when the last claim was made): no agreement is decided while there are any (job/node_join.py)
 JOINING = "joining"
 JOINING_SINCE = "joining-since"
+#: across machines: the job's first loss, claimed by whoever records it ("node": a machine's; "trainer <t>": a lone
+#: trainer's); a loss of another kind after it is not survived
+LOSS_ACROSS = "loss-across"
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -189,9 +199,22 @@ def survives_node_loss(nnodes: int, lookup_transport: str, sync_method: str, syn
     return launched and nnodes >= 2 and lookup_transport == "exchange" and dense and trainers_per_node >= min_trainers
 
 
+def claim_loss_across(store: Any, who: str) -> bool:
+    """Claim the job's first loss across machines for `who` ("node", or "trainer <t>"): True if it is `who`'s (now or
+    before)."""
+    return store.compare_set(LOSS_ACROSS, "", who).decode() == who
+
+
+def loss_across(store: Any) -> str | None:
+    """Who claimed the job's first loss across machines ("node", "trainer <t>"), or None."""
+    return store.get(LOSS_ACROSS).decode() if store.check([LOSS_ACROSS]) else None
+
+
 def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bool:
     """Record machine `node` as lost (its trainers and embedding servers too, as their keepers would), once: False if
-    it was recorded already. `store`: a client of the job's store under the job's prefix."""
+    it was recorded already. `store`: a client of the job's store under the job's prefix. The caller checked that no
+    lone trainer's loss came first (`loss_across`)."""
+    claim_loss_across(store, "node")
     now = time.time()
     rec = json.dumps({"time": now, "silent_s": silent_s})
     if json.loads(store.compare_set(f"lost-node/{node}", "", rec)) != json.loads(rec):
@@ -218,6 +241,17 @@ def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: 
     (whose store outlives every rank and records the losses), with more trainers than --min-trainers, and a sync
     that can re-form among the trainers left (not DS-Sync)."""
     return launched and nnodes == 1 and min_trainers < trainers and sync_method != "dssync"
+
+
+def survives_trainer_loss(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool,
+                          across: bool) -> bool:
+    """Whether a job goes on without a lone lost trainer (its trainers run under keepers): on one machine as
+    `survives_losses` says; across machines where the job survives a machine's loss (`across`:
+    `survives_node_loss`) with MA or BMUF (a machine's other trainers go on, one of them serving the lost one's part
+    of the lookup exchange)."""
+    if nnodes == 1:
+        return survives_losses(trainers, min_trainers, nnodes, sync_method, launched)
+    return launched and across and min_trainers < trainers and sync_method in ("ma", "bmuf")
 
 
 def servers_leave_at_end(nnodes: int, sync_method: str) -> bool:
@@ -309,17 +343,35 @@ class Membership:
                 found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"])))
         return found
 
-    def wait_for_node_loss(self, timeout: float | None = None) -> list[NodeLoss]:
-        """The machines lost, once one is (empty if none is within `timeout`, default the membership's, or a rank
-        reported a failure first)."""
+    def wait_for_loss_across(self, timeout: float | None = None) -> str | None:
+        """Across machines: who claimed the job's first loss (`loss_across`) once one is recorded (a machine's: its
+        record counted; a lone trainer's: its change recorded), or None if none is within `timeout` (default the
+        membership's) or a rank reported a failure first."""
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while time.monotonic() < deadline:
-            if int(self.store.add(NODE_LOSSES, 0)):
-                return self.lost_nodes()
+            who = loss_across(self.store)
+            if who == "node" and int(self.store.add(NODE_LOSSES, 0)):
+                return who
+            if who is not None and who != "node" and self.lone_loss() is not None:
+                return who
             if self.store.check([FIRST_FAILURE]):
-                return []
+                return None
             time.sleep(POLL)
-        return []
+        return None
+
+    def lone_loss(self) -> Loss | None:
+        """Across machines: the lone trainer's loss that was the job's first (None: none, or not recorded yet)."""
+        who = loss_across(self.store)
+        if who is None or not who.startswith("trainer "):
+            return None
+        t = int(who.split()[1])
+        return next((x for x in self.losses() if x.trainer == t), None)
+
+    def substitute(self, trainer: int) -> int | None:
+        """Across machines: the trainer that serves lone lost trainer `trainer`'s part of the lookup exchange (None:
+        none said yet)."""
+        key = f"lone/{trainer}"
+        return int(json.loads(self.store.get(key))["substitute"]) if self.store.check([key]) else None
 
     def published_positions(self, trainer: int) -> list[int] | None:
         """Trainer `trainer`'s reader positions as it last published them with its heartbeat (None: never)."""
@@ -537,7 +589,7 @@ def joins_open(store: Any) -> bool:
 
 
 def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable[[], Any],
-                 max_restarts: int = 0) -> int | None:
+                 max_restarts: int = 0, per_node: int | None = None) -> int | None:
     """Fork this rank: in the child, which runs the trainer (and must leave through os._exit: it is not the process
     the agent started), its restart (0: the job's own start); in this process, the keeper, which waits for it: None
     once the trainer finished (exit status 0) or was lost, a rank that finished as far as the agent is concerned. A
@@ -545,16 +597,21 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
     lost if at least `min_trainers` are left (and one of the job's own processes, which finish it) and the trainers
     have not agreed that the job ends, else the keeper dies by the same signal (the agent then stops the job, naming
     it). A lost trainer is started again (a new child, which joins the job) up to `max_restarts` times while
-    `joins_open`. `store()`: a client of the job's store, under the job's prefix."""
+    `joins_open`. `store()`: a client of the job's store, under the job's prefix. `per_node`: across machines, the
+    trainers of each: one is lost alone only as the job's first loss, and where its machine keeps a trainer
+    (otherwise the keeper dies by the signal, and its machine leaves the job as a lost one)."""
 
     def record(pid: int, sig: int, restart: int) -> bool:
         client = store()
         if job_ending(client):  # (the job's end is collective over the trainers in the job then)
             return False
+        if per_node is not None and (per_node < 2 or loss_across(client) is not None):
+            return False
         absent = int(client.add(ABSENT, 1))
         # the job's end runs in its process groups: one of the trainers it started must be left to finish it
         first_lost = int(client.add(FIRST_LOST, 0 if restart else 1))
-        if trainers - absent < min_trainers or first_lost >= trainers:
+        if trainers - absent < min_trainers or first_lost >= trainers or \
+                (per_node is not None and not claim_loss_across(client, f"trainer {trainer}")):
             client.add(ABSENT, -1)  # not a loss the job goes on from: it stops, naming the trainer
             client.add(FIRST_LOST, 0 if restart else -1)
             return False

@@ -31,11 +31,12 @@ from cocosync.shadowsync.job.membership import (
     EPOCH,
     SERVER_LOSSES,
     job_ending,
+    loss_across,
     record_node_loss,
     restored_ranges,
     restored_shards,
-    survives_losses,
     survives_node_loss,
+    survives_trainer_loss,
 )
 from cocosync.shadowsync.job.roles import Roles
 
@@ -98,6 +99,7 @@ class Monitor:
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
         self._said_restored: set[int] = set()  # lost servers whose restored shard was named
         self._said_ranges: set[int] = set()  # ranges of EASGD's centre whose adoption was named
+        self._said_substitutes: set[int] = set()  # lone lost trainers whose stand-in was named (across machines)
         self._said_joins: dict[int, bool] = {}  # lost machines whose place another took: whether its trainers joined
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
         self.survives_node_loss = survives_node_loss(nodes, cluster.lookup_transport, cfg.sync.method,
@@ -333,6 +335,10 @@ class Monitor:
             if silent < NODE_SILENCE or get_if_set(self.store, FIRST_FAILURE) is not None or self._node_done(n) \
                     or job_ending(self.store):
                 continue
+            first = loss_across(self.store)
+            if first is not None and first != "node":
+                return (f"node {n} was lost (no word from its launcher for {silent:.1f} s) after {first} was: a job "
+                        "across machines goes on after its first loss only (resume from its last checkpoint)")
             if record_node_loss(self.store, self.roles, n, silent):
                 self.lost_nodes[n] = silent
                 trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
@@ -404,11 +410,17 @@ class Monitor:
                                "machine's replica)", soft_wrap=True)
 
     def may_lose(self, t: int) -> bool:
-        """Whether the job goes on without trainer `t` (it runs under a keeper: one machine, and more than
-        --min-trainers would be left)."""
+        """Whether the job goes on without trainer `t` (it runs under a keeper, and more than --min-trainers would be
+        left; across machines, as the job's first loss, on a machine that keeps a trainer)."""
         gone = len(self.lost) + len(self.killed - set(self.lost))
-        return (survives_losses(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True)
-                and t not in self.lost and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers)
+        if self.nodes > 1 and (gone or self.lost_nodes or self.per_node < 2):
+            return False
+        return self._trainers_survive() and t not in self.lost and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers
+
+    def _trainers_survive(self) -> bool:
+        """Whether the job goes on without a lone lost trainer (membership.survives_trainer_loss)."""
+        return survives_trainer_loss(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True,
+                                     self.survives_node_loss)
 
     def _watch_losses(self) -> None:
         """Say each trainer or embedding server lost, and each trainer started again, since the last look (recorded
@@ -435,6 +447,8 @@ class Monitor:
                                    f"{self.cfg.trainers - len(self.lost)} trainers train", soft_wrap=True)
                 continue
             self.lost[t] = rec
+            if rec.get("node") is not None:  # (a lost machine's trainer: its machine's loss is said once)
+                continue
             left = self.cfg.trainers - len(self.lost)
             self.console.print(f"[yellow]trainer {t} (pid {rec.get('pid')}) was lost ("
                                + ("no heartbeat: killed" if t in self.killed else f"killed by {rec.get('signal')}"
@@ -442,6 +456,20 @@ class Monitor:
                                + f") after about {progress.get('trainer_examples', 0):,} examples: {left} trainer"
                                + ("s go" if left > 1 else " goes") + " on and will read its unread rows "
                                f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)
+
+    def _say_substitutes(self) -> None:
+        """Across machines: say which trainer stands in for each lone lost trainer on its machine (node_loss.py)."""
+        for t, rec in self.lost.items():
+            if t in self._said_substitutes or rec.get("node") is not None:
+                continue
+            sub = self._get(f"lone/{t}")
+            if not isinstance(sub, dict):
+                continue
+            self._said_substitutes.add(t)
+            n = sub.get("node")
+            hot = f" and syncs node {n}'s hot rows" if sub.get("hot_rows") else ""
+            self.console.print(f"node {n} goes on: trainer {sub.get('substitute')} serves trainer {t}'s part of the "
+                               f"lookup exchange{hot}", soft_wrap=True)
 
     def _watch_server_losses(self) -> None:
         if len(self.lost_servers) >= int(self.store.add(SERVER_LOSSES, 0)):
@@ -460,8 +488,10 @@ class Monitor:
         the job can lose is killed instead, and recorded as lost by its keeper)."""
         now = time.monotonic()  # (a heartbeat is its machine's clock: only this machine's trainers are watched)
         done = 0
-        if survives_losses(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True):
+        if self._trainers_survive():
             self._watch_losses()
+            if self.nodes > 1:
+                self._say_substitutes()
         for t, rank in ((self.trainer_of(r), r) for r in self.ranks):
             if t is None:
                 continue

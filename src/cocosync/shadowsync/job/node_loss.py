@@ -1,6 +1,7 @@
 """What a trainer does when a machine of its job is lost (membership.py: `survives_node_loss`, `record_node_loss`):
 the lost machine's embedding shards restored on the machines left, where their trainers read and update them in
-place, and the job's cross-machine parts re-formed among those machines.
+place, and the job's cross-machine parts re-formed among those machines; and when a lone trainer is lost while its
+machine goes on (below).
 
 The first thread of a trainer whose rows from another machine fail (the lookup exchange broke) or whose dense sync
 fails waits for the launcher that hosts the job's store to record the machine's loss (with more than two machines,
@@ -31,6 +32,17 @@ A machine lost after that stops the job (the groups re-formed hold it). The dens
 left (recovery.py), and the lost machine's trainers' unread rows are read by the trainers left from the positions
 they last published (`Membership.published_positions`): the rows they read since that last heartbeat are read again.
 
+A lone trainer lost while its machine goes on (membership.py: `survives_trainer_loss`, recorded by its keeper as the
+job's first loss across machines) leaves that machine's shards where they are. Its part of the lookup exchange (the
+machine's end of the exchange with the trainers of its local index elsewhere) is served from then on by the first
+trainer left on its machine: those trainers and that one make a new exchange group through the job's store, the
+substitute serving the machine's shards in it alongside its own exchange, and the lookups in flight are asked again
+there. Where the lost trainer synced its machine's hot rows (a machine's first), the substitute takes that over: its
+sync starts from the consensus another machine's first hands it, and keeps the machine's replica (this machine's
+updates since the last sync go out at the next). Every trainer looks for such a loss every `WATCH_EVERY` seconds
+(a thread of its own: a substitute whose dense sync is between phases would not see it otherwise), besides finding
+it through a collective that fails.
+
 A machine killed or shut down resets its connections, and its peers' collectives fail at once. One cut off or hung
 resets nothing: once training runs, a collective with another machine gives up after `cross_timeout` seconds
 (`bound_waits`; until then, the groups' timeout, which covers start-up and a resume's load). So does a collective of
@@ -56,7 +68,14 @@ from cocosync.runtime.comm.gloo_device import gloo_backend
 from cocosync.runtime.comm.shm import create_named, map_named, pid_alive, remove_named, unlink_named
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
-from cocosync.shadowsync.job.membership import NodeLoss, Restored, RestoredRange
+from cocosync.shadowsync.job.membership import (
+    Loss,
+    NodeLoss,
+    Restored,
+    RestoredRange,
+    loss_across,
+    survives_trainer_loss,
+)
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HotSync
@@ -74,6 +93,10 @@ LAST_CHECKPOINT = "last-checkpoint"
 #: seconds a trainer waits after a machine's loss is recorded for other machines lost with it to be recorded (the
 #: launcher records every machine silent for as long in one pass, milliseconds apart)
 SETTLE = 0.5
+
+
+#: seconds between two looks of a trainer for a lone trainer's loss across machines (a store read)
+WATCH_EVERY = 0.2
 
 
 #: bytes per second that a periodic checkpoint's slowest writer is granted (a slow network file system)
@@ -117,26 +140,32 @@ def holders(nnodes: int, per_node: int, lost: list[int]) -> dict[int, int]:
     return out
 
 
-def machine_group(job: Job, trainer: int, key: str, machines: list[int]) -> Any:
+def machine_group(job: Job, trainer: int, key: str, machines: list[int], index: int | None = None) -> Any:
     """A gloo group of trainer `trainer` and its peers of the same local index on `machines` (in node order; this
     trainer's machine among them), made through the job's store under `key`: the job's own groups hold the ranks of
-    the machines as they were at its start."""
+    the machines as they were at its start. `index`: the local index the group is for, where this trainer stands in
+    for another of its machine (default: its own)."""
     membership = job.membership
     assert membership is not None  # (a job that survives a machine's loss has one)
     roles = job.roles
     timeout = datetime.timedelta(seconds=cross_timeout(job.cfg.heartbeat_timeout))
-    return gloo_backend(dist.PrefixStore(f"{key}/{trainer % roles.trainers_per_node}", membership.store),
-                        machines.index(roles.topo.node), len(machines), timeout)
+    index = trainer % roles.trainers_per_node if index is None else index
+    return gloo_backend(dist.PrefixStore(f"{key}/{index}", membership.store), machines.index(roles.topo.node),
+                        len(machines), timeout)
 
 
 def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], held: dict[int, int],
-                     shards: dict[int, Shard]) -> LookupExchange:
+                     shards: dict[int, Shard], members: list[int] | None = None) -> LookupExchange:
     """Trainer `trainer`'s lookup exchange on `group` (`machine_group` over `machines`): each server's rows go to the
-    machine that holds its shard (`held`), and this machine serves `shards`."""
+    machine that holds its shard (`held`), and this machine serves `shards`. `members`: the trainer of each machine
+    in the group (default: those of `trainer`'s local index)."""
     roles = job.roles
     E, Tn = roles.embedding_per_node, roles.trainers_per_node
-    owners = torch.tensor([machines.index(held[s]) for s in range(E * roles.topo.nnodes)], dtype=torch.int64)
-    peers = [roles.ranks("trainer")[n * Tn + trainer % Tn] for n in machines]
+    moved = any(held[s] != s // E for s in range(E * roles.topo.nnodes)) or machines != list(range(roles.topo.nnodes))
+    owners = torch.tensor([machines.index(held[s]) for s in range(E * roles.topo.nnodes)],
+                          dtype=torch.int64) if moved else None  # (None: each server's own machine, sorted natively)
+    members = [n * Tn + trainer % Tn for n in machines] if members is None else members
+    peers = [roles.ranks("trainer")[t] for t in members]
     return LookupExchange(group, shards, servers=E * roles.topo.nnodes, servers_per_node=E, dim=job.tables.width,
                           interval=job.cluster.exchange_interval,
                           labels=[f"{roles.rpc_name(r)}, rank {r}, host {job.hosts[r]}" for r in peers],
@@ -144,8 +173,9 @@ def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], he
 
 
 class LostMachine:
-    """A trainer's handler of a lost machine (see the module doc): `__call__(error)` is `ShardedEmbeddings.on_lost`
-    and runs before the dense sync re-forms (`prepare`)."""
+    """A trainer's handler of the job's first loss across machines, a lost machine or a lone lost trainer (see the
+    module doc): `__call__(error)` is `ShardedEmbeddings.on_lost` and runs before the dense sync re-forms
+    (`prepare`)."""
 
     def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
                  center: RemoteCenter | None = None, replica: torch.Tensor | None = None):
@@ -157,21 +187,53 @@ class LostMachine:
         self.adopted: dict[int, Shard] = {}
         self.ranges: list[RestoredRange] = []  # the centre's ranges adopted after the loss (EASGD)
         self.nodes: list[NodeLoss] = []
+        self.lone: Loss | None = None  # a lone trainer's loss (its machine goes on)
+        self.serves: int | None = None  # the lone lost trainer whose part of the exchange this trainer serves
+        self._serving: list[threading.Thread] = []  # that exchange, closing with its peers
+        self._serve_errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._outcome: bool | None = None
         self._failed: Exception | None = None
+        self._done = threading.Event()
         self.started = time.time()
 
     def bound_waits(self) -> None:
         """Training runs: the collectives with other machines give up after `cross_timeout` (a machine cut off
-        resets no connection)."""
+        resets no connection); where a lone trainer may be lost, this trainer watches for that (module doc)."""
         timeout = datetime.timedelta(seconds=cross_timeout(self.job.cfg.heartbeat_timeout))
         for group in self.job.cross_groups:
             group.set_timeout(timeout)
+        job = self.job
+        if survives_trainer_loss(job.roles.trainers, job.cfg.min_trainers, job.roles.topo.nnodes, job.cfg.sync.method,
+                                 job.link is not None, True) and job.roles.trainers_per_node > 1:
+            threading.Thread(target=self._watch, name="cocosync-lone-loss", daemon=True).start()
+
+    def _watch(self) -> None:
+        membership = self.job.membership
+        assert membership is not None
+        while not self._done.wait(WATCH_EVERY):
+            try:
+                who = loss_across(membership.store)
+                if who is not None:
+                    if who != "node":
+                        self.prepare()
+                    return
+            except Exception:  # noqa: BLE001 - the failure stands where the trainer meets it (prepare raises again)
+                return
+
+    def close(self) -> None:
+        """The job's end: stop watching; where this trainer served a lost trainer's part of the exchange, wait until
+        that exchange's peers are done (its error, if it broke)."""
+        self._done.set()
+        for thread in self._serving:
+            thread.join()
+        if self._serve_errors:
+            raise RuntimeError(f"the lookup exchange served for lost trainer {self.serves} broke: "
+                               f"{self._serve_errors[0]}")
 
     def __call__(self, error: BaseException) -> bool:
-        """True once the machine whose loss explains `error` is recorded and its shards restored here; False if no
-        loss is recorded (the error stands)."""
+        """True once the loss that explains `error` is recorded and handled here (a machine's shards restored, a lone
+        trainer's part of the exchange served again); False if no loss is recorded (the error stands)."""
         return self.prepare()
 
     def prepare(self) -> bool:
@@ -197,9 +259,15 @@ class LostMachine:
     def _handle(self) -> bool:
         membership = self.job.membership
         assert membership is not None  # (a job that survives a machine's loss has one)
-        self.nodes = membership.wait_for_node_loss()
-        if not self.nodes:
+        who = membership.wait_for_loss_across()
+        if who is None:
             return False
+        if who != "node":
+            loss = membership.lone_loss()
+            assert loss is not None  # (wait_for_loss_across waited for its record)
+            self._lone_trainer(loss, membership)
+            return True
+        self.nodes = membership.lost_nodes()
         # machines lost together are recorded one after another: re-form once, after all of them (with two machines
         # only the one that does not host the store can be lost)
         while self.job.roles.topo.nnodes > 2:
@@ -237,6 +305,58 @@ class LostMachine:
 
     def _group(self, key: str, left: list[int]) -> Any:
         return machine_group(self.job, self.trainer, key, left)
+
+    def _lone_trainer(self, loss: Loss, membership: Any) -> None:
+        """Trainer `loss.trainer` was lost alone: the first trainer left on its machine serves its part of the lookup
+        exchange, and (a machine's first) syncs the machine's hot rows (module doc)."""
+        job, roles = self.job, self.job.roles
+        self.lone = loss
+        Tn, nnodes = roles.trainers_per_node, roles.topo.nnodes
+        lost, machines = loss.trainer, list(range(nnodes))
+        node, index = lost // Tn, lost % Tn  # (trainers are numbered machine by machine)
+        substitute = min(t for t in membership.live(loss.seq) if t // Tn == node)
+        key = f"lost-t{lost}"
+        if self.trainer == substitute:  # its exact last positions, from this machine's shared memory (what it last
+            store = membership.store    # published is up to a heartbeat old), and who stands in for it
+            store.set(f"pos/{lost}", json.dumps(job.positions[lost].tolist()))
+            store.set(f"lone/{lost}", json.dumps({"substitute": substitute, "node": node,
+                                                  "hot_rows": job.hot is not None and index == 0}))
+        members = [substitute if n == node else n * Tn + index for n in machines]
+        if self.trainer in members:
+            group = machine_group(job, self.trainer, f"exchange/{key}", machines, index=index)
+            exchange = machine_exchange(job, self.trainer, group, machines, holders(nnodes, roles.embedding_per_node,
+                                                                                    []), job.shards, members)
+            if self.trainer == substitute:  # (it sends nothing there: done from its first round, it serves)
+                self.serves = lost
+                self._serving.append(threading.Thread(target=self._serve, args=(exchange,),
+                                                      name="cocosync-exchange-served", daemon=True))
+                self._serving[-1].start()
+            else:  # (lookups in flight on the broken one are asked again here: ShardedEmbeddings.on_lost)
+                self.tables.adopt({}, remote=exchange)
+        if job.hot is None or index != 0:
+            return
+        firsts = [substitute if n == node else n * Tn for n in machines]
+        if self.trainer not in firsts:
+            return
+        root = next(i for i, n in enumerate(machines) if n != node)  # (a first that kept its consensus)
+        group = machine_group(job, self.trainer, f"hot/{key}", machines, index=0)
+        label = ", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in
+                          (roles.rank_of("trainer", t) for t in firsts) if r != roles.topo.rank)
+        if self.trainer == substitute:
+            hot_sync = HotSync(job.hot, group, interval=job.cluster.hot_sync_interval,
+                               staleness=job.cluster.hot_staleness, label=label)
+            hot_sync.take(root, keep_replica=True)
+            hot_sync.start()
+            self.hot_sync = self.tables.hot_sync = hot_sync
+        else:
+            assert self.hot_sync is not None  # (a machine's first syncs its hot rows)
+            self.hot_sync.regroup(group, label, joined=True, root=root)
+
+    def _serve(self, exchange: LookupExchange) -> None:
+        try:
+            exchange.close()
+        except BaseException as e:  # noqa: BLE001 - raised by close() at the job's end
+            self._serve_errors.append(e)
 
     def _adopt_range(self, r: int, membership: Any, lost: list[int]) -> RestoredRange:
         """Range `r` of EASGD's centre (its sync server lost) adopted by a sync server left: the first trainer left

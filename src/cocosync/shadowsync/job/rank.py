@@ -180,6 +180,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             alive, gone = command.alive, command.lost_servers
             _settle_hot(job, run, close=True)
             run.tables.close()  # serves the other nodes' lookups until every trainer is done with its own
+            if run.machine is not None:  # (and a lost trainer's part of the exchange, where this one took it over)
+                run.machine.close()
         else:  # servers serve, and save their part at each periodic checkpoint, until the trainers are done
             summary = None
             node_exchange = make_node_exchange(job) if job.exchange.group is not None else None
@@ -193,7 +195,7 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
                     if job.membership is None or job.save_group is None:
                         raise
                     _leave_save(job, e)
-                    if not job.membership.wait_for_node_loss():
+                    if job.membership.wait_for_loss_across() is None:
                         raise
             alive, gone = command.alive, command.lost_servers
             if mirror is not None:
@@ -744,8 +746,9 @@ def _leave_save(job: Job, error: BaseException) -> None:
 def _settle_hot(job: Job, run: _TrainerRun, *, close: bool = False) -> None:
     """Every trainer paused (after a `_command`): the node's first trainer makes its replica of the hot rows the
     consensus of the nodes and writes it into the owners' shards, which the checkpoint saves."""
-    if run.hot_sync is not None:
-        run.hot_sync.settle(close=close)  # (nothing to settle once the other machine is lost)
+    hot_sync = run.machine.hot_sync if run.machine is not None else run.hot_sync  # (taken over after a loss)
+    if hot_sync is not None:
+        hot_sync.settle(close=close)  # (nothing to settle once the other machine is lost)
         adopted = run.machine.adopted if run.machine is not None else {}
         job.hot.write_back({**job.shards, **adopted}, job.rowhash.servers)
 
@@ -827,6 +830,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         lost.append({"trainer": x.trainer, "pid": x.pid, "signal": x.signal, "time": x.time,
                      "examples": read - start, "resumed_from": 0 if restart else start, "node": x.node,
                      "restart": restart})  # (a restart's start is where the process lost before it stopped)
+        if x.node is None and roles.topo.nnodes > 1 and membership is not None:  # (a lone trainer: its machine went on)
+            lost[-1]["served_by"] = membership.substitute(x.trainer)
     restarts = [{"trainer": r["trainer"], "restart": r["restart"], "pid": r["pid"], "started": r["started"],
                  "joined": r["admitted"], "trains_after_s": r["start"] - r["started"],
                  "built_in_s": r["built"] - r["started"], "joined_in_s": r["admitted"] - r["built"],

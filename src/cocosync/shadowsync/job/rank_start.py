@@ -25,7 +25,14 @@ from cocosync.runtime.warm_start import adopt_environment, die_with
 from cocosync.shadowsync.config import ClusterConfig, TrainConfig, config_from_dict, config_to_dict
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
-from cocosync.shadowsync.job.membership import keep_server, keep_trainer, servers_leave_at_end, survives_losses
+from cocosync.shadowsync.job.membership import (
+    keep_server,
+    keep_trainer,
+    servers_leave_at_end,
+    survives_losses,
+    survives_node_loss,
+    survives_trainer_loss,
+)
 from cocosync.shadowsync.job.rank import run_cluster, run_joined, run_restarted
 from cocosync.shadowsync.metrics import json_safe
 
@@ -126,7 +133,9 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     cfg, cluster = config_from_dict(job["config"]), ClusterConfig(**job["cluster"])
     if _may_be_lost(cfg, cluster):
         trainer, server = _trainer_index(cluster, cfg), _embedding_index(cluster)
-        restart = (keep_trainer(trainer, cfg.trainers, cfg.min_trainers, env_store_client, cfg.max_restarts)
+        nnodes, per_node = _machines(cfg, cluster)
+        restart = (keep_trainer(trainer, per_node * nnodes, cfg.min_trainers, env_store_client, cfg.max_restarts,
+                                per_node=per_node if nnodes > 1 else None)
                    if trainer is not None else 0 if keep_server(server, env_store_client, servers_leave_at_end(
                        int(os.environ.get("GROUP_WORLD_SIZE", "1")), cfg.sync.method)) else None)
         if restart is None:
@@ -143,18 +152,39 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
     _run(cfg, cluster, console, json_out)
 
 
-def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
-    """Whether this rank is a trainer or an embedding server the job can go on without (membership.survives_losses)."""
-    launched = os.environ.get(MONITOR_PORT_ENV) is not None
+def _machines(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[int, int]:
+    """(the job's machines, trainers on each), from this rank's environment (roles.py: servers first)."""
     nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
-    if not survives_losses(cfg.trainers, cfg.min_trainers, nnodes, cfg.sync.method, launched):
-        return False
-    return _trainer_index(cluster, cfg) is not None or _embedding_index(cluster) is not None
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) - cluster.embedding_servers - \
+        cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
+    return nnodes, per_node if nnodes > 1 else cfg.trainers
+
+
+def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
+    """Whether this rank is a trainer or an embedding server the job can go on without (membership.survives_losses;
+    across machines, a trainer alone: membership.survives_trainer_loss)."""
+    launched = os.environ.get(MONITOR_PORT_ENV) is not None
+    nnodes, per_node = _machines(cfg, cluster)
+    if nnodes == 1:
+        if not survives_losses(cfg.trainers, cfg.min_trainers, nnodes, cfg.sync.method, launched):
+            return False
+        return _trainer_index(cluster, cfg) is not None or _embedding_index(cluster) is not None
+    across = survives_node_loss(nnodes, cluster.lookup_transport, cfg.sync.method,
+                                cluster.sync_servers_for(cfg.sync.method, nodes=nnodes), per_node, cfg.min_trainers,
+                                launched)
+    return survives_trainer_loss(per_node * nnodes, cfg.min_trainers, nnodes, cfg.sync.method, launched, across) and \
+        _trainer_index(cluster, cfg) is not None
 
 
 def _trainer_index(cluster: ClusterConfig, cfg: TrainConfig) -> int | None:
-    local = int(os.environ["LOCAL_RANK"]) - cluster.embedding_servers - cluster.sync_servers_for(cfg.sync.method)
-    return local if local >= 0 else None
+    """This rank's trainer index in the job (None: another role): its machine's trainers are numbered after the
+    machines before it (roles.py)."""
+    nnodes, per_node = _machines(cfg, cluster)
+    local = int(os.environ["LOCAL_RANK"]) - cluster.embedding_servers - \
+        cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
+    if local < 0:
+        return None
+    return int(os.environ["RANK"]) // int(os.environ["LOCAL_WORLD_SIZE"]) * per_node + local if nnodes > 1 else local
 
 
 def _embedding_index(cluster: ClusterConfig) -> int | None:

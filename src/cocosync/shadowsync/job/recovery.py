@@ -245,11 +245,29 @@ class Recovery:
         for loss in new:
             left += self._unread(loss, shards)
         parts = split_plan(left, len(live) * W)
+        # the first trainer's cut is every trainer's. Across machines each reads a lost trainer's positions where it
+        # sees them: its machine's shared memory (exact), or what it last published (up to ~0.2 s old: rows read
+        # again). A lone trainer's loss is cut on its machine (a trainer is left there), the others take that cut.
+        key = f"share/{self.phases}"
+        roles = self.job.roles
+        if any(x.node is None and roles.node_of(roles.rank_of("trainer", x.trainer)) != roles.topo.node for x in new):
+            raw = self._wait_for(key)
+        else:
+            raw = self.membership.store.compare_set(key, "", json.dumps({"live": live, "parts": parts}))
+        parts = [[tuple(x) for x in part] for part in json.loads(raw)["parts"]]
         self.shares[self.phases] = (live, parts)
-        self.membership.store.compare_set(f"share/{self.phases}", "", json.dumps({"live": live, "parts": parts}))
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
+
+    def _wait_for(self, key: str) -> bytes:
+        """The store's value at `key`, once a trainer has set it (a TimeoutError after the membership's timeout)."""
+        deadline = time.monotonic() + self.membership.timeout
+        while not self.membership.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no trainer wrote {key!r} within {self.membership.timeout:.0f}s")
+            time.sleep(0.02)
+        return self.membership.store.get(key)
 
     def positions(self, d: int) -> list[int]:
         """Trainer d's reader positions in its own shards: this machine's shared copy, or (a trainer of another

@@ -207,15 +207,16 @@ class HotSync:
         if self._thread.is_alive():
             self._thread.join()
 
-    def regroup(self, group: Any, label: str, *, joined: bool = False) -> None:
+    def regroup(self, group: Any, label: str, *, joined: bool = False, root: int = 0) -> None:
         """Another node was lost and more than one is left: sync from now on with `group` (the first trainer of each
         node left, a gloo group made through the job's store). The replica and the consensus it last synced stay:
         every node left took the same syncs (the one that failed took no one's changes), so the changes made since
         are sent at the next sync. The old group's thread is not waited for: its sync may wait for a peer that left
         it until the group's timeout; it then ends, touching nothing (its buffers are its own).
 
-        `joined`: a node joins (`group` holds it too, member 0 one of this group's): before the first sync, member 0
-        hands the joining nodes the consensus (`take`); a replica given up with `abandon` syncs again."""
+        `joined`: a node joins (`group` holds it too, member `root` one of this group's): before the first sync,
+        member `root` hands the joining nodes the consensus (`take`); a replica given up with `abandon` syncs
+        again."""
         with self._lock:
             self._generation += 1
             self.group, self.n, self.label, self._error = group, group.size(), label, None
@@ -225,21 +226,25 @@ class HotSync:
             if joined:
                 self._abandoned = False
         if joined:
-            self._broadcast_consensus()
+            self._broadcast_consensus(root)
         self._thread.start()
 
     @torch.no_grad()
-    def take(self) -> None:
-        """On a joining node (collective with the members' `regroup(..., joined=True)`): this replica and its
-        consensus become member 0's consensus; the members' changes since come with the first sync. Then `start`."""
-        self._broadcast_consensus()
+    def take(self, root: int = 0, *, keep_replica: bool = False) -> None:
+        """On a joining node (collective with the members' `regroup(..., joined=True, root=root)`): this replica and
+        its consensus become member `root`'s consensus; the members' changes since come with the first sync. Then
+        `start`. `keep_replica`: the node's replica stays as it is (a node whose syncing trainer was lost: its
+        replica is the consensus of the last sync plus this node's updates since, sent at the next sync)."""
+        self._broadcast_consensus(root)
+        if keep_replica:
+            return
         rep = self.hot.shard
         for dst, src in ((rep.weight, self._base_w), (rep.accumulator, self._base_acc), (rep.versions, self._base_v)):
             dst.copy_(src)
 
-    def _broadcast_consensus(self) -> None:
+    def _broadcast_consensus(self, root: int = 0) -> None:
         opts = dist.BroadcastOptions()
-        opts.rootRank = 0
+        opts.rootRank = root
         for t in (self._base_w, self._base_acc, self._base_v):
             self.group.broadcast([t], opts).wait()
 
