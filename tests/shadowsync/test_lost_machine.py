@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -156,13 +157,13 @@ def test_a_trainer_killed_alone_leaves_its_machine_training_and_another_there_se
     syncer of node 1's hot rows) at ~30%: node 1 goes on with trainer 3, which serves trainer 2's part of the exchange
     and takes over the hot rows' sync; no machine is lost and no healthy trainer stops. Both launchers name the loss
     and exit 0; every example of the budget is read once (trainer 2's unread rows by the three left, cut on node 1
-    from its exact positions). The sync re-forms within a second, or once a trainer waiting in a collective of the
-    old sync across machines for a peer that left it gives up (--heartbeat-timeout, at least 10 s)."""
+    from its exact positions). The sync re-forms within seconds: a trainer waiting in a collective of the old sync
+    across machines for a peer that left it gives up as it sees the loss, not at --heartbeat-timeout (30 s)."""
     from cocosync.testing.multinode import worker_pids
 
     out = tmp_path / "run"
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
-                         "--sync", "shadow-bmuf", "--heartbeat-timeout", "10", "--out", str(out)], nproc_per_node=3)
+                         "--sync", "shadow-bmuf", "--out", str(out)], nproc_per_node=3)
     with _machines(procs):
         _until_trained(procs, out, 0.3 * EXAMPLES)
         os.kill(worker_pids(procs[1].pid)[4], signal.SIGKILL)  # (rank 4: node 1's first trainer)
@@ -178,7 +179,7 @@ def test_a_trainer_killed_alone_leaves_its_machine_training_and_another_there_se
     assert s["examples"] == EXAMPLES and s["short_by"] == 0 and not s["stopped"], s["examples"]
     assert s["trainers_left"] == 3 and [(x["trainer"], x["node"], x["served_by"]) for x in s["lost"]] == [(2, None, 3)]
     assert s["lost_nodes"] == [] and [m["trainers"] for m in s["membership"]] == [4, 3]
-    assert s["regrouped_at"] is not None and 0 < s["regrouped_at"] - killed < 20
+    assert s["regrouped_at"] is not None and 0 < s["regrouped_at"] - killed < 8  # (the slowest trainer's)
     assert s["takeover_rows"] > 0
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []
@@ -187,7 +188,7 @@ def test_a_trainer_killed_alone_leaves_its_machine_training_and_another_there_se
 def test_a_loss_after_a_lone_trainers_stops_the_job_naming_both(tmp_path):
     """A job across machines goes on after its first loss only: trainer 3 killed alone, then trainer 2 (the last of
     node 1): its keeper does not record it, node 1 leaves the job naming it, and the job stops (node 0's trainers,
-    whose exchange with node 1 broke again, fail naming it): resume from the last checkpoint."""
+    whose exchange or sync with node 1 broke again, fail naming it): resume from the last checkpoint."""
     from cocosync.testing.multinode import worker_pids
 
     out = tmp_path / "run"
@@ -205,7 +206,7 @@ def test_a_loss_after_a_lone_trainers_stops_the_job_naming_both(tmp_path):
     assert "trainer 3 (pid" in runs[0].output and "was lost (killed by SIGKILL)" in runs[0].output, text
     assert "node 1 goes on: trainer 2 serves trainer 3's part of the lookup exchange" in runs[0].output, text
     assert "trainer 2 (rank 4, node 1) was killed by SIGKILL: this machine leaves the job" in runs[1].output, text
-    assert "the first failure reported in the job: trainer" in runs[0].output, text
+    assert re.search(r"trainer\d \(rank \d, node 0\) failed", runs[0].output), text  # (its exchange or sync broke)
     assert not (out / "summary.json").exists()
     assert leftover_segments() == []
 

@@ -6,12 +6,15 @@ cases that disagreed with the reference, so a failure names them all.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.collectives import ShmCommunicator
-from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.runtime.comm.shm import CollectiveTimeout, leftover_segments
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 OPS = ("sum", "mean", "max", "min")
@@ -184,3 +187,33 @@ def test_bad_inputs_name_the_problem(rank_pool):
         assert "one_shot_bytes differ" in m["one_shot"] and "rank 1: 262144/1" in m["one_shot"]
         assert "one_shot_bytes=-1 must be >= 0" in m["one_shot_value"]
         assert m["after"] == "2.0"
+
+
+def _left_across_nodes() -> dict:
+    """Rank 0 waits in an all-reduce's cross-node stage for rank 1 (on the other node), which comes 2 s late; rank 0
+    leaves its collectives 0.3 s in (from another thread, as a trainer does once a loss is recorded)."""
+    comm = ShmCommunicator(timeout=60)
+    t = torch.ones(8)
+    if dist.get_rank() == 1:
+        time.sleep(2.0)
+        comm.all_reduce(t)  # (matches rank 0's abandoned collective, which gloo then completes: the pool goes on)
+        return {"sum": float(t[0])}
+    threading.Timer(0.3, comm.flags.leave, args=("a peer was lost",)).start()
+    t0 = time.monotonic()
+    try:
+        comm.all_reduce(t)
+        return {"error": None, "seconds": time.monotonic() - t0}
+    except CollectiveTimeout as e:
+        return {"error": str(e), "seconds": time.monotonic() - t0}
+    finally:
+        time.sleep(2.5)  # (rank 1's late all-reduce completes before the pool's next call)
+
+
+def test_a_collective_across_nodes_ends_once_its_rank_left_its_collectives(rank_pool):
+    """A rank whose peer on another node left the collective for new groups would wait in gloo until the group's
+    timeout; once it leaves its own collectives (`leave_collectives`), the wait ends at once."""
+    mine, late = rank_pool(2, nnodes=2).run(_left_across_nodes, timeout=60)
+    assert mine["error"] is not None and "was given up: this rank left its collectives (a peer was lost)" in \
+        mine["error"], mine
+    assert 0.3 <= mine["seconds"] < 1.9, mine  # (rank 1 comes at 2 s)
+    assert late == {"sum": 2.0}

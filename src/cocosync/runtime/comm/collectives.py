@@ -17,6 +17,8 @@ Synchronization is by flags in shared memory with a timeout: a dead or stalled p
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -256,7 +258,8 @@ class ShmCommunicator(NativeLoops):
             s, e = ranges[self.local_rank][0]
             piece = x[s:e]
             if e > s:
-                dist.broadcast(piece, group_src=root_node, group=self.groups.inter)  # inter group rank = node
+                self._across(dist.broadcast(piece, group_src=root_node, group=self.groups.inter,  # group rank = node
+                                            async_op=True))
             if self.topo.node != root_node:
                 call = self.begin_call(name + " (intra all-gather)", x, root=root,
                                    fill=lambda region: self.copy_ranges(region, x, [ranges[self.local_rank]]))
@@ -287,8 +290,8 @@ class ShmCommunicator(NativeLoops):
             mine = torch.empty(e - s, dtype=torch.float32)
             self.reduce_ranges(call, ranges[self.local_rank], op, x, mine)
             if e > s:
-                dist.reduce(mine, group_dst=root_node, op=op.dist_op,
-                            group=self.groups.inter)
+                self._across(dist.reduce(mine, group_dst=root_node, op=op.dist_op, group=self.groups.inter,
+                                         async_op=True))
             if self.topo.node == root_node:
                 if op is ReduceOp.MEAN:
                     mine.div_(self.world)
@@ -307,7 +310,7 @@ class ShmCommunicator(NativeLoops):
         """All ranks of this node (and, with several nodes, of the job) reach this point."""
         self.flags.barrier("barrier")
         if self.nnodes > 1:
-            dist.barrier(group=self.groups.inter)
+            self._across(dist.barrier(group=self.groups.inter, async_op=True))
             self.flags.barrier("barrier")
 
     # ------------------------------------------------------------------ the call surface
@@ -495,7 +498,7 @@ class ShmCommunicator(NativeLoops):
         part = torch.empty(e - s, dtype=torch.float32) if x.dtype != torch.float32 else x[s:e]
         self.reduce_ranges(call, mine, op, x, part)
         if e > s:
-            dist.all_reduce(part, op=op.dist_op, group=self.groups.inter)
+            self._across(dist.all_reduce(part, op=op.dist_op, group=self.groups.inter, async_op=True))
             if op is ReduceOp.MEAN:
                 part.div_(self.world)
             if part.data_ptr() != x.data_ptr() + s * x.element_size():
@@ -520,22 +523,48 @@ class ShmCommunicator(NativeLoops):
     def _inter_reduce_scatter(self, blocks: torch.Tensor, out: torch.Tensor, op: ReduceOp) -> None:
         """Reduce (nnodes, c) blocks across nodes; node b gets block b (torch.distributed, inter group)."""
         dop = op.dist_op
-        try:
+        try:  # (blocking: gloo runs a reduce-scatter when it is waited for, so `_across` could not poll it)
             reduce_scatter_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
+        except CollectiveTimeout:
+            raise
         except (RuntimeError, NotImplementedError):  # backends without reduce_scatter: all_reduce then keep our block
             full = blocks.contiguous().clone()
-            dist.all_reduce(full, op=dop, group=self.groups.inter)
+            self._across(dist.all_reduce(full, op=dop, group=self.groups.inter, async_op=True))
             out.copy_(full[self.topo.node])
         if op is ReduceOp.MEAN:
             out.div_(self.world)
 
     def _inter_all_gather(self, out: torch.Tensor, t: torch.Tensor) -> None:
         try:
-            all_gather_single(out, t, group=self.groups.inter)
+            self._across(all_gather_single(out, t, group=self.groups.inter, async_op=True))
+        except CollectiveTimeout:
+            raise
         except (RuntimeError, NotImplementedError):
             parts = list(out.view(self.nnodes, -1).unbind(0))
-            dist.all_gather(parts, t, group=self.groups.inter)
+            self._across(dist.all_gather(parts, t, group=self.groups.inter, async_op=True))
 
+    def _across(self, work: dist.Work) -> None:
+        """Wait for a collective among the nodes (`work`: async, on the inter group). It also ends, with a
+        CollectiveTimeout, once this rank leaves its collectives (`leave_collectives`, from any thread): a peer on
+        another node may have left the collective for new groups (its own node's peer died), and gloo would wait for
+        it until the group's timeout. Polled as the shared-memory flags wait: yields first, then sleeps that grow to
+        ACROSS_POLL_S. Only for work that runs on its own (gloo's reduce-scatter runs when waited
+        for: its `is_completed` stays false until then)."""
+        spins = 0
+        while not work.is_completed():
+            spins += 1
+            if spins < 256:
+                os.sched_yield()  # (gloo's threads finish it: let them run)
+                continue
+            if self.flags.broken is not None:
+                raise CollectiveTimeout(f"a collective across nodes on global rank {self.rank} was given up: this "
+                                        f"rank left its collectives ({self.flags.broken})")
+            time.sleep(min(ACROSS_POLL_S, 1e-6 * (spins - 256) + 2e-5))
+        work.wait()  # (its error, if it failed)
+
+
+#: the longest sleep between two looks at a collective across nodes (`ShmCommunicator._across`)
+ACROSS_POLL_S = 2e-4
 
 #: torch.distributed's single-tensor reduce-scatter / all-gather (the names changed across torch versions)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -39,9 +39,10 @@ trainer left on its machine: those trainers and that one make a new exchange gro
 substitute serving the machine's shards in it alongside its own exchange, and the lookups in flight are asked again
 there. Where the lost trainer synced its machine's hot rows (a machine's first), the substitute takes that over: its
 sync starts from the consensus another machine's first hands it, and keeps the machine's replica (this machine's
-updates since the last sync go out at the next). Every trainer looks for such a loss every `WATCH_EVERY` seconds
-(a thread of its own: a substitute whose dense sync is between phases would not see it otherwise), besides finding
-it through a collective that fails.
+updates since the last sync go out at the next). Every trainer looks for the job's first loss every `WATCH_EVERY`
+seconds (a thread of its own: a substitute whose dense sync is between phases would not see a lone trainer's loss
+otherwise), besides finding it through a collective that fails; seeing a lone trainer's, it leaves its old groups'
+collectives, so that a collective across machines waiting for a peer that left it for the new groups ends at once.
 
 A machine killed or shut down resets its connections, and its peers' collectives fail at once. One cut off or hung
 resets nothing: once training runs, a collective with another machine gives up after `cross_timeout` seconds
@@ -65,7 +66,14 @@ import torch
 import torch.distributed as dist
 
 from cocosync.runtime.comm.gloo_device import gloo_backend
-from cocosync.runtime.comm.shm import create_named, map_named, pid_alive, remove_named, unlink_named
+from cocosync.runtime.comm.shm import (
+    create_named,
+    leave_collectives,
+    map_named,
+    pid_alive,
+    remove_named,
+    unlink_named,
+)
 from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, resolve
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import (
@@ -74,7 +82,6 @@ from cocosync.shadowsync.job.membership import (
     Restored,
     RestoredRange,
     loss_across,
-    survives_trainer_loss,
 )
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.exchange import LookupExchange
@@ -195,31 +202,44 @@ class LostMachine:
         self._outcome: bool | None = None
         self._failed: Exception | None = None
         self._done = threading.Event()
+        self._training = threading.Lock()  # held while the watcher leaves this rank's collectives
+        self._over = False  # this trainer's training is over (`training_over`)
         self.started = time.time()
 
     def bound_waits(self) -> None:
         """Training runs: the collectives with other machines give up after `cross_timeout` (a machine cut off
-        resets no connection); where a lone trainer may be lost, this trainer watches for that (module doc)."""
+        resets no connection); this trainer watches for the job's first loss (`_watch`)."""
         timeout = datetime.timedelta(seconds=cross_timeout(self.job.cfg.heartbeat_timeout))
         for group in self.job.cross_groups:
             group.set_timeout(timeout)
-        job = self.job
-        if survives_trainer_loss(job.roles.trainers, job.cfg.min_trainers, job.roles.topo.nnodes, job.cfg.sync.method,
-                                 job.link is not None, True) and job.roles.trainers_per_node > 1:
-            threading.Thread(target=self._watch, name="cocosync-lone-loss", daemon=True).start()
+        threading.Thread(target=self._watch, name="cocosync-loss-watch", daemon=True).start()
 
     def _watch(self) -> None:
+        """Once a lone trainer's loss is recorded as the job's first across machines, this trainer leaves the
+        collectives of its old groups while it trains (the sync's: a collective across machines that waits for a peer
+        which left it for the new groups ends then, not at its timeout; the new ones are gloo groups, made through the
+        store) and handles the loss (`prepare`). A machine's loss is handled where a collective fails (the trainers
+        left on one machine re-form their sync in shared memory: a leave could reach it)."""
         membership = self.job.membership
         assert membership is not None
         while not self._done.wait(WATCH_EVERY):
             try:
                 who = loss_across(membership.store)
                 if who is not None:
-                    if who != "node":
+                    if who != "node":  # (a machine's loss: the trainers left may re-form in shared memory at once)
+                        with self._training:
+                            if not self._over:  # (the groups of the job's end are made after training)
+                                leave_collectives(f"trainer {who.split()[1]} was lost")
                         self.prepare()
                     return
             except Exception:  # noqa: BLE001 - the failure stands where the trainer meets it (prepare raises again)
                 return
+
+    def training_over(self) -> None:
+        """This trainer has trained (its sync ended): the watcher no longer leaves its collectives, so that the groups
+        made for the job's end are never left."""
+        with self._training:
+            self._over = True
 
     def close(self) -> None:
         """The job's end: stop watching; where this trainer served a lost trainer's part of the exchange, wait until

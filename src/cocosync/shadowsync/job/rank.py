@@ -536,6 +536,8 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
     if run.machine is not None:
         run.machine.bound_waits()
     result = run.trainer.train()
+    if run.machine is not None:
+        run.machine.training_over()
     result["resumed_from"] = resumed
     losses, group, alive, leader, joined = [], job.trainer_group, None, 0, []
     if membership is not None:  # the trainers left agree on the losses (a stopped job shared out none, maybe)
