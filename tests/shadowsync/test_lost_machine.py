@@ -112,9 +112,10 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     assert leftover_segments() == []
 
 
-def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_job_finishes(tmp_path):
-    """kill -9 of one trainer of node 1 (the OOM killer's way): node 1's agent stops its other ranks, and its command,
-    naming the killed rank, exits 1 and leaves the job to node 0, which goes on as after the machine's loss. With
+def test_a_sync_server_killed_on_the_second_machine_takes_that_machine_out_and_the_job_finishes(tmp_path):
+    """kill -9 of node 1's sync server (the OOM killer's way; a rank the job cannot lose alone, unlike a trainer):
+    node 1's agent stops its other ranks, and its command, naming the killed rank, exits 1 and leaves the job to node
+    0, which goes on as after the machine's loss. With
     --shard-mirror-interval, node 1's shard comes back from its mirror on node 0, a few seconds old. The job syncs
     with EASGD against a centre sharded over a sync server per machine: node 0's sync server adopts the lost range
     (from a trainer's replica), the trainers' exchanges go there, and the last checkpoint holds the whole centre."""
@@ -128,18 +129,17 @@ def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_j
     with _machines(procs):
         _until_trained(procs, out, 0.3 * EXAMPLES)
         ranks = worker_pids(procs[1].pid)
-        victim = max(ranks)  # (servers first: a machine's highest rank is a trainer)
+        victim = per_node + 1  # (node 1's ranks: its embedding server, then its sync server, then its trainers)
         os.kill(ranks[victim], signal.SIGKILL)
         runs = wait_nodes(procs, timeout=150)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [0, 1], text
-    node, local = divmod(victim, per_node)
-    assert f"trainer {node * 2 + local - 2} (rank {victim}, node {node}) was killed by SIGKILL: " \
-           "this machine leaves the job" in runs[1].output, text
+    assert f"sync server 1 (rank {victim}, node 1) was killed by SIGKILL: this machine leaves the job" in \
+        runs[1].output, text
     assert "shard restored on node 0 from its mirror on this machine" in runs[0].output, text
     assert "range 1 of EASGD's centre adopted by sync0 from trainer 0's replica" in runs[0].output, text
     s = json.loads((out / "summary.json").read_text())
-    assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [node]
+    assert s["examples"] == EXAMPLES and [x["node"] for x in s["lost_nodes"]] == [1]
     (shard,) = s["lost_nodes"][0]["restored"]
     assert shard["source"] == "mirror" and 0 < shard["age_s"] < 10, shard
     (centre,) = s["lost_nodes"][0]["centre"]
@@ -151,35 +151,43 @@ def test_a_trainer_killed_on_the_second_machine_takes_that_machine_out_and_the_j
     assert leftover_segments() == []
 
 
+@pytest.mark.parametrize("sync,nproc,victim,lost,substitute", [
+    ("shadow-bmuf", 3, 4, 2, 3),  # node 1's first trainer: its end of the exchange with trainer 0 and its hot rows
+    ("shadow-easgd", 4, 7, 3, 2),  # node 1's second trainer (an embedding and a sync server first): its exchange
+])
 def test_a_trainer_killed_alone_leaves_its_machine_training_and_another_there_serves_its_part_of_the_exchange(
-        tmp_path):
-    """kill -9 of node 1's first trainer (trainer 2: node 1's end of the lookup exchange with trainer 0, and the
-    syncer of node 1's hot rows) at ~30%: node 1 goes on with trainer 3, which serves trainer 2's part of the exchange
-    and takes over the hot rows' sync; no machine is lost and no healthy trainer stops. Both launchers name the loss
-    and exit 0; every example of the budget is read once (trainer 2's unread rows by the three left, cut on node 1
-    from its exact positions). The sync re-forms within seconds: a trainer waiting in a collective of the old sync
-    across machines for a peer that left it gives up as it sees the loss, not at --heartbeat-timeout (30 s)."""
+        tmp_path, sync, nproc, victim, lost, substitute):
+    """kill -9 of one trainer of node 1 at ~30%: node 1 goes on with its other trainer, which serves the lost one's
+    part of the lookup exchange (its machine's end of the exchange with the trainers of its local index), and, for a
+    machine's first trainer, takes over the hot rows' sync; no machine is lost and no healthy trainer stops. Both
+    launchers name the loss and exit 0; every example of the budget is read once (the lost trainer's unread rows by
+    the three left, cut on node 1 from its exact positions). With BMUF the sync re-forms within seconds: a trainer
+    waiting in a collective of the old sync across machines for a peer that left it gives up as it sees the loss, not
+    at --heartbeat-timeout (30 s); with EASGD each trainer's exchanges with the centre go on."""
     from cocosync.testing.multinode import worker_pids
 
     out = tmp_path / "run"
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
-                         "--sync", "shadow-bmuf", "--out", str(out)], nproc_per_node=3)
+                         "--sync", sync, "--out", str(out)], nproc_per_node=nproc)
     with _machines(procs):
         _until_trained(procs, out, 0.3 * EXAMPLES)
-        os.kill(worker_pids(procs[1].pid)[4], signal.SIGKILL)  # (rank 4: node 1's first trainer)
+        os.kill(worker_pids(procs[1].pid)[victim], signal.SIGKILL)
         killed = time.time()
         runs = wait_nodes(procs, timeout=150)
     text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
     assert [r.returncode for r in runs] == [0, 0], text
+    hot = " and syncs node 1's hot rows" if lost == 2 else ""
     for run in runs:
-        assert "trainer 2 (pid" in run.output and "was lost (killed by SIGKILL)" in run.output, text
-        said = "node 1 goes on: trainer 3 serves trainer 2's part of the lookup exchange and syncs node 1's hot rows"
+        assert f"trainer {lost} (pid" in run.output and "was lost (killed by SIGKILL)" in run.output, text
+        said = f"node 1 goes on: trainer {substitute} serves trainer {lost}'s part of the lookup exchange{hot}\n"
         assert said in run.output, text
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == EXAMPLES and s["short_by"] == 0 and not s["stopped"], s["examples"]
-    assert s["trainers_left"] == 3 and [(x["trainer"], x["node"], x["served_by"]) for x in s["lost"]] == [(2, None, 3)]
+    assert s["trainers_left"] == 3
+    assert [(x["trainer"], x["node"], x["served_by"]) for x in s["lost"]] == [(lost, None, substitute)]
     assert s["lost_nodes"] == [] and [m["trainers"] for m in s["membership"]] == [4, 3]
-    assert s["regrouped_at"] is not None and 0 < s["regrouped_at"] - killed < 8  # (the slowest trainer's)
+    if sync == "shadow-bmuf":  # (the slowest trainer's)
+        assert s["regrouped_at"] is not None and 0 < s["regrouped_at"] - killed < 8
     assert s["takeover_rows"] > 0
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []

@@ -246,12 +246,12 @@ def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: 
 def survives_trainer_loss(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool,
                           across: bool) -> bool:
     """Whether a job goes on without a lone lost trainer (its trainers run under keepers): on one machine as
-    `survives_losses` says; across machines where the job survives a machine's loss (`across`:
-    `survives_node_loss`) with MA or BMUF (a machine's other trainers go on, one of them serving the lost one's part
-    of the lookup exchange)."""
+    `survives_losses` says; across machines wherever the job survives a machine's loss (`across`:
+    `survives_node_loss`: MA, BMUF, or EASGD on its sync servers), a machine's other trainers going on, one of them
+    serving the lost one's part of the lookup exchange."""
     if nnodes == 1:
         return survives_losses(trainers, min_trainers, nnodes, sync_method, launched)
-    return launched and across and min_trainers < trainers and sync_method in ("ma", "bmuf")
+    return launched and across and min_trainers < trainers
 
 
 def servers_leave_at_end(nnodes: int, sync_method: str) -> bool:
