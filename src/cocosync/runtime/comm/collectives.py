@@ -17,8 +17,7 @@ Synchronization is by flags in shared memory with a timeout: a dead or stalled p
 
 from __future__ import annotations
 
-import os
-import time
+import threading
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -547,24 +546,21 @@ class ShmCommunicator(NativeLoops):
         """Wait for a collective among the nodes (`work`: async, on the inter group). It also ends, with a
         CollectiveTimeout, once this rank leaves its collectives (`leave_collectives`, from any thread): a peer on
         another node may have left the collective for new groups (its own node's peer died), and gloo would wait for
-        it until the group's timeout. Polled as the shared-memory flags wait: yields first, then sleeps that grow to
-        ACROSS_POLL_S. Only for work that runs on its own (gloo's reduce-scatter runs when waited
-        for: its `is_completed` stays false until then)."""
-        spins = 0
-        while not work.is_completed():
-            spins += 1
-            if spins < 256:
-                os.sched_yield()  # (gloo's threads finish it: let them run)
-                continue
+        it until the group's timeout. The wait blocks on the work's future (no spinning: the cores are the workers'),
+        looking at this rank's flags every ACROSS_LOOK_S. Only for work that runs on its own (gloo's reduce-scatter
+        runs when waited for: its future stays pending until then)."""
+        done = threading.Event()
+        work.get_future().add_done_callback(lambda _f: done.set())
+        while not done.wait(ACROSS_LOOK_S):
             if self.flags.broken is not None:
                 raise CollectiveTimeout(f"a collective across nodes on global rank {self.rank} was given up: this "
                                         f"rank left its collectives ({self.flags.broken})")
-            time.sleep(min(ACROSS_POLL_S, 1e-6 * (spins - 256) + 2e-5))
         work.wait()  # (its error, if it failed)
 
 
-#: the longest sleep between two looks at a collective across nodes (`ShmCommunicator._across`)
-ACROSS_POLL_S = 2e-4
+#: seconds between two looks at whether this rank left its collectives while a collective across nodes runs
+#: (`ShmCommunicator._across`)
+ACROSS_LOOK_S = 0.1
 
 #: torch.distributed's single-tensor reduce-scatter / all-gather (the names changed across torch versions)
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
