@@ -211,7 +211,9 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
             seen.update(listening_sockets([pid for pid in process_tree(p.pid) if pid != p.pid]))
             for r, pid in worker_pids(p.pid).items():
                 try:
-                    ranks.setdefault(r, (pid, os.getsid(pid), os.getpgid(pid), p.pid))
+                    # (the last look: a trainer runs under a keeper, whose child takes a group of its own just
+                    # after the fork, which an earlier look may fall into)
+                    ranks[r] = (pid, os.getsid(pid), os.getpgid(pid), p.pid)
                 except ProcessLookupError:
                     pass
         time.sleep(0.05)
