@@ -524,8 +524,6 @@ class ShmCommunicator(NativeLoops):
         dop = op.dist_op
         try:  # (blocking: gloo runs a reduce-scatter when it is waited for, so `_across` could not poll it)
             reduce_scatter_single(out, blocks.contiguous().view(-1), op=dop, group=self.groups.inter)
-        except CollectiveTimeout:
-            raise
         except (RuntimeError, NotImplementedError):  # backends without reduce_scatter: all_reduce then keep our block
             full = blocks.contiguous().clone()
             self._across(dist.all_reduce(full, op=dop, group=self.groups.inter, async_op=True))
