@@ -18,9 +18,9 @@ def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_t
     found = json.loads((tmp_path / "faults.json").read_text())["by_kill"]
     assert set(found) == {"trainer", "restart", "server", "node"}
     for kind, f in found.items():
-        assert f["examples_lost"] == [0], kind  # every row read: a lost trainer's by the others
-        assert abs(f["ne_change"][0]) < 0.1, kind
-        assert 0 < f["loss_recorded_s"][0] < (10 if kind == "node" else 5), kind
+        assert f["examples_lost"] == [0], (kind, res.output)  # every row read: a lost trainer's by the others
+        assert abs(f["ne_change"][0]) < 0.1, (kind, res.output)  # (the table: each run's eval NE and seconds)
+        assert 0 < f["loss_recorded_s"][0] < (10 if kind == "node" else 5), (kind, res.output)
     assert 0 < found["trainer"]["sync_reformed_s"][0] < 10
     assert 0 < found["node"]["sync_reformed_s"][0] < 15
 

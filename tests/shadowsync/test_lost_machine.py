@@ -19,7 +19,7 @@ import torch
 
 from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, create_named, leftover_segments
 from cocosync.shadowsync.checkpoint import read_tensors
-from cocosync.shadowsync.job.node_loss import remove_restored, restored_segment
+from cocosync.shadowsync.job.loss_across import remove_restored, restored_segment
 from cocosync.testing.multinode import (
     kill_machine,
     remove_semaphores_since,

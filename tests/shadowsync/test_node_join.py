@@ -11,9 +11,9 @@ import time
 import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology
+from cocosync.shadowsync.job.loss_across import holders
 from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Membership
 from cocosync.shadowsync.job.node_join import claim_node, join_machines, joined, joined_nodes
-from cocosync.shadowsync.job.node_loss import holders
 from cocosync.shadowsync.job.roles import Roles
 
 

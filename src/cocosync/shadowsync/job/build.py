@@ -26,9 +26,9 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
+from cocosync.shadowsync.job.loss_across import save_timeout
 from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
 from cocosync.shadowsync.job.node_join import fence_key
-from cocosync.shadowsync.job.node_loss import save_timeout
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.job.segments import NodeTensors
@@ -119,7 +119,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
             intra = g
     for i in range(Tn):
         g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
-        if kind == "trainer" and index % Tn == i:
+        if kind == "trainer" and roles.slot_of(index) == i:
             inter = g
     exchange = exchange_groups(cfg, cluster, roles, tables, arena)
     mirror_group = None
@@ -134,9 +134,9 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         # their members alone, after a loss, by how many groups each holds, which must then be equal)
         for i in range(Tn):
             g = dist.new_group(trainers[i::Tn])
-            if kind == "trainer" and index % Tn == i:
+            if kind == "trainer" and roles.slot_of(index) == i:
                 hot_peers = g
-        hot_group = hot_peers if kind == "trainer" and index % Tn == 0 else None
+        hot_group = hot_peers if kind == "trainer" and roles.is_first(index) else None
     node_gloo_mine = None
     if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
@@ -234,7 +234,7 @@ def join_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataC
     tables = model.plan
     rowhash = RowHash(tables.total_rows, roles.embedding_per_node * topo.nnodes)
     timeout = cfg.heartbeat_timeout + 30.0
-    first = roles.role()[1] % roles.trainers_per_node == 0
+    first = roles.is_first(roles.role()[1])
     node = NodeTensors(None, link.client(), first, f"{topo.node}-joined", timeout=timeout)
     positions, share_positions = _node_positions(cfg, roles, node)
     hot = joined_hot_rows(cfg, cluster, data, model, lambda name, shape, dtype: node.empty(name, shape, dtype))

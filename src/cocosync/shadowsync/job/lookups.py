@@ -83,7 +83,7 @@ def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, tabl
         mine = None
         for i in range(Tn):
             g = dist.new_group(trainers[i::Tn])
-            if kind == "trainer" and index % Tn == i:
+            if kind == "trainer" and roles.slot_of(index) == i:
                 mine = g
         return ExchangeGroups(mine)
     g = dist.new_group(roles.ranks("embedding")[0::E])
@@ -125,14 +125,14 @@ def trainer_transport(job: Job, t: int, labels: list[str]) -> RemoteRows | None:
         return RpcRows(names, dim, max_inflight=job.cluster.max_inflight, group=job.cluster.lookup_batches,
                        labels=labels)
     if job.exchange.group is not None:
-        peers = (roles.ranks("trainer")[t % Tn::Tn] if not job.exchange.machines
-                 else [roles.ranks("trainer")[n * Tn + t % Tn] for n in job.exchange.machines])
+        peers = (roles.ranks("trainer")[roles.slot_of(t)::Tn] if not job.exchange.machines
+                 else [roles.ranks("trainer")[roles.trainer_at(n, roles.slot_of(t))] for n in job.exchange.machines])
         return LookupExchange(job.exchange.group, job.shards, servers=roles.embedding_per_node * roles.topo.nnodes,
                               servers_per_node=roles.embedding_per_node, dim=dim,
                               interval=job.cluster.exchange_interval, labels=[_label(job, r) for r in peers],
                               owners=job.exchange.owners)
     host = roles.ranks("embedding")[roles.topo.node * roles.embedding_per_node]
-    return RelayClient(job.exchange.mailboxes[t % Tn], n=roles.topo.nnodes, dim=dim,
+    return RelayClient(job.exchange.mailboxes[roles.slot_of(t)], n=roles.topo.nnodes, dim=dim,
                        interval=job.cluster.exchange_interval,
                        leader=f"{roles.rpc_name(host)} (rank {host}, host {job.hosts[host]})",
                        timeout=max(30.0, job.cfg.heartbeat_timeout))

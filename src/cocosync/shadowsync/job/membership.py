@@ -29,13 +29,13 @@ trainer's sync or data, only who is at the job's end.
 Across machines (`cocosync train --nnodes N`) the job goes on without a machine that does not host the job's store
 when that machine's launcher falls silent (`survives_node_loss`): the launcher that hosts the store records the loss
 (`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above), and the ranks
-left restore its shards and re-form what they did with it (job/node_loss.py); the dense sync re-forms as above, in a
+left restore its shards and re-form what they did with it (job/loss_across.py); the dense sync re-forms as above, in a
 gloo group made through the store where the trainers left span machines. Each trainer publishes its reader
 positions with its heartbeat (`pos/<t>`), where the others read a lost machine's (`published_positions`).
 
 A lone trainer of a job across machines is lost as on one machine (`survives_trainer_loss`: it runs under a keeper,
 which records it), while its machine goes on: another trainer of that machine serves the lost one's part of the
-lookup exchange (job/node_loss.py). A job across machines goes on after its first loss only, a machine's (or
+lookup exchange (job/loss_across.py). A job across machines goes on after its first loss only, a machine's (or
 machines' lost together) or a lone trainer's: the first to record one claims `LOSS_ACROSS` (`claim_loss_across`),
 and a later loss of either kind stops the job.
 """

@@ -458,7 +458,7 @@ class Monitor:
                                f"(--min-trainers {self.cfg.min_trainers})", soft_wrap=True)
 
     def _say_substitutes(self) -> None:
-        """Across machines: say which trainer stands in for each lone lost trainer on its machine (node_loss.py)."""
+        """Across machines: say which trainer stands in for each lone lost trainer on its machine (loss_across.py)."""
         for t, rec in self.lost.items():
             if t in self._said_substitutes or rec.get("node") is not None:
                 continue

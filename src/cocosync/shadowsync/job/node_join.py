@@ -13,7 +13,7 @@ What this machine did with the others is made again with it, through the job's s
 the job's own groups were formed at its start):
 
 * the lookup exchange: trainer i of every machine in the job, each server's rows sent to the machine that holds its
-  shard (node_loss.holders); the joining machine holds none, so all its rows but the hot ones come through it;
+  shard (loss_across.holders); the joining machine holds none, so all its rows but the hot ones come through it;
 * the hot rows' sync: the first trainers of the machines; the joining machine's replica starts from the consensus a
   machine in the job hands it (`HotSync.take`), and that machine's changes since come with the first sync (a
   machine left alone had given its sync up: it syncs again);
@@ -41,8 +41,8 @@ from typing import Any
 
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import FIRST_FAILURE
+from cocosync.shadowsync.job.loss_across import LossAcross, holders, machine_exchange, machine_group
 from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Join, Membership, job_ending, joins_open
-from cocosync.shadowsync.job.node_loss import LostMachine, holders, machine_exchange, machine_group
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.hot_rows import HotSync
@@ -124,23 +124,18 @@ def join_machines(store: Any, roles: Roles) -> tuple[list[int], dict[int, int]]:
     return machines, holders(nnodes, roles.embedding_per_node, lost)
 
 
-def _trainers_of(roles: Roles, node: int) -> list[int]:
-    Tn = roles.trainers_per_node
-    return list(range(node * Tn, (node + 1) * Tn))
-
-
 class MachineJoins:
     """A trainer's side of a machine that joins (see the module doc): `prepare` is its `Recovery.before_regroup`,
-    after the lost machine's handling (`LostMachine.prepare`)."""
+    after the lost machine's handling (`LossAcross.prepare`)."""
 
     def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
-                 machine: LostMachine):
+                 machine: LossAcross):
         self.job, self.trainer, self.tables, self.hot_sync, self.machine = job, trainer, tables, hot_sync, machine
         self.admitted: list[NodeJoin] = []
         self._closing: list[threading.Thread] = []  # the exchanges replaced, each closing with its peers
 
     def prepare(self) -> bool:
-        """Whether a machine's loss explains the sync's change (`LostMachine.prepare`); then, each machine that
+        """Whether a machine's loss explains the sync's change (`LossAcross.prepare`); then, each machine that
         joined since is taken in."""
         if not self.machine.prepare():
             return False
@@ -167,7 +162,7 @@ class MachineJoins:
             closing.start()
             self._closing.append(closing)
         if self.hot_sync is not None:
-            firsts = [roles.ranks("trainer")[n * roles.trainers_per_node] for n in machines]
+            firsts = [roles.rank_of("trainer", roles.trainer_at(n, 0)) for n in machines]
             self.hot_sync.regroup(machine_group(self.job, self.trainer, f"hot/{key}", machines), ", ".join(
                 f"{roles.rpc_name(r)} (node {roles.node_of(r)})" for r in firsts if r != roles.topo.rank),
                 joined=True)
@@ -175,7 +170,7 @@ class MachineJoins:
 
     def _wait_joined(self, node: int, membership: Membership) -> None:
         """Wait until every trainer of the machine that joins in node `node`'s place has recorded its join."""
-        want = set(_trainers_of(self.job.roles, node))
+        want = set(self.job.roles.trainers_of(node))
         deadline = time.monotonic() + membership.timeout
         while True:
             joined = {x.trainer for x in membership.changes() if isinstance(x, Join) and x.trainer in want}

@@ -48,9 +48,9 @@ from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
 from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
+from cocosync.shadowsync.job.loss_across import remove_restored
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
-from cocosync.shadowsync.job.node_loss import remove_restored
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
 from cocosync.shadowsync.job.same_job import PER_MACHINE, differences, job_options
 from cocosync.shadowsync.job.segments import SEGMENTS_ID

@@ -86,6 +86,7 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import hosts_exchange, trainer_transport
 from cocosync.shadowsync.job.lookups import node_exchange as make_node_exchange
+from cocosync.shadowsync.job.loss_across import LAST_CHECKPOINT, LossAcross, cross_timeout, machine_group
 from cocosync.shadowsync.job.membership import (
     ABSENT,
     END,
@@ -99,7 +100,6 @@ from cocosync.shadowsync.job.membership import (
     servers_leave_at_end,
 )
 from cocosync.shadowsync.job.node_join import MachineJoins, join_key, join_machines, joined, joined_nodes
-from cocosync.shadowsync.job.node_loss import LAST_CHECKPOINT, LostMachine, cross_timeout, machine_group
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -344,7 +344,7 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
                     "--nnodes)")
     roles, topo, link = job.roles, job.roles.topo, job.link
     assert link is not None  # (_late_job's Job has one)
-    t, Tn = roles.role()[1], roles.trainers_per_node
+    t = roles.role()[1]
     membership = job.membership
     assert membership is not None  # (join_job's Job has one)
     published = membership.published_positions(t)
@@ -361,7 +361,7 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     key = join_key(topo.node)
     group = machine_group(job, t, f"exchange/{key}", machines)
     owners = torch.tensor([machines.index(held[s]) for s in range(job.rowhash.servers)], dtype=torch.int64)
-    hot_group = machine_group(job, t, f"hot/{key}", machines) if job.hot is not None and t % Tn == 0 else None
+    hot_group = machine_group(job, t, f"hot/{key}", machines) if job.hot is not None and roles.is_first(t) else None
     job = dataclasses.replace(job, exchange=ExchangeGroups(group, machines=tuple(machines), owners=owners),
                               hot_group=hot_group)
     run = _make_trainer(job, t, console, restart, joined=True)
@@ -437,7 +437,7 @@ class _TrainerRun:
     logger: MetricsLogger | None
     hot_sync: HotSync | None = None  # on a node's first trainer
     curve: _EvalCurve | None = None  # trainer 0's eval curve (--eval-every)
-    machine: LostMachine | None = None  # where the job goes on without a lost machine
+    machine: LossAcross | None = None  # where the job goes on after its first loss across machines
 
 
 def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: bool = False) -> _TrainerRun:
@@ -492,7 +492,7 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: b
                       recovery=recovery)
     machine = None
     if across and recovery is not None and not joined:
-        machine = LostMachine(job, t, tables, hot_sync, center=center, replica=trainer.flat.flat)
+        machine = LossAcross(job, t, tables, hot_sync, center=center, replica=trainer.flat.flat)
         tables.on_lost = machine
         # a machine's loss, then maybe another's join in its place, before the sync re-forms
         recovery.before_regroup = MachineJoins(job, t, tables, hot_sync, machine).prepare

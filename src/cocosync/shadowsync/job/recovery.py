@@ -70,7 +70,7 @@ class Recovery:
         # by agreement: the trainers each given a share of lost trainers' rows there, and the shares (W parts each),
         # the same on every trainer left (published in the store for the trainers that join later)
         self.shares: dict[int, tuple[list[int], list]] = {}
-        # across machines: run before the sync re-forms (job/node_loss.py: LostMachine.prepare), False if no
+        # across machines: run before the sync re-forms (job/loss_across.py: LossAcross.prepare), False if no
         # machine's loss explains the failure
         self.before_regroup: Callable[[], bool] | None = None
         # what a joining trainer takes from a peer (its dense replica and optimizer state: set by the trainer)

@@ -64,3 +64,25 @@ class Roles:
 
     def node_of(self, rank: int) -> int:
         return rank // self.topo.local_world_size
+
+    # trainers are numbered machine by machine: trainer t is local trainer t % trainers_per_node of its machine
+
+    def machine_of(self, trainer: int) -> int:
+        """The machine (node) of trainer index `trainer`."""
+        return trainer // self.trainers_per_node
+
+    def slot_of(self, trainer: int) -> int:
+        """Trainer `trainer`'s local index on its machine (its lookup exchange and cross-machine sync group)."""
+        return trainer % self.trainers_per_node
+
+    def trainer_at(self, node: int, slot: int) -> int:
+        """The trainer index of local trainer `slot` of machine `node`."""
+        return node * self.trainers_per_node + slot
+
+    def trainers_of(self, node: int) -> list[int]:
+        """The trainer indices of machine `node`."""
+        return [self.trainer_at(node, i) for i in range(self.trainers_per_node)]
+
+    def is_first(self, trainer: int) -> bool:
+        """Whether trainer `trainer` is its machine's first (it syncs the machine's hot rows)."""
+        return self.slot_of(trainer) == 0

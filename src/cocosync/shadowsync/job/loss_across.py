@@ -1,7 +1,8 @@
-"""What a trainer does when a machine of its job is lost (membership.py: `survives_node_loss`, `record_node_loss`):
-the lost machine's embedding shards restored on the machines left, where their trainers read and update them in
-place, and the job's cross-machine parts re-formed among those machines; and when a lone trainer is lost while its
-machine goes on (below).
+"""What a trainer of a job across machines does at the job's first loss there (`LossAcross`): a lost machine
+(membership.py: `survives_node_loss`, `record_node_loss`) or a lone lost trainer whose machine goes on (below).
+
+When a machine is lost, its embedding shards are restored on the machines left, where their trainers read and
+update them in place, and the job's cross-machine parts re-form among those machines.
 
 The first thread of a trainer whose rows from another machine fail (the lookup exchange broke) or whose dense sync
 fails waits for the launcher that hosts the job's store to record the machine's loss (with more than two machines,
@@ -89,7 +90,7 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
 
-__all__ = ["LostMachine", "LAST_CHECKPOINT", "cross_timeout", "save_timeout", "restored_segment", "remove_restored",
+__all__ = ["LossAcross", "LAST_CHECKPOINT", "cross_timeout", "save_timeout", "restored_segment", "remove_restored",
            "holders", "machine_group", "machine_exchange"]
 
 #: the store key of the job's last periodic checkpoint ({"path", "examples", "time"}), set by the trainer that wrote
@@ -156,7 +157,7 @@ def machine_group(job: Job, trainer: int, key: str, machines: list[int], index: 
     assert membership is not None  # (a job that survives a machine's loss has one)
     roles = job.roles
     timeout = datetime.timedelta(seconds=cross_timeout(job.cfg.heartbeat_timeout))
-    index = trainer % roles.trainers_per_node if index is None else index
+    index = roles.slot_of(trainer) if index is None else index
     return gloo_backend(dist.PrefixStore(f"{key}/{index}", membership.store), machines.index(roles.topo.node),
                         len(machines), timeout)
 
@@ -167,11 +168,11 @@ def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], he
     machine that holds its shard (`held`), and this machine serves `shards`. `members`: the trainer of each machine
     in the group (default: those of `trainer`'s local index)."""
     roles = job.roles
-    E, Tn = roles.embedding_per_node, roles.trainers_per_node
+    E = roles.embedding_per_node
     moved = any(held[s] != s // E for s in range(E * roles.topo.nnodes)) or machines != list(range(roles.topo.nnodes))
     owners = torch.tensor([machines.index(held[s]) for s in range(E * roles.topo.nnodes)],
                           dtype=torch.int64) if moved else None  # (None: each server's own machine, sorted natively)
-    members = [n * Tn + trainer % Tn for n in machines] if members is None else members
+    members = [roles.trainer_at(n, roles.slot_of(trainer)) for n in machines] if members is None else members
     peers = [roles.ranks("trainer")[t] for t in members]
     return LookupExchange(group, shards, servers=E * roles.topo.nnodes, servers_per_node=E, dim=job.tables.width,
                           interval=job.cluster.exchange_interval,
@@ -179,7 +180,7 @@ def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], he
                           owners=owners)
 
 
-class LostMachine:
+class LossAcross:
     """A trainer's handler of the job's first loss across machines, a lost machine or a lone lost trainer (see the
     module doc): `__call__(error)` is `ShardedEmbeddings.on_lost` and runs before the dense sync re-forms
     (`prepare`)."""
@@ -305,7 +306,7 @@ class LostMachine:
                 self.hot_sync.abandon()
                 self.hot_lost = True
             else:  # the first trainers of the machines left sync on
-                firsts = [roles.ranks("trainer")[n * roles.trainers_per_node] for n in left]
+                firsts = [roles.rank_of("trainer", roles.trainer_at(n, 0)) for n in left]
                 self.hot_sync.regroup(self._group(f"hot/{tag}", left), ", ".join(
                     f"{roles.rpc_name(r)} (host {self.job.hosts[r]})" for r in firsts if r != roles.topo.rank))
         membership.drop(self.job.cross_groups)
@@ -331,21 +332,20 @@ class LostMachine:
         exchange, and (a machine's first) syncs the machine's hot rows (module doc)."""
         job, roles = self.job, self.job.roles
         self.lone = loss
-        Tn, nnodes = roles.trainers_per_node, roles.topo.nnodes
-        lost, machines = loss.trainer, list(range(nnodes))
-        node, index = lost // Tn, lost % Tn  # (trainers are numbered machine by machine)
-        substitute = min(t for t in membership.live(loss.seq) if t // Tn == node)
+        lost, machines = loss.trainer, list(range(roles.topo.nnodes))
+        node, index = roles.machine_of(lost), roles.slot_of(lost)
+        substitute = min(t for t in membership.live(loss.seq) if roles.machine_of(t) == node)
         key = f"lost-t{lost}"
         if self.trainer == substitute:  # its exact last positions, from this machine's shared memory (what it last
             store = membership.store    # published is up to a heartbeat old), and who stands in for it
             store.set(f"pos/{lost}", json.dumps(job.positions[lost].tolist()))
             store.set(f"lone/{lost}", json.dumps({"substitute": substitute, "node": node,
                                                   "hot_rows": job.hot is not None and index == 0}))
-        members = [substitute if n == node else n * Tn + index for n in machines]
+        members = [substitute if n == node else roles.trainer_at(n, index) for n in machines]
         if self.trainer in members:
             group = machine_group(job, self.trainer, f"exchange/{key}", machines, index=index)
-            exchange = machine_exchange(job, self.trainer, group, machines, holders(nnodes, roles.embedding_per_node,
-                                                                                    []), job.shards, members)
+            held = holders(roles.topo.nnodes, roles.embedding_per_node, [])
+            exchange = machine_exchange(job, self.trainer, group, machines, held, job.shards, members)
             if self.trainer == substitute:  # (it sends nothing there: done from its first round, it serves)
                 self.serves = lost
                 self._serving.append(threading.Thread(target=self._serve, args=(exchange,),
@@ -355,7 +355,7 @@ class LostMachine:
                 self.tables.adopt({}, remote=exchange)
         if job.hot is None or index != 0:
             return
-        firsts = [substitute if n == node else n * Tn for n in machines]
+        firsts = [substitute if n == node else roles.trainer_at(n, 0) for n in machines]
         if self.trainer not in firsts:
             return
         root = next(i for i, n in enumerate(machines) if n != node)  # (a first that kept its consensus)
