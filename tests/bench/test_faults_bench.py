@@ -4,11 +4,13 @@ uninterrupted."""
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from cocosync.cli import main
 
 
+@pytest.mark.faults
 def test_bench_faults_kills_a_trainer_a_server_and_a_machine_and_compares_with_the_uninterrupted_runs(tmp_path):
     res = CliRunner().invoke(main, ["bench", "faults", "--seeds", "1", "--trainers", "4", "--examples", "400000",
                                     "--at", "0.3", "--out", str(tmp_path)])

@@ -148,6 +148,7 @@ def test_two_nodes_train_through_the_rpc_transport(tmp_path):
     assert math.isfinite(s["eval_ne"]) and s["eval_ne"] < 1.0
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize(("victim", "launcher"), [(2, "torchrun"), (3, "torchrun")],
                          ids=["embedding-server", "trainer"])
 def test_a_killed_server_or_trainer_stops_the_job_naming_it(tmp_path, victim, launcher):
@@ -274,6 +275,7 @@ def test_the_timeout_stops_every_machine_with_a_checkpoint_and_each_shows_the_jo
     assert meta["stopped"] and meta["examples_seen"] == s["examples"]
 
 
+@pytest.mark.faults
 def test_a_stopped_trainer_is_named_by_its_machine_and_the_job_ends(tmp_path):
     """A trainer of node 1 stopped (SIGSTOP): node 1's command names it within --heartbeat-timeout (its own clock
     and pids), kills its ranks and exits 1; the job's other machine fails with it instead of waiting on gloo, and

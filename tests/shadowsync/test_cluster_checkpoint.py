@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -128,6 +129,7 @@ def test_resume_refuses_another_budget_or_seed_naming_it(tmp_path):
     assert "no checkpoint there" in runs[0].output
 
 
+@pytest.mark.faults
 def test_periodic_checkpoints_survive_a_killed_trainer_and_the_job_resumes_from_the_last(tmp_path):
     """2 nodes x (1 server + 1 trainer), Shadow-BMUF, a checkpoint every 20k examples; the trainer of the machine that
     hosts the job's store is killed after the first one (a loss the job cannot go on from: test_lost_machine.py has

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from cocosync.testing.sockets import job_ranks
 
 
@@ -28,6 +30,7 @@ def _alive(pid: int) -> bool:
     return stat.split(") ")[1][0] != "Z"
 
 
+@pytest.mark.faults
 def test_a_stopped_trainer_is_named_within_the_heartbeat_timeout(tmp_path):
     out = tmp_path / "run"
     cmd = [sys.executable, "-m", "cocosync_start", "train", "--sync", "fr-ma", "--sync-every", "2", "--examples",

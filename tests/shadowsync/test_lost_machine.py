@@ -57,6 +57,7 @@ def _train_records(out: Path) -> list[dict]:
     return [json.loads(x) for x in lines if x.strip().endswith("}") and '"event": "train"' in x]
 
 
+@pytest.mark.faults
 def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     """kill -9 of node 1 (its command and every process under it) at ~40% of the run, as the second periodic
     checkpoint's save begins: node 0's launcher names the loss within seconds and the shard it restored (from the
@@ -112,6 +113,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 def test_a_sync_server_killed_on_the_second_machine_takes_that_machine_out_and_the_job_finishes(tmp_path):
     """kill -9 of node 1's sync server (the OOM killer's way; a rank the job cannot lose alone, unlike a trainer):
     node 1's agent stops its other ranks, and its command, naming the killed rank, exits 1 and leaves the job to node
@@ -151,6 +153,7 @@ def test_a_sync_server_killed_on_the_second_machine_takes_that_machine_out_and_t
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("sync,nproc,victim,lost,substitute", [
     ("shadow-bmuf", 3, 4, 2, 3),  # node 1's first trainer: its end of the exchange with trainer 0 and its hot rows
     ("shadow-easgd", 4, 7, 3, 2),  # node 1's second trainer (an embedding and a sync server first): its exchange
@@ -193,6 +196,7 @@ def test_a_trainer_killed_alone_leaves_its_machine_training_and_another_there_se
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 def test_a_loss_after_a_lone_trainers_stops_the_job_naming_both(tmp_path):
     """A job across machines goes on after its first loss only: trainer 3 killed alone, then trainer 2 (the last of
     node 1): its keeper does not record it, node 1 leaves the job naming it, and the job stops (node 0's trainers,
@@ -228,6 +232,7 @@ def test_the_shard_mirror_interval_is_checked():
     assert ClusterConfig(shard_mirror_interval=0.5).shard_mirror_interval == 0.5
 
 
+@pytest.mark.faults
 def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     """Node 1's command stopped (SIGSTOP: a machine that hangs, or a network cut off) past the silence the other
     machine tolerates: node 0 goes on without it; node 1, resumed, finds itself recorded as lost, stops its ranks and
@@ -250,6 +255,7 @@ def test_a_machine_that_falls_silent_is_fenced_when_it_comes_back(tmp_path):
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_place(tmp_path):
     """kill -9 of node 1 early in the run; node 0 records the loss and goes on alone. Node 1's command, started again,
     joins the running job in the lost machine's place (no rendezvous, no restart of node 0's ranks): its trainers take
@@ -313,6 +319,7 @@ def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_pla
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 def test_a_machine_cut_off_from_the_network_during_a_save_is_given_up_and_the_job_finishes(tmp_path):
     """Node 1's network link cut (two simulated machines: nothing resets node 0's connections to it, they fall
     silent) as the second periodic checkpoint's save begins: node 0 records it lost after its launcher's silence, its
@@ -351,6 +358,7 @@ def test_a_machine_cut_off_from_the_network_during_a_save_is_given_up_and_the_jo
         assert (ckpt / "meta.json").exists(), sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
+@pytest.mark.faults
 def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_path):
     """kill -9 of nodes 1 and 2 of four loopback machines (an embedding server and a trainer each) at the same moment,
     at ~30%: both losses are recorded before the machines left re-form, the two lost shards are dealt out over them

@@ -84,6 +84,7 @@ def _shm() -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith("cocosync")}
 
 
+@pytest.mark.faults
 def test_a_killed_trainer_leaves_the_others_training_and_its_rows_read(tmp_path):
     before = _shm()
     proc, out = _start(tmp_path)
@@ -124,6 +125,7 @@ def _restarted_pid(proc: subprocess.Popen, old: int, t: int) -> int:
     pytest.fail(f"trainer {t} was not started again: {proc.communicate(timeout=10)}")
 
 
+@pytest.mark.faults
 def test_a_killed_trainer_started_again_takes_the_model_from_a_peer_and_reads_the_rest_of_its_rows(tmp_path):
     """--max-restarts: the keeper starts the killed trainer again; the new process joins the running job (the others
     never stop), takes the dense model from a trainer in the job and reads the rest of its own rows: every row is read
@@ -156,6 +158,7 @@ def test_a_killed_trainer_started_again_takes_the_model_from_a_peer_and_reads_th
     assert _shm() - before == set()
 
 
+@pytest.mark.faults
 def test_a_restart_killed_in_turn_stays_lost_and_the_others_read_its_rows(tmp_path):
     before = _shm()
     log = tmp_path / "stderr"
@@ -190,6 +193,7 @@ def _wait_for(log: Path, line: str, proc: subprocess.Popen, timeout: float = 60)
         time.sleep(0.05)
 
 
+@pytest.mark.faults
 def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_checkpoint(tmp_path):
     """The server's shard lives in the machine's shared memory, which the trainers update in place: they train on,
     trainer 0 saves the shard in the periodic checkpoints that follow, and the first trainer in the last one, which
@@ -218,6 +222,7 @@ def test_a_killed_embedding_server_leaves_the_job_training_and_its_shard_in_the_
     assert _shm() - before == set()
 
 
+@pytest.mark.faults
 def test_an_embedding_server_lost_while_the_job_ends_is_survived_and_takes_no_part_in_its_checkpoints(tmp_path):
     """On one machine the trainers save the shards from shared memory: a periodic checkpoint is taken while the server
     is stopped (SIGSTOP), and the server, killed once the job has scored its model (its end has begun), is recorded as
@@ -247,6 +252,7 @@ def test_an_embedding_server_lost_while_the_job_ends_is_survived_and_takes_no_pa
     assert _shm() - before == set()
 
 
+@pytest.mark.faults
 def test_a_silent_trainer_0_is_killed_at_the_heartbeat_timeout_and_the_first_left_finishes_the_job(tmp_path):
     """Trainer 0 (which started the run's metrics) stopped: killed at the heartbeat timeout, and trainer 1 writes the
     summary and the checkpoint, which scores."""
@@ -264,6 +270,7 @@ def test_a_silent_trainer_0_is_killed_at_the_heartbeat_timeout_and_the_first_lef
     assert not _alive(victim)
 
 
+@pytest.mark.faults
 def test_below_min_trainers_the_job_stops_naming_the_trainer(tmp_path):
     """--min-trainers 3 of 4: the first loss is survived, the second stops the job naming its trainer."""
     proc, out = _start(tmp_path, "--min-trainers", "3", "--sync", "shadow-ma")

@@ -34,6 +34,7 @@ def test_labels_number_the_roles_node_by_node(tmp_path):
     assert [m.trainer_of(r) for r in range(6)] == [None, 0, 1, None, 2, 3]
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("transport", ["rpc", "exchange"])
 def test_only_this_machines_trainers_are_watched_and_killed(tmp_path, transport):
     """A trainer of this machine silent past the heartbeat timeout: where the job cannot lose it alone (RPC lookups)

@@ -195,6 +195,7 @@ def _assert_no_named_shm(pid: int) -> None:
     assert named == [], named
 
 
+@pytest.mark.faults
 def test_killed_trainer_fails_cleanly(tmp_path):
     before = _shm()
     proc, out = _start_cli(tmp_path, "--sync", "shadow-ma", "--min-trainers", "2")
