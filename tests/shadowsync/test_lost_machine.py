@@ -412,3 +412,44 @@ def test_the_segments_a_machines_ranks_restored_and_left_named_are_removed_once_
     finally:
         for name in mine:
             Path(f"{SHM_DIR}/{SHM_PREFIX}{name}").unlink(missing_ok=True)
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("victim,lost,substitute", [
+    (5, 3, 2),  # node 1's second trainer: its exchange with trainer 1
+    (4, 2, 3),  # node 1's first: its exchange with trainer 0, and its hot rows (trainer 3 keeps syncing them)
+])
+def test_a_lone_trainer_started_again_takes_its_part_of_the_exchange_back(tmp_path, victim, lost, substitute):
+    """--max-restarts 1 across machines: kill -9 of one trainer of node 1 at ~30%; another trainer of node 1 serves
+    its part of the lookup exchange meanwhile; its keeper starts it again, and the new process joins the running job:
+    a new exchange with the trainers of its local index on the other machine, the dense model from a peer (live: no
+    checkpoint read), the rest of its own rows (mapped from its machine's shared memory, as its shards and hot rows).
+    No healthy trainer stops; the job ends with four trainers, every example read once, the restart in the summary."""
+    from cocosync.testing.multinode import worker_pids
+
+    out = tmp_path / "run"
+    before = semaphores()
+    procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
+                         "--sync", "shadow-bmuf", "--max-restarts", "1", "--out", str(out)], nproc_per_node=3)
+    with _machines(procs):
+        _until_trained(procs, out, 0.3 * EXAMPLES)
+        os.kill(worker_pids(procs[1].pid)[victim], signal.SIGKILL)
+        killed = time.time()
+        runs = wait_nodes(procs, timeout=150)
+    remove_semaphores_since(before)
+    text = "\n--- next node ---\n".join(r.output[-3000:] for r in runs)
+    assert [r.returncode for r in runs] == [0, 0], text
+    assert f"node 1 goes on: trainer {substitute} serves trainer {lost}'s part of the lookup exchange" in \
+        runs[0].output, text
+    assert f"starting trainer {lost} again (restart 1 of 1)" in runs[1].output, text
+    assert re.search(rf"trainer {lost} \(pid \d+\) joined again \(restart 1", runs[0].output), text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == EXAMPLES and s["short_by"] == 0 and not s["stopped"], s["examples"]
+    assert s["trainers_left"] == 4 and s["lost_nodes"] == []
+    assert [(x["trainer"], x["served_by"]) for x in s["lost"]] == [(lost, substitute)]
+    assert [m["trainers"] for m in s["membership"]] == [4, 3, 4]
+    [r] = s["restarts"]
+    assert (r["trainer"], r["node"], r["restart"]) == (lost, 1, 1) and r["examples"] > 0, r
+    assert r["joined"] - killed < 15, r["joined"] - killed  # (its start, build and join)
+    assert s["eval_ne"] < 0.8, s["eval_ne"]
+    assert leftover_segments() == []

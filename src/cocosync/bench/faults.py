@@ -7,7 +7,8 @@ checkpoints every fifth of the run; its command and every process under it kille
 a periodic checkpoint's save included), against the same multi-machine job uninterrupted; `rejoin`: node 1 killed
 so, and its command started again once the job has trained `--rejoin-at` of its examples (it joins the running job
 in its place); `node-trainer`: trainer 2 alone, node 1's first trainer, in the same multi-machine job (its machine
-goes on with its other trainers). Per run:
+goes on with its other trainers); `node-restart`: the same with `--max-restarts 1` (its restart joins the running
+job). Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
@@ -153,9 +154,12 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
 
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
-VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1, "node-trainer": -1}
+VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1, "node-trainer": -1,
+           "node-restart": -1}
 #: the kinds that kill in a job across machines (the others: a one-machine job)
-ACROSS = ("node", "rejoin", "node-trainer")
+ACROSS = ("node", "rejoin", "node-trainer", "node-restart")
+#: the kinds whose killed trainer is started again (--max-restarts 1)
+RESTARTS = ("restart", "node-restart")
 
 
 @click.command("faults")
@@ -169,7 +173,8 @@ ACROSS = ("node", "rejoin", "node-trainer")
               help="what each killed run kills, comma-separated: trainer (trainer 1), restart (trainer 1, started "
                    "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines), "
                    "rejoin (node 1, its command started again at --rejoin-at), node-trainer (trainer 2 of the "
-                   "--nodes machines' job, node 1's first trainer, alone: its machine goes on).")
+                   "--nodes machines' job, node 1's first trainer, alone: its machine goes on), node-restart (the "
+                   "same, started again: --max-restarts 1).")
 @click.option("--rejoin-at", type=click.FloatRange(0.0, 0.95), default=0.5, show_default=True,
               help="--kill rejoin: node 1's command starts again once the job has trained this fraction.")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
@@ -213,8 +218,10 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             rejoined_at = None
             if node:
                 hit, killed_at, rejoined_at = _run_nodes(
-                    _node_args(kill_out, seed, examples, sync, mirror_ms), kill_out, trainers, int(at * examples),
-                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None, lone=kind == "node-trainer")
+                    _node_args(kill_out, seed, examples, sync, mirror_ms) + (
+                        ["--max-restarts", "1"] if kind in RESTARTS else []), kill_out, trainers, int(at * examples),
+                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None,
+                    lone=kind in ("node-trainer", "node-restart"))
             else:
                 cmd = _command(kill_out, seed, examples, trainers, sync) + (
                     ["--max-restarts", "1"] if kind == "restart" else [])
@@ -222,7 +229,8 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             assert killed_at is not None
             change = hit["eval_ne"] / base["eval_ne"] - 1
             losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
-                              "node": "lost_nodes", "rejoin": "lost_nodes", "node-trainer": "lost"}[kind])
+                              "node": "lost_nodes", "rejoin": "lost_nodes", "node-trainer": "lost",
+                              "node-restart": "lost"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
@@ -244,7 +252,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
                          f"{examples - hit['examples']:,}", f"{rec:.2f}", "-" if kind == "server" else f"{ref:.2f}",
-                         restored, "-" if kind not in ("restart", "rejoin") else f"{after:.1f}" if restarts
+                         restored, "-" if kind not in (*RESTARTS, "rejoin") else f"{after:.1f}" if restarts
                          else "did not join",
                          f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
             console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with a "
@@ -256,13 +264,13 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
         rows.append([kind, "mean", "", "", f"{mean:+.2%} (worst {worst:+.2%})", f"{max(f['lost']):,.0f} (most)",
                      f"{statistics.median(f['recorded']):.2f} (median)",
                      "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "",
-                     f"{max(f['trains_after']):.1f} (most)" if kind in ("restart", "rejoin") else "", ""])
+                     f"{max(f['trains_after']):.1f} (most)" if kind in (*RESTARTS, "rejoin") else "", ""])
         target = NODE_NE_TARGET if kind in ("node", "rejoin") else NE_TARGET
         ok = abs(mean) <= target and max(f["lost"]) == 0
         joined = ""
-        if kind in ("restart", "rejoin"):  # (nan, a restart that did not join, fails the comparison)
+        if kind in (*RESTARTS, "rejoin"):  # (nan, a restart that did not join, fails the comparison)
             ok = ok and all(x <= RESTART_TARGET_S for x in f["trains_after"])
-            who = "the restart" if kind == "restart" else "the machine that joined"
+            who = "the restart" if kind in RESTARTS else "the machine that joined"
             joined = (f", {who} trained {max(f['trains_after']):.1f} s after its start at most (target: "
                       f"{RESTART_TARGET_S:g} s)")
         verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "

@@ -27,7 +27,7 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
 from cocosync.shadowsync.job.loss_across import save_timeout
-from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss
+from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss, survives_trainer_loss
 from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
@@ -75,7 +75,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     tables = model.plan
     rowhash = RowHash(tables.total_rows, E * topo.nnodes)
     arena = Arena(node_groups())
-    restartable = _restartable(cfg, roles, link)
+    restartable = _restartable(cfg, cluster, roles, link)
     node = NodeTensors(arena, link.client() if restartable else None, topo.local_rank == 0, topo.node,
                        timeout=cfg.heartbeat_timeout + 30.0)
     shards = _node_shards(cfg, roles, tables, rowhash, node)
@@ -101,7 +101,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         mirror_stamps = arena.shared_empty(E, torch.float64)  # when each mirror last took a round (time.time())
     # every trainer's reader positions, where every process of the node sees them (a lost trainer's: where it stopped)
     positions, share_positions = _node_positions(cfg, roles, node)
-    hot = hot_rows(cfg, cluster, data, model, arena) if topo.nnodes > 1 else None
+    hot = hot_rows(cfg, cluster, data, model, node.empty) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
     center = None
     if kind == "sync":
@@ -175,10 +175,14 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                mirror_group=mirror_group, save_group=save_group)
 
 
-def _restartable(cfg: TrainConfig, roles: Roles, link: Link | None) -> bool:
-    """Whether lost trainers of this job may be started again (--max-restarts, in a job that goes on without them)."""
-    return cfg.max_restarts > 0 and survives_losses(roles.trainers, cfg.min_trainers, roles.topo.nnodes,
-                                                    cfg.sync.method, link is not None)
+def _restartable(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, link: Link | None) -> bool:
+    """Whether lost trainers of this job may be started again (--max-restarts, in a job that goes on without them:
+    across machines, a lone trainer's)."""
+    launched = link is not None
+    across = survives_node_loss(roles.topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
+                                roles.trainers_per_node, cfg.min_trainers, launched)
+    return cfg.max_restarts > 0 and survives_trainer_loss(roles.trainers, cfg.min_trainers, roles.topo.nnodes,
+                                                          cfg.sync.method, launched, across)
 
 
 def _node_shards(cfg: TrainConfig, roles: Roles, tables: Any, rowhash: RowHash, node: NodeTensors) -> dict[int, Shard]:
@@ -203,8 +207,9 @@ def _node_positions(cfg: TrainConfig, roles: Roles, node: NodeTensors) -> tuple[
 def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataConfig, model_cfg: ModelConfig, *,
                plan: DataPlan | None, link: Link, resumed_from: int) -> Job:
     """The `Job` of a lost trainer started again (--max-restarts), built without any collective: it maps the node's
-    shards and reader positions by name and is in none of the job's process groups (its dense sync is formed
-    through the store: job/membership.py)."""
+    shards, reader positions and (across machines) replica of the hot rows by name, and is in none of the job's
+    process groups (its dense sync and, across machines, its lookup exchange are formed through the store:
+    job/recovery.py, job/node_join.py)."""
     topo = roles.topo
     model = run_model(cfg, data, model_cfg)
     tables = model.plan
@@ -213,10 +218,11 @@ def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Dat
     node = NodeTensors(None, link.client(), False, topo.node, timeout=timeout)
     shards = _node_shards(cfg, roles, tables, rowhash, node)
     positions, share_positions = _node_positions(cfg, roles, node)
+    hot = joined_hot_rows(cfg, cluster, data, model, node.empty) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
     membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
-               shards=shards, trainer_group=None, exchange=ExchangeGroups(), hot=None, hot_group=None,
+               shards=shards, trainer_group=None, exchange=ExchangeGroups(), hot=hot, hot_group=None,
                dense_group=None, center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size,
                plan=plan, link=link, resumed_from=resumed_from, membership=membership, positions=positions,
                share_positions=share_positions, held_groups=(), cross_groups=(), mirrors={}, mirror_stamps=None,

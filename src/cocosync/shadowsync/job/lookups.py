@@ -30,14 +30,15 @@ RELAY_BATCHES = 2  # node-exchange: batches of rows (lookups, or pushes) one mai
 
 
 def hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel,
-             arena: Arena) -> HotRows | None:
+             empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]) -> HotRows | None:
     """The node's replica of the hot rows (zeros until `HotSync.fill`), the same ids on every rank: trainer 0's
-    choice from the first training rows (`hot_row_ids`), broadcast (collective over the job)."""
+    choice from the first training rows (`hot_row_ids`), broadcast (collective over the job); in the tensors
+    `empty(name, shape, dtype)` makes (`NodeTensors.empty`: named where a restarted trainer maps them)."""
     if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
         return None
     ids = [hot_row_ids(cfg, cluster, data, model) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(ids, src=0)
-    return _replica(cfg, ids[0], model.plan.width, lambda shape, dtype: arena.shared_empty(shape, dtype))
+    return _named_replica(cfg, ids[0], model.plan.width, empty)
 
 
 def hot_row_ids(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel) -> torch.Tensor:
@@ -62,13 +63,18 @@ def _replica(cfg: TrainConfig, ids: torch.Tensor, dim: int,
 
 def joined_hot_rows(cfg: TrainConfig, cluster: ClusterConfig, data: DataConfig, model: RunModel,
                     empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]) -> HotRows | None:
-    """The hot rows' replica of a machine that joins a running job (job/node_join.py): the same ids, chosen again
-    from the same rows, in segments `empty(name, shape, dtype)` makes (zeros until `HotSync.take`)."""
+    """The hot rows' replica of a machine that joins a running job (job/node_join.py), or the machine's own mapped
+    by a trainer started again: the same ids, chosen again from the same rows, in segments `empty(name, shape,
+    dtype)` makes or maps (a joining machine's: zeros until `HotSync.take`)."""
     if cluster.lookup_transport not in EXCHANGES or not cluster.hot_rows:
         return None
+    return _named_replica(cfg, hot_row_ids(cfg, cluster, data, model), model.plan.width, empty)
+
+
+def _named_replica(cfg: TrainConfig, ids: torch.Tensor, dim: int,
+                   empty: Callable[[str, tuple[int, ...], torch.dtype], torch.Tensor]) -> HotRows | None:
     names = iter(("hot-w", "hot-acc", "hot-v"))
-    return _replica(cfg, hot_row_ids(cfg, cluster, data, model), model.plan.width,
-                    lambda shape, dtype: empty(next(names), shape, dtype))
+    return _replica(cfg, ids, dim, lambda shape, dtype: empty(next(names), shape, dtype))
 
 
 def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, tables: TablePlan,

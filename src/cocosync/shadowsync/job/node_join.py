@@ -45,9 +45,11 @@ from cocosync.shadowsync.job.loss_across import LossAcross, holders, machine_exc
 from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Join, Membership, job_ending, joins_open
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HotSync
 
-__all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "MachineJoins", "fence_key"]
+__all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "rejoin_key",
+           "MachineJoins", "fence_key"]
 
 #: the store key a machine's claim of a lost one's place sets first (one machine joins a job)
 JOIN_GATE = "node-join"
@@ -71,6 +73,11 @@ def fence_key(node: int) -> str:
 def join_key(node: int) -> str:
     """The prefix of the groups made when a machine joins in node `node`'s place."""
     return f"join-{node}"
+
+
+def rejoin_key(trainer: int, restart: int) -> str:
+    """The prefix of the lookup exchange made when lone lost trainer `trainer` is started again (its `restart`)."""
+    return f"rejoin-t{trainer}-r{restart}"
 
 
 def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tuple[int | None, str]:
@@ -125,13 +132,15 @@ def join_machines(store: Any, roles: Roles) -> tuple[list[int], dict[int, int]]:
 
 
 class MachineJoins:
-    """A trainer's side of a machine that joins (see the module doc): `prepare` is its `Recovery.before_regroup`,
-    after the lost machine's handling (`LossAcross.prepare`)."""
+    """A trainer's side of a machine that joins (see the module doc), or of a lone lost trainer started again
+    (--max-restarts): `prepare` is its `Recovery.before_regroup`, after the first loss's handling
+    (`LossAcross.prepare`)."""
 
     def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
                  machine: LossAcross):
         self.job, self.trainer, self.tables, self.hot_sync, self.machine = job, trainer, tables, hot_sync, machine
         self.admitted: list[NodeJoin] = []
+        self.rejoined: list[Join] = []  # lone lost trainers started again, taken in
         self._closing: list[threading.Thread] = []  # the exchanges replaced, each closing with its peers
 
     def prepare(self) -> bool:
@@ -145,7 +154,27 @@ class MachineJoins:
         for join in joined_nodes(membership.store, self.job.roles.topo.nnodes):
             if join.node not in done:
                 self._admit(join, membership)
+        lone = membership.lone_loss()
+        for again in membership.joins():
+            if lone is not None and again.trainer == lone.trainer and again not in self.rejoined:
+                self._rejoin(again)
         return True
+
+    def _rejoin(self, again: Join) -> None:
+        """Lone lost trainer `again.trainer` started again: the trainers of its local index on the other machines make
+        a new lookup exchange with it (its machine's rows come from it again, not from the trainer that served its
+        part since its loss, whose serving exchange ends as they leave it). Its machine's hot rows stay with that
+        trainer's sync (the restarted one maps the machine's replica)."""
+        self.rejoined.append(again)
+        roles = self.job.roles
+        t = again.trainer
+        if roles.slot_of(self.trainer) != roles.slot_of(t) or roles.machine_of(self.trainer) == roles.machine_of(t):
+            return
+        machines = list(range(roles.topo.nnodes))  # (after a lone trainer's loss, every machine is in the job)
+        group = machine_group(self.job, self.trainer, f"exchange/{rejoin_key(t, again.restart)}", machines)
+        exchange = machine_exchange(self.job, self.trainer, group, machines,
+                                    holders(roles.topo.nnodes, roles.embedding_per_node, []), self.job.shards)
+        self._replace(exchange)
 
     def _admit(self, join: NodeJoin, membership: Membership) -> None:
         roles = self.job.roles
@@ -153,20 +182,25 @@ class MachineJoins:
         machines, held = join_machines(membership.store, roles)
         key = join_key(join.node)
         shards = {**self.job.shards, **self.machine.adopted}
-        old = self.tables.remote
-        exchange = machine_exchange(self.job, self.trainer, machine_group(self.job, self.trainer, f"exchange/{key}",
-                                                                          machines), machines, held, shards)
-        self.tables.adopt({}, remote=exchange)
-        if old is not None:  # (its peers leave it too: it serves them until every one is done)
-            closing = threading.Thread(target=old.close, name="cocosync-exchange-close", daemon=True)
-            closing.start()
-            self._closing.append(closing)
+        self._replace(machine_exchange(self.job, self.trainer, machine_group(self.job, self.trainer,
+                                                                             f"exchange/{key}", machines),
+                                       machines, held, shards))
         if self.hot_sync is not None:
             firsts = [roles.rank_of("trainer", roles.trainer_at(n, 0)) for n in machines]
             self.hot_sync.regroup(machine_group(self.job, self.trainer, f"hot/{key}", machines), ", ".join(
                 f"{roles.rpc_name(r)} (node {roles.node_of(r)})" for r in firsts if r != roles.topo.rank),
                 joined=True)
         self.admitted.append(join)
+
+    def _replace(self, exchange: LookupExchange) -> None:
+        """This trainer's lookups go through `exchange` from now on; the one it replaces closes with its peers (it
+        serves them until every one is done)."""
+        old = self.tables.remote
+        self.tables.adopt({}, remote=exchange)
+        if old is not None:
+            closing = threading.Thread(target=old.close, name="cocosync-exchange-close", daemon=True)
+            closing.start()
+            self._closing.append(closing)
 
     def _wait_joined(self, node: int, membership: Membership) -> None:
         """Wait until every trainer of the machine that joins in node `node`'s place has recorded its join."""

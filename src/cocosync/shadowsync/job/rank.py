@@ -99,7 +99,14 @@ from cocosync.shadowsync.job.membership import (
     restored_shards,
     servers_leave_at_end,
 )
-from cocosync.shadowsync.job.node_join import MachineJoins, join_key, join_machines, joined, joined_nodes
+from cocosync.shadowsync.job.node_join import (
+    MachineJoins,
+    join_key,
+    join_machines,
+    joined,
+    joined_nodes,
+    rejoin_key,
+)
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.same_job import check_same_job, job_topology
@@ -301,36 +308,59 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     started = time.time()
     console = console or Console(stderr=True)
     job = _late_job(cfg, cluster, attach_job, "a restarted trainer needs the job's launcher (cocosync train)")
-    roles, link = job.roles, job.link
-    assert link is not None  # (_late_job's Job has one)
+    roles, link, membership = job.roles, job.link, job.membership
+    assert link is not None and membership is not None  # (_late_job's and attach_job's Job have them)
     t = roles.role()[1]
-    run = _make_trainer(job, t, console, restart)
-    trainer, membership, recovery = run.trainer, job.membership, run.trainer.recovery
-    assert membership is not None and recovery is not None  # (attach_job's Job has one)
-    resumed = int(trainer.state.positions[t].sum())
+    across = roles.topo.nnodes > 1  # (its lookup exchange is made with its peers once it has joined)
+    run = None if across else _make_trainer(job, t, console, restart)
+    resumed = int(job.positions[t].sum())
     built = time.time()
     membership.record_start(t, resumed, restart)
     membership.store.add(ABSENT, -1)
     record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart)
-    sync = recovery.admit(trainer.sync, give_up=lambda: not joins_open(membership.store))
+    if run is None:
+        try:
+            rejoined: Job | None = _rejoined_exchange(job, t, restart)
+        except Exception:
+            if joins_open(membership.store):
+                raise
+            rejoined = None  # (the others finished their own rows meanwhile, and admit no one: too late)
+        if rejoined is not None:
+            run = _make_trainer(rejoined, t, console, restart, joined=True)
+            built = time.time()
+    sync = None
+    if run is not None:
+        assert run.trainer.recovery is not None  # (attach_job's Job has a membership)
+        sync = run.trainer.recovery.admit(run.trainer.sync, give_up=lambda: not joins_open(membership.store))
     if sync is None:  # the others finished their own rows meanwhile: they read this trainer's
         membership.store.add(ABSENT, 1)
         record_change(membership.store, "lost", t, pid=os.getpid(), signal="its restart came too late to join")
         print(f"trainer {t} (restart {restart}) did not join: the trainers had read their own rows", file=sys.stderr,
               flush=True)
         return
+    trainer, recovery = run.trainer, run.trainer.recovery
     trainer.sync = sync
     admitted = time.time()
     result = trainer.train()
     membership.agree(END, t)
-    run.tables.close()
     result = {k: v for k, v in result.items() if k not in ("dense", "state")}
-    # (its rows before this start were the lost process's: not resumed ones)
+    # (its rows before this start were the lost process's: not resumed ones); published before its lookup exchange
+    # closes, which waits for its peers, one of which may be the trainer that reads it
     membership.publish_result(t, restart, {**result, "resumed_from": 0, "restart": restart, "pid": os.getpid(),
                                            "started": started, "built": built, "admitted": admitted,
                                            "state_from": recovery.state_from,
-                                           "reads_own": recovery.reads_own})
+                                           "reads_own": recovery.reads_own,
+                                           **({"node": roles.topo.node} if across else {})})
+    run.tables.close()
     link.finish(t)
+
+
+def _rejoined_exchange(job: Job, t: int, restart: int) -> Job:
+    """Across machines: the job of lone lost trainer `t` started again, with its lookup exchange made with the trainers
+    of its local index on the other machines (node_join.py: `MachineJoins`), which serve its rows from then on."""
+    machines = list(range(job.roles.topo.nnodes))  # (after a lone trainer's loss, every machine is in the job)
+    group = machine_group(job, t, f"exchange/{rejoin_key(t, restart)}", machines)
+    return dataclasses.replace(job, exchange=ExchangeGroups(group, machines=tuple(machines)))
 
 
 def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None) -> None:
