@@ -409,10 +409,13 @@ def test_restarts_a_job_cannot_use_are_refused_naming_why(tmp_path, args, needle
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
-def test_restarts_are_refused_across_machines_where_the_job_does_not_go_on_without_a_trainer(tmp_path):
-    res = _train(tmp_path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555",
-                 "--lookup-transport", "rpc", "--max-restarts", "1", "--examples", "10000")
-    _one_error(res, "--max-restarts 1", "started again where the job goes on without it", "the lookup exchange")
+@pytest.mark.parametrize("args,named", [(["--lookup-transport", "rpc"], "--lookup-transport rpc"),
+                                        (["--sync", "shadow-easgd", "--nproc-per-node", "4"],
+                                         "--sync shadow-easgd")])
+def test_restarts_are_refused_across_machines_where_a_trainer_cannot_be_started_again(tmp_path, args, named):
+    res = _train(tmp_path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555", *args,
+                 "--max-restarts", "1", "--examples", "10000")
+    _one_error(res, "--max-restarts 1", "started again where the job goes on without it", named)
 
 
 def test_the_shard_mirror_is_refused_beyond_two_machines(tmp_path):

@@ -509,10 +509,10 @@ class TrainConfig:
     lose its embedding server: the trainers use its shard in shared memory."""
     max_restarts: int = field(default=0, metadata=opt("--max-restarts", "Run"))
     """times a job that goes on without a lost trainer (see min_trainers; across machines, a lone trainer lost as
-    the job's first loss) starts each lost trainer again, while the trainers are still reading their own rows: the
-    new process takes the dense model from a trainer in the job (no checkpoint is read), reads the rest of the lost
-    trainer's rows and joins the dense sync (across machines, and its lookup exchange). The others never stop. 0: a
-    lost trainer stays lost."""
+    the job's first loss, with MA or BMUF) starts each lost trainer again, while the trainers are still reading their
+    own rows: the new process takes the dense model from a trainer in the job (no checkpoint is read), reads the rest
+    of the lost trainer's rows and joins the dense sync (across machines, and its lookup exchange). The others never
+    stop. 0: a lost trainer stays lost."""
     sync: SyncConfig = field(default_factory=SyncConfig)
     """dense synchronization (see SyncConfig)."""
     model_factory: str = field(default="dlrm", metadata=opt("--model", "Model"))

@@ -27,7 +27,7 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
 from cocosync.shadowsync.job.loss_across import save_timeout
-from cocosync.shadowsync.job.membership import Membership, survives_losses, survives_node_loss, survives_trainer_loss
+from cocosync.shadowsync.job.membership import Membership, restartable, survives_losses, survives_node_loss
 from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
@@ -181,8 +181,8 @@ def _restartable(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, link: L
     launched = link is not None
     across = survives_node_loss(roles.topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
                                 roles.trainers_per_node, cfg.min_trainers, launched)
-    return cfg.max_restarts > 0 and survives_trainer_loss(roles.trainers, cfg.min_trainers, roles.topo.nnodes,
-                                                          cfg.sync.method, launched, across)
+    return cfg.max_restarts > 0 and restartable(roles.trainers, cfg.min_trainers, roles.topo.nnodes, cfg.sync.method,
+                                                launched, across)
 
 
 def _node_shards(cfg: TrainConfig, roles: Roles, tables: Any, rowhash: RowHash, node: NodeTensors) -> dict[int, Shard]:

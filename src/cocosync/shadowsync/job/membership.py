@@ -254,6 +254,15 @@ def survives_trainer_loss(trainers: int, min_trainers: int, nnodes: int, sync_me
     return launched and across and min_trainers < trainers
 
 
+def restartable(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool,
+                across: bool) -> bool:
+    """Whether a lost trainer may be started again (--max-restarts): where the job goes on without it
+    (`survives_trainer_loss`); across machines with MA or BMUF (EASGD's centre there is served by RPC, whose world a
+    new process cannot join)."""
+    return survives_trainer_loss(trainers, min_trainers, nnodes, sync_method, launched, across) and \
+        (nnodes == 1 or sync_method in ("ma", "bmuf"))
+
+
 def servers_leave_at_end(nnodes: int, sync_method: str) -> bool:
     """Whether the embedding servers of a job that goes on without them (`survives_losses`) take no part in its end:
     on one machine without RPC (EASGD's sync servers are RPC peers of every rank, and RPC's shutdown waits for them).

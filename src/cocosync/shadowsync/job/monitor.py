@@ -39,6 +39,7 @@ from cocosync.shadowsync.job.membership import (
     survives_trainer_loss,
 )
 from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.job.segments import SEGMENTS_ID
 
 __all__ = ["Monitor", "exit_status", "FENCED"]
 
@@ -91,6 +92,7 @@ class Monitor:
         self.stop_reason: str | None = None  # by what: Ctrl-C, SIGTERM, --timeout (on any machine)
         self.lost: dict[int, dict] = {}  # trainers lost (job/membership.py), by index: their record
         self._changes = 0  # the changes of the trainers said so far (losses and joins)
+        self.segments: str | None = None  # the id that names the job's named segments (--max-restarts), once made
         self.banked = 0  # examples of trainers' processes that were lost and started again (their records restart)
         self.lost_servers: dict[int, dict] = {}  # embedding servers lost, by index: their record
         self.node = self.ranks[0] // nproc if self.ranks else 0  # this machine's node index in the job
@@ -229,6 +231,8 @@ class Monitor:
                     examples, eps, ne = self._progress() if due else (0, 0.0, None)
                     self._tail_metrics()
                     status = self._get("status")
+                    if self.cfg.max_restarts and self.segments is None and self.store.check([SEGMENTS_ID]):
+                        self.segments = self.store.get(SEGMENTS_ID).decode()
                     if self.agent_store and self.first_failure is None:
                         first = self._get(FIRST_FAILURE)
                         if first:

@@ -29,6 +29,12 @@ One machine joins a job (its trainers do not re-form what they made for a later 
 not lost again without stopping the job (the job's record of lost machines is by node). A claim holds the
 trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
 (membership.py: `JOINING`).
+
+A lone trainer lost as the job's first loss (loss_across.py) and started again by its keeper (--max-restarts) joins
+the same way, alone: it maps its machine's shards, reader positions and hot rows' replica by name, records its join,
+and makes a new lookup exchange (`rejoin_key`) with the trainers of its local index on the other machines, which
+leave the exchange the substitute on its machine served for it (that one's serving ends as they leave); the
+substitute keeps the machine's hot rows' sync. Its dense sync re-forms as above.
 """
 
 from __future__ import annotations

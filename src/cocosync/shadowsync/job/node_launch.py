@@ -49,7 +49,7 @@ from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
 from cocosync.shadowsync.job.loss_across import remove_restored
-from cocosync.shadowsync.job.membership import survives_node_loss, survives_trainer_loss
+from cocosync.shadowsync.job.membership import restartable, survives_node_loss
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
@@ -134,11 +134,11 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         across = survives_node_loss(nnodes, cluster.lookup_transport, cfg.sync.method,
                                     cluster.sync_servers_for(cfg.sync.method, nodes=nnodes), per_node,
                                     cfg.min_trainers, True)
-        if not survives_trainer_loss(trainers, cfg.min_trainers, nnodes, cfg.sync.method, True, across):
+        if not restartable(trainers, cfg.min_trainers, nnodes, cfg.sync.method, True, across):
             raise ConfigError(f"--max-restarts {cfg.max_restarts}: a lost trainer of a job across machines is started "
-                              "again where the job goes on without it (the lookup exchange, MA, BMUF or EASGD on its "
-                              f"sync servers, and more trainers than --min-trainers {cfg.min_trainers} on a machine); "
-                              "leave it at 0")
+                              "again where the job goes on without it, with the lookup exchange and MA or BMUF (this "
+                              f"job: --lookup-transport {cluster.lookup_transport}, --sync {cfg.sync.algorithm}, "
+                              f"--min-trainers {cfg.min_trainers}, {per_node} trainers a machine); leave it at 0")
     if cluster.resume is None:  # (each machine counts its own copy, whose contents the ranks compare)
         cfg = dataclasses.replace(with_range_lines(dataclasses.replace(cfg, trainers=trainers)), trainers=cfg.trainers)
     job = job_dict(cfg, cluster)
@@ -237,7 +237,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         shutil.rmtree(args.log_dir, ignore_errors=True)  # (a failure's error files were read when it was seen)
         if monitor is not None:  # what this machine's ranks restored and left named, once they are gone
             remove_restored(monitor.verified_pids())
-            _remove_segments(monitor, node_rank)
+            if monitor.segments is not None:  # this machine's named segments of the job, its ranks gone
+                remove_named(f"{monitor.segments}-n{node_rank}-*")
     error = outcome.get("error")
     if isinstance(error, ChildFailedError) and monitor is not None and monitor.fenced():
         console.print(f"[red]{escape(FENCED)}", soft_wrap=True)  # (its trainers left as they saw it)
@@ -263,17 +264,6 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     if monitor is not None and monitor.interrupted:
         return exit_status(monitor.stop_reason)
     return 0
-
-
-def _remove_segments(monitor: Monitor, node: int) -> None:
-    """This machine's named segments of the job (--max-restarts: a trainer started again maps them), once its ranks
-    are gone; where the job's store is gone already (node 0 left first), its ranks removed them as they exited."""
-    try:
-        ident = monitor.store.get(SEGMENTS_ID).decode() if monitor.store.check([SEGMENTS_ID]) else None
-    except (RuntimeError, OSError):  # (the store's host left)
-        return
-    if ident is not None:
-        remove_named(f"{ident}-n{node}-*")
 
 
 def _options_json(cfg: TrainConfig, cluster: ClusterConfig, nproc: int) -> str:
