@@ -243,7 +243,7 @@ def join_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataC
     first = roles.is_first(roles.role()[1])
     node = NodeTensors(None, link.client(), first, f"{topo.node}-joined", timeout=timeout)
     positions, share_positions = _node_positions(cfg, roles, node)
-    hot = joined_hot_rows(cfg, cluster, data, model, lambda name, shape, dtype: node.empty(name, shape, dtype))
+    hot = joined_hot_rows(cfg, cluster, data, model, node.empty)
     flat = FlatParams(model.dense_parameters()).flat
     membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
