@@ -304,7 +304,8 @@ def run_restarted(cfg: TrainConfig, cluster: ClusterConfig, restart: int, *, con
     """A lost trainer started again by its keeper (--max-restarts): it joins the running job without any collective
     of the job's start (job/recovery.py: it takes the dense model from a trainer in the job), reads the rest of its
     rows (or what the agreements give it), and leaves its measurements in the store for the trainer that finishes
-    the job, which also saves its part of the last checkpoint."""
+    the job, which also saves its part of the last checkpoint. Across machines (a lone trainer lost as the job's
+    first loss) it also makes its lookup exchange with the trainers of its local index once it has joined."""
     started = time.time()
     console = console or Console(stderr=True)
     job = _late_job(cfg, cluster, attach_job, "a restarted trainer needs the job's launcher (cocosync train)")
