@@ -10,6 +10,7 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -21,6 +22,7 @@ from cocosync.runtime.comm.shm import SHM_DIR, SHM_PREFIX, create_named, leftove
 from cocosync.shadowsync.checkpoint import read_tensors
 from cocosync.shadowsync.job.loss_across import remove_restored, restored_segment
 from cocosync.testing.multinode import (
+    NodeRun,
     kill_machine,
     remove_semaphores_since,
     semaphores,
@@ -390,6 +392,77 @@ def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_pat
     assert restored == [(1, 0), (2, 3)], restored
     assert s["regrouped_at"] is not None and s["takeover_rows"] > 0
     assert s["eval_ne"] < 0.8, s["eval_ne"]
+    tensors = read_tensors(Path(s["checkpoint"]))
+    for server in range(4):
+        assert torch.isfinite(tensors[f"emb.{server}.weight"]).all(), server
+    assert leftover_segments() == []
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("sync,second", [("shadow-bmuf", "machine"), ("shadow-bmuf", "trainer"),
+                                         ("shadow-easgd", "machine")])
+def test_a_machine_lost_after_the_job_went_on_without_another_is_survived_in_turn(tmp_path, sync, second):
+    """kill -9 of node 1 of four loopback machines (an embedding server and a trainer each) at ~20%, then at ~50%,
+    once the job went on without node 1, of node 2 whole or of its trainer alone (which takes its machine out: its
+    launcher says so and exits 1): each loss is handled as the first was. Node 1's shard is restored on node 0; after
+    node 2's loss its shard goes to node 3 (holding fewer shards than node 0), the lookup exchange, the hot rows' sync
+    and the dense sync re-form among nodes 0 and 3 (with EASGD, node 1's range of the centre is adopted by node 0's
+    sync server, then node 2's by node 3's), both end the job (exit 0), every example of the budget is read, and the
+    last checkpoint holds every shard."""
+    from cocosync.testing.multinode import worker_pids
+
+    examples = 400_000
+    out = tmp_path / "run"
+    before = semaphores()
+    procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000",
+                         "--sync", sync, "--checkpoint-every", "60000", "--heartbeat-timeout", "10",
+                         "--out", str(out)], nnodes=4, nproc_per_node=2 if sync == "shadow-bmuf" else 3)
+    said: list[str] = []  # node 0's output so far (the launcher that hosts the store says each loss)
+    reader = threading.Thread(target=lambda: [said.append(line) for line in procs[0].stdout], daemon=True)
+    reader.start()
+    with _machines(procs):
+        _until_trained(procs, out, 0.2 * examples, poll=0.05)
+        kill_machine(procs[1].pid)
+        deadline = time.monotonic() + 60  # (node 1's loss handled: its shard restored, before node 2 is killed)
+        while not any("embedding server 1's shard restored" in line for line in said):
+            assert time.monotonic() < deadline and procs[0].poll() is None, "".join(said)[-3000:]
+            time.sleep(0.1)
+        try:
+            _until_trained([procs[0], procs[2], procs[3]], out, 0.5 * examples, poll=0.05)
+        except AssertionError:  # (an agent ended after node 1's loss: what each said)
+            ended = wait_nodes(procs[2:], timeout=5)
+            procs[0].wait(timeout=30)
+            reader.join(timeout=10)
+            raise AssertionError("\n--- next node ---\n".join(
+                ["".join(said)] + [f"(exit status {r.returncode}) {r.output[-4000:]}" for r in ended]))
+        if second == "machine":
+            kill_machine(procs[2].pid)
+        else:
+            os.kill(worker_pids(procs[2].pid)[5], signal.SIGKILL)
+        runs = wait_nodes(procs[1:], timeout=150)
+        procs[0].wait(timeout=30)
+        reader.join(timeout=10)
+    runs.insert(0, NodeRun(0, procs[0].returncode, "".join(said)))
+    remove_semaphores_since(before)
+    text = "\n--- next node ---\n".join(r.output[-4000:] for r in runs)
+    assert runs[0].returncode == 0 and runs[3].returncode == 0, text
+    if second == "trainer":
+        assert "trainer 2 (rank 5, node 2) was killed by SIGKILL: this machine leaves the job" in runs[2].output, text
+        assert runs[2].returncode == 1, text
+    assert "embedding server 1's shard restored on node 0 from the checkpoint at" in runs[0].output, text
+    assert "embedding server 2's shard restored on node 3 from the checkpoint at" in runs[0].output, text
+    assert "node 2 was lost (no word from its launcher for" in runs[0].output, text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 2, s
+    assert sorted(x["trainer"] for x in s["lost"]) == [1, 2] and [x["node"] for x in s["lost_nodes"]] == [1, 2]
+    restored = [[(r["server"], r["node"], r["batch"]) for r in n["restored"]] for n in s["lost_nodes"]]
+    assert restored == [[(1, 0, 1)], [(2, 3, 2)]], restored
+    assert [(m["trainers"], m.get("node")) for m in s["membership"]] == [(4, None), (3, 1), (2, 2)], s["membership"]
+    assert s["takeover_rows"] > 0 and s["eval_ne"] < 0.8, s["eval_ne"]
+    if sync == "shadow-easgd":
+        adopted = [[(r["range"], r["server"], r["batch"]) for r in n["centre"]] for n in s["lost_nodes"]]
+        assert adopted == [[(1, "sync0", 1)], [(2, "sync3", 2)]], adopted
+        assert "range 2 of EASGD's centre adopted by sync3 from trainer 0's replica" in runs[0].output, text
     tensors = read_tensors(Path(s["checkpoint"]))
     for server in range(4):
         assert torch.isfinite(tensors[f"emb.{server}.weight"]).all(), server

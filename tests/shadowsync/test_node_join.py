@@ -5,6 +5,7 @@ trainers have joined. The whole join runs in tests/shadowsync/test_lost_machine.
 from __future__ import annotations
 
 import datetime
+import json
 import threading
 import time
 
@@ -12,7 +13,7 @@ import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.job.loss_across import holders
-from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Membership
+from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Membership, loss_batches, record_node_loss
 from cocosync.shadowsync.job.node_join import claim_node, join_machines, joined, joined_nodes
 from cocosync.shadowsync.job.roles import Roles
 
@@ -24,9 +25,22 @@ def _store() -> dist.Store:
 
 
 def test_a_lost_machines_shards_are_dealt_out_over_the_machines_left():
-    assert holders(2, 1, [1]) == {0: 0, 1: 0}
-    assert holders(4, 2, [1, 2]) == {0: 0, 1: 0, 2: 0, 3: 3, 4: 0, 5: 3, 6: 3, 7: 3}
+    assert holders(2, 1, [[1]]) == {0: 0, 1: 0}
+    assert holders(4, 2, [[1, 2]]) == {0: 0, 1: 0, 2: 0, 3: 3, 4: 0, 5: 3, 6: 3, 7: 3}
     assert holders(3, 1, []) == {0: 0, 1: 1, 2: 2}
+
+
+def test_each_later_loss_deals_out_what_its_machines_held_and_leaves_the_other_shards_where_they_are():
+    # node 1 lost: its shard to node 0 (the first of three holding one each); then node 3: to node 2, which holds
+    # fewer than node 0 now
+    assert holders(4, 1, [[1]]) == {0: 0, 1: 0, 2: 2, 3: 3}
+    assert holders(4, 1, [[1], [3]]) == {0: 0, 1: 0, 2: 2, 3: 2}
+    # then node 2, holding its own shard and node 3's: both to node 0, the only one left
+    assert holders(4, 1, [[1], [3], [2]]) == {0: 0, 1: 0, 2: 0, 3: 0}
+    # the same machines lost in other losses may place the shards apart: every machine deals the losses the trainers
+    # recorded (Membership.loss_batch)
+    assert holders(5, 1, [[1, 2]]) == {0: 0, 1: 0, 2: 3, 3: 3, 4: 4}
+    assert holders(5, 1, [[2], [1]]) == {0: 0, 1: 3, 2: 0, 3: 3, 4: 4}
 
 
 def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own_rows():
@@ -96,3 +110,31 @@ def test_a_claimed_join_holds_the_agreements_until_its_trainers_have_joined():
     for t in range(roles.trainers):
         store2.set(f"agree/phase1/{t}", "0")
     assert late.agree("phase1", 0) == 0
+
+
+def test_the_first_trainer_to_handle_a_loss_of_machines_decides_its_machines_for_every_machine():
+    """Machines lost moments apart may be seen apart: the first word on each loss is every trainer's."""
+    store = _store()
+    roles = Roles(Topology(rank=0, world_size=8, local_rank=0, local_world_size=2, node=0), 1, 0)
+    seen_here, seen_there = Membership(store, roles, 1, timeout=5.0), Membership(store, roles, 1, timeout=5.0)
+    assert seen_here.loss_batch(1, [2, 1]) == [1, 2]
+    assert seen_there.loss_batch(1, [1]) == [1, 2]  # (node 2 is handled with node 1 there too)
+    assert seen_there.loss_batch(2, [3]) == [3] and seen_here.loss_batch(2, []) == [3]
+    assert loss_batches(store) == [[1, 2], [3]]
+    assert not seen_here.wait_for_node_loss(0, timeout=0.1)
+    store.add("node-losses", 1)
+    assert seen_here.wait_for_node_loss(0, timeout=0.1) and not seen_here.wait_for_node_loss(1, timeout=0.1)
+
+
+def test_a_machine_is_counted_lost_once_it_is_recorded_whole():
+    """A machine whose record is under way (its claim set, its trainers not yet) is not among the machines lost,
+    whatever its place: the trainers left deal out the shards of the machines recorded whole."""
+    store = _store()
+    roles = Roles(Topology(rank=0, world_size=8, local_rank=0, local_world_size=2, node=0), 1, 0)
+    membership = Membership(store, roles, 1, timeout=5.0)
+    assert record_node_loss(store, roles, 3, 3.0)
+    store.set("lost-node/1", json.dumps({"time": 0.0, "silent_s": 3.0}))  # (node 1's record under way)
+    assert [n.node for n in membership.lost_nodes()] == [3]
+    assert [(x.trainer, x.node) for x in membership.losses()] == [(3, 3)]
+    assert record_node_loss(store, roles, 2, 3.1) and not record_node_loss(store, roles, 2, 3.2)
+    assert [n.node for n in membership.lost_nodes()] == [2, 3]

@@ -26,7 +26,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
-from cocosync.shadowsync.job.loss_across import save_timeout
+from cocosync.shadowsync.job.loss_across import cross_timeout, save_timeout
 from cocosync.shadowsync.job.membership import Membership, restartable, survives_losses, survives_node_loss
 from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.roles import Roles
@@ -163,7 +163,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None) or \
             survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node, Tn,
                                cfg.min_trainers, link is not None):
-        membership = Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0)
+        membership = _membership(cfg, roles, link)
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
@@ -173,6 +173,13 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                held_groups=tuple(g for g in held if g is not None),
                cross_groups=tuple(g for g in cross if g is not None), mirrors=mirrors, mirror_stamps=mirror_stamps,
                mirror_group=mirror_group, save_group=save_group)
+
+
+def _membership(cfg: TrainConfig, roles: Roles, link: Link) -> Membership:
+    """This rank's view of the job's membership: peers that are alive are waited for --heartbeat-timeout + 30 s (a
+    trainer started again takes that long at most to come), a member of a group across machines `cross_timeout`."""
+    return Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0,
+                      cross_timeout=cross_timeout(cfg.heartbeat_timeout))
 
 
 def _restartable(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, link: Link | None) -> bool:
@@ -220,7 +227,7 @@ def attach_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Dat
     positions, share_positions = _node_positions(cfg, roles, node)
     hot = joined_hot_rows(cfg, cluster, data, model, node.empty) if topo.nnodes > 1 else None
     flat = FlatParams(model.dense_parameters()).flat
-    membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
+    membership = _membership(cfg, roles, link)
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
                shards=shards, trainer_group=None, exchange=ExchangeGroups(), hot=hot, hot_group=None,
                dense_group=None, center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size,
@@ -245,7 +252,7 @@ def join_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: DataC
     positions, share_positions = _node_positions(cfg, roles, node)
     hot = joined_hot_rows(cfg, cluster, data, model, node.empty)
     flat = FlatParams(model.dense_parameters()).flat
-    membership = Membership(link.client(), roles, cfg.min_trainers, timeout=timeout)
+    membership = _membership(cfg, roles, link)
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
                shards={}, trainer_group=None, exchange=ExchangeGroups(), hot=hot, hot_group=None, dense_group=None,
                center=None, init_dense=flat, hosts=(socket.gethostname(),) * topo.world_size, plan=plan, link=link,

@@ -135,14 +135,16 @@ class Link:
             raw = [self.store.get(k) for k in keys if self.store.check([k])]
         return [json.loads(r) for r in raw]
 
-    def beat(self, trainer: int, stop: Any, interval: float, positions: Any = None,
+    def beat(self, trainer: int, stop: Any, interval: float, positions: Any = None, share_positions: Any = None,
              lost_key: str | None = None) -> None:
         """Start the heartbeat thread of trainer `trainer`: it runs whatever the trainer does (torch ops and gloo
         release the GIL), so a missing beat means the process is stopped, hung or not scheduled; it also copies the
         launcher's stop request into `stop[0]` (the workers' flag), and publishes `positions` (the trainer's reader
         positions, int64 [W]) under pos/<trainer> where the trainers of another machine read them if this one's is
-        lost. Once `lost_key` is set (this machine was recorded as lost: the job went on without it) the process
-        leaves at once (exit status 1), so that it never trains beside the machine that took its place."""
+        lost, and `share_positions` (int64 [W + 1]: the agreement whose share of lost trainers' rows it reads, and its
+        positions there) under share-pos/<trainer>. Once `lost_key` is set (this machine was recorded as lost: the
+        job went on without it) the process leaves at once (exit status 1), so that it never trains beside the machine
+        that took its place."""
         def run() -> None:
             while not self._closed.is_set():
                 with self._lock:
@@ -150,6 +152,8 @@ class Link:
                     self.store.set(f"beat/{trainer}", repr(time.monotonic()))
                     if positions is not None:
                         self.store.set(f"pos/{trainer}", json.dumps(positions.tolist()))
+                    if share_positions is not None:
+                        self.store.set(f"share-pos/{trainer}", json.dumps(share_positions.tolist()))
                     stopping = self.store.check(["stop"])
                     fenced = lost_key is not None and self.store.check([lost_key])
                 if fenced:

@@ -1,37 +1,44 @@
-"""What a trainer of a job across machines does at the job's first loss there (`LossAcross`): a lost machine
-(membership.py: `survives_node_loss`, `record_node_loss`) or a lone lost trainer whose machine goes on (below).
+"""What a trainer of a job across machines does at its losses there (`LossAcross`): lost machines (membership.py:
+`survives_node_loss`, `record_node_loss`), each loss in turn, or, as the job's first and only loss, a lone lost trainer
+whose machine goes on (below).
 
 When a machine is lost, its embedding shards are restored on the machines left, where their trainers read and
 update them in place, and the job's cross-machine parts re-form among those machines.
 
 The first thread of a trainer whose rows from another machine fail (the lookup exchange broke) or whose dense sync
 fails waits for the launcher that hosts the job's store to record the machine's loss (with more than two machines,
-`SETTLE` seconds more for machines lost with it: they are one loss), then, once per process:
+`SETTLE` seconds more for machines lost with it: they are one loss; the first trainer to handle the loss records its
+machines, `Membership.loss_batch`, which every trainer then handles), then, once per process and loss:
 
 * the replicated hot rows: with one machine left they stop syncing (its replica is the truth for those rows); with
   more, their sync re-forms among the machines left (`HotSync.regroup`);
 * the groups this trainer holds with the lost machine are destroyed (torch names the groups the trainers left make
   by how many groups each holds: they must hold as many);
-* the lost machine's shards are dealt out over the machines left; each of this machine's share is restored into its
+* the shards the lost machines held (their own, and those they had restored after an earlier loss) are dealt out
+  over the machines left (`holders`: the same on every machine); each of this machine's share is restored into its
   shared memory: its mirror here, a few seconds old (two machines, `--shard-mirror-interval`:
   model/shard_mirror.py), else made by the first trainer left here from the job's last periodic checkpoint, else from
   the checkpoint the job resumed from, else from the tables' initial rows (the seed draws them again), and mapped by
   the others; with the hot rows from this machine's replica. The restored rows' machine, source and age (seconds
-  since the mirror's last round or the checkpoint) are recorded in the store (`restored/<s>`) for the summary and
-  the monitor;
+  since the mirror's last round or the checkpoint) are recorded in the store (`restored/<k>/<s>`, k the loss) for
+  the summary and the monitor;
 * the trainer's tables take the restored shards as local (`ShardedEmbeddings.adopt`) and, with more than one machine
   left, a lookup exchange re-formed among them, which sends each server's rows to the machine that holds its shard
   now: the lookups in flight are read in place or asked again there, and the row gradients pushed to the lost
   machine and not yet applied there are lost with it. The groups re-formed here are gloo groups made through the
   job's store (the job's own groups hold the lost machine's ranks);
-* with EASGD, each range of the centre whose sync server was lost is adopted by a sync server left (the first
-  trainer left in the job hands it that range of its replica: the centre is an elastic average of the replicas, and
-  this replica is current), recorded in the store (`centre/<r>`), and every trainer's view of the centre sends the
-  range there from then on (sync/center.py: `RemoteCenter.adopt`, `reroute`).
+* with EASGD, each range of the centre whose sync server was lost (or had adopted it) is adopted by a sync server
+  left (the first trainer left in the job hands it that range of its replica: the centre is an elastic average of
+  the replicas, and this replica is current), recorded in the store (`centre/<k>/<r>`), and every trainer's view of
+  the centre sends the range there from then on (sync/center.py: `RemoteCenter.adopt`, `reroute`).
 
-A machine lost after that stops the job (the groups re-formed hold it). The dense sync re-forms among the trainers
-left (recovery.py), and the lost machine's trainers' unread rows are read by the trainers left from the positions
-they last published (`Membership.published_positions`): the rows they read since that last heartbeat are read again.
+A loss is handled before the dense sync re-forms for it (`Recovery.before_regroup`; a machine's trainers' losses are
+recorded before the machine's, whose record is waited for). A machine lost after that is handled the same way, as
+long as a machine is left, except after a lone trainer's loss or a machine's join (node_join.py), which stop the job.
+The dense sync re-forms among the trainers left (recovery.py), and the lost machine's trainers' unread rows are read
+by the trainers left from the positions they last published (`Membership.published_positions`, and
+`published_share_positions` for a share of earlier lost trainers' rows): the rows they read since that last heartbeat
+are read again.
 
 A lone trainer lost while its machine goes on (membership.py: `survives_trainer_loss`, recorded by its keeper as the
 job's first loss across machines) leaves that machine's shards where they are. Its part of the lookup exchange (the
@@ -79,14 +86,18 @@ from cocosync.shadowsync.checkpoint import load_parts, part_name, read_meta, res
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.membership import (
     Loss,
+    Membership,
     NodeLoss,
     Restored,
     RestoredRange,
+    centre_key,
     loss_across,
+    restored_key,
 )
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HotSync
+from cocosync.shadowsync.model.lookup_thread import LookupThread
 from cocosync.shadowsync.model.shard import Shard, initial_rows
 from cocosync.shadowsync.sync.center import RemoteCenter
 
@@ -138,13 +149,19 @@ def cross_timeout(heartbeat_timeout: float) -> float:
     return max(10.0, heartbeat_timeout)
 
 
-def holders(nnodes: int, per_node: int, lost: list[int]) -> dict[int, int]:
-    """The machine that holds each embedding server's shard once machines `lost` are lost: a server's own, and a lost
-    machine's servers dealt out over the machines left (in node order), the same on every machine."""
-    left = [n for n in range(nnodes) if n not in lost]
+def holders(nnodes: int, per_node: int, batches: list[list[int]]) -> dict[int, int]:
+    """The machine that holds each embedding server's shard after the machines lost in `batches` (each the machines
+    handled as one loss, in the order they were handled: `Membership.loss_batch`), the same on every machine. A shard
+    stays where it is while its holder is in the job; at each loss, the shards its machines held are dealt out one at a
+    time, in server order, to the machine left holding the fewest (the first in node order among equals)."""
     out = {s: s // per_node for s in range(nnodes * per_node)}
-    out.update({s: left[i % len(left)] for i, s in enumerate(s for n in lost for s in range(n * per_node,
-                                                                                           (n + 1) * per_node))})
+    lost: set[int] = set()
+    for batch in batches:
+        lost |= set(batch)
+        left = [n for n in range(nnodes) if n not in lost]
+        for s in [s for s in sorted(out) if out[s] in lost]:
+            load = {n: sum(1 for m in out.values() if m == n) for n in left}
+            out[s] = min(left, key=lambda n: (load[n], n))
     return out
 
 
@@ -181,7 +198,7 @@ def machine_exchange(job: Job, trainer: int, group: Any, machines: list[int], he
 
 
 class LossAcross:
-    """A trainer's handler of the job's first loss across machines, a lost machine or a lone lost trainer (see the
+    """A trainer's handler of the job's losses across machines, lost machines or a lone lost trainer (see the
     module doc): `__call__(error)` is `ShardedEmbeddings.on_lost` and runs before the dense sync re-forms
     (`prepare`)."""
 
@@ -194,7 +211,10 @@ class LossAcross:
         self.hot_lost = False  # the hot rows' sync was given up (the replica is the truth now)
         self.adopted: dict[int, Shard] = {}
         self.ranges: list[RestoredRange] = []  # the centre's ranges adopted after the loss (EASGD)
-        self.nodes: list[NodeLoss] = []
+        self.nodes: list[NodeLoss] = []  # the machines lost, as handled here
+        self.batches: list[list[int]] = []  # their losses, in order (`holders`)
+        self.handled = 0  # the machines lost whose shards this trainer reads through the transport in use
+        self.joined: list[int] = []  # the lost machines whose place another machine took (`took_in`)
         self.lone: Loss | None = None  # a lone trainer's loss (its machine goes on)
         self.serves: int | None = None  # the lone lost trainer whose part of the exchange this trainer serves
         self._serving: list[threading.Thread] = []  # that exchange, closing with its peers
@@ -255,27 +275,56 @@ class LossAcross:
     def __call__(self, error: BaseException) -> bool:
         """True once the loss that explains `error` is recorded and handled here (a machine's shards restored, a lone
         trainer's part of the exchange served again); False if no loss is recorded (the error stands)."""
-        return self.prepare()
+        known = self.handled  # (first: a loss handled from here on replaced the transport before it counts)
+        remote = self.tables.remote  # (a lookup of a transport replaced since failed: explained already)
+        return self.prepare(beyond=known if isinstance(remote, LookupThread) and remote.failed else None)
 
-    def prepare(self) -> bool:
+    def prepare(self, beyond: int | None = None) -> bool:
+        """Handle the losses recorded and not handled yet: the job's first, then each later loss of machines (where
+        the first was a machine's). `beyond`: the transport in use broke when this many machines' losses were
+        handled: wait until more are recorded."""
         with self._lock:
             if self._failed is not None:  # (once: a second try would find the first's segments)
                 raise RuntimeError(f"the recovery from a lost machine failed: {self._failed!r}")
-            if self._outcome is None:
-                try:
+            try:
+                if self._outcome is None:
                     self._outcome = self._handle()
-                except Exception as e:
-                    self._failed = e
-                    raise
-            elif self._outcome and self.job.membership is not None:
-                later = [n.node for n in self.job.membership.lost_nodes() if n.node not in {m.node for m in self.nodes}]
-                if later:  # (the groups re-formed after the first loss hold it)
-                    self._failed = RuntimeError(
-                        f"node {later[0]} was lost after node {', '.join(str(n.node) for n in self.nodes)}: a job goes "
-                        "on without the machines of its first loss only (a later one stops it; resume from its last "
-                        "checkpoint)")
-                    raise self._failed
+                elif self._outcome and self.job.membership is not None:
+                    return self._later(self.job.membership, beyond)
+            except Exception as e:
+                self._failed = e
+                raise
             return self._outcome
+
+    def _later(self, membership: Membership, beyond: int | None) -> bool:
+        """A loss of machines after the job's first, handled as the first was (`_machines`), before the dense sync
+        re-forms for it (a trainer's losses are recorded before its machine's: the machine's record is waited for).
+        A loss after a lone trainer's is not survived (its substitute's exchange spans every machine); a lone trainer
+        lost after a machine's takes its machine out (a loss of machines)."""
+        handled = {n.node for n in self.nodes}
+        if self.lone is None:
+            if any(x.node is not None and x.node not in handled for x in membership.losses()):
+                beyond = len(handled)  # (its trainers' losses are recorded: its machine's record comes next)
+            if beyond is not None and not membership.wait_for_node_loss(beyond):
+                return False
+        later = [n.node for n in membership.lost_nodes() if n.node not in handled]
+        if not later:
+            return True
+        if self.lone is not None:
+            raise RuntimeError(f"node {later[0]} was lost after trainer {self.lone.trainer} was: a job across "
+                               "machines goes on after a lone trainer's loss only if no loss follows it (resume from "
+                               "its last checkpoint)")
+        if self.joined:
+            raise RuntimeError(f"node {later[0]} was lost after a machine joined in node {self.joined[0]}'s place: a "
+                               "job across machines goes on after a join only if no machine is lost (resume from its "
+                               "last checkpoint)")
+        self._machines(membership)
+        return True
+
+    def took_in(self, node: int) -> None:
+        """A machine joined in lost node `node`'s place (node_join.py): a machine lost from then on stops the job (the
+        losses' record is by node)."""
+        self.joined.append(node)
 
     def _handle(self) -> bool:
         membership = self.job.membership
@@ -288,15 +337,27 @@ class LossAcross:
             assert loss is not None  # (wait_for_loss_across waited for its record)
             self._lone_trainer(loss, membership)
             return True
-        self.nodes = membership.lost_nodes()
+        self._machines(membership)
+        return True
+
+    def _machines(self, membership: Membership) -> None:
+        """The machines lost since the last loss handled here: their shards (and those they had restored) restored on
+        the machines left, and the hot rows' sync and the lookup exchange re-formed among those; with EASGD, the
+        ranges of the centre their sync servers held adopted."""
+        handled = {n.node for n in self.nodes}
+        seen = [n for n in membership.lost_nodes() if n.node not in handled]
         # machines lost together are recorded one after another: re-form once, after all of them (with two machines
         # only the one that does not host the store can be lost)
         while self.job.roles.topo.nnodes > 2:
             time.sleep(SETTLE)
-            recorded = membership.lost_nodes()
-            if len(recorded) == len(self.nodes):
+            recorded = [n for n in membership.lost_nodes() if n.node not in handled]
+            if len(recorded) == len(seen):
                 break
-            self.nodes = recorded
+            seen = recorded
+        k = len(self.batches) + 1
+        batch = membership.loss_batch(k, [n.node for n in seen])  # (another trainer's word first: every machine's)
+        self.batches.append(batch)
+        self.nodes += [n for n in membership.lost_nodes() if n.node in batch]
         roles = self.job.roles
         lost = [n.node for n in self.nodes]
         left = [n for n in range(roles.topo.nnodes) if n not in lost]
@@ -311,18 +372,19 @@ class LossAcross:
                     f"{roles.rpc_name(r)} (host {self.job.hosts[r]})" for r in firsts if r != roles.topo.rank))
         membership.drop(self.job.cross_groups)
         E = roles.embedding_per_node
-        held = holders(roles.topo.nnodes, E, lost)
-        self.adopted = {s: self._restore(s, membership) for n in lost for s in range(n * E, (n + 1) * E)
-                        if held[s] == roles.topo.node}
+        before = holders(roles.topo.nnodes, E, self.batches[:-1])
+        held = holders(roles.topo.nnodes, E, self.batches)
+        restored = {s: self._restore(s, membership, k, before[s]) for s in sorted(held)
+                    if held[s] == roles.topo.node and before[s] in batch}
+        self.adopted.update(restored)
         remote = None
         if len(left) > 1:  # each server's rows go to the machine that holds its shard now
             remote = machine_exchange(self.job, self.trainer, self._group(f"exchange/{tag}", left), left, held,
                                       {**self.job.shards, **self.adopted})
-        self.tables.adopt(self.adopted, remote=remote)
+        self.tables.adopt(restored, remote=remote)
+        self.handled = len(self.nodes)
         if self.center is not None:
-            P = self.job.roles.sync_per_node
-            self.ranges = [self._adopt_range(r, membership, lost) for n in lost for r in range(n * P, (n + 1) * P)]
-        return True
+            self._adopt_ranges(membership, batch, k)
 
     def _group(self, key: str, left: list[int]) -> Any:
         return machine_group(self.job, self.trainer, key, left)
@@ -344,7 +406,7 @@ class LossAcross:
         members = [substitute if n == node else roles.trainer_at(n, index) for n in machines]
         if self.trainer in members:
             group = machine_group(job, self.trainer, f"exchange/{key}", machines, index=index)
-            held = holders(roles.topo.nnodes, roles.embedding_per_node, [])
+            held = holders(roles.topo.nnodes, roles.embedding_per_node, [])  # (no machine lost)
             exchange = machine_exchange(job, self.trainer, group, machines, held, job.shards, members)
             if self.trainer == substitute:  # (it sends nothing there: done from its first round, it serves)
                 self.serves = lost
@@ -378,31 +440,42 @@ class LossAcross:
         except BaseException as e:  # noqa: BLE001 - raised by close() at the job's end
             self._serve_errors.append(e)
 
-    def _adopt_range(self, r: int, membership: Any, lost: list[int]) -> RestoredRange:
-        """Range `r` of EASGD's centre (its sync server lost) adopted by a sync server left: the first trainer left
-        here hands it that range of its replica and records it; every trainer sends the range there from now on."""
+    def _adopt_ranges(self, membership: Membership, batch: list[int], k: int) -> None:
+        """The ranges of EASGD's centre whose sync servers' machines were lost at the job's `k`-th loss of machines
+        (`batch`), each adopted by the sync server left holding the fewest ranges (the first among equals): the first
+        trainer left in the job hands it that range of its replica (current: the centre is an elastic average of the
+        replicas) and records it; every trainer sends the range there from then on. Every trainer's view of where the
+        ranges are is the same before each loss, so every one deals them out alike."""
         assert self.center is not None and self.replica is not None
         roles, store = self.job.roles, membership.store
-        left = [i for i in range(len(self.center.servers)) if roles.node_of(roles.rank_of("sync", i)) not in lost]
-        if not left:
-            raise RuntimeError(f"range {r} of EASGD's centre was lost with its machine and no sync server is left")
-        onto = roles.rpc_name(roles.rank_of("sync", left[r % len(left)]))
-        key = f"centre/{r}"
-        if self.trainer == min(membership.live()):  # (one trainer of the job hands it over)
-            lo, hi = self.center.bounds[r]
-            self.center.adopt(r, self.replica[lo:hi], onto)
-            rec = RestoredRange(r, onto, f"trainer {self.trainer}'s replica", time.time())
-            store.set(key, json.dumps(asdict(rec)))
-            return rec
-        deadline = time.monotonic() + membership.timeout
-        while not store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"range {r} of EASGD's centre was not adopted by a sync server within "
-                                   f"{membership.timeout:.0f}s")
-            time.sleep(0.02)
-        rec = RestoredRange(**json.loads(store.get(key)))
-        self.center.reroute(r, rec.server)
-        return rec
+        lost = {n.node for n in self.nodes}
+        names = [roles.rpc_name(roles.rank_of("sync", i)) for i in range(len(self.center.servers))]
+        left = [i for i in range(len(names)) if roles.node_of(roles.rank_of("sync", i)) not in lost]
+        held = [names.index(name) for name in self.center.servers]  # (the sync server of each range now)
+        for r in range(len(held)):
+            machine = roles.node_of(roles.rank_of("sync", held[r]))
+            if machine not in batch:
+                continue
+            if not left:
+                raise RuntimeError(f"range {r} of EASGD's centre was lost with its machine and no sync server is left")
+            onto = min(left, key=lambda i: (held.count(i), i))
+            held[r] = onto
+            key = centre_key(k, r)
+            if self.trainer == min(membership.live()):  # (one trainer of the job hands it over)
+                lo, hi = self.center.bounds[r]
+                self.center.adopt(r, self.replica[lo:hi], names[onto])
+                rec = RestoredRange(r, names[onto], f"trainer {self.trainer}'s replica", time.time(), machine, k)
+                store.set(key, json.dumps(asdict(rec)))
+            else:
+                deadline = time.monotonic() + membership.timeout
+                while not store.check([key]):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"range {r} of EASGD's centre was not adopted by a sync server within "
+                                           f"{membership.timeout:.0f}s")
+                    time.sleep(0.02)
+                rec = RestoredRange(**json.loads(store.get(key)))
+                self.center.reroute(r, rec.server)
+            self.ranges.append(rec)
 
     def saved_here(self) -> dict[int, Shard]:
         """The shards this machine restored, on the first trainer left here (which saves them in the last
@@ -417,9 +490,11 @@ class LossAcross:
         roles = self.job.roles
         return [t for t in membership.live() if roles.node_of(roles.rank_of("trainer", t)) == roles.topo.node]
 
-    def _restore(self, server: int, membership: Any) -> Shard:
-        """Lost server `server`'s shard in this machine's shared memory: its mirror here (--shard-mirror-interval),
-        else made and filled by the first trainer left here, and mapped by the others."""
+    def _restore(self, server: int, membership: Any, batch: int, lost_with: int) -> Shard:
+        """Server `server`'s shard, lost with machine `lost_with` at the job's `batch`-th loss of machines, in this
+        machine's shared memory: its mirror here (--shard-mirror-interval), else made and filled by the first trainer
+        left here, and mapped by the others."""
+        key = restored_key(batch, server)
         job, store = self.job, membership.store
         here = self._here(membership)
         if server in job.mirrors:
@@ -428,8 +503,9 @@ class LossAcross:
                 E = job.roles.embedding_per_node
                 rec = self._hot_rows(server, shard, Restored(server, "mirror", 0,
                                                              time.time() - float(job.mirror_stamps[server % E]),
-                                                             shard.weight.shape[0], 0, ""))
-                store.set(f"restored/{server}", json.dumps(asdict(rec)))
+                                                             shard.weight.shape[0], 0, "", lost_with=lost_with,
+                                                             batch=batch))
+                store.set(key, json.dumps(asdict(rec)))
             return shard
         n, dim = job.rowhash.shard_rows(server), job.tables.width
         nbytes = n * dim * 4 + n * 4 + n * 8
@@ -437,19 +513,19 @@ class LossAcross:
             name = restored_segment(server, os.getpid())
             buf = create_named(name, nbytes)
             shard = self._shard(buf, n, dim)
-            rec = self._fill(server, shard, name)
-            store.set(f"restored/{server}", json.dumps(asdict(rec)))
+            rec = dataclasses.replace(self._fill(server, shard, name), lost_with=lost_with, batch=batch)
+            store.set(key, json.dumps(asdict(rec)))
         else:
             deadline = time.monotonic() + membership.timeout
-            while not store.check([f"restored/{server}"]):
+            while not store.check([key]):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"trainer {here[0]} did not restore embedding server {server}'s shard within "
                                        f"{membership.timeout:.0f}s")
                 time.sleep(0.02)
-            rec = Restored(**json.loads(store.get(f"restored/{server}")))
+            rec = Restored(**json.loads(store.get(key)))
             buf = map_named(rec.name, nbytes, membership.timeout)
             shard = self._shard(buf, n, dim)
-        if int(store.add(f"restored-maps/{server}", 1)) == len(here):  # every trainer here mapped it
+        if int(store.add(f"restored-maps/{batch}/{server}", 1)) == len(here):  # every trainer here mapped it
             unlink_named(rec.name)
         return shard
 

@@ -35,9 +35,10 @@ positions with its heartbeat (`pos/<t>`), where the others read a lost machine's
 
 A lone trainer of a job across machines is lost as on one machine (`survives_trainer_loss`: it runs under a keeper,
 which records it), while its machine goes on: another trainer of that machine serves the lost one's part of the
-lookup exchange (job/loss_across.py). A job across machines goes on after its first loss only, a machine's (or
-machines' lost together) or a lone trainer's: the first to record one claims `LOSS_ACROSS` (`claim_loss_across`),
-and a later loss of either kind stops the job.
+lookup exchange (job/loss_across.py). The first to record a loss across machines claims `LOSS_ACROSS`
+(`claim_loss_across`): after a lone trainer's, a later loss of either kind stops the job; after a machine's, later
+losses of machines are survived in turn (each handled as the trainers recorded it: `Membership.loss_batch`).
+Each trainer publishes its positions in its share of lost trainers' rows too (`share-pos/<t>`).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
            "servers_leave_at_end", "survives_node_loss", "record_node_loss", "Restored", "restored_shards",
-           "RestoredRange", "restored_ranges", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending",
-           "Join", "record_change", "joins_open", "JOINING", "JOINING_SINCE", "survives_trainer_loss", "LOSS_ACROSS",
-           "claim_loss_across", "loss_across"]
+           "RestoredRange", "restored_ranges", "centre_key", "restored_key", "loss_batches", "EPOCH", "ABSENT",
+           "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join", "record_change", "joins_open", "JOINING",
+           "JOINING_SINCE", "survives_trainer_loss", "LOSS_ACROSS", "claim_loss_across", "loss_across"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -82,6 +83,9 @@ JOINING_SINCE = "joining-since"
 #: across machines: the job's first loss, claimed by whoever records it ("node": a machine's; "trainer <t>": a lone
 #: trainer's); a loss of another kind after it is not survived
 LOSS_ACROSS = "loss-across"
+#: across machines: the machines of each loss as the trainers handle it (`loss-batch/<k>`: a JSON list), decided once
+#: for every machine by the first trainer to handle it
+LOSS_BATCH = "loss-batch"
 #: seconds between two reads of the store while waiting for peers (a loss, an agreement, a command)
 POLL = 0.02
 
@@ -161,6 +165,8 @@ class Restored:
     hot_rows: int
     name: str  # the shared-memory segment (named until every trainer left here has mapped it)
     node: int = 0  # the machine it was restored on
+    lost_with: int = 0  # the lost machine that held it (its own, or one that had restored it after an earlier loss)
+    batch: int = 1  # the loss it was restored after (`Membership.loss_batch`)
 
 
 @dataclass(frozen=True)
@@ -172,19 +178,43 @@ class RestoredRange:
     server: str
     source: str
     time: float
+    lost_with: int = 0  # the lost machine whose sync server held it (its own, or one that had adopted it)
+    batch: int = 1  # the loss it was adopted after (`Membership.loss_batch`)
 
 
-def restored_ranges(store: Any, ranges: list[int]) -> list[RestoredRange]:
-    """The records of the adopted centre ranges among `ranges` (those recorded)."""
-    return [RestoredRange(**json.loads(store.get(f"centre/{r}"))) for r in ranges if store.check([f"centre/{r}"])]
+def centre_key(batch: int, index: int) -> str:
+    """The store key of range `index` of EASGD's centre as adopted after loss `batch` (a range is adopted again when
+    the machine of the sync server that adopted it is lost in turn)."""
+    return f"centre/{batch}/{index}"
 
 
-def restored_shards(store: Any, servers: list[int]) -> list[Restored]:
-    """The records of the restored shards among `servers` (those recorded)."""
+def restored_ranges(store: Any, ranges: int) -> list[RestoredRange]:
+    """The records of every adopted range of EASGD's centre so far (of its `ranges`), loss by loss."""
+    keys = [centre_key(k, r) for k in range(1, len(loss_batches(store)) + 1) for r in range(ranges)]
+    return [RestoredRange(**json.loads(store.get(key))) for key in keys if store.check([key])]
+
+
+def restored_key(batch: int, server: int) -> str:
+    """The store key of embedding server `server`'s shard as restored after loss `batch` (a shard is restored again
+    when the machine that held it is lost in turn)."""
+    return f"restored/{batch}/{server}"
+
+
+def loss_batches(store: Any) -> list[list[int]]:
+    """The machines lost, as the losses the trainers handled (`Membership.loss_batch`), in order."""
+    out: list[list[int]] = []
+    while store.check([f"{LOSS_BATCH}/{len(out) + 1}"]):
+        out.append([int(n) for n in json.loads(store.get(f"{LOSS_BATCH}/{len(out) + 1}"))])
+    return out
+
+
+def restored_shards(store: Any, servers: int) -> list[Restored]:
+    """The records of every shard restored so far (of the job's `servers`), loss by loss."""
     out = []
-    for s in servers:
-        if store.check([f"restored/{s}"]):
-            out.append(Restored(**json.loads(store.get(f"restored/{s}"))))
+    for k in range(1, len(loss_batches(store)) + 1):
+        for s in range(servers):
+            if store.check([restored_key(k, s)]):
+                out.append(Restored(**json.loads(store.get(restored_key(k, s)))))
     return out
 
 
@@ -226,6 +256,7 @@ def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bo
     for s in range(node * E, (node + 1) * E):
         store.set(f"lost-server/{s}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now}))
         store.add(SERVER_LOSSES, 1)
+    store.set(f"lost-node/{node}/recorded", "1")  # (before the count: a machine counted is recorded whole)
     store.add(NODE_LOSSES, 1)
     return True
 
@@ -275,9 +306,13 @@ class Membership:
     """A rank's view of which trainers are left, read from the job's store (`store`: a client of it, under the
     job's prefix)."""
 
-    def __init__(self, store: Any, roles: Roles, min_trainers: int, timeout: float):
-        """`timeout`: seconds a rank waits for peers that are alive (a loss to be recorded, an agreement)."""
+    def __init__(self, store: Any, roles: Roles, min_trainers: int, timeout: float,
+                 cross_timeout: float | None = None):
+        """`timeout`: seconds a rank waits for peers that are alive (a loss to be recorded, an agreement).
+        `cross_timeout`: seconds a dense sync's group across machines waits for a member (its connection once formed,
+        then each collective; default `timeout`)."""
         self.store, self.roles, self.min_trainers, self.timeout = store, roles, min_trainers, timeout
+        self.cross_timeout = timeout if cross_timeout is None else cross_timeout
         self._current: tuple[tuple[int, ...], Any] | None = None  # the group made last, by its ranks
         self._dropped: list[Any] = []  # groups destroyed by `drop`
         self._changes: dict[int, Loss | Join] = {}  # by place in the order of changes
@@ -343,14 +378,32 @@ class Membership:
         return None
 
     def lost_nodes(self) -> list[NodeLoss]:
-        """The machines lost so far (their trainers and servers are recorded before the count grows)."""
-        count = int(self.store.add(NODE_LOSSES, 0))
+        """The machines lost so far, each once it is recorded whole (its trainers and servers too), in node order."""
         found = []
         for n in range(self.roles.topo.nnodes):
-            if len(found) < count and self.store.check([f"lost-node/{n}"]):
+            if self.store.check([f"lost-node/{n}/recorded"]):
                 rec = json.loads(self.store.get(f"lost-node/{n}"))
                 found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"])))
         return found
+
+    def loss_batch(self, k: int, nodes: list[int]) -> list[int]:
+        """The machines of the job's `k`-th loss of machines, as every trainer handles it: `nodes` (those this trainer
+        found recorded since the `k-1`-th), or the machines another trainer decided first (machines lost within
+        moments of each other may be seen apart: the first word is every machine's)."""
+        raw = self.store.compare_set(f"{LOSS_BATCH}/{k}", "", json.dumps(sorted(nodes)))
+        return [int(n) for n in json.loads(raw)]
+
+    def wait_for_node_loss(self, handled: int, timeout: float | None = None) -> bool:
+        """Whether more than `handled` machines are recorded as lost, within `timeout` (default the membership's);
+        False at once if a rank reported a failure first."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while time.monotonic() < deadline:
+            if int(self.store.add(NODE_LOSSES, 0)) > handled:
+                return True
+            if self.store.check([FIRST_FAILURE]):
+                return False
+            time.sleep(POLL)
+        return False
 
     def wait_for_loss_across(self, timeout: float | None = None) -> str | None:
         """Across machines: who claimed the job's first loss (`loss_across`) once one is recorded (a machine's: its
@@ -386,6 +439,12 @@ class Membership:
         """Trainer `trainer`'s reader positions as it last published them with its heartbeat (None: never)."""
         raw = self.store.get(f"pos/{trainer}") if self.store.check([f"pos/{trainer}"]) else None
         return [int(p) for p in json.loads(raw)] if raw is not None else None
+
+    def published_share_positions(self, trainer: int) -> list[int] | None:
+        """Trainer `trainer`'s positions in its share of lost trainers' rows as it last published them (the agreement
+        first, then one per worker; None: never)."""
+        key = f"share-pos/{trainer}"
+        return [int(p) for p in json.loads(self.store.get(key))] if self.store.check([key]) else None
 
     def record_start(self, trainer: int, examples: int, restart: int = 0) -> None:
         """Trainer `trainer` starts from `examples` read (its resumed reader positions; `restart`: its restart)."""
@@ -513,7 +572,7 @@ class Membership:
         communicator named by the epoch where they are on one machine, else a gloo group on the store. Each member
         says it is ready; the first to see every member ready seals the group, and every member uses it. If the
         epoch moves on first (another change), or `give_up()` turns true, the group is abandoned, by every member
-        alike: None (form the next one)."""
+        alike: None (form the next one); so is one a member was lost from while it connected."""
         live = self.live(epoch)
         key = f"group/{epoch}"
         self.store.set(f"{key}/ready/{trainer}", "1")
@@ -532,14 +591,19 @@ class Membership:
         if self.store.get(f"{key}/state") != b"sealed":
             return None
         n, i = len(live), live.index(trainer)
-        if len({self.roles.node_of(r) for r in self.trainer_ranks(live)}) > 1:  # (machines left after one's loss)
-            pg = gloo_backend(dist.PrefixStore(f"{key}/gloo", self.store), i, n,
-                              datetime.timedelta(seconds=self.timeout))
-            return GlooGroup(pg, live)
-        job = self.store.compare_set("group-id", "", uuid.uuid4().hex[:10]).decode()
-        topo = Topology(rank=i, world_size=n, local_rank=i, local_world_size=n, node=0)
-        groups = NodeGroups(topo=topo, job_id=f"{job}-e{epoch}", members=self.trainer_ranks(live))
-        return ShmGroup(ShmCommunicator(groups, timeout=self.timeout), live)
+        try:
+            if len({self.roles.node_of(r) for r in self.trainer_ranks(live)}) > 1:  # (machines left after a loss)
+                pg = gloo_backend(dist.PrefixStore(f"{key}/gloo", self.store), i, n,
+                                  datetime.timedelta(seconds=self.cross_timeout))
+                return GlooGroup(pg, live)
+            job = self.store.compare_set("group-id", "", uuid.uuid4().hex[:10]).decode()
+            topo = Topology(rank=i, world_size=n, local_rank=i, local_world_size=n, node=0)
+            groups = NodeGroups(topo=topo, job_id=f"{job}-e{epoch}", members=self.trainer_ranks(live))
+            return ShmGroup(ShmCommunicator(groups, timeout=self.timeout), live)
+        except Exception:
+            if self.epoch() > epoch:  # a member was lost after it said it was ready: the next change's group
+                return None
+            raise
 
     # -- groups among the ranks left ------------------------------------------------------------------------
     def trainer_group(self, live: list[int]) -> Any:

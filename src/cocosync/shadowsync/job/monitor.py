@@ -99,8 +99,8 @@ class Monitor:
         self.hosts_store = hosts_store
         self.fence_key = fence_key or f"lost-node/{self.node}"
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
-        self._said_restored: set[int] = set()  # lost servers whose restored shard was named
-        self._said_ranges: set[int] = set()  # ranges of EASGD's centre whose adoption was named
+        self._said_restored: set[tuple[int, int]] = set()  # (loss, server) of each restored shard named
+        self._said_ranges: set[tuple[int, int]] = set()  # (loss, range) of each adopted range of EASGD's centre named
         self._said_substitutes: set[int] = set()  # lone lost trainers whose stand-in was named (across machines)
         self._said_joins: dict[int, bool] = {}  # lost machines whose place another took: whether its trainers joined
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
@@ -351,7 +351,8 @@ class Monitor:
                 sync = (f", sync server{'s' if P > 1 else ''} {', '.join(str(i) for i in range(n * P, (n + 1) * P))}"
                         if P else "")
                 self.console.print(f"[yellow]node {n} was lost (no word from its launcher for {silent:.1f} s): "
-                                   f"trainers {', '.join(map(str, trainers))}{sync} and embedding server"
+                                   f"trainer{'s' if len(trainers) > 1 else ''} {', '.join(map(str, trainers))}{sync}"
+                                   " and embedding server"
                                    f"{'s' if E > 1 else ''} {', '.join(str(s) for s in range(n * E, (n + 1) * E))} "
                                    f"with it; {left} trainer{'s go' if left > 1 else ' goes'} on, restore its shards"
                                    f"{' and centre ranges' if P else ''} and read its unread rows", soft_wrap=True)
@@ -397,16 +398,16 @@ class Monitor:
                    if self._node_of_trainer(t) == n)
 
     def _say_restored(self) -> None:
-        P = self.roles.sync_per_node
-        ranges = [r for n in self.lost_nodes for r in range(n * P, (n + 1) * P) if r not in self._said_ranges]
-        for c in restored_ranges(self.store, ranges):
-            self._said_ranges.add(c.range)
+        for c in restored_ranges(self.store, self.roles.sync_per_node * self.nodes):
+            if (c.batch, c.range) in self._said_ranges:
+                continue
+            self._said_ranges.add((c.batch, c.range))
             self.console.print(f"range {c.range} of EASGD's centre adopted by {c.server} from {c.source} (current)",
                                soft_wrap=True)
-        E = self.roles.embedding_per_node
-        servers = [s for n in self.lost_nodes for s in range(n * E, (n + 1) * E) if s not in self._said_restored]
-        for r in restored_shards(self.store, servers):
-            self._said_restored.add(r.server)
+        for r in restored_shards(self.store, self.roles.embedding_per_node * self.nodes):
+            if (r.batch, r.server) in self._said_restored:
+                continue
+            self._said_restored.add((r.batch, r.server))
             where = {"initial rows": "its initial rows", "mirror": "its mirror on this machine"}.get(
                 r.source, f"the checkpoint at {r.examples:,} examples")
             self.console.print(f"embedding server {r.server}'s shard restored on node {r.node} from {where} "

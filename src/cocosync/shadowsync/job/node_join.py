@@ -25,8 +25,8 @@ joining machine has recorded its join. Where the trainers' dense sync is a gloo 
 together: they look at the membership at the same round (`Recovery.changed`), so none waits in a collective for a
 peer that left for the new group. A machine joins where one machine is left, so far: among several left, one of them
 re-formed for the join late in about one run of six (its peers had waited 30 s for it by then), not yet understood.
-One machine joins a job (its trainers do not re-form what they made for a later one), and a machine that joined is
-not lost again without stopping the job (the job's record of lost machines is by node). A claim holds the
+One machine joins a job (its trainers do not re-form what they made for a later one), and no machine is lost after
+a join without stopping the job (the job's record of lost machines is by node: `LossAcross.took_in`). A claim holds the
 trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
 (membership.py: `JOINING`).
 
@@ -48,7 +48,15 @@ from typing import Any
 from cocosync.shadowsync.job.job import Job
 from cocosync.shadowsync.job.link import FIRST_FAILURE
 from cocosync.shadowsync.job.loss_across import LossAcross, holders, machine_exchange, machine_group
-from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Join, Membership, job_ending, joins_open
+from cocosync.shadowsync.job.membership import (
+    JOINING,
+    JOINING_SINCE,
+    Join,
+    Membership,
+    job_ending,
+    joins_open,
+    loss_batches,
+)
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
 from cocosync.shadowsync.model.exchange import LookupExchange
@@ -134,7 +142,9 @@ def join_machines(store: Any, roles: Roles) -> tuple[list[int], dict[int, int]]:
     lost = [n for n in range(nnodes) if store.check([f"lost-node/{n}"])]
     joined = {j.node for j in joined_nodes(store, nnodes)}
     machines = [n for n in range(nnodes) if n not in lost or n in joined]
-    return machines, holders(nnodes, roles.embedding_per_node, lost)
+    batches = loss_batches(store)  # (the losses as the trainers handled them; any recorded since, as one more)
+    rest = [n for n in lost if not any(n in b for b in batches)]
+    return machines, holders(nnodes, roles.embedding_per_node, batches + ([rest] if rest else []))
 
 
 class MachineJoins:
@@ -197,6 +207,7 @@ class MachineJoins:
                 f"{roles.rpc_name(r)} (node {roles.node_of(r)})" for r in firsts if r != roles.topo.rank),
                 joined=True)
         self.admitted.append(join)
+        self.machine.took_in(join.node)
 
     def _replace(self, exchange: LookupExchange) -> None:
         """This trainer's lookups go through `exchange` from now on; the one it replaces closes with its peers (it

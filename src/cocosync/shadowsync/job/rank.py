@@ -497,6 +497,7 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: b
     if job.link is not None:  # (where another machine may read this trainer's rows after its loss: its positions)
         job.link.beat(t, state.stop, min(0.2, cfg.heartbeat_timeout / 10),
                       positions=job.positions[t] if across else None,
+                      share_positions=job.share_positions[t] if across else None,
                       lost_key=(job.fence_key or f"lost-node/{roles.topo.node}") if across else None)
     elif cfg.timeout is not None:  # no launcher to ask (plain torchrun): the trainer keeps --timeout, from its start
         _stop_after(state.stop, cfg.timeout)
@@ -790,10 +791,12 @@ def _lost_nodes(job: Job, run: _TrainerRun) -> list[dict]:
     """The machines lost, each with its shards as restored (where from, the rows' age)."""
     if job.membership is None or job.roles.topo.nnodes == 1:
         return []
-    E, P, out = job.roles.embedding_per_node, job.roles.sync_per_node, []
+    P, out = job.roles.sync_per_node, []
+    shards = restored_shards(job.membership.store, job.rowhash.servers)
+    adopted = restored_ranges(job.membership.store, P * job.roles.topo.nnodes)
     for n in job.membership.lost_nodes():
-        restored = restored_shards(job.membership.store, list(range(n.node * E, (n.node + 1) * E)))
-        ranges = restored_ranges(job.membership.store, list(range(n.node * P, (n.node + 1) * P)))
+        restored = [r for r in shards if r.lost_with == n.node]
+        ranges = [r for r in adopted if r.lost_with == n.node]
         out.append({**dataclasses.asdict(n), "restored": [
             {k: v for k, v in dataclasses.asdict(r).items() if k != "name"} for r in restored],
             **({"centre": [dataclasses.asdict(r) for r in ranges]} if P else {})})

@@ -70,8 +70,8 @@ class Recovery:
         # by agreement: the trainers each given a share of lost trainers' rows there, and the shares (W parts each),
         # the same on every trainer left (published in the store for the trainers that join later)
         self.shares: dict[int, tuple[list[int], list]] = {}
-        # across machines: run before the sync re-forms (job/loss_across.py: LossAcross.prepare), False if no
-        # machine's loss explains the failure
+        # across machines: run once a change is recorded, before the sync re-forms (job/node_join.py:
+        # MachineJoins.prepare); False if no loss explains the failure
         self.before_regroup: Callable[[], bool] | None = None
         # what a joining trainer takes from a peer (its dense replica and optimizer state: set by the trainer)
         self.carried: tuple[torch.Tensor, ...] = ()
@@ -87,8 +87,12 @@ class Recovery:
         """Whether the trainers changed since this trainer's sync was formed (looked up at most every LOOK_EVERY s:
         the sync loop asks before each round). Only where a trainer may join (--max-restarts; across machines, a
         machine in a lost one's place, which comes only after a loss: once this trainer's sync was re-formed,
-        node_join.py): a loss is found by the collective it breaks."""
-        if not self.job.cfg.max_restarts and (self.job.roles.topo.nnodes == 1 or self._group is None):
+        node_join.py; not with EASGD, whose sync servers no machine starts again): a loss is found by the collective
+        it breaks."""
+        across = self.job.roles.topo.nnodes > 1
+        if across and self.job.cfg.sync.method == "easgd":
+            return False
+        if not self.job.cfg.max_restarts and (not across or self._group is None):
             return False
         if isinstance(self._group, GlooGroup):
             return self._changed_together(self._group)
@@ -122,12 +126,14 @@ class Recovery:
         leave_collectives(f"trainer {self.trainer}'s sync is re-formed")
         if self.trainer not in self.membership.live():  # (recorded as lost while it ran: its machine was fenced)
             leave_fenced(self.trainer)
-        if self.before_regroup is not None and not self.before_regroup():
-            return None
         seen = self.epoch
         while True:
             epoch = self.membership.wait_for_change(seen)
             if epoch is None:
+                return None
+            # (across machines: the losses recorded are handled first, a machine's shards restored and its centre
+            # ranges adopted, and the machines that joined taken in)
+            if self.before_regroup is not None and not self.before_regroup():
                 return None
             group = self.membership.sync_group(epoch, self.trainer)
             if group is not None:
@@ -294,9 +300,17 @@ class Recovery:
         k, W = max(given), self.job.cfg.workers
         live, parts = self.shares[k]
         j = live.index(d)
-        started = int(self.job.share_positions[d, 0]) == k
-        pos = [int(p) for p in self.job.share_positions[d, 1:]] if started else [0] * W
+        row = self._share_row(d)
+        pos = row[1:] if row[0] == k else [0] * W
         return k, parts[j * W:(j + 1) * W], pos
+
+    def _share_row(self, d: int) -> list[int]:
+        """Trainer d's agreement and positions in its share of lost trainers' rows (Job.share_positions): this
+        machine's shared copy, or (a trainer of another machine) what it last published (zeros if it never did)."""
+        roles = self.job.roles
+        if roles.node_of(roles.rank_of("trainer", d)) == roles.topo.node:
+            return [int(p) for p in self.job.share_positions[d]]
+        return self.membership.published_share_positions(d) or [0] * (self.job.cfg.workers + 1)
 
     def _unread(self, loss: Loss, own: list) -> list:
         """The rows the process lost at `loss` had not read: of its own shards (`own`: every trainer's), or, when it

@@ -42,6 +42,11 @@ class LookupThread:
         return TransportCounters(rounds=self.rounds, messages=self.rounds * (self.n - 1), wire_bytes=self.bytes_sent,
                                  cpu_s=self.cpu_s)
 
+    @property
+    def failed(self) -> bool:
+        """Whether this transport broke (a peer was lost: every lookup it held failed with the reason)."""
+        return self._error is not None
+
     def _check(self) -> None:
         """Under the lock, before queueing: the transport's error, or its end."""
         if self._error is not None:
