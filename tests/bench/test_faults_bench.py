@@ -31,3 +31,13 @@ def test_bench_faults_refuses_an_unknown_kind_of_kill(tmp_path):
     res = CliRunner().invoke(main, ["bench", "faults", "--kill", "trainer,machine", "--out", str(tmp_path)])
     assert res.exit_code == 2 and "'machine'" in res.output, res.output
     assert "trainer, restart, server, node, rejoin" in res.output, res.output
+
+
+@pytest.mark.parametrize("args,named", [
+    (["--kill", "nodes", "--nodes", "2"], "--nodes"),  # (two machines lost: the job needs a third to go on)
+    (["--kill", "nodes", "--nodes", "3", "--at", "0.5", "--second-at", "0.4"], "--second-at"),
+])
+def test_bench_faults_refuses_two_machines_lost_in_a_job_that_cannot_go_on(tmp_path, args, named):
+    res = CliRunner().invoke(main, ["bench", "faults", *args, "--trainers", "6", "--out", str(tmp_path)])
+    assert res.exit_code == 2 and named in res.output, res.output
+    assert not (tmp_path / "faults.json").exists()

@@ -8,7 +8,8 @@ a periodic checkpoint's save included), against the same multi-machine job unint
 so, and its command started again once the job has trained `--rejoin-at` of its examples (it joins the running job
 in its place); `node-trainer`: trainer 2 alone, node 1's first trainer, in the same multi-machine job (its machine
 goes on with its other trainers); `node-restart`: the same with `--max-restarts 1` (its restart joins the running
-job). Per run:
+job); `nodes`: node 1 killed whole, then node 2 once the job has gone on without it and trained `--second-at` of its
+examples (three machines or more: the job ends on the others). Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
@@ -26,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -105,19 +107,30 @@ def _trained(metrics: Path, examples: int) -> bool:
     return any(r.get("event") == "train" and r.get("examples", 0) >= examples for r in records)
 
 
+@dataclass(frozen=True)
+class _NodesRun:
+    """A multi-machine run's summary, when node 1 was killed, when its command started again (--kill rejoin) and when
+    node 2 was killed (--kill nodes; time.time())."""
+
+    summary: dict
+    killed_at: float | None
+    rejoined_at: float | None = None
+    second_killed_at: float | None = None
+
+
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2,
-               rejoin_at: int | None = None, lone: bool = False) -> tuple[dict, float | None, float | None]:
+               rejoin_at: int | None = None, lone: bool = False, second_at: int | None = None) -> _NodesRun:
     """`nodes` loopback machines of `trainers // nodes` trainers each (after an embedding server, and EASGD's sync
     server); with `at`, node 1 killed whole once the job has trained `at` examples (`lone`: node 1's first trainer
     alone); with `rejoin_at`, its command started again once the job has trained that many (and node 0 has recorded
-    the loss: a start refused before is made again). (summary, time of the kill, time node 1's command started
-    again)."""
+    the loss: a start refused before is made again); with `second_at`, node 2 killed whole once the job has trained
+    that many and the job went on without node 1 (SECOND_AFTER_S after its kill)."""
     before = semaphores()
     servers = 1 + any(a.endswith("easgd") for a in args)
     port = free_port()
     nproc = servers + trainers // nodes
     procs = start_nodes(args, nnodes=nodes, nproc_per_node=nproc, port=port)
-    killed_at = rejoined_at = None
+    killed_at = rejoined_at = second_killed_at = None
     metrics = out / "metrics.jsonl"
     try:
         while at is not None and killed_at is None and all(p.poll() is None for p in procs):
@@ -128,6 +141,12 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
                 else:
                     kill_machine(procs[1].pid)
                 killed_at = time.time()
+        while second_at is not None and killed_at is not None and second_killed_at is None and \
+                procs[0].poll() is None:
+            time.sleep(0.05)
+            if _trained(metrics, second_at) and time.time() - killed_at > SECOND_AFTER_S:
+                kill_machine(procs[2].pid)
+                second_killed_at = time.time()
         while rejoin_at is not None and killed_at is not None and rejoined_at is None and procs[0].poll() is None:
             time.sleep(0.05)
             if _trained(metrics, rejoin_at) and time.time() - killed_at > 3.5:
@@ -146,18 +165,25 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
     remove_semaphores_since(before)
     # (node 1 killed, and its starts again that were refused, fail; the start that joined must not)
     ignored = {1, *range(nodes, len(runs) - 1)} if at is not None and not lone else set()
+    if second_at is not None:
+        ignored.add(2)
     failed = [r for i, r in enumerate(runs) if r.returncode != 0 and i not in ignored]
-    if failed or (at is not None and killed_at is None) or (rejoin_at is not None and rejoined_at is None):
+    if failed or (at is not None and killed_at is None) or (rejoin_at is not None and rejoined_at is None) or \
+            (second_at is not None and second_killed_at is None):
         raise click.ClickException(f"the multi-machine job failed or ended before the kill (or the machine's join): "
                                    f"{(failed[0].output if failed else runs[0].output)[-800:]}")
-    return json.loads((out / "summary.json").read_text()), killed_at, rejoined_at
+    return _NodesRun(json.loads((out / "summary.json").read_text()), killed_at, rejoined_at, second_killed_at)
 
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
 VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1, "node-trainer": -1,
-           "node-restart": -1}
+           "node-restart": -1, "nodes": -1}
 #: the kinds that kill in a job across machines (the others: a one-machine job)
-ACROSS = ("node", "rejoin", "node-trainer", "node-restart")
+ACROSS = ("node", "rejoin", "node-trainer", "node-restart", "nodes")
+#: the kinds whose loss is a machine's (compared with NODE_NE_TARGET)
+MACHINES = ("node", "rejoin", "nodes")
+#: seconds after node 1's kill before --kill nodes kills node 2 (the job has gone on without node 1 by then)
+SECOND_AFTER_S = 6.0
 #: the kinds whose killed trainer is started again (--max-restarts 1)
 RESTARTS = ("restart", "node-restart")
 
@@ -174,9 +200,13 @@ RESTARTS = ("restart", "node-restart")
                    "again: --max-restarts 1), server (embedding server 0), node (node 1 of --nodes loopback machines), "
                    "rejoin (node 1, its command started again at --rejoin-at), node-trainer (trainer 2 of the "
                    "--nodes machines' job, node 1's first trainer, alone: its machine goes on), node-restart (the "
-                   "same, started again: --max-restarts 1).")
+                   "same, started again: --max-restarts 1), nodes (node 1, then node 2 at --second-at: --nodes 3 "
+                   "or more).")
 @click.option("--rejoin-at", type=click.FloatRange(0.0, 0.95), default=0.5, show_default=True,
               help="--kill rejoin: node 1's command starts again once the job has trained this fraction.")
+@click.option("--second-at", type=click.FloatRange(0.0, 0.95), default=0.6, show_default=True,
+              help="--kill nodes: node 2 is killed once the job has trained this fraction (and gone on without "
+                   "node 1).")
 @click.option("--sync", default="shadow-bmuf", show_default=True)
 @click.option("--shard-mirror-interval", "mirror_ms", type=click.FloatRange(0, 60_000), default=0, show_default=True,
               help="milliseconds: the jobs of two machines mirror their shards (0: none; a lost machine's come "
@@ -184,8 +214,8 @@ RESTARTS = ("restart", "node-restart")
 @click.option("--nodes", type=click.IntRange(2, 8), default=2, show_default=True,
               help="loopback machines of the job whose node 1 --kill node kills (T/nodes trainers each).")
 @click.option("--out", type=click.Path(file_okay=False), default="runs/bench-faults", show_default=True)
-def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: float, kill: str, sync: str,
-               mirror_ms: float, nodes: int, out: str) -> None:
+def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: float, second_at: float, kill: str,
+               sync: str, mirror_ms: float, nodes: int, out: str) -> None:
     """A trainer or an embedding server killed (kill -9) during a one-machine job, or a machine of a multi-machine job,
     against the same job uninterrupted, over seeds: eval NE, examples lost, how soon the job recovered."""
     kinds = [k.strip() for k in kill.split(",") if k.strip()]
@@ -196,6 +226,12 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
     if any(k in ACROSS for k in kinds) and trainers % nodes:
         raise click.BadParameter(f"{trainers}: a machine's loss runs T/{nodes} trainers on each of {nodes} machines: "
                                  f"expected a multiple of {nodes}", param_hint="--trainers")
+    if "nodes" in kinds and nodes < 3:
+        raise click.BadParameter(f"{nodes}: --kill nodes loses two machines and the job goes on with the others: "
+                                 "expected 3 or more", param_hint="--nodes")
+    if "nodes" in kinds and second_at <= at:
+        raise click.BadParameter(f"{second_at:g}: node 2 is killed after node 1 (--at {at:g}): expected more",
+                                 param_hint="--second-at")
     if mirror_ms and nodes > 2:
         raise click.BadParameter(f"{mirror_ms:g}: shards are mirrored between two machines, not {nodes}",
                                  param_hint="--shard-mirror-interval")
@@ -211,17 +247,20 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             if node not in bases:  # the uninterrupted job of the same shape
                 base_out = root / f"seed{seed}-uninterrupted{f'-{nodes}nodes' if node else ''}"
                 bases[node] = (_run_nodes(_node_args(base_out, seed, examples, sync, mirror_ms), base_out, trainers,
-                                          None, nodes)[0]
+                                          None, nodes).summary
                                if node else _run(_command(base_out, seed, examples, trainers, sync), base_out))
             base = bases[node]
             kill_out = root / f"seed{seed}-{kind}-killed"
-            rejoined_at = None
+            rejoined_at = second_killed_at = None
             if node:
-                hit, killed_at, rejoined_at = _run_nodes(
+                run = _run_nodes(
                     _node_args(kill_out, seed, examples, sync, mirror_ms) + (
                         ["--max-restarts", "1"] if kind in RESTARTS else []), kill_out, trainers, int(at * examples),
                     nodes, int(rejoin_at * examples) if kind == "rejoin" else None,
-                    lone=kind in ("node-trainer", "node-restart"))
+                    lone=kind in ("node-trainer", "node-restart"),
+                    second_at=int(second_at * examples) if kind == "nodes" else None)
+                hit, killed_at, rejoined_at, second_killed_at = (run.summary, run.killed_at, run.rejoined_at,
+                                                                 run.second_killed_at)
             else:
                 cmd = _command(kill_out, seed, examples, trainers, sync) + (
                     ["--max-restarts", "1"] if kind == "restart" else [])
@@ -230,12 +269,19 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             change = hit["eval_ne"] / base["eval_ne"] - 1
             losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
                               "node": "lost_nodes", "rejoin": "lost_nodes", "node-trainer": "lost",
-                              "node-restart": "lost"}[kind])
+                              "node-restart": "lost", "nodes": "lost_nodes"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
+            recorded = f"{rec:.2f}"
+            if kind == "nodes":  # (and node 2's, from its own kill)
+                assert second_killed_at is not None
+                rec2 = losses[1]["time"] - second_killed_at if len(losses) > 1 else float("nan")
+                recorded = f"{rec:.2f} / {rec2:.2f}"
+                found[kind]["recorded"].append(rec2)
+                loss = losses[1] if len(losses) > 1 else None  # (its restore is the one said)
             ref = (hit.get("regrouped_at") or float("nan")) - killed_at
             restored = "-"
-            if kind in ("node", "rejoin") and loss and loss["restored"]:
+            if kind in MACHINES and loss and loss["restored"]:
                 r = loss["restored"][0]
                 where = (r["source"] if r["source"] in ("initial rows", "mirror")
                          else f"checkpoint at {r['examples']:,}")
@@ -251,7 +297,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             f["recorded"].append(rec)
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
-                         f"{examples - hit['examples']:,}", f"{rec:.2f}", "-" if kind == "server" else f"{ref:.2f}",
+                         f"{examples - hit['examples']:,}", recorded, "-" if kind == "server" else f"{ref:.2f}",
                          restored, "-" if kind not in (*RESTARTS, "rejoin") else f"{after:.1f}" if restarts
                          else "did not join",
                          f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
@@ -265,7 +311,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                      f"{statistics.median(f['recorded']):.2f} (median)",
                      "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "",
                      f"{max(f['trains_after']):.1f} (most)" if kind in (*RESTARTS, "rejoin") else "", ""])
-        target = NODE_NE_TARGET if kind in ("node", "rejoin") else NE_TARGET
+        target = NODE_NE_TARGET if kind in MACHINES else NE_TARGET
         ok = abs(mean) <= target and max(f["lost"]) == 0
         joined = ""
         if kind in (*RESTARTS, "rejoin"):  # (nan, a restart that did not join, fails the comparison)
@@ -277,9 +323,10 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
+    seconds = f", node 2 killed at {second_at:.0%}" if "nodes" in kinds else ""
     machines = f", {nodes} machines" if any(k in ACROSS for k in kinds) and nodes != 2 else ""
     rejoins = f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else ""
-    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}, T={trainers}, {sync}"
+    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}{seconds}, T={trainers}, {sync}"
              f"{mirrored}{machines}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
@@ -292,5 +339,6 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                                                       "restart_trains_after_s": f["trains_after"]}
                                                   for k, f in found.items()},
                                       "trainers": trainers, "examples": examples, "at": at, "rejoin_at": rejoin_at,
+                                      "second_at": second_at,
                                       "sync": sync,
                                       "shard_mirror_interval_ms": mirror_ms})
