@@ -301,8 +301,9 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                          restored, "-" if kind not in (*RESTARTS, "rejoin") else f"{after:.1f}" if restarts
                          else "did not join",
                          f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
-            console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with a "
-                          f"{kind} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
+            what = "nodes 1 and 2" if kind == "nodes" else f"a {kind}"
+            console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with "
+                          f"{what} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
     verdicts = []
     for kind in kinds:
         f = found[kind]
