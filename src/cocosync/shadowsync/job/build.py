@@ -27,11 +27,12 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
 from cocosync.shadowsync.job.loss_across import cross_timeout, save_timeout
-from cocosync.shadowsync.job.membership import Membership, restartable, survives_losses, survives_node_loss
+from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.job.segments import NodeTensors
+from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.model.shard import RowHash, Shard, initial_rows
 from cocosync.shadowsync.model.transport import serve_shard
 from cocosync.shadowsync.sync import FlatParams
@@ -75,7 +76,8 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     tables = model.plan
     rowhash = RowHash(tables.total_rows, E * topo.nnodes)
     arena = Arena(node_groups())
-    restartable = _restartable(cfg, cluster, roles, link)
+    survival = Survival.of(cfg, cluster, topo.nnodes, roles.trainers_per_node, link is not None)
+    restartable = cfg.max_restarts > 0 and survival.restarts  # (named segments: a restart maps them)
     node = NodeTensors(arena, link.client() if restartable else None, topo.local_rank == 0, topo.node,
                        timeout=cfg.heartbeat_timeout + 30.0)
     shards = _node_shards(cfg, roles, tables, rowhash, node)
@@ -85,9 +87,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                                             seed=model_cfg.seed, rowhash=rowhash, server=server))
             serve_shard(server, shard)
     # the other machine's shards, mirrored here (--shard-mirror-interval, a job that survives a machine's loss)
-    mirrored = survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
-                                  roles.trainers_per_node, cfg.min_trainers, link is not None) and \
-        cluster.shard_mirror_interval > 0 and topo.nnodes == 2
+    mirrored = survival.machine_loss and cluster.shard_mirror_interval > 0 and topo.nnodes == 2
     mirrors: dict[int, Shard] = {}
     mirror_stamps = None
     if mirrored:
@@ -160,9 +160,7 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                                                                                            mirror_group]
     cross = (inter, hot_peers, exchange.group) if kind == "trainer" else ()
     membership = None
-    if survives_losses(roles.trainers, cfg.min_trainers, topo.nnodes, cfg.sync.method, link is not None) or \
-            survives_node_loss(topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node, Tn,
-                               cfg.min_trainers, link is not None):
+    if survival.losses or survival.machine_loss:
         membership = _membership(cfg, roles, link)
     hosts = [""] * topo.world_size
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
@@ -180,16 +178,6 @@ def _membership(cfg: TrainConfig, roles: Roles, link: Link) -> Membership:
     trainer started again takes that long at most to come), a member of a group across machines `cross_timeout`."""
     return Membership(link.client(), roles, cfg.min_trainers, timeout=cfg.heartbeat_timeout + 30.0,
                       cross_timeout=cross_timeout(cfg.heartbeat_timeout))
-
-
-def _restartable(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, link: Link | None) -> bool:
-    """Whether lost trainers of this job may be started again (--max-restarts, in a job that goes on without them:
-    across machines, a lone trainer's)."""
-    launched = link is not None
-    across = survives_node_loss(roles.topo.nnodes, cluster.lookup_transport, cfg.sync.method, roles.sync_per_node,
-                                roles.trainers_per_node, cfg.min_trainers, launched)
-    return cfg.max_restarts > 0 and restartable(roles.trainers, cfg.min_trainers, roles.topo.nnodes, cfg.sync.method,
-                                                launched, across)
 
 
 def _node_shards(cfg: TrainConfig, roles: Roles, tables: Any, rowhash: RowHash, node: NodeTensors) -> dict[int, Shard]:

@@ -15,6 +15,7 @@ from cocosync.shadowsync.data.sources import base_shard_rows
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.membership import Membership
 from cocosync.shadowsync.job.roles import Roles
+from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.model.hot_rows import HotRows
 from cocosync.shadowsync.model.node_relay import Mailbox
 from cocosync.shadowsync.model.shard import RowHash, Shard
@@ -106,7 +107,7 @@ class Job:
     between machines, the hot rows' sync): of no more use once a machine is lost."""
     membership: Membership | None
     """which trainers are left, where the job goes on without a lost one (one machine, launched by `cocosync
-    train`, more trainers than --min-trainers) or without a lost machine (membership.survives_node_loss)."""
+    train`, more trainers than --min-trainers) or without a lost machine (`survival`)."""
     positions: torch.Tensor
     """int64 [T, W]: every trainer's reader positions, in the node's shared memory (each trainer writes its row; a lost
     trainer's row says where it stopped)."""
@@ -127,6 +128,12 @@ class Job:
     fence_key: str | None = None
     """the store key whose presence tells this machine's trainers that the job went on without them (default:
     `lost-node/<node>`; a machine that joined in a lost one's place has its own)."""
+
+    @property
+    def survival(self) -> Survival:
+        """What this job goes on without (survival.py)."""
+        return Survival.of(self.cfg, self.cluster, self.roles.topo.nnodes, self.roles.trainers_per_node,
+                           self.link is not None)
 
     @property
     def dense_params(self) -> int:

@@ -57,11 +57,11 @@ from cocosync.shadowsync.data.sources import (
 )
 from cocosync.shadowsync.data.tabular import TabularError, count_rows
 from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, SECRET_ENV, job_prefix
-from cocosync.shadowsync.job.membership import survives_losses
 from cocosync.shadowsync.job.monitor import Monitor
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_rank
 from cocosync.shadowsync.job.run_model import run_model
 from cocosync.shadowsync.job.segments import remove_job_segments
+from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.job.trainer import TrainerFailure
 from cocosync.shadowsync.metrics import read_metrics
 
@@ -184,7 +184,7 @@ def run_training(cfg: TrainConfig, *, console: Any = None, resume: str | os.Path
     if resume is not None:
         cluster.resume = str(resume)
     ClusterConfig.__post_init__(cluster)  # the values set above are checked as the constructor checks them
-    if cfg.max_restarts and not survives_losses(cfg.trainers, cfg.min_trainers, 1, cfg.sync.method, True):
+    if cfg.max_restarts and not Survival.of(cfg, cluster, 1, cfg.trainers, True).losses:
         why = ("DS-Sync needs every trainer" if cfg.sync.method == "dssync"
                else f"--min-trainers {cfg.min_trainers} of {cfg.trainers} trainers")
         raise ConfigError(f"--max-restarts {cfg.max_restarts}: this job does not go on without a lost trainer ({why}), "

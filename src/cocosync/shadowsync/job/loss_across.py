@@ -1,6 +1,6 @@
-"""What a trainer of a job across machines does at its losses there (`LossAcross`): lost machines (membership.py:
-`survives_node_loss`, `record_node_loss`), each loss in turn, or, as the job's first and only loss, a lone lost trainer
-whose machine goes on (below).
+"""What a trainer of a job across machines does at its losses there (`LossAcross`): lost machines (survival.py:
+`Survival.machine_loss`; membership.py: `record_node_loss`), each loss in turn, or, as the job's first and only loss,
+a lone lost trainer whose machine goes on (below).
 
 When a machine is lost, its embedding shards are restored on the machines left, where their trainers read and
 update them in place, and the job's cross-machine parts re-form among those machines.
@@ -40,7 +40,7 @@ by the trainers left from the positions they last published (`Membership.publish
 `published_share_positions` for a share of earlier lost trainers' rows): the rows they read since that last heartbeat
 are read again.
 
-A lone trainer lost while its machine goes on (membership.py: `survives_trainer_loss`, recorded by its keeper as the
+A lone trainer lost while its machine goes on (survival.py: `Survival.trainer_loss`, recorded by its keeper as the
 job's first loss across machines) leaves that machine's shards where they are. Its part of the lookup exchange (the
 machine's end of the exchange with the trainers of its local index elsewhere) is served from then on by the first
 trainer left on its machine: those trainers and that one make a new exchange group through the job's store, the

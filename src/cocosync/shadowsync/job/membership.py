@@ -27,13 +27,13 @@ Servers' losses have a counter and records of their own (`server-losses`, `lost-
 trainer's sync or data, only who is at the job's end.
 
 Across machines (`cocosync train --nnodes N`) the job goes on without a machine that does not host the job's store
-when that machine's launcher falls silent (`survives_node_loss`): the launcher that hosts the store records the loss
-(`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above), and the ranks
-left restore its shards and re-form what they did with it (job/loss_across.py); the dense sync re-forms as above, in a
-gloo group made through the store where the trainers left span machines. Each trainer publishes its reader
-positions with its heartbeat (`pos/<t>`), where the others read a lost machine's (`published_positions`).
+when that machine's launcher falls silent (survival.py: `Survival.machine_loss`): the launcher that hosts the store
+records the loss (`record_node_loss`: `lost-node/<n>`, and each of its trainers and embedding servers as lost above),
+and the ranks left restore its shards and re-form what they did with it (job/loss_across.py); the dense sync re-forms
+as above, in a gloo group made through the store where the trainers left span machines. Each trainer publishes its
+reader positions with its heartbeat (`pos/<t>`), where the others read a lost machine's (`published_positions`).
 
-A lone trainer of a job across machines is lost as on one machine (`survives_trainer_loss`: it runs under a keeper,
+A lone trainer of a job across machines is lost as on one machine (`Survival.trainer_loss`: it runs under a keeper,
 which records it), while its machine goes on: another trainer of that machine serves the lost one's part of the
 lookup exchange (job/loss_across.py). The first to record a loss across machines claims `LOSS_ACROSS`
 (`claim_loss_across`): after a lone trainer's, a later loss of either kind stops the job; after a machine's, later
@@ -64,11 +64,10 @@ from cocosync.shadowsync.job.link import FIRST_FAILURE
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 
-__all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "survives_losses",
-           "servers_leave_at_end", "survives_node_loss", "record_node_loss", "Restored", "restored_shards",
-           "RestoredRange", "restored_ranges", "centre_key", "restored_key", "loss_batches", "EPOCH", "ABSENT",
-           "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join", "record_change", "joins_open", "JOINING",
-           "JOINING_SINCE", "survives_trainer_loss", "LOSS_ACROSS", "claim_loss_across", "loss_across"]
+__all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "record_node_loss",
+           "Restored", "restored_shards", "RestoredRange", "restored_ranges", "centre_key", "restored_key",
+           "loss_batches", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join",
+           "record_change", "joins_open", "JOINING", "JOINING_SINCE", "LOSS_ACROSS", "claim_loss_across", "loss_across"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -218,17 +217,6 @@ def restored_shards(store: Any, servers: int) -> list[Restored]:
     return out
 
 
-def survives_node_loss(nnodes: int, lookup_transport: str, sync_method: str, sync_servers: int,
-                       trainers_per_node: int, min_trainers: int, launched: bool) -> bool:
-    """Whether a job goes on without a lost machine: machines launched by `cocosync train --nnodes` (the machine that
-    hosts the job's store survives, any other may be lost), rows between them through the lookup exchange (the
-    machines left restore the lost one's shards, dealt out over them, and re-form the exchange among them), a dense
-    sync that goes on among the trainers left (MA or BMUF re-formed among them; EASGD with its centre's lost ranges
-    adopted by the sync servers left), and at least --min-trainers on one machine."""
-    dense = (sync_method in ("ma", "bmuf") and sync_servers == 0) or (sync_method == "easgd" and sync_servers > 0)
-    return launched and nnodes >= 2 and lookup_transport == "exchange" and dense and trainers_per_node >= min_trainers
-
-
 def claim_loss_across(store: Any, who: str) -> bool:
     """Claim the job's first loss across machines for `who` ("node", or "trainer <t>"): True if it is `who`'s (now or
     before)."""
@@ -265,41 +253,6 @@ def job_ending(store: Any) -> bool:
     """Whether the trainers have agreed that the job ends (a machine lost from then on is not survived: the job's end
     runs collectives over every machine's ranks)."""
     return bool(store.check([f"agree/{END}/epoch"]))
-
-
-def survives_losses(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool) -> bool:
-    """Whether a job goes on without a lost trainer or embedding server: on one machine, launched by `cocosync train`
-    (whose store outlives every rank and records the losses), with more trainers than --min-trainers, and a sync
-    that can re-form among the trainers left (not DS-Sync)."""
-    return launched and nnodes == 1 and min_trainers < trainers and sync_method != "dssync"
-
-
-def survives_trainer_loss(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool,
-                          across: bool) -> bool:
-    """Whether a job goes on without a lone lost trainer (its trainers run under keepers): on one machine as
-    `survives_losses` says; across machines wherever the job survives a machine's loss (`across`:
-    `survives_node_loss`: MA, BMUF, or EASGD on its sync servers), a machine's other trainers going on, one of them
-    serving the lost one's part of the lookup exchange."""
-    if nnodes == 1:
-        return survives_losses(trainers, min_trainers, nnodes, sync_method, launched)
-    return launched and across and min_trainers < trainers
-
-
-def restartable(trainers: int, min_trainers: int, nnodes: int, sync_method: str, launched: bool,
-                across: bool) -> bool:
-    """Whether a lost trainer may be started again (--max-restarts): where the job goes on without it
-    (`survives_trainer_loss`); across machines with MA or BMUF (EASGD's centre there is served by RPC, whose world a
-    new process cannot join)."""
-    return survives_trainer_loss(trainers, min_trainers, nnodes, sync_method, launched, across) and \
-        (nnodes == 1 or sync_method in ("ma", "bmuf"))
-
-
-def servers_leave_at_end(nnodes: int, sync_method: str) -> bool:
-    """Whether the embedding servers of a job that goes on without them (`survives_losses`) take no part in its end:
-    on one machine without RPC (EASGD's sync servers are RPC peers of every rank, and RPC's shutdown waits for them).
-    Their shards are in the machine's shared memory, where the trainers save them, so a server lost while the job
-    ends is lost as at any other time."""
-    return nnodes == 1 and sync_method != "easgd"
 
 
 class Membership:
@@ -468,7 +421,7 @@ class Membership:
             time.sleep(POLL)
 
     def server_left(self, server: int, cpu: list[Any]) -> None:
-        """Embedding server `server` leaves the job's end (`servers_leave_at_end`), with its CPU record for the
+        """Embedding server `server` leaves the job's end (`Survival.servers_leave_at_end`), with its CPU record for the
         summary: (kind, CPU seconds since set-up, those by thread role, its node exchange's counters or None)."""
         self.store.set(f"server-end/{server}", json.dumps(cpu))
 
@@ -706,7 +659,7 @@ def keep_trainer(trainer: int, trainers: int, min_trainers: int, store: Callable
 def keep_server(server: int, store: Callable[[], Any], leaves_at_end: bool) -> bool:
     """As `keep_trainer`, for embedding server `server`: a server killed by a signal is recorded as lost (its shard
     stays in the machine's shared memory, where the trainers use it), unless the job is ending and the server takes
-    part in its end (`leaves_at_end` false: see `servers_leave_at_end`); True in the child."""
+    part in its end (`leaves_at_end` false: see `Survival.servers_leave_at_end`); True in the child."""
 
     def record(pid: int, sig: int, restart: int) -> bool:
         client = store()

@@ -35,11 +35,10 @@ from cocosync.shadowsync.job.membership import (
     record_node_loss,
     restored_ranges,
     restored_shards,
-    survives_node_loss,
-    survives_trainer_loss,
 )
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.segments import SEGMENTS_ID
+from cocosync.shadowsync.job.survival import Survival
 
 __all__ = ["Monitor", "exit_status", "FENCED"]
 
@@ -49,7 +48,7 @@ LINE_EVERY = 5.0
 #: seconds the trainers get to stop (and checkpoint) after a stop request before the job is aborted
 STOP_GRACE = 120.0
 #: seconds without a beat from a machine's launcher (a counter it raises every loop, ~0.2 s) after which the launcher
-#: that hosts the job's store records the machine as lost, where the job survives that (membership.survives_node_loss)
+#: that hosts the job's store records the machine as lost, where the job survives that (Survival.machine_loss)
 NODE_SILENCE = 3.0
 #: what a machine recorded as lost says as it stops its ranks (it was silent, not gone)
 FENCED = (f"this machine was recorded as lost by the machine that hosts the job's store (its launcher heard nothing "
@@ -104,9 +103,7 @@ class Monitor:
         self._said_substitutes: set[int] = set()  # lone lost trainers whose stand-in was named (across machines)
         self._said_joins: dict[int, bool] = {}  # lost machines whose place another took: whether its trainers joined
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
-        self.survives_node_loss = survives_node_loss(nodes, cluster.lookup_transport, cfg.sync.method,
-                                                     self.roles.sync_per_node, self.per_node, cfg.min_trainers,
-                                                     True)
+        self.survival = Survival.of(cfg, cluster, nodes, self.per_node, True)  # (what the job goes on without)
         self.killed: set[int] = set()  # trainers this monitor killed for silence, to be recorded as lost
         self.resumed = _examples_seen(cluster.resume)
         target = cfg.total_examples if cluster.stop_after is None else min(cfg.total_examples, cluster.stop_after)
@@ -218,7 +215,7 @@ class Monitor:
                             break
                         watching = False
                         continue
-                    if self.survives_node_loss:
+                    if self.survival.machine_loss:
                         self.store.add(f"node-beat/{self.node}", 1)
                     if self._check(t_launch):
                         self.kill_ranks()
@@ -299,7 +296,7 @@ class Monitor:
         if self.stop_at is not None and time.monotonic() - self.stop_at > STOP_GRACE:
             self.failure = f"the trainers did not stop within {STOP_GRACE:.0f} s of the stop request"
             return True
-        if self.survives_node_loss:
+        if self.survival.machine_loss:
             self.failure = self._watch_nodes()
             if self.failure is not None:
                 return True
@@ -423,9 +420,8 @@ class Monitor:
         return self._trainers_survive() and t not in self.lost and self.cfg.trainers - gone - 1 >= self.cfg.min_trainers
 
     def _trainers_survive(self) -> bool:
-        """Whether the job goes on without a lone lost trainer (membership.survives_trainer_loss)."""
-        return survives_trainer_loss(self.cfg.trainers, self.cfg.min_trainers, self.nodes, self.cfg.sync.method, True,
-                                     self.survives_node_loss)
+        """Whether the job goes on without a lone lost trainer (survival.py)."""
+        return self.survival.trainer_loss
 
     def _watch_losses(self) -> None:
         """Say each trainer or embedding server lost, and each trainer started again, since the last look (recorded

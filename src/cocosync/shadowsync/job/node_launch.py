@@ -49,12 +49,12 @@ from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
 from cocosync.shadowsync.job.loss_across import remove_restored
-from cocosync.shadowsync.job.membership import restartable, survives_node_loss
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
 from cocosync.shadowsync.job.same_job import PER_MACHINE, differences, job_options
 from cocosync.shadowsync.job.segments import SEGMENTS_ID
+from cocosync.shadowsync.job.survival import Survival
 
 __all__ = ["torchrun_args", "run_node"]
 
@@ -131,10 +131,7 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
                           f"machines (this job has --nnodes {nnodes}); leave it at 0")
     if cfg.max_restarts and nnodes > 1:
         per_node = trainers // nnodes
-        across = survives_node_loss(nnodes, cluster.lookup_transport, cfg.sync.method,
-                                    cluster.sync_servers_for(cfg.sync.method, nodes=nnodes), per_node,
-                                    cfg.min_trainers, True)
-        if not restartable(trainers, cfg.min_trainers, nnodes, cfg.sync.method, True, across):
+        if not Survival.of(cfg, cluster, nnodes, per_node, True).restarts:
             raise ConfigError(f"--max-restarts {cfg.max_restarts}: a lost trainer of a job across machines is started "
                               "again where the job goes on without it, with the lookup exchange and MA or BMUF (this "
                               f"job: --lookup-transport {cluster.lookup_transport}, --sync {cfg.sync.algorithm}, "
@@ -378,11 +375,11 @@ def _abort(status: int, log_dir: str) -> None:
 
 def _leaves_the_job(monitor: Monitor, error: ChildFailedError) -> bool:
     """Whether this machine's failure is the loss of a rank killed by a signal (kill -9, the OOM killer) on a machine
-    the job goes on without (not the one that hosts the job's store: membership.survives_node_loss): the machine
+    the job goes on without (not the one that hosts the job's store: Survival.machine_loss): the machine
     then leaves the job, reporting nothing, and the others take it for a lost machine. A rank that raised, or any
     failure where the job cannot lose the machine, stops the job as before."""
     _, failure = error.get_first_failure()
-    return monitor.survives_node_loss and not monitor.hosts_store and failure.exitcode < 0
+    return monitor.survival.machine_loss and not monitor.hosts_store and failure.exitcode < 0
 
 
 def _first_failure(monitor: Monitor, console: Console) -> None:

@@ -97,7 +97,6 @@ from cocosync.shadowsync.job.membership import (
     record_change,
     restored_ranges,
     restored_shards,
-    servers_leave_at_end,
 )
 from cocosync.shadowsync.job.node_join import (
     MachineJoins,
@@ -594,8 +593,8 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
 
 def _servers_leave(job: Job) -> bool:
     """Whether this job's embedding servers may be lost and leave its checkpoints and its end to the trainers (one
-    machine: `servers_leave_at_end`)."""
-    return job.membership is not None and servers_leave_at_end(job.roles.topo.nnodes, job.cfg.sync.method)
+    machine: `Survival.servers_leave_at_end`)."""
+    return job.membership is not None and job.survival.servers_leave_at_end
 
 
 def _server_loss(x: ServerLoss) -> dict:
@@ -709,7 +708,7 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         # never send). A trainer takes its state first (its sync paused in a round every trainer paused at: across
         # machines that round comes only once a lost machine is recorded, so no command is given while one is
         # silent), but gives the pause up once a change is recorded (a restart, in none of the job's groups, never
-        # pauses). Where the embedding servers may be lost on one machine (`servers_leave_at_end`), or after one was,
+        # pauses). Where the embedding servers may be lost on one machine (`_servers_leave`), or after one was,
         # the trainers save without them: trainer 0 saves every shard from the machine's shared memory (a job with
         # EASGD's sync servers stops checkpointing after a server's loss: their centre is theirs alone).
         gone = membership.lost_servers() if membership is not None and t == 0 else []

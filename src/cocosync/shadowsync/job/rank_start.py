@@ -28,12 +28,9 @@ from cocosync.shadowsync.job.link import MONITOR_PORT_ENV, env_store_client
 from cocosync.shadowsync.job.membership import (
     keep_server,
     keep_trainer,
-    servers_leave_at_end,
-    survives_losses,
-    survives_node_loss,
-    survives_trainer_loss,
 )
 from cocosync.shadowsync.job.rank import run_cluster, run_joined, run_restarted
+from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.metrics import json_safe
 
 __all__ = ["RANK_KEYS_ENV", "mark_agent_keys", "run_rank", "run_node_rank", "run_joined_rank", "job_dict", "run_job",
@@ -136,8 +133,8 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
         nnodes, per_node = _machines(cfg, cluster)
         restart = (keep_trainer(trainer, per_node * nnodes, cfg.min_trainers, env_store_client, cfg.max_restarts,
                                 per_node=per_node if nnodes > 1 else None)
-                   if trainer is not None else 0 if keep_server(server, env_store_client, servers_leave_at_end(
-                       int(os.environ.get("GROUP_WORLD_SIZE", "1")), cfg.sync.method)) else None)
+                   if trainer is not None else 0 if keep_server(server, env_store_client,
+                                                                _survival(cfg, cluster).servers_leave_at_end) else None)
         if restart is None:
             return  # the keeper: its rank's work finished or was lost
         def work() -> None:  # the rank's work, forked by its keeper (the agent started the keeper)
@@ -161,19 +158,21 @@ def _machines(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[int, int]:
 
 
 def _may_be_lost(cfg: TrainConfig, cluster: ClusterConfig) -> bool:
-    """Whether this rank is a trainer or an embedding server the job can go on without (membership.survives_losses;
-    across machines, a trainer alone: membership.survives_trainer_loss)."""
-    launched = os.environ.get(MONITOR_PORT_ENV) is not None
-    nnodes, per_node = _machines(cfg, cluster)
-    if nnodes == 1:
-        if not survives_losses(cfg.trainers, cfg.min_trainers, nnodes, cfg.sync.method, launched):
+    """Whether this rank is a trainer or an embedding server the job can go on without (`Survival.losses`; across
+    machines, a trainer alone: `Survival.trainer_loss`)."""
+    survival = _survival(cfg, cluster)
+    if survival.nnodes == 1:
+        if not survival.losses:
             return False
         return _trainer_index(cluster, cfg) is not None or _embedding_index(cluster) is not None
-    across = survives_node_loss(nnodes, cluster.lookup_transport, cfg.sync.method,
-                                cluster.sync_servers_for(cfg.sync.method, nodes=nnodes), per_node, cfg.min_trainers,
-                                launched)
-    return survives_trainer_loss(per_node * nnodes, cfg.min_trainers, nnodes, cfg.sync.method, launched, across) and \
-        _trainer_index(cluster, cfg) is not None
+    return survival.trainer_loss and _trainer_index(cluster, cfg) is not None
+
+
+def _survival(cfg: TrainConfig, cluster: ClusterConfig) -> Survival:
+    """What this rank's job goes on without (launched by `cocosync train`: its monitor's port is in the
+    environment)."""
+    nnodes, per_node = _machines(cfg, cluster)
+    return Survival.of(cfg, cluster, nnodes, per_node, os.environ.get(MONITOR_PORT_ENV) is not None)
 
 
 def _trainer_index(cluster: ClusterConfig, cfg: TrainConfig) -> int | None:
