@@ -8,7 +8,8 @@ from cocosync.shadowsync.job.survival import Survival
 
 def _survival(sync: str = "bmuf", nnodes: int = 2, per_node: int = 2, min_trainers: int = 1,
               transport: str = "exchange", launched: bool = True) -> Survival:
-    cfg = TrainConfig(trainers=nnodes * per_node, sync=SyncConfig(algorithm=f"shadow-{sync}"), min_trainers=min_trainers)
+    cfg = TrainConfig(trainers=nnodes * per_node, sync=SyncConfig(algorithm=f"shadow-{sync}"),
+                      min_trainers=min_trainers)
     return Survival.of(cfg, ClusterConfig(lookup_transport=transport), nnodes, per_node, launched)
 
 

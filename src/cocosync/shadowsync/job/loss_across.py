@@ -467,13 +467,8 @@ class LossAcross:
                 rec = RestoredRange(r, names[onto], f"trainer {self.trainer}'s replica", time.time(), machine, k)
                 store.set(key, json.dumps(asdict(rec)))
             else:
-                deadline = time.monotonic() + membership.timeout
-                while not store.check([key]):
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"range {r} of EASGD's centre was not adopted by a sync server within "
-                                           f"{membership.timeout:.0f}s")
-                    time.sleep(0.02)
-                rec = RestoredRange(**json.loads(store.get(key)))
+                rec = RestoredRange(**json.loads(membership.wait_for_key(
+                    key, f"range {r} of EASGD's centre was not adopted by a sync server")))
                 self.center.reroute(r, rec.server)
             self.ranges.append(rec)
 
@@ -490,7 +485,7 @@ class LossAcross:
         roles = self.job.roles
         return [t for t in membership.live() if roles.node_of(roles.rank_of("trainer", t)) == roles.topo.node]
 
-    def _restore(self, server: int, membership: Any, batch: int, lost_with: int) -> Shard:
+    def _restore(self, server: int, membership: Membership, batch: int, lost_with: int) -> Shard:
         """Server `server`'s shard, lost with machine `lost_with` at the job's `batch`-th loss of machines, in this
         machine's shared memory: its mirror here (--shard-mirror-interval), else made and filled by the first trainer
         left here, and mapped by the others."""
@@ -516,13 +511,8 @@ class LossAcross:
             rec = dataclasses.replace(self._fill(server, shard, name), lost_with=lost_with, batch=batch)
             store.set(key, json.dumps(asdict(rec)))
         else:
-            deadline = time.monotonic() + membership.timeout
-            while not store.check([key]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"trainer {here[0]} did not restore embedding server {server}'s shard within "
-                                       f"{membership.timeout:.0f}s")
-                time.sleep(0.02)
-            rec = Restored(**json.loads(store.get(key)))
+            rec = Restored(**json.loads(membership.wait_for_key(
+                key, f"trainer {here[0]} did not restore embedding server {server}'s shard")))
             buf = map_named(rec.name, nbytes, membership.timeout)
             shard = self._shard(buf, n, dim)
         if int(store.add(f"restored-maps/{batch}/{server}", 1)) == len(here):  # every trainer here mapped it

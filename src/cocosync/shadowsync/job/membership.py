@@ -339,6 +339,16 @@ class Membership:
                 found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"])))
         return found
 
+    def wait_for_key(self, key: str, what: str) -> bytes:
+        """The store's value at `key` once another rank has set it; a TimeoutError saying `what` did not happen after
+        the membership's timeout."""
+        deadline = time.monotonic() + self.timeout
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what} within {self.timeout:.0f}s")
+            time.sleep(POLL)
+        return self.store.get(key)
+
     def loss_batch(self, k: int, nodes: list[int]) -> list[int]:
         """The machines of the job's `k`-th loss of machines, as every trainer handles it: `nodes` (those this trainer
         found recorded since the `k-1`-th), or the machines another trainer decided first (machines lost within

@@ -257,7 +257,7 @@ class Recovery:
         key = f"share/{self.phases}"
         roles = self.job.roles
         if any(x.node is None and roles.node_of(roles.rank_of("trainer", x.trainer)) != roles.topo.node for x in new):
-            raw = self._wait_for(key)
+            raw = self.membership.wait_for_key(key, f"no trainer wrote {key!r}")
         else:
             raw = self.membership.store.compare_set(key, "", json.dumps({"live": live, "parts": parts}))
         parts = [[tuple(x) for x in part] for part in json.loads(raw)["parts"]]
@@ -265,15 +265,6 @@ class Recovery:
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
-
-    def _wait_for(self, key: str) -> bytes:
-        """The store's value at `key`, once a trainer has set it (a TimeoutError after the membership's timeout)."""
-        deadline = time.monotonic() + self.membership.timeout
-        while not self.membership.store.check([key]):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no trainer wrote {key!r} within {self.membership.timeout:.0f}s")
-            time.sleep(0.02)
-        return self.membership.store.get(key)
 
     def positions(self, d: int) -> list[int]:
         """Trainer d's reader positions in its own shards: this machine's shared copy, or (a trainer of another
