@@ -35,14 +35,18 @@ EXAMPLES = 600_000
 
 
 @contextlib.contextmanager
-def _machines(procs: list) -> Iterator[None]:
-    """On the way out, however the test went: every machine still up killed whole."""
+def _machines(procs: list, before: set[str] | None = None) -> Iterator[None]:
+    """On the way out, however the test went: every machine still up killed whole, and (with `before`:
+    `semaphores()` before the machines started) the semaphores that killed machines left in the shared /dev/shm
+    removed."""
     try:
         yield
     finally:
         for p in procs:
             if p.poll() is None:
                 kill_machine(p.pid)
+        if before is not None:
+            remove_semaphores_since(before)
 
 
 def _until_trained(procs: list, out: Path, examples: float, poll: float = 0.1) -> None:
@@ -74,7 +78,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--checkpoint-every", "120000", "--out", str(out)],
                         nproc_per_node=3, two_hosts=two_hosts)
-    with _machines(procs):
+    with _machines(procs, before):
         deadline = time.monotonic() + 150
         # the second checkpoint's directory is made as its save begins (the ranks of both machines are in its
         # collectives then: the survivors must not wait there for ever)
@@ -275,7 +279,7 @@ def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_pla
     port = free_port()
     before = semaphores()
     procs = start_nodes(args, nproc_per_node=3, two_hosts=two_hosts, port=port)
-    with _machines(procs):
+    with _machines(procs, before):
         _until_trained(procs, out, 200_000)
         # while every machine is in the job, node 1's command started again is refused (a rendezvous would restart
         # every rank of the job)
@@ -373,7 +377,7 @@ def test_two_machines_of_four_lost_at_once_leave_the_other_two_to_finish(tmp_pat
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--checkpoint-every", "80000", "--heartbeat-timeout", "10",
                          "--out", str(out)], nnodes=4, nproc_per_node=2)
-    with _machines(procs):
+    with _machines(procs, before):
         _until_trained(procs, out, 0.3 * examples, poll=0.05)
         kill_machine(procs[1].pid)
         kill_machine(procs[2].pid)
@@ -420,7 +424,7 @@ def test_a_machine_lost_after_the_job_went_on_without_another_is_survived_in_tur
     said: list[str] = []  # node 0's output so far (the launcher that hosts the store says each loss)
     reader = threading.Thread(target=lambda: [said.append(line) for line in procs[0].stdout], daemon=True)
     reader.start()
-    with _machines(procs):
+    with _machines(procs, before):
         _until_trained(procs, out, 0.2 * examples, poll=0.05)
         kill_machine(procs[1].pid)
         deadline = time.monotonic() + 60  # (node 1's loss handled: its shard restored, before node 2 is killed)
@@ -504,7 +508,7 @@ def test_a_lone_trainer_started_again_takes_its_part_of_the_exchange_back(tmp_pa
     before = semaphores()
     procs = start_nodes(["-m", "cocosync.shadowsync", "--examples", str(EXAMPLES), "--eval-examples", "4000",
                          "--sync", "shadow-bmuf", "--max-restarts", "1", "--out", str(out)], nproc_per_node=3)
-    with _machines(procs):
+    with _machines(procs, before):
         _until_trained(procs, out, 0.3 * EXAMPLES)
         os.kill(worker_pids(procs[1].pid)[victim], signal.SIGKILL)
         killed = time.time()
