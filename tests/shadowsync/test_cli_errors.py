@@ -294,8 +294,11 @@ def test_lookup_transport_options_are_checked_in_the_units_the_user_typed(tmp_pa
     (["--rdzv-endpoint", "127.0.0.1:notaport"], "--rdzv-endpoint '127.0.0.1:notaport' is invalid"),
     (["--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 2: expected 0 .. 1"),
     (["--local-addr", "999.1.1.1"], "--local-addr '999.1.1.1' does not resolve to an address"),
-    (["--nnodes", "1:4"], "'1:4': a range of machines (torchrun's MIN:MAX) is not supported; expected the number of"),
-    (["--nnodes", "two"], "'two' is not a whole number of machines"),
+    (["--nnodes", "0:2"], "expected N >= 1 machines, or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "3:2"], "expected N >= 1 machines, or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "1:2:3"], "expected N >= 1 machines, or MIN:MAX"),
+    (["--nnodes", "two"], "'two' is not a number of machines: expected N or MIN:MAX"),
+    (["--nnodes", "1:2", "--node-rank", "2"], "--node-rank 2 is invalid with --nnodes 1:2: expected 0 .. 1"),
 ])
 def test_a_bad_multi_machine_option_is_one_line_naming_it(tmp_path, args, named):
     res = CliRunner().invoke(cli, ["train", "--nnodes", "2", *args, "--out", str(tmp_path / "run")])
@@ -416,6 +419,16 @@ def test_restarts_are_refused_across_machines_where_a_trainer_cannot_be_started_
     res = _train(tmp_path, "--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29555", *args,
                  "--max-restarts", "1", "--examples", "10000")
     _one_error(res, "--max-restarts 1", "started again where the job goes on without it", named)
+
+
+@pytest.mark.parametrize("args,named", [(["--sync", "shadow-easgd", "--nproc-per-node", "4"], "--sync shadow-easgd"),
+                                        (["--lookup-transport", "rpc"], "--lookup-transport rpc"),
+                                        (["--shard-mirror-interval", "200"], "--shard-mirror-interval 200"),
+                                        (["--max-restarts", "1"], "--max-restarts 1")])
+def test_a_range_of_machines_is_refused_where_a_machine_cannot_join_the_running_job(tmp_path, args, named):
+    res = _train(tmp_path, "--nnodes", "1:2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:29557", *args,
+                 "--examples", "10000")
+    _one_error(res, "--nnodes 1:2" if "restarts" not in named else "a range of machines (--nnodes 1:2)", named)
 
 
 def test_the_shard_mirror_is_refused_beyond_two_machines(tmp_path):

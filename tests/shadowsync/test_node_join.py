@@ -45,7 +45,7 @@ def test_each_later_loss_deals_out_what_its_machines_held_and_leaves_the_other_s
 
 def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own_rows():
     store = _store()
-    assert claim_node(store, 3, 2, "h") == (None, "no machine of the job is lost")
+    assert claim_node(store, 3, 2, "h") == (None, "no machine of the job is lost or awaited")
     store.set("lost-node/2", "{}")
     node, why = claim_node(store, 3, 2, "h")  # (two machines left)
     assert node is None and why.startswith("2 machines are left: a machine joins where one is left"), why

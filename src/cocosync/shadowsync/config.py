@@ -46,7 +46,7 @@ __all__ = ["ConfigError", "DataConfig", "SynthConfig", "ModelConfig", "SyncConfi
            "Opt", "opt", "load_train_config", "load_job_config", "read_config_file", "config_from_dict",
            "config_to_dict", "check_paths", "resume_value", "SYNC_ALGORITHMS", "COLLECTIVE_METHODS",
            "FOREGROUND_EVERY", "OPTIMIZERS", "TRANSPORTS", "EXCHANGES", "CRITEO_NUM_DENSE", "CRITEO_NUM_SPARSE",
-           "UNLIMITED_WAIT"]
+           "UNLIMITED_WAIT", "NodeRange"]
 
 
 @dataclass(frozen=True)
@@ -713,6 +713,38 @@ def _parse_config(p: Path, text: str) -> Any:
     else:
         raise ConfigError(f"config file {str(p)!r}: unknown extension {suffix!r}; expected .toml, .json or .yaml")
     return raw
+
+
+@dataclass(frozen=True)
+class NodeRange:
+    """`--nnodes`: the machines a job across machines starts with at least (`low`) and is laid out for (`high`),
+    torchrun's MIN:MAX; N alone is N:N. The machines of the layout not there at the start join the running job later
+    (job/node_join.py)."""
+
+    low: int
+    high: int
+
+    @classmethod
+    def parse(cls, text: str) -> "NodeRange":
+        """`N` or `MIN:MAX` (1 <= MIN < MAX), or a ConfigError naming the value and what would be right."""
+        parts = text.split(":")
+        try:
+            low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, -1)
+        except ValueError:
+            raise ConfigError(f"--nnodes {text!r} is not a number of machines: expected N or MIN:MAX, e.g. 2 or "
+                              "1:2") from None
+        if len(parts) > 2 or low < 1 or high < low:
+            raise ConfigError(f"--nnodes {text!r}: expected N >= 1 machines, or MIN:MAX with 1 <= MIN <= MAX, e.g. 2 "
+                              "or 1:2")
+        return cls(low, high)
+
+    def __str__(self) -> str:
+        return str(self.high) if self.low == self.high else f"{self.low}:{self.high}"
+
+    @property
+    def elastic(self) -> bool:
+        """Machines may join the job beyond those it started with."""
+        return self.high > self.low
 
 
 #: processors whose stores are not reordered with each other, which the node exchange's rings rely on

@@ -61,7 +61,7 @@ def twohosts_available() -> bool:
     return True
 
 
-def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, endpoint: str, run_id: str,
+def _agent_cmd(module_args: Sequence[str], nnodes: int | str, node: int, nproc: int, endpoint: str, run_id: str,
                local_addr: str, launcher: str) -> list[str]:
     # --local-addr: the address the workers' store and MASTER_ADDR use (torchrun would resolve the hostname, which
     # names another interface, or none inside a network namespace)
@@ -75,7 +75,7 @@ def _agent_cmd(module_args: Sequence[str], nnodes: int, node: int, nproc: int, e
             *torchrun_args(nnodes, node, nproc, endpoint, local_addr, run_id), *module_args]
 
 
-def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: int = 2, two_hosts: bool = False,
+def start_nodes(module_args: Sequence[str], *, nnodes: int | str = 2, nproc_per_node: int = 2, two_hosts: bool = False,
                 env: dict | None = None, cwd: str | os.PathLike | None = None, launcher: str = "cocosync",
                 node_args: Sequence[Sequence[str]] = (), port: int | None = None,
                 only: Sequence[int] | None = None) -> list[subprocess.Popen]:
@@ -83,6 +83,7 @@ def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: 
     agents, output piped; with `two_hosts` (nnodes must be 2) on the simulated machines A and B of twohosts.sh.
     `launcher`: "torchrun" (torchrun's command: each rank exec'd cold, in a session of its own) or "cocosync"
     (`cocosync train --nnodes`: the same agent in-process, its ranks forked warm in its session; job/node_launch.py).
+    `nnodes` may be a range of machines ("1:2": the job starts with those of `only` and the others join it).
     `node_args[i]`: more arguments for node i alone (a machine started with other options). `port` (with `only`:
     the nodes to start, e.g. a machine started again in a running job): the rendezvous port (default: a free one)."""
     if launcher not in LAUNCHERS:
@@ -92,11 +93,11 @@ def start_nodes(module_args: Sequence[str], *, nnodes: int = 2, nproc_per_node: 
     base_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COCOSYNC_RUN_ID": run_id,
                 **(env or {})}
     procs: list[subprocess.Popen] = []
-    for node in range(nnodes) if only is None else only:
+    for node in range(int(str(nnodes).split(":")[-1])) if only is None else only:
         node_env = dict(base_env)
         args = [*module_args, *(node_args[node] if node < len(node_args) else ())]
         if two_hosts:
-            if nnodes != 2:
+            if str(nnodes).split(":")[-1] != "2":
                 raise ValueError("two_hosts runs exactly 2 nodes (twohosts.sh has hosts A and B)")
             script = twohosts_script()
             host = "AB"[node]

@@ -20,7 +20,7 @@ from cocosync.runtime import warm_start
 from cocosync.shadowsync.cli.options import SectionedCommand, config_options, job_from_options, show_defaults
 from cocosync.shadowsync.cli.options import console as make_console
 from cocosync.shadowsync.cli.rank import CONFIG_OPTION, rank_job
-from cocosync.shadowsync.config import TrainConfig
+from cocosync.shadowsync.config import NodeRange, TrainConfig
 from cocosync.shadowsync.errors import ConfigError, debug_mode
 
 __all__ = ["train", "eval_checkpoint"]
@@ -49,20 +49,14 @@ _MULTI_MACHINE_ONLY = ("cluster__lookup_transport", "cluster__exchange_interval"
                        "cluster__shard_mirror_interval")
 
 
-def _machines(value: str | None) -> int | None:
-    """--nnodes: a number of machines. torchrun's elastic range (MIN:MAX) is refused, saying what the job does."""
+def _machines(value: str | None) -> NodeRange | None:
+    """--nnodes: N machines, or torchrun's MIN:MAX (the job starts with MIN to MAX of them; the others join it)."""
     if value is None:
         return None
-    if ":" in value:
-        raise click.BadParameter(
-            f"{value!r}: a range of machines (torchrun's MIN:MAX) is not supported; expected the number of machines "
-            "the job starts with, e.g. --nnodes 2. The job goes on without a lost machine (but node 0), and the lost "
-            "machine's command started again joins it in its place (docs/multinode.md)", param_hint="'--nnodes'")
     try:
-        return int(value)
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not a whole number of machines, e.g. --nnodes 2",
-                                 param_hint="'--nnodes'") from None
+        return NodeRange.parse(value)
+    except ConfigError as e:
+        raise click.BadParameter(str(e).removeprefix(f"--nnodes {value!r}: "), param_hint="'--nnodes'") from None
 
 
 @show_defaults
@@ -74,9 +68,10 @@ def _machines(value: str | None) -> int | None:
               help="continue a run (e.g. one stopped by Ctrl-C) from a checkpoint directory, or a run directory (its "
                    "latest checkpoint), with its config.")
 @click.option("--json", "json_out", is_flag=True, help="also print the summary as JSON on stdout.")
-@click.option("--nnodes", metavar="N", callback=lambda ctx, param, value: _machines(value),
-              help="multi-node: machines in the job (runs torchrun's agent for this one; see --rdzv-endpoint). A "
-                   "lost machine's command started again joins in its place (docs/multinode.md).")
+@click.option("--nnodes", metavar="N|MIN:MAX", callback=lambda ctx, param, value: _machines(value),
+              help="multi-node: machines in the job (runs torchrun's agent for this one; see --rdzv-endpoint). "
+                   "MIN:MAX: the job starts once MIN have met and is laid out for MAX; a machine started later with "
+                   "the same command joins it, as does a lost machine's command started again (docs/multinode.md).")
 @click.option("--node-rank", type=int, default=0, show_default=True,
               help="multi-node: this machine's index (0 hosts the rendezvous store).")
 @click.option("--nproc-per-node", type=int, default=2, show_default=True,
@@ -87,7 +82,7 @@ def _machines(value: str | None) -> int | None:
               help="multi-node: the address the other machines reach this one's ranks at (default: 127.0.0.1 with a "
                    "loopback --rdzv-endpoint, else this machine's hostname).")
 @config_options
-def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: int | None,
+def train(config_path: str | None, progress: bool | None, resume: str | None, json_out: bool, nnodes: NodeRange | None,
           node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None, **params: Any) -> None:
     """Train a model (the DLRM, or --model) with T trainers x W Hogwild workers and ShadowSync (shared embeddings,
     dense sync).
@@ -150,7 +145,7 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
         sys.exit(exit_status(result.stop_reason))
 
 
-def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None,
+def _run_node(nnodes: NodeRange, node_rank: int, nproc_per_node: int, rdzv_endpoint: str, local_addr: str | None,
               progress: bool | None, json_out: bool, config_path: str | None, resume: str | None,
               params: dict[str, Any]) -> None:
     """This machine's ranks of the multi-machine job (job/node_launch.py) the config options describe; exits."""
@@ -158,12 +153,12 @@ def _run_node(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: s
 
     from cocosync.shadowsync.job.node_launch import run_node, torchrun_args
 
-    if nnodes < 1 or nproc_per_node < 2:
-        raise click.UsageError(f"--nnodes={nnodes}, --nproc-per-node={nproc_per_node}: expected nnodes >= 1 and "
-                               "nproc-per-node >= 2 (a server and a trainer per node)")
-    if not 0 <= node_rank < nnodes:
-        raise click.UsageError(f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: expected 0 .. {nnodes - 1} "
-                               "(node 0 hosts the rendezvous store)")
+    if nproc_per_node < 2:
+        raise click.UsageError(f"--nproc-per-node={nproc_per_node}: expected nproc-per-node >= 2 (a server and a "
+                               "trainer per node)")
+    if not 0 <= node_rank < nnodes.high:
+        raise click.UsageError(f"--node-rank {node_rank} is invalid with --nnodes {nnodes}: expected 0 .. "
+                               f"{nnodes.high - 1} (node 0 hosts the rendezvous store)")
     try:
         host, port = parse_rendezvous_endpoint(rdzv_endpoint, default_port=29400)
     except ValueError as e:

@@ -27,7 +27,7 @@ from cocosync.shadowsync.job.job import ExchangeGroups, Job, ReleasableGroup
 from cocosync.shadowsync.job.link import Link
 from cocosync.shadowsync.job.lookups import exchange_groups, hot_rows, joined_hot_rows
 from cocosync.shadowsync.job.loss_across import cross_timeout, save_timeout
-from cocosync.shadowsync.job.membership import Membership
+from cocosync.shadowsync.job.membership import Membership, record_node_loss
 from cocosync.shadowsync.job.node_join import fence_key
 from cocosync.shadowsync.job.roles import Roles
 from cocosync.shadowsync.job.run_model import run_model
@@ -108,17 +108,19 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
         lo, hi = center_bounds(flat.numel(), roles.sync_per_node * topo.nnodes)[index]
         center = CenterShard(flat[lo:hi], index)
         serve_center(index, center)
-    trainers = roles.ranks("trainer")
+    # the groups of the machines there at the start (torch's world): those that join later make theirs through the
+    # job's store (node_join.py)
+    trainers = roles.present_ranks("trainer")
     trainer_group = dist.new_group(trainers)
-    Tn, nnodes = roles.trainers_per_node, topo.nnodes
+    Tn, nnodes, machines = roles.trainers_per_node, topo.nnodes, roles.present or topo.nnodes
     intra = inter = None
-    for node in range(nnodes):  # every rank creates every group, in the same order (new_group is collective)
+    for node in range(machines):  # every rank creates every group, in the same order (new_group is collective)
         members = trainers[node * Tn:(node + 1) * Tn]
         g = dist.new_group(members, backend="cocosync") if Tn > 1 else None
         if node == topo.node:
             intra = g
     for i in range(Tn):
-        g = dist.new_group(trainers[i::Tn]) if nnodes > 1 else None
+        g = dist.new_group(trainers[i::Tn]) if machines > 1 else None
         if kind == "trainer" and roles.slot_of(index) == i:
             inter = g
     exchange = exchange_groups(cfg, cluster, roles, tables, arena)
@@ -138,21 +140,21 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
                 hot_peers = g
         hot_group = hot_peers if kind == "trainer" and roles.is_first(index) else None
     node_gloo_mine = None
-    if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and nnodes > 1:
+    if cfg.sync.method in ("ma", "bmuf") and cfg.sync.compiled and machines > 1:
         # the compiled MA/BMUF programs over all trainers: shared memory within a node, gloo between nodes (the
         # runtime's hierarchical communicator), the same fused collective as on one machine
-        node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(nnodes)]
+        node_gloo = [dist.new_group(trainers[node * Tn:(node + 1) * Tn]) for node in range(machines)]
         if kind == "trainer":
             node_gloo_mine = node_gloo[topo.node]
             register_subgroup(spanning_node_groups(trainers, trainer_group, node_gloo[topo.node], inter, Tn))
             dense_group = trainer_group
     elif kind == "trainer" and cfg.sync.method in ("ma", "bmuf"):
-        dense_group = HierarchicalGroup(intra, inter, roles.trainers)
+        dense_group = HierarchicalGroup(intra, inter, len(trainers))
     elif kind == "trainer" and cfg.sync.method == "dssync":  # one node (sync_servers_for): a flat group
         dense_group = trainer_group
     # the periodic checkpoints' collectives across machines: a group of their own, which a rank that gave a save up
     # after a machine's loss destroys, releasing the ranks of its machine still waiting for it in the save
-    save_group = ReleasableGroup(dist.new_group(list(range(topo.world_size)))) if nnodes > 1 else None
+    save_group = ReleasableGroup(dist.new_group(list(range(dist.get_world_size())))) if nnodes > 1 else None
     if save_group is not None:  # (its first collective is a periodic save's, once training runs)
         nbytes = tables.total_rows * (tables.width * 4 + 12) + 16 * flat.numel()  # rows, Adagrad, versions; dense
         save_group.group.set_timeout(datetime.timedelta(seconds=save_timeout(cfg.heartbeat_timeout, nbytes)))
@@ -162,8 +164,12 @@ def build_job(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, data: Data
     membership = None
     if survival.losses or survival.machine_loss:
         membership = _membership(cfg, roles, link)
-    hosts = [""] * topo.world_size
+    if membership is not None and roles.awaited and topo.rank == 0:  # (before any trainer reads the membership)
+        for n in roles.awaited:
+            record_node_loss(membership.store, roles, n, 0.0, awaited=True)
+    hosts = [""] * dist.get_world_size()
     dist.all_gather_object(hosts, socket.gethostname())  # also: every shard is initialized before a trainer reads
+    hosts += [""] * (topo.world_size - len(hosts))  # (the machines that have not joined)
     return Job(cfg=cfg, cluster=cluster, roles=roles, data=data, model_cfg=model_cfg, tables=tables, rowhash=rowhash,
                shards=shards, trainer_group=trainer_group, exchange=exchange, hot=hot, hot_group=hot_group,
                dense_group=dense_group, center=center, init_dense=flat, hosts=tuple(hosts), plan=plan, link=link,

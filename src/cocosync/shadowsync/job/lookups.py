@@ -81,8 +81,8 @@ def exchange_groups(cfg: TrainConfig, cluster: ClusterConfig, roles: Roles, tabl
                     arena: Arena) -> ExchangeGroups:
     """The exchange's own groups (a thread of its own uses them): trainer i of every node, or the nodes' first
     servers and a mailbox per local trainer (node-exchange); this rank's of them. Collective."""
-    if roles.topo.nnodes == 1 or cluster.lookup_transport not in EXCHANGES:
-        return ExchangeGroups()
+    if roles.topo.nnodes == 1 or cluster.lookup_transport not in EXCHANGES or roles.awaited:
+        return ExchangeGroups()  # (machines awaited: the trainers make theirs at the start, as after a loss)
     kind, index = roles.role()
     trainers, Tn, E = roles.ranks("trainer"), roles.trainers_per_node, roles.embedding_per_node
     if cluster.lookup_transport == "exchange":
@@ -124,7 +124,7 @@ def trainer_transport(job: Job, t: int, labels: list[str]) -> RemoteRows | None:
     t's peers on every node), its relay to the node's exchange (node-exchange), RPC to every remote server, or None
     (one node: every shard is read in place). `labels[s]`: how errors name embedding server s."""
     roles, dim, Tn = job.roles, job.tables.width, job.roles.trainers_per_node
-    if roles.topo.nnodes == 1:
+    if roles.topo.nnodes == 1 or roles.awaited:  # (awaited machines: the exchange comes at the start, loss_across.py)
         return None
     if job.cluster.lookup_transport == "rpc":
         names = [None if s in job.shards else roles.rpc_name(r) for s, r in enumerate(roles.ranks("embedding"))]

@@ -346,9 +346,12 @@ class LossAcross:
         ranges of the centre their sync servers held adopted."""
         handled = {n.node for n in self.nodes}
         seen = [n for n in membership.lost_nodes() if n.node not in handled]
+        # machines not there at the job's start (--nnodes MIN:MAX), all recorded before training: the state after
+        # their loss is made before the first row is read, the hot rows' replica filled after it (rank.py)
+        at_start = bool(seen) and all(n.awaited for n in seen)
         # machines lost together are recorded one after another: re-form once, after all of them (with two machines
         # only the one that does not host the store can be lost)
-        while self.job.roles.topo.nnodes > 2:
+        while self.job.roles.topo.nnodes > 2 and not at_start:
             time.sleep(SETTLE)
             recorded = [n for n in membership.lost_nodes() if n.node not in handled]
             if len(recorded) == len(seen):
@@ -362,7 +365,7 @@ class LossAcross:
         lost = [n.node for n in self.nodes]
         left = [n for n in range(roles.topo.nnodes) if n not in lost]
         tag = "-".join(map(str, lost))  # (names the groups re-formed after these losses, the same on every machine)
-        if self.hot_sync is not None:
+        if self.hot_sync is not None and not at_start:
             if len(left) == 1:
                 self.hot_sync.abandon()
                 self.hot_lost = True
@@ -370,11 +373,12 @@ class LossAcross:
                 firsts = [roles.rank_of("trainer", roles.trainer_at(n, 0)) for n in left]
                 self.hot_sync.regroup(self._group(f"hot/{tag}", left), ", ".join(
                     f"{roles.rpc_name(r)} (host {self.job.hosts[r]})" for r in firsts if r != roles.topo.rank))
-        membership.drop(self.job.cross_groups)
+        if not at_start:  # (the groups of the job's start hold none of the machines awaited)
+            membership.drop(self.job.cross_groups)
         E = roles.embedding_per_node
         before = holders(roles.topo.nnodes, E, self.batches[:-1])
         held = holders(roles.topo.nnodes, E, self.batches)
-        restored = {s: self._restore(s, membership, k, before[s]) for s in sorted(held)
+        restored = {s: self._restore(s, membership, k, before[s], hot=not at_start) for s in sorted(held)
                     if held[s] == roles.topo.node and before[s] in batch}
         self.adopted.update(restored)
         remote = None
@@ -485,10 +489,11 @@ class LossAcross:
         roles = self.job.roles
         return [t for t in membership.live() if roles.node_of(roles.rank_of("trainer", t)) == roles.topo.node]
 
-    def _restore(self, server: int, membership: Membership, batch: int, lost_with: int) -> Shard:
+    def _restore(self, server: int, membership: Membership, batch: int, lost_with: int, *, hot: bool = True) -> Shard:
         """Server `server`'s shard, lost with machine `lost_with` at the job's `batch`-th loss of machines, in this
         machine's shared memory: its mirror here (--shard-mirror-interval), else made and filled by the first trainer
-        left here, and mapped by the others."""
+        left here, and mapped by the others. `hot`: its hot rows from this machine's replica (not before the replica
+        is filled: a machine awaited at the job's start)."""
         key = restored_key(batch, server)
         job, store = self.job, membership.store
         here = self._here(membership)
@@ -508,7 +513,7 @@ class LossAcross:
             name = restored_segment(server, os.getpid())
             buf = create_named(name, nbytes)
             shard = self._shard(buf, n, dim)
-            rec = dataclasses.replace(self._fill(server, shard, name), lost_with=lost_with, batch=batch)
+            rec = dataclasses.replace(self._fill(server, shard, name, hot), lost_with=lost_with, batch=batch)
             store.set(key, json.dumps(asdict(rec)))
         else:
             rec = Restored(**json.loads(membership.wait_for_key(
@@ -527,8 +532,9 @@ class LossAcross:
         return Shard(w, acc, versions, optimizer=cfg.embedding_optimizer, lr=cfg.embedding_lr,
                      weight_decay=cfg.embedding_weight_decay)
 
-    def _fill(self, server: int, shard: Shard, name: str) -> Restored:
-        """Fill a restored shard from the freshest copy of its rows (module doc)."""
+    def _fill(self, server: int, shard: Shard, name: str, hot: bool) -> Restored:
+        """Fill a restored shard from the freshest copy of its rows (module doc); `hot`: and its hot rows from this
+        machine's replica."""
         job = self.job
         found = self._checkpoint()
         if found is not None:
@@ -540,8 +546,8 @@ class LossAcross:
             shard.weight.copy_(initial_rows(job.tables.table_rows, job.tables.width, init_std=m.embedding_init_std,
                                             seed=m.seed, rowhash=job.rowhash, server=server))
             source, examples, age = "initial rows", 0, time.time() - self.started
-        return self._hot_rows(server, shard, Restored(server, source, examples, age, shard.weight.shape[0], 0,
-                                                      name))
+        rec = Restored(server, source, examples, age, shard.weight.shape[0], 0, name)
+        return self._hot_rows(server, shard, rec) if hot else dataclasses.replace(rec, node=job.roles.topo.node)
 
     def _hot_rows(self, server: int, shard: Shard, rec: Restored) -> Restored:
         """Write this machine's replica of the hot rows (the truth for them) into a restored shard; `rec` with their

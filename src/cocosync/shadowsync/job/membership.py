@@ -143,11 +143,12 @@ class ServerLoss:
 @dataclass(frozen=True)
 class NodeLoss:
     """One lost machine: its node index, when its loss was recorded (time.time()) and for how long its launcher had
-    been silent then (seconds)."""
+    been silent then (seconds); `awaited`: a machine of the job's layout not there at its start (--nnodes MIN:MAX)."""
 
     node: int
     time: float
     silent_s: float
+    awaited: bool = False
 
 
 @dataclass(frozen=True)
@@ -228,21 +229,24 @@ def loss_across(store: Any) -> str | None:
     return store.get(LOSS_ACROSS).decode() if store.check([LOSS_ACROSS]) else None
 
 
-def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float) -> bool:
+def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float, *, awaited: bool = False) -> bool:
     """Record machine `node` as lost (its trainers and embedding servers too, as their keepers would), once: False if
     it was recorded already. `store`: a client of the job's store under the job's prefix. The caller checked that no
-    lone trainer's loss came first (`loss_across`)."""
+    lone trainer's loss came first (`loss_across`). `awaited`: a machine of the job's layout that was not there at its
+    start (--nnodes MIN:MAX), recorded before training as a machine lost then: the machines there hold its shards and
+    read its rows unless a machine joins in its place first."""
     claim_loss_across(store, "node")
     now = time.time()
-    rec = json.dumps({"time": now, "silent_s": silent_s})
+    rec = json.dumps({"time": now, "silent_s": silent_s, **({"awaited": True} if awaited else {})})
+    why = f"node {node} not joined yet" if awaited else f"the loss of node {node}"
     if json.loads(store.compare_set(f"lost-node/{node}", "", rec)) != json.loads(rec):
         return False
     for t in (i for i in range(roles.trainers) if roles.node_of(roles.rank_of("trainer", i)) == node):
         store.add(ABSENT, 1)
-        record_change(store, "lost", t, pid=0, signal=f"the loss of node {node}", node=node)
+        record_change(store, "lost", t, pid=0, signal=why, node=node)
     E = roles.embedding_per_node
     for s in range(node * E, (node + 1) * E):
-        store.set(f"lost-server/{s}", json.dumps({"pid": 0, "signal": f"the loss of node {node}", "time": now}))
+        store.set(f"lost-server/{s}", json.dumps({"pid": 0, "signal": why, "time": now}))
         store.add(SERVER_LOSSES, 1)
     store.set(f"lost-node/{node}/recorded", "1")  # (before the count: a machine counted is recorded whole)
     store.add(NODE_LOSSES, 1)
@@ -336,7 +340,7 @@ class Membership:
         for n in range(self.roles.topo.nnodes):
             if self.store.check([f"lost-node/{n}/recorded"]):
                 rec = json.loads(self.store.get(f"lost-node/{n}"))
-                found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"])))
+                found.append(NodeLoss(n, float(rec["time"]), float(rec["silent_s"]), bool(rec.get("awaited", False))))
         return found
 
     def wait_for_key(self, key: str, what: str) -> bytes:

@@ -98,6 +98,7 @@ class Monitor:
         self.hosts_store = hosts_store
         self.fence_key = fence_key or f"lost-node/{self.node}"
         self.lost_nodes: dict[int, float] = {}  # machines lost: how long their launcher had been silent
+        self.awaited: set[int] = set()  # machines of the layout not there at the start (--nnodes MIN:MAX)
         self._said_restored: set[tuple[int, int]] = set()  # (loss, server) of each restored shard named
         self._said_ranges: set[tuple[int, int]] = set()  # (loss, range) of each adopted range of EASGD's centre named
         self._said_substitutes: set[int] = set()  # lone lost trainers whose stand-in was named (across machines)
@@ -325,6 +326,8 @@ class Monitor:
         for n in range(self.nodes):
             if n == self.node or n in self.lost_nodes:
                 continue
+            if self._awaited(n):
+                continue
             beat = get_if_set(self.store, f"node-beat/{n}")
             if beat is None:  # (not watching yet)
                 continue
@@ -357,6 +360,22 @@ class Monitor:
         self._say_joined()
         return None
 
+    def _awaited(self, n: int) -> bool:
+        """Whether machine `n` of the job's layout was not there at its start (--nnodes MIN:MAX: the ranks recorded it
+        before training); said once."""
+        rec = self._get(f"lost-node/{n}")
+        if not isinstance(rec, dict) or not rec.get("awaited"):
+            return False
+        self.lost_nodes[n] = 0.0
+        self.awaited.add(n)
+        trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
+        E = self.roles.embedding_per_node
+        self.console.print(f"[yellow]node {n} has not joined: its trainer{'s' if len(trainers) > 1 else ''} "
+                           f"{', '.join(map(str, trainers))} wait for a machine started with the same command and "
+                           f"--node-rank {n}; until one joins, the machines here hold its embedding shard"
+                           f"{'s' if E > 1 else ''} and read its rows once they have read their own", soft_wrap=True)
+        return True
+
     def _say_joined(self) -> None:
         """Say each machine that joins in a lost one's place (job/node_join.py): as it claims the place, and once its
         trainers have joined (they train from then on)."""
@@ -365,17 +384,18 @@ class Monitor:
             if not isinstance(rec, dict):
                 continue
             trainers = [t for t in range(self.cfg.trainers) if self._node_of_trainer(t) == n]
+            place = f"as node {n}" if n in self.awaited else f"in node {n}'s place"
             if n not in self._said_joins:
                 self._said_joins[n] = False
-                self.console.print(f"[green]a machine (host {escape(str(rec.get('host')))}) joins the job in node "
-                                   f"{n}'s place with trainers {', '.join(map(str, trainers))}: they take the dense "
-                                   "model from a trainer in the job and the rest of their rows", soft_wrap=True)
+                self.console.print(f"[green]a machine (host {escape(str(rec.get('host')))}) joins the job {place} "
+                                   f"with trainers {', '.join(map(str, trainers))}: they take the dense model from a "
+                                   "trainer in the job and the rest of their rows", soft_wrap=True)
             if not self._said_joins[n]:
                 joined = {int(x["trainer"]) for x in (self._get(f"change/{k}") for k in range(
                     1, int(self.store.add(EPOCH, 0)) + 1)) if isinstance(x, dict) and x.get("kind") == "joined"}
                 if set(trainers) <= joined:
                     self._said_joins[n] = True
-                    self.console.print(f"[green]trainers {', '.join(map(str, trainers))} joined in node {n}'s place "
+                    self.console.print(f"[green]trainers {', '.join(map(str, trainers))} joined {place} "
                                        f"({time.time() - float(rec.get('time', time.time())):.1f} s after the "
                                        f"machine came): {self.cfg.trainers} trainers train", soft_wrap=True)
 
@@ -407,6 +427,10 @@ class Monitor:
             self._said_restored.add((r.batch, r.server))
             where = {"initial rows": "its initial rows", "mirror": "its mirror on this machine"}.get(
                 r.source, f"the checkpoint at {r.examples:,} examples")
+            if r.lost_with in self.awaited:
+                self.console.print(f"embedding server {r.server}'s shard (node {r.lost_with}'s) held on node {r.node} "
+                                   f"until a machine joins: {r.rows:,} rows from {where}", soft_wrap=True)
+                continue
             self.console.print(f"embedding server {r.server}'s shard restored on node {r.node} from {where} "
                                f"({r.rows:,} rows, {r.age_s:.1f} s old; its {r.hot_rows:,} hot rows current: this "
                                "machine's replica)", soft_wrap=True)
@@ -442,6 +466,8 @@ class Monitor:
                 self.killed.discard(t)
                 self._pids.pop(self.roles.rank_of("trainer", t), None)  # (the new process says its own)
                 self.banked += int(progress.get("trainer_examples", 0))  # (the new process counts from 0)
+                if rec.get("node") is not None:  # (a machine's trainer, joining in a lost or awaited one's place:
+                    continue  # its machine's join is said once, _say_joined)
                 self.console.print(f"[green]trainer {t} (pid {rec.get('pid')}) joined again (restart "
                                    f"{rec.get('restart')} of {self.cfg.max_restarts}): it takes the dense model from "
                                    "a trainer in the job and the rest of its rows; "

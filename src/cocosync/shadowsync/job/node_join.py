@@ -102,7 +102,7 @@ def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tu
     (`JOINING`; each says it is there with `joined`)."""
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
-        return None, "no machine of the job is lost"
+        return None, "no machine of the job is lost or awaited"
     if store.check([FIRST_FAILURE]) or job_ending(store):
         return None, "the job is ending"
     if not joins_open(store):

@@ -44,15 +44,16 @@ from torch.multiprocessing import ProcessExitedException
 
 from cocosync.runtime import warm_start
 from cocosync.runtime.comm.shm import remove_named
-from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig
+from cocosync.shadowsync.config import ClusterConfig, ConfigError, NodeRange, TrainConfig
 from cocosync.shadowsync.data.sources import with_range_lines
 from cocosync.shadowsync.job.launch import check_resume, crowded_shadow_advice
 from cocosync.shadowsync.job.link import MONITOR_HOST_ENV, MONITOR_PORT_ENV, PREFIX, SECRET_ENV
 from cocosync.shadowsync.job.loss_across import remove_restored
+from cocosync.shadowsync.job.membership import record_node_loss
 from cocosync.shadowsync.job.monitor import FENCED, Monitor, exit_status
 from cocosync.shadowsync.job.node_join import claim_node, fence_key, joined
 from cocosync.shadowsync.job.rank_start import job_dict, mark_agent_keys, run_joined_rank, run_node_rank
-from cocosync.shadowsync.job.same_job import PER_MACHINE, differences, job_options
+from cocosync.shadowsync.job.same_job import JOB_NODES_ENV, PER_MACHINE, differences, job_options
 from cocosync.shadowsync.job.segments import SEGMENTS_ID
 from cocosync.shadowsync.job.survival import Survival
 
@@ -63,6 +64,8 @@ WAITING_EVERY = 30.0  # seconds between two lines while the rendezvous waits for
 #: seconds the agent gets to report this machine's ranks once they have exited after another machine's loss (on the
 #: machine that hosts the job's store; a third of it on the others)
 EXIT_GRACE = 3.0
+#: seconds the rendezvous of a range of machines (--nnodes MIN:MAX) waits for more once MIN have met
+LAST_CALL = 3.0
 #: the store key where node 0's launcher leaves the options the job was started with (`same_job.job_options`)
 LAUNCH_OPTIONS = "launch-options"
 
@@ -73,11 +76,13 @@ class _RankKeys(DefaultLogsSpecs):
     the job's ranks on this machine (`ranks`: None until the rendezvous has numbered them)."""
 
     ranks: list[int] | None = None
+    world_size = 0  # the ranks of the machines that met
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         dest = super().reify(envs)
         for env in envs.values():
             mark_agent_keys(env)
+            self.world_size = int(env["WORLD_SIZE"])
         self.ranks = sorted(int(env["RANK"]) for env in envs.values())
         return dest
 
@@ -91,21 +96,26 @@ def _agent_log_worth_showing(record: logging.LogRecord) -> bool:
     return not (record.exc_info and isinstance(record.exc_info[1], ProcessExitedException))
 
 
-def torchrun_args(nnodes: int, node_rank: int, nproc_per_node: int, rdzv_endpoint: str,
+def torchrun_args(nnodes: int | str | NodeRange, node_rank: int, nproc_per_node: int, rdzv_endpoint: str,
                   local_addr: str | None, run_id: str) -> list[str]:
     """torchrun's arguments for this machine (before the module and its arguments). c10d numbers the nodes itself;
     `node_rank` says which machine hosts the rendezvous store (`is_host`). `local_addr`: the address the other
     machines reach this one's ranks at; default 127.0.0.1 on a loopback rendezvous, else what torchrun resolves
-    (the hostname)."""
+    (the hostname). A range of machines (MIN:MAX) closes the rendezvous LAST_CALL seconds after MIN have met (torch's
+    default: 30 s): a machine that comes later joins the running job instead."""
     host = rdzv_endpoint.rsplit(":", 1)[0]
     loopback = host in ("127.0.0.1", "localhost")
     # only node 0 hosts the store. On a loopback endpoint torch lets any machine whose name matches host it (every
     # one does): a node > 0 started with a wrong port hosted a store on every interface and waited there. (Node 0's
     # is left to torch there: an explicit is_host=1 on loopback kept a job with --timeout from starting to train.)
-    conf = ["--rdzv-conf", "is_host=0"] if node_rank > 0 else [] if loopback else ["--rdzv-conf", "is_host=1"]
+    conf = ["is_host=0"] if node_rank > 0 else [] if loopback else ["is_host=1"]
+    machines = nnodes if isinstance(nnodes, NodeRange) else NodeRange.parse(str(nnodes))
+    if machines.elastic:
+        conf.append(f"last_call_timeout={LAST_CALL:g}")
     addr = local_addr or ("127.0.0.1" if loopback else None)
-    return ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id, "--max-restarts", "0", *conf,
+    return ["--nnodes", str(machines), "--nproc-per-node", str(nproc_per_node), "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", rdzv_endpoint, "--rdzv-id", run_id, "--max-restarts", "0",
+            *(["--rdzv-conf", ",".join(conf)] if conf else []),
             *(["--local-addr", addr] if addr else [])]
 
 
@@ -123,8 +133,11 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     asks every trainer of every machine to stop with a checkpoint, through the job's rendezvous store (link.py), as
     the one-machine launcher does through its own; the second aborts (the ranks die with their launcher)."""
     args = get_args_parser().parse_args([*launch, "-m", _MODULE])
-    nnodes = int(args.nnodes)
+    machines = NodeRange.parse(args.nnodes)
+    nnodes = machines.high  # (the job's layout: machines not there at its start join it later)
     trainers = _trainers_per_node(cfg, cluster, nnodes, int(args.nproc_per_node)) * nnodes
+    if machines.elastic:
+        _check_range(machines, cfg, cluster, trainers // nnodes)
     if cluster.shard_mirror_interval > 0 and nnodes > 2:
         shown = f"{cluster.shard_mirror_interval * 1e3:g}"
         raise ConfigError(f"--shard-mirror-interval {shown}: each machine mirrors its shards on the other of two "
@@ -174,6 +187,7 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     host, port = parse_rendezvous_endpoint(config.rdzv_endpoint, default_port=29400)
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})  # the ranks' link: the rendezvous store
     os.environ.pop(SECRET_ENV, None)  # (no per-run secret across machines: they would have to share it)
+    os.environ[JOB_NODES_ENV] = str(nnodes)  # (the ranks' layout, whatever number of machines met)
     outcome: dict[str, BaseException] = {}
 
     def agent(launcher_env: dict[str, str]) -> None:
@@ -193,7 +207,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
         thread.start()
         t0 = last = time.monotonic()
         if config.max_nodes > 1:
-            console.print(f"waiting for the {config.max_nodes} machines of the job at {config.rdzv_endpoint} (c10d "
+            count = f"{machines.low} to {machines.high}" if machines.elastic else str(machines.high)
+            console.print(f"waiting for the {count} machines of the job at {config.rdzv_endpoint} (c10d "
                           f"rendezvous, up to {config.rdzv_configs.get('timeout', 900):g} s) ...", soft_wrap=True)
         while thread.is_alive() and logs.ranks is None:  # the rendezvous: nothing trains yet, a signal aborts
             thread.join(0.2)
@@ -210,6 +225,8 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
             monitor = _monitor(cfg, cluster, nnodes, config.nproc_per_node, logs.ranks or [], host, port, console,
                                hosts_store=node_rank == 0)
             if node_rank == 0:  # what a machine that joins later must have been started with
+                for n in range(logs.world_size // config.nproc_per_node, nnodes):  # (the ranks record them too)
+                    record_node_loss(monitor.store, monitor.roles, n, 0.0, awaited=True)
                 monitor.store.set(LAUNCH_OPTIONS, _options_json(cfg, cluster, config.nproc_per_node))
             monitor.run(thread)  # (takes SIGINT and SIGTERM while it runs)
             if monitor.failure is not None:
@@ -263,6 +280,22 @@ def run_node(launch: list[str], cfg: TrainConfig, cluster: ClusterConfig, json_o
     return 0
 
 
+def _check_range(machines: NodeRange, cfg: TrainConfig, cluster: ClusterConfig, per_node: int) -> None:
+    """A job of a range of machines goes on without those that have not joined, as without lost ones, and takes them
+    in as it takes a lost one's replacement: a ConfigError naming what keeps this job from it."""
+    survives = Survival.of(cfg, cluster, machines.high, per_node, True).machine_loss
+    if not survives or cfg.sync.method not in ("ma", "bmuf") or cluster.shard_mirror_interval > 0:
+        raise ConfigError(f"--nnodes {machines}: machines join a running job with MA or BMUF, the lookup exchange and "
+                          f"--min-trainers at most a machine's trainers (this job: --sync {cfg.sync.algorithm}, "
+                          f"--lookup-transport {cluster.lookup_transport}, --min-trainers {cfg.min_trainers}, "
+                          f"{per_node} trainers a machine) and no shard mirror (--shard-mirror-interval "
+                          f"{cluster.shard_mirror_interval * 1e3:g}); give one number of machines, e.g. --nnodes "
+                          f"{machines.high}")
+    if cfg.max_restarts:
+        raise ConfigError(f"--max-restarts {cfg.max_restarts}: a job of a range of machines (--nnodes {machines}) "
+                          "starts no lost trainer again; leave it at 0")
+
+
 def _options_json(cfg: TrainConfig, cluster: ClusterConfig, nproc: int) -> str:
     """The options every machine of the job must share (same_job.job_options), as the store holds them."""
     return json.dumps(job_options(cfg, cluster, nproc), default=str, sort_keys=True)
@@ -293,7 +326,8 @@ def _node_to_join(host: str, port: int, nnodes: int, nproc: int, node_rank: int,
     node, why = claim_node(store, nnodes, trainers_per_node, socket.gethostname())
     if node is not None:
         return node
-    if store.check(["pid/0"]):  # (the job's ranks run: a rendezvous would restart every one of them)
+    if store.check(["pid/0"]) or store.check([LAUNCH_OPTIONS]):  # (the job's ranks run: a rendezvous would restart
+        # every one of them)
         raise ConfigError(f"the job at {host}:{port} is running and this machine cannot join it: {why}")
     return None
 
@@ -309,15 +343,19 @@ def _run_joined(job: dict, cfg: TrainConfig, cluster: ClusterConfig, nnodes: int
     E, S = cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
     Tn = nproc - E - S
     ranks = [node * nproc + local for local in range(E + S, nproc)]
-    console.print(f"node {node} of the job at {host}:{port} was lost: this machine joins in its place with trainers "
-                  f"{', '.join(str(t) for t in range(node * Tn, (node + 1) * Tn))} (the machines in the job keep its "
-                  "shards)", soft_wrap=True)
+    raw = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
+    store = dist.PrefixStore(PREFIX, raw)
+    awaited = bool(json.loads(store.get(f"lost-node/{node}")).get("awaited"))
+    trainers = ", ".join(str(t) for t in range(node * Tn, (node + 1) * Tn))
+    console.print(f"node {node} of the job at {host}:{port} " + (
+        f"has not joined: this machine joins as node {node} with trainers {trainers} (the machines in the job keep the "
+        "shards they held for it)" if awaited else
+        f"was lost: this machine joins in its place with trainers {trainers} (the machines in the job keep its "
+        "shards)"), soft_wrap=True)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.update({MONITOR_HOST_ENV: host, MONITOR_PORT_ENV: str(port)})
     os.environ.pop(SECRET_ENV, None)
     launcher_env = dict(os.environ)
-    raw = dist.TCPStore(host, port, is_master=False, timeout=datetime.timedelta(seconds=30))
-    store = dist.PrefixStore(PREFIX, raw)
     for rank in ranks:  # (the lost machine's ranks said theirs: the monitor reads each rank's pid there)
         store.delete_key(f"pid/{rank}")
     procs: dict[int, Any] = {}

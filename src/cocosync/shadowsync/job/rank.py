@@ -108,7 +108,7 @@ from cocosync.shadowsync.job.node_join import (
 )
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
-from cocosync.shadowsync.job.same_job import check_same_job, job_topology
+from cocosync.shadowsync.job.same_job import check_same_job, job_topology, present_nodes
 from cocosync.shadowsync.job.summary import add_job_cpu, finite_mean, lookup_summary
 from cocosync.shadowsync.job.trainer import CheckpointMarks, Trainer, TrainerFailure, TrainerState
 from cocosync.shadowsync.metrics import MetricsLogger, evaluate, json_safe, plot_ne, read_metrics
@@ -127,7 +127,8 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
     """Run this process's role of the job; returns the summary on trainer 0, None elsewhere."""
     console = console or Console(stderr=True)
     topo = job_topology()
-    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes))
+    roles = Roles(topo, cluster.embedding_servers, cluster.sync_servers_for(cfg.sync.method, nodes=topo.nnodes),
+                  present=present_nodes())
     cfg = dataclasses.replace(cfg, trainers=roles.trainers)  # validated again with the job's trainer count
     check_paths(cfg)
     cfg = with_init_ctr(with_schema(cfg))  # every process reads the same first rows: the same value
@@ -175,7 +176,9 @@ def run_cluster(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None
             load_job(kind, index, part, resume, meta, rowhash=job.rowhash, centre_numel=job.dense_params,
                      sync_servers=roles.sync_per_node * topo.nnodes, trainers=roles.trainers, workers=cfg.workers)
             dist.barrier()  # every part is back before a trainer reads a row
-        if run is not None and run.hot_sync is not None:  # before the trainers' barrier: no row read before it
+        # the hot rows' replica, before any row is read (with machines awaited: once the shards they would hold are
+        # here, _start_without)
+        if run is not None and run.hot_sync is not None and not roles.awaited:
             run.hot_sync.fill(job.shards, job.rowhash.servers)
             run.hot_sync.start()
         cpu0, threads0 = time.process_time(), thread_cpu.snapshot()
@@ -378,6 +381,8 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     membership = job.membership
     assert membership is not None  # (join_job's Job has one)
     published = membership.published_positions(t)
+    if published is None and any(n.node == topo.node and n.awaited for n in membership.lost_nodes()):
+        published = [0] * job.cfg.workers  # (a machine awaited since the job's start: none of its rows was read)
     if published is None:
         raise RuntimeError(f"trainer {t} of the lost machine never published its reader positions: its rows cannot "
                            "be read again from where it stopped")
@@ -487,7 +492,7 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: b
                            label=", ".join(f"{roles.rpc_name(r)} (host {job.hosts[r]})" for r in firsts))
     tables = ShardedEmbeddings(job.tables.table_rows, job.tables.width, servers, remote=remote, labels=labels,
                                group=job.cluster.lookup_batches, hot=hot, hot_sync=hot_sync,
-                               start_window=cfg.workers * (job.cluster.prefetch + 1))
+                               start_window=cfg.workers * (job.cluster.prefetch + 1), awaiting=bool(roles.awaited))
     center = None
     if cfg.sync.method == "easgd":
         center = RemoteCenter(job.dense_params, [roles.rpc_name(r) for r in roles.ranks("sync")])
@@ -564,6 +569,8 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
             raise TrainerFailure(f"{losses[0].describe()} before training started: the job goes on without a "
                                  "lost trainer once training runs; start it again") from None
         raise
+    if roles.awaited:
+        _start_without(job, run)
     if run.machine is not None:
         run.machine.bound_waits()
     result = run.trainer.train()
@@ -589,6 +596,25 @@ def _run_trainer(job: Job, run: _TrainerRun, t: int) -> tuple[dict | None, list[
         run.logger = MetricsLogger(Path(job.cfg.out_dir) / "metrics.jsonl", append=True)
     servers = membership.lost_servers() if membership is not None else []
     return _finish(job, run, results, losses, servers), alive, [x.server for x in servers]
+
+
+def _start_without(job: Job, run: _TrainerRun) -> None:
+    """The machines of the job's layout not there at its start (--nnodes MIN:MAX), recorded as lost before training
+    (build.py), are handled as lost ones: their shards restored on the machines here from their initial rows (or the
+    checkpoint resumed), the lookup exchange made among these, the dense sync formed among the trainers here by the
+    path that takes a machine in later (Recovery.regroup); then the hot rows' replica is filled from the shards
+    (restored ones included) and every trainer here starts at once."""
+    recovery = run.trainer.recovery
+    assert recovery is not None and run.machine is not None  # (such a job survives a machine's loss)
+    sync = recovery.regroup(run.trainer.sync)
+    if sync is None:
+        raise RuntimeError(f"the machines awaited ({', '.join(map(str, job.roles.awaited))}) were not recorded in the "
+                           "job's store before training")
+    run.trainer.sync = sync
+    if run.hot_sync is not None:
+        run.hot_sync.fill({**job.shards, **run.machine.adopted}, job.rowhash.servers)
+        run.hot_sync.start()
+    dist.barrier(group=job.trainer_group)  # (no row read before the replica is filled)
 
 
 def _servers_leave(job: Job) -> bool:

@@ -30,6 +30,7 @@ from cocosync.shadowsync.job.membership import (
     keep_trainer,
 )
 from cocosync.shadowsync.job.rank import run_cluster, run_joined, run_restarted
+from cocosync.shadowsync.job.same_job import JOB_NODES_ENV
 from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.metrics import json_safe
 
@@ -150,8 +151,9 @@ def run_job_dict(job: dict, json_out: bool = False) -> None:
 
 
 def _machines(cfg: TrainConfig, cluster: ClusterConfig) -> tuple[int, int]:
-    """(the job's machines, trainers on each), from this rank's environment (roles.py: servers first)."""
-    nnodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    """(the job's machines, trainers on each), from this rank's environment (roles.py: servers first; the machines
+    the job is laid out for: same_job.JOB_NODES_ENV)."""
+    nnodes = max(int(os.environ.get("GROUP_WORLD_SIZE", "1")), int(os.environ.get(JOB_NODES_ENV, "0")))
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) - cluster.embedding_servers - \
         cluster.sync_servers_for(cfg.sync.method, nodes=nnodes)
     return nnodes, per_node if nnodes > 1 else cfg.trainers

@@ -19,11 +19,14 @@ __all__ = ["Roles"]
 
 @dataclass(frozen=True)
 class Roles:
-    """The role of every rank of the job (`topo`: this process, in torchrun's numbering)."""
+    """The role of every rank of the job (`topo`: this process, in torchrun's numbering, in a world of the machines
+    the job is laid out for). `present`: the machines at the job's start, nodes 0 .. present - 1 (0: all of them);
+    the others (`awaited`, --nnodes MIN:MAX) have no ranks until a machine joins in the place of one."""
 
     topo: Topology
     embedding_per_node: int
     sync_per_node: int
+    present: int = 0
 
     def __post_init__(self) -> None:
         L = self.topo.local_world_size
@@ -58,6 +61,16 @@ class Roles:
     def ranks(self, kind: str) -> list[int]:
         """Global ranks of one role, in index order."""
         return [r for r in range(self.topo.world_size) if self.role(r)[0] == kind]
+
+    @property
+    def awaited(self) -> list[int]:
+        """The machines of the layout not there at the job's start."""
+        return list(range(self.present, self.topo.nnodes)) if self.present else []
+
+    def present_ranks(self, kind: str) -> list[int]:
+        """Global ranks of one role on the machines there at the job's start (those in torch's world), in index
+        order."""
+        return [r for r in self.ranks(kind) if not self.present or self.node_of(r) < self.present]
 
     def rank_of(self, kind: str, index: int) -> int:
         return self.ranks(kind)[index]

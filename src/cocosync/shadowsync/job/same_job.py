@@ -26,26 +26,43 @@ from cocosync.runtime.comm.topology import Topology, topology_from_env
 from cocosync.shadowsync.checkpoint import read_meta, resolve
 from cocosync.shadowsync.config import ClusterConfig, ConfigError, TrainConfig, config_to_dict
 
-__all__ = ["PER_MACHINE", "SHARED_WAIT", "job_topology", "job_options", "checkpoint_identity", "data_fingerprint",
-           "differences", "check_same_job"]
+__all__ = ["PER_MACHINE", "SHARED_WAIT", "JOB_NODES_ENV", "job_topology", "present_nodes", "job_options",
+           "checkpoint_identity", "data_fingerprint", "differences", "check_same_job"]
 
 #: what each machine may set for itself: where it writes and reads (a data file's path; its contents are compared
 #: by `data_fingerprint`), its threads, its own limits, what it shows
 PER_MACHINE = frozenset({"out_dir", "data", "threads", "timeout", "heartbeat_timeout", "progress", "log_every",
                          "window", "plot"})
 
+#: the environment variable that gives a job's ranks the machines it is laid out for (--nnodes MIN:MAX: MAX), where
+#: torchrun's world holds those that met at its start
+JOB_NODES_ENV = "COCOSYNC_JOB_NODES"
+
 #: seconds a rank waits to see the file rank 0 wrote in its --out before it says the directory is not shared
 SHARED_WAIT = 3.0
 
 
 def job_topology() -> Topology:
-    """This rank's place in the job as torchrun set it; machines started with different --nproc-per-node make a
-    world the per-machine count does not divide: a ConfigError saying so (it was a traceback from every rank)."""
+    """This rank's place in the job as torchrun set it, in a world of the machines the job is laid out for
+    (JOB_NODES_ENV, else torchrun's); machines started with different --nproc-per-node make a world the per-machine
+    count does not divide: a ConfigError saying so (it was a traceback from every rank)."""
     try:
-        return topology_from_env()
+        topo = topology_from_env()
     except ValueError as e:
         raise ConfigError(f"{e}: every machine of the job must run the same number of processes (--nproc-per-node "
                           f"{os.environ.get('LOCAL_WORLD_SIZE')} on this one)") from None
+    nodes = int(os.environ.get(JOB_NODES_ENV, "0"))
+    if nodes <= topo.nnodes:
+        return topo
+    return Topology(rank=topo.rank, world_size=nodes * topo.local_world_size, local_rank=topo.local_rank,
+                    local_world_size=topo.local_world_size, node=topo.node)
+
+
+def present_nodes() -> int:
+    """The machines in torchrun's world: those that met at the job's start (node 0 up to this count, in the job's
+    numbering)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) // int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get(
+        "WORLD_SIZE", "1")))
 
 
 def job_options(cfg: TrainConfig, cluster: ClusterConfig, nproc_per_node: int) -> dict[str, Any]:
@@ -116,7 +133,7 @@ def check_same_job(cfg: TrainConfig, cluster: ClusterConfig, topo: Topology) -> 
     """Collective over the job's default group: a ConfigError on every rank where the machines' jobs differ, or where
     the job checkpoints and its --out is not one directory every machine shares."""
     mine = job_options(cfg, cluster, topo.local_world_size)
-    every: list[Any] = [None] * topo.world_size
+    every: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(every, (topo.node, mine, secrets.token_hex(8)))
     per_node = {node: options for node, options, _ in every}  # (a node's ranks parsed one command line)
     diff = differences(per_node)
@@ -140,7 +157,7 @@ def _check_shared(out: Path, token: str, topo: Topology) -> None:
     deadline = time.monotonic() + SHARED_WAIT
     while not (seen := marker.is_file()) and time.monotonic() < deadline:  # (a network file system's caches)
         time.sleep(0.1)
-    views: list[Any] = [None] * topo.world_size
+    views: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(views, (topo.node, socket.gethostname(), str(out), seen))
     if topo.rank == 0:
         marker.unlink(missing_ok=True)

@@ -126,13 +126,16 @@ class ShardedEmbeddings:
 
     def __init__(self, table_rows: Sequence[int], dim: int, servers: Sequence[Shard | str], *,
                  remote: RemoteRows | None = None, labels: Sequence[str] | None = None, group: int = 1,
-                 hot: HotRows | None = None, hot_sync: HotSync | None = None, start_window: int = 0):
+                 hot: HotRows | None = None, hot_sync: HotSync | None = None, start_window: int = 0,
+                 awaiting: bool = False):
         """`remote`: the transport to the other nodes' servers (transport.py; None: every server is local);
         `labels`: how errors name each server (default: its entry); `group`: batches whose lookups go in one request
         when prefetching (fewer messages, staler rows); `hot`: the node's replica of the hot rows, read and updated
         in place (hot_rows.py); `hot_sync`: its sync, on the node's first trainer (its staleness and costs are
         reported here); `start_window`: the first lookups whose wait is also counted apart (the first rounds' wait,
-        `LookupStats.start_wait_s`)."""
+        `LookupStats.start_wait_s`). `awaiting`: servers on other nodes and no transport yet (machines that have not
+        joined the job: `adopt` takes their shards, and the transport to the machines here, before the first lookup;
+        a lookup before that fails with ExchangeLost)."""
         self.table_rows, self.dim = [int(r) for r in table_rows], int(dim)
         self.servers = list(servers)
         self.labels = list(labels) if labels is not None else [
@@ -145,9 +148,9 @@ class ShardedEmbeddings:
         if group < 1:
             raise ValueError(f"group={group!r} must be >= 1 batch per message")
         self._place()
-        if remote is None and len(self._local_servers) < len(self.servers):
+        if remote is None and len(self._local_servers) < len(self.servers) and not awaiting:
             raise ValueError("servers on other nodes need a transport (remote=)")
-        if hot is not None and remote is None:
+        if hot is not None and remote is None and not awaiting:
             raise ValueError("replicated hot rows need the lookup exchange (a transport to the other nodes)")
         self.group, self.remote = group, remote
         self.hot = hot if hot is not None and len(hot) else None

@@ -1,0 +1,102 @@
+"""A job of a range of machines (`cocosync train --nnodes MIN:MAX`): it starts once MIN have met, laid out for MAX; the
+machines there hold the others' shards and read their rows, unless a machine started later joins in the place of
+one (node_join.py), takes the dense model from a trainer in the job and reads that place's rows."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.testing.launch import free_port
+from cocosync.testing.multinode import (
+    kill_machine,
+    remove_semaphores_since,
+    semaphores,
+    start_nodes,
+    twohosts_available,
+    wait_nodes,
+)
+
+
+def _train_records(out) -> list[dict]:
+    path = out / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines if x.strip().endswith("}") and '"event": "train"' in x]
+
+
+def test_a_job_of_two_machines_started_with_one_reads_every_row_there(tmp_path):
+    """`--nnodes 1:2` with node 0 alone: the rendezvous closes soon after it came; node 1's shard is made on node 0 from
+    its initial rows, node 0's trainers read their own rows and then node 1's, and the job ends with its summary and
+    a checkpoint whole, the absent machine named."""
+    out = tmp_path / "run"
+    examples = 200_000
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-bmuf", "--out", str(out)]
+    started = time.monotonic()
+    procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, only=[0])
+    [node0] = wait_nodes(procs, timeout=150)
+    assert node0.returncode == 0, node0.output[-5000:]
+    assert time.monotonic() - started < 120
+    assert "waiting for the 1 to 2 machines of the job" in node0.output, node0.output[-3000:]
+    assert "node 1 has not joined: its trainers 2, 3 wait for a machine started with the same command and " \
+        "--node-rank 1" in node0.output, node0.output[-3000:]
+    assert "embedding server 1's shard (node 1's) held on node 0 until a machine joins" in node0.output
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
+    assert s["trainers_left"] == 2 and s["takeover_rows"] == examples // 2  # (node 1's rows, read on node 0)
+    [lost] = s["lost_nodes"]
+    assert lost["node"] == 1 and lost["awaited"] and [r["source"] for r in lost["restored"]] == ["initial rows"]
+    assert s["joined_nodes"] == [] and s["eval_ne"] < 0.9, s["eval_ne"]
+    meta = json.loads((out / "checkpoints" / f"seen-{examples}" / "meta.json").read_text())
+    assert meta["examples_seen"] == examples and meta["embedding_servers"] == 2
+    assert leftover_segments() == []
+
+
+@pytest.mark.faults
+def test_a_machine_started_after_the_job_joins_it_and_reads_its_places_rows(tmp_path):
+    """`--nnodes 1:2`: node 0 starts alone and trains; node 1's command, started once the job has trained 200,000
+    examples, joins the running job (no rendezvous, no restart of node 0's ranks): its trainers take the dense model
+    from node 0's, read node 1's rows from their start, and train within 10 s of the command's start. The job ends
+    with every example read once and the join in the summary. On two simulated machines where twohosts.sh works,
+    else on loopback."""
+    two_hosts = twohosts_available()
+    out = tmp_path / "run"
+    examples = 4_000_000  # (node 0 must still read its own rows when the machine joins: joins close after that)
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-bmuf", "--out", str(out)]
+    port = free_port()
+    before = semaphores()
+    procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, two_hosts=two_hosts, port=port, only=[0])
+    try:
+        deadline = time.monotonic() + 150
+        while not (recs := _train_records(out)) or recs[-1]["examples"] < 200_000:
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
+            time.sleep(0.1)
+        started = time.time()
+        procs += start_nodes(args, nnodes="1:2", nproc_per_node=3, two_hosts=two_hosts, port=port, only=[1])
+        runs = wait_nodes(procs, timeout=200)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_machine(p.pid)
+        remove_semaphores_since(before)
+    node0, node1 = runs
+    text = node0.output[-3000:] + "\n--- next node ---\n" + node1.output[-3000:]
+    assert node0.returncode == 0 and node1.returncode == 0, text
+    assert "has not joined: this machine joins as node 1 with trainers 2, 3" in node1.output, text
+    assert "a machine (host " in node0.output and "joins the job as node 1 with trainers 2, 3" in node0.output, text
+    assert "trainers 2, 3 joined as node 1" in node0.output, text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
+    assert s["trainers_left"] == 4 and s["takeover_rows"] == 0  # (the joining trainers read node 1's rows)
+    assert [m["trainers"] for m in s["membership"]] == [4, 3, 2, 3, 4]
+    assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1]
+    assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3]
+    for r in s["restarts"]:
+        assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] == examples // 4, r
+        assert r["joined"] - started < 10, r["joined"] - started  # trains within 10 s of the command's start
+    assert s["eval_ne"] < 0.8, s["eval_ne"]
+    assert leftover_segments() == []
