@@ -5,6 +5,7 @@ one (node_join.py), takes the dense model from a trainer in the job and reads th
 from __future__ import annotations
 
 import json
+import subprocess
 import time
 
 import pytest
@@ -49,7 +50,9 @@ def test_a_job_of_two_machines_started_with_one_reads_every_row_there(tmp_path):
     assert s["trainers_left"] == 2 and s["takeover_rows"] == examples // 2  # (node 1's rows, read on node 0)
     [lost] = s["lost_nodes"]
     assert lost["node"] == 1 and lost["awaited"] and [r["source"] for r in lost["restored"]] == ["initial rows"]
-    assert s["joined_nodes"] == [] and s["eval_ne"] < 0.9, s["eval_ne"]
+    assert s["joined_nodes"] == [] and s["membership"] == [{"time": s["membership"][0]["time"], "trainers": 2,
+                                                           "awaited": [1]}]
+    assert s["eval_ne"] < 0.9, s["eval_ne"]
     meta = json.loads((out / "checkpoints" / f"seen-{examples}" / "meta.json").read_text())
     assert meta["examples_seen"] == examples and meta["embedding_servers"] == 2
     assert leftover_segments() == []
@@ -92,11 +95,60 @@ def test_a_machine_started_after_the_job_joins_it_and_reads_its_places_rows(tmp_
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
     assert s["trainers_left"] == 4 and s["takeover_rows"] == 0  # (the joining trainers read node 1's rows)
-    assert [m["trainers"] for m in s["membership"]] == [4, 3, 2, 3, 4]
+    assert [m["trainers"] for m in s["membership"]] == [2, 3, 4] and s["membership"][0]["awaited"] == [1]
     assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1]
     assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3]
     for r in s["restarts"]:
         assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] == examples // 4, r
         assert r["joined"] - started < 10, r["joined"] - started  # trains within 10 s of the command's start
+    assert s["eval_ne"] < 0.8, s["eval_ne"]
+    assert leftover_segments() == []
+
+
+@pytest.mark.faults
+def test_machines_started_one_after_another_join_a_job_of_three_that_started_with_one(tmp_path):
+    """`--nnodes 1:3`: node 0 starts alone; node 1's command joins once the job has trained 100,000 examples, node 2's
+    once node 1's trainers have joined (a command started while another machine joins is refused, saying so: it is
+    started again). Every trainer of the layout reads its own rows, every example is read once, and the joins are in
+    the summary in order."""
+    out = tmp_path / "run"
+    examples = 3_000_000
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-ma", "--out", str(out)]
+    port = free_port()
+    before = semaphores()
+    procs = start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[0])
+    refused = []
+    try:
+        deadline = time.monotonic() + 150
+        while not (recs := _train_records(out)) or recs[-1]["examples"] < 100_000:
+            assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
+            time.sleep(0.1)
+        procs += start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[1])
+        for _ in range(20):  # node 2: refused while node 1 joins, then joins
+            again = start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[2])[0]
+            try:
+                again.wait(timeout=20.0)  # (a refusal comes within seconds: a machine that joined trains on)
+            except subprocess.TimeoutExpired:
+                procs.append(again)
+                break
+            refused.append(again.communicate()[0])
+            time.sleep(1.0)
+        runs = wait_nodes(procs, timeout=240)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_machine(p.pid)
+        remove_semaphores_since(before)
+    text = "\n--- next node ---\n".join(r.output[-2500:] for r in runs)
+    assert len(runs) == 3 and all(r.returncode == 0 for r in runs), text
+    assert all("another machine is joining it now" in x for x in refused), refused
+    assert "trainers 2, 3 joined as node 1" in runs[0].output and "trainers 4, 5 joined as node 2" in runs[0].output
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 6 and s["takeover_rows"] == 0
+    assert [(j["node"], j["seq"]) for j in s["joined_nodes"]] == [(1, 1), (2, 2)]
+    assert [m["trainers"] for m in s["membership"]] == [2, 3, 4, 5, 6]
+    assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3, 4, 5]
+    assert all(r["read_own_rows"] and r["examples"] == examples // 6 for r in s["restarts"]), s["restarts"]
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []

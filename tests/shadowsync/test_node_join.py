@@ -1,6 +1,7 @@
-"""A machine joining in a lost one's place (job/node_join.py), its parts alone: who holds each shard, the claim of a
-lost machine's place in the job's store (and why one is refused), and the agreements a claim holds until its
-trainers have joined. The whole join runs in tests/shadowsync/test_lost_machine.py."""
+"""A machine joining in a lost (or awaited) one's place (job/node_join.py), its parts alone: who holds each shard, the
+claims of lost machines' places in the job's store, one after another (and why one is refused), and the agreements a
+claim holds until its trainers have joined. The whole join runs in tests/shadowsync/test_lost_machine.py and
+test_growing_job.py."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own
     assert claim_node(store, 3, 2, "h") == (None, "no machine of the job is lost or awaited")
     store.set("lost-node/2", "{}")
     node, why = claim_node(store, 3, 2, "h")  # (two machines left)
-    assert node is None and why.startswith("2 machines are left: a machine joins where one is left"), why
+    assert node is None and why.startswith("2 machines of the job's start are in it: a machine joins where one"), why
     store.set("lost-node/1", "{}")
     node, why = claim_node(store, 3, 2, "a")
     assert (node, why) == (1, "")
@@ -57,10 +58,17 @@ def test_a_machine_claims_the_first_lost_place_while_the_trainers_read_their_own
     joined(store, 2)  # (once per trainer)
     joined(store, 3)
     assert int(store.add(JOINING, 0)) == 0
-    node, why = claim_node(store, 3, 2, "b")  # one machine joins a job, so far
-    assert node is None and "joined it in a lost one's place already" in why
-    [j] = joined_nodes(store, 3)
-    assert (j.node, j.host) == (1, "a")
+    node, why = claim_node(store, 3, 2, "b")  # (the machines of the job's start: node 0 alone now)
+    assert (node, why) == (2, "")
+    node, why = claim_node(store, 3, 2, "c")
+    assert node is None and why == "every lost or awaited machine's place has been taken", why
+    assert [(j.node, j.host, j.seq) for j in joined_nodes(store, 3)] == [(1, "a", 1), (2, "b", 2)]
+    store = _store()  # (one machine at a time)
+    for n in (1, 2):
+        store.set(f"lost-node/{n}", "{}")
+    assert claim_node(store, 3, 2, "a") == (1, "")
+    node, why = claim_node(store, 3, 2, "b")  # (node 1's trainers have not joined yet)
+    assert node is None and why.startswith("another machine is joining it now"), why
 
 
 def test_a_machine_that_comes_too_late_or_to_an_ending_job_is_refused():
@@ -84,6 +92,10 @@ def test_the_machines_in_the_job_after_a_join_and_who_holds_each_shard():
     assert join_machines(store, roles) == ([0], {0: 0, 1: 0, 2: 0})
     assert claim_node(store, 3, 1, "h")[0] == 1
     assert join_machines(store, roles) == ([0, 1], {0: 0, 1: 0, 2: 0})  # (it holds no shard)
+    joined(store, 1)
+    assert claim_node(store, 3, 1, "h")[0] == 2
+    assert join_machines(store, roles) == ([0, 1, 2], {0: 0, 1: 0, 2: 0})
+    assert join_machines(store, roles, upto=1) == ([0, 1], {0: 0, 1: 0, 2: 0})  # (as the first join made it)
 
 
 def test_a_claimed_join_holds_the_agreements_until_its_trainers_have_joined():

@@ -9,7 +9,9 @@ so, and its command started again once the job has trained `--rejoin-at` of its 
 in its place); `node-trainer`: trainer 2 alone, node 1's first trainer, in the same multi-machine job (its machine
 goes on with its other trainers); `node-restart`: the same with `--max-restarts 1` (its restart joins the running
 job); `nodes`: node 1 killed whole, then node 2 once the job has gone on without it and trained `--second-at` of its
-examples (three machines or more: the job ends on the others). Per run:
+examples (three machines or more: the job ends on the others); `grow`: no kill, a job of `--nnodes 1:N` started on
+node 0 alone, node 1's command started once the job has trained `--rejoin-at` of its examples (it joins the running
+job in its awaited place). Per run:
 the eval NE, the examples trained (every one, or the shortfall), how long after the kill the loss was recorded (a
 trainer's or server's keeper, or for a machine node 0's launcher) and the trainers left had re-formed their sync,
 where a lost machine's shard was restored from and how old its rows were, how soon a restarted trainer trained after
@@ -119,18 +121,23 @@ class _NodesRun:
 
 
 def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes: int = 2,
-               rejoin_at: int | None = None, lone: bool = False, second_at: int | None = None) -> _NodesRun:
+               rejoin_at: int | None = None, lone: bool = False, second_at: int | None = None,
+               grow: bool = False) -> _NodesRun:
     """`nodes` loopback machines of `trainers // nodes` trainers each (after an embedding server, and EASGD's sync
     server); with `at`, node 1 killed whole once the job has trained `at` examples (`lone`: node 1's first trainer
     alone); with `rejoin_at`, its command started again once the job has trained that many (and node 0 has recorded
     the loss: a start refused before is made again); with `second_at`, node 2 killed whole once the job has trained
-    that many and the job went on without node 1 (SECOND_AFTER_S after its kill)."""
+    that many and the job went on without node 1 (SECOND_AFTER_S after its kill). `grow`: a job of `--nnodes 1:nodes`
+    started on node 0 alone (`killed_at`: then), node 1's command started at `rejoin_at`."""
     before = semaphores()
     servers = 1 + any(a.endswith("easgd") for a in args)
     port = free_port()
     nproc = servers + trainers // nodes
-    procs = start_nodes(args, nnodes=nodes, nproc_per_node=nproc, port=port)
+    layout = f"1:{nodes}" if grow else nodes
+    procs = start_nodes(args, nnodes=layout, nproc_per_node=nproc, port=port, only=[0] if grow else None)
     killed_at = rejoined_at = second_killed_at = None
+    if grow:
+        killed_at = time.time()
     metrics = out / "metrics.jsonl"
     try:
         while at is not None and killed_at is None and all(p.poll() is None for p in procs):
@@ -151,7 +158,7 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
             time.sleep(0.05)
             if _trained(metrics, rejoin_at) and time.time() - killed_at > 3.5:
                 started = time.time()
-                again = start_nodes(args, nnodes=nodes, nproc_per_node=nproc, port=port, only=[1])[0]
+                again = start_nodes(args, nnodes=layout, nproc_per_node=nproc, port=port, only=[1])[0]
                 procs.append(again)
                 try:
                     again.wait(timeout=1.5)  # (refused: node 0 has not recorded the loss yet)
@@ -165,6 +172,8 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
     remove_semaphores_since(before)
     # (node 1 killed, and its starts again that were refused, fail; the start that joined must not)
     ignored = {1, *range(nodes, len(runs) - 1)} if at is not None and not lone else set()
+    if grow:  # (node 0, then node 1's starts: those refused before node 0 recorded it as awaited fail)
+        ignored = set(range(1, len(runs) - 1))
     if second_at is not None:
         ignored.add(2)
     failed = [r for i, r in enumerate(runs) if r.returncode != 0 and i not in ignored]
@@ -177,11 +186,13 @@ def _run_nodes(args: list[str], out: Path, trainers: int, at: int | None, nodes:
 
 #: the rank each kind of kill hits, by its local rank (0: the embedding server, 1: trainer 0); a machine: node 1
 VICTIMS = {"trainer": 2, "restart": 2, "server": 0, "node": -1, "rejoin": -1, "node-trainer": -1,
-           "node-restart": -1, "nodes": -1}
+           "node-restart": -1, "nodes": -1, "grow": -1}
 #: the kinds that kill in a job across machines (the others: a one-machine job)
-ACROSS = ("node", "rejoin", "node-trainer", "node-restart", "nodes")
+ACROSS = ("node", "rejoin", "node-trainer", "node-restart", "nodes", "grow")
 #: the kinds whose loss is a machine's (compared with NODE_NE_TARGET)
-MACHINES = ("node", "rejoin", "nodes")
+MACHINES = ("node", "rejoin", "nodes", "grow")
+#: the kinds where a machine joins (its trains-after is from its command's start)
+JOINS = ("rejoin", "grow")
 #: seconds after node 1's kill before --kill nodes kills node 2 (the job has gone on without node 1 by then)
 SECOND_AFTER_S = 6.0
 #: the kinds whose killed trainer is started again (--max-restarts 1)
@@ -201,9 +212,9 @@ RESTARTS = ("restart", "node-restart")
                    "rejoin (node 1, its command started again at --rejoin-at), node-trainer (trainer 2 of the "
                    "--nodes machines' job, node 1's first trainer, alone: its machine goes on), node-restart (the "
                    "same, started again: --max-restarts 1), nodes (node 1, then node 2 at --second-at: --nodes 3 "
-                   "or more).")
+                   "or more), grow (no kill: --nnodes 1:N on node 0 alone, node 1 started at --rejoin-at).")
 @click.option("--rejoin-at", type=click.FloatRange(0.0, 0.95), default=0.5, show_default=True,
-              help="--kill rejoin: node 1's command starts again once the job has trained this fraction.")
+              help="--kill rejoin, grow: node 1's command starts (again) once the job has trained this fraction.")
 @click.option("--second-at", type=click.FloatRange(0.0, 0.95), default=0.6, show_default=True,
               help="--kill nodes: node 2 is killed once the job has trained this fraction (and gone on without "
                    "node 1).")
@@ -256,9 +267,9 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                 run = _run_nodes(
                     _node_args(kill_out, seed, examples, sync, mirror_ms) + (
                         ["--max-restarts", "1"] if kind in RESTARTS else []), kill_out, trainers, int(at * examples),
-                    nodes, int(rejoin_at * examples) if kind == "rejoin" else None,
+                    nodes, int(rejoin_at * examples) if kind in JOINS else None,
                     lone=kind in ("node-trainer", "node-restart"),
-                    second_at=int(second_at * examples) if kind == "nodes" else None)
+                    second_at=int(second_at * examples) if kind == "nodes" else None, grow=kind == "grow")
                 hit, killed_at, rejoined_at, second_killed_at = (run.summary, run.killed_at, run.rejoined_at,
                                                                  run.second_killed_at)
             else:
@@ -269,10 +280,10 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             change = hit["eval_ne"] / base["eval_ne"] - 1
             losses = hit.get({"trainer": "lost", "restart": "lost", "server": "lost_servers",
                               "node": "lost_nodes", "rejoin": "lost_nodes", "node-trainer": "lost",
-                              "node-restart": "lost", "nodes": "lost_nodes"}[kind])
+                              "node-restart": "lost", "nodes": "lost_nodes", "grow": "lost_nodes"}[kind])
             loss = losses[0] if losses else None
             rec = loss["time"] - killed_at if loss else float("nan")
-            recorded = f"{rec:.2f}"
+            recorded = f"{rec:.2f}" if kind != "grow" else "-"  # (grow: no loss; node 1 awaited from the start)
             if kind == "nodes":  # (and node 2's, from its own kill)
                 assert second_killed_at is not None
                 rec2 = losses[1]["time"] - second_killed_at if len(losses) > 1 else float("nan")
@@ -288,7 +299,7 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
                 restored = f"{where} ({r['age_s']:.1f} s)"
             restarts = hit.get("restarts") or []
             after = restarts[0]["trains_after_s"] if restarts else float("nan")
-            if kind == "rejoin":  # (from its command's start: the launcher's own start-up counts)
+            if kind in JOINS:  # (from its command's start: the launcher's own start-up counts)
                 after = max(r["joined"] for r in restarts) - rejoined_at if restarts else float("nan")
             f = found[kind]
             f["trains_after"].append(after)
@@ -298,35 +309,39 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
             f["reformed"].append(ref)
             rows.append([kind, seed, f"{base['eval_ne']:.4f}", f"{hit['eval_ne']:.4f}", f"{change:+.2%}",
                          f"{examples - hit['examples']:,}", recorded, "-" if kind == "server" else f"{ref:.2f}",
-                         restored, "-" if kind not in (*RESTARTS, "rejoin") else f"{after:.1f}" if restarts
+                         restored, "-" if kind not in (*RESTARTS, *JOINS) else f"{after:.1f}" if restarts
                          else "did not join",
                          f"{base['seconds']:.1f} / {hit['seconds']:.1f}"])
-            what = "nodes 1 and 2" if kind == "nodes" else f"a {kind}"
+            what = "nodes 1 and 2 killed" if kind == "nodes" else "node 1 joining" if kind == "grow" else \
+                f"a {kind} killed"
             console.print(f"  seed {seed}: eval NE {base['eval_ne']:.4f} uninterrupted, {hit['eval_ne']:.4f} with "
-                          f"{what} killed ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
+                          f"{what} ({change:+.2%}); recorded as lost: {'yes' if loss else 'no'}")
     verdicts = []
     for kind in kinds:
         f = found[kind]
         mean, worst = statistics.fmean(f["changes"]), max(f["changes"], key=abs)
         rows.append([kind, "mean", "", "", f"{mean:+.2%} (worst {worst:+.2%})", f"{max(f['lost']):,.0f} (most)",
-                     f"{statistics.median(f['recorded']):.2f} (median)",
+                     f"{statistics.median(f['recorded']):.2f} (median)" if kind != "grow" else "-",
                      "-" if kind == "server" else f"{statistics.median(f['reformed']):.2f} (median)", "",
-                     f"{max(f['trains_after']):.1f} (most)" if kind in (*RESTARTS, "rejoin") else "", ""])
+                     f"{max(f['trains_after']):.1f} (most)" if kind in (*RESTARTS, *JOINS) else "", ""])
         target = NODE_NE_TARGET if kind in MACHINES else NE_TARGET
         ok = abs(mean) <= target and max(f["lost"]) == 0
         joined = ""
-        if kind in (*RESTARTS, "rejoin"):  # (nan, a restart that did not join, fails the comparison)
+        if kind in (*RESTARTS, *JOINS):  # (nan, a restart that did not join, fails the comparison)
             ok = ok and all(x <= RESTART_TARGET_S for x in f["trains_after"])
             who = "the restart" if kind in RESTARTS else "the machine that joined"
             joined = (f", {who} trained {max(f['trains_after']):.1f} s after its start at most (target: "
                       f"{RESTART_TARGET_S:g} s)")
-        verdicts.append(f"{'PASS' if ok else 'FAIL'} ({kind} killed): every run finished, {max(f['lost']):,.0f} "
+        what = "node 1 joined" if kind == "grow" else f"{kind} killed"
+        verdicts.append(f"{'PASS' if ok else 'FAIL'} ({what}): every run finished, {max(f['lost']):,.0f} "
                         f"examples lost at most, eval NE {mean:+.2%} on average against the uninterrupted runs "
                         f"(target: 0 lost, within {target:.1%}){joined}")
     mirrored = f", shards mirrored every {mirror_ms:g} ms" if mirror_ms and "node" in kinds else ""
     seconds = f", node 2 killed at {second_at:.0%}" if "nodes" in kinds else ""
     machines = f", {nodes} machines" if any(k in ACROSS for k in kinds) and nodes != 2 else ""
-    rejoins = f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else ""
+    rejoins = (f", node 1 started (again) at {rejoin_at:.0%}" if "rejoin" in kinds and "grow" in kinds else
+               f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else
+               f", node 1 started at {rejoin_at:.0%}" if "grow" in kinds else "")
     title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}{seconds}, T={trainers}, {sync}"
              f"{mirrored}{machines}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")

@@ -3,7 +3,9 @@
 a lone lost trainer whose machine goes on (below).
 
 When a machine is lost, its embedding shards are restored on the machines left, where their trainers read and
-update them in place, and the job's cross-machine parts re-form among those machines.
+update them in place, and the job's cross-machine parts re-form among those machines. The machines of a job's layout
+that did not come to its start (`--nnodes MIN:MAX`: `Roles.awaited`) are recorded as lost before training and handled
+here first, alike, before the hot rows' replica is filled (rank.py: `_start_without`).
 
 The first thread of a trainer whose rows from another machine fail (the lookup exchange broke) or whose dense sync
 fails waits for the launcher that hosts the job's store to record the machine's loss (with more than two machines,
@@ -92,6 +94,7 @@ from cocosync.shadowsync.job.membership import (
     RestoredRange,
     centre_key,
     loss_across,
+    loss_batches,
     restored_key,
 )
 from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
@@ -320,6 +323,18 @@ class LossAcross:
                                "last checkpoint)")
         self._machines(membership)
         return True
+
+    def came_in(self, membership: Membership, joins: list[int]) -> None:
+        """This trainer's machine joined the job (node_join.py), after the joins in `joins` (its own last): the losses
+        recorded so far were handled by the machines in the job before it came (it holds none of their shards), and a
+        machine lost from now on stops the job, as after any join (`took_in`)."""
+        with self._lock:
+            self.batches = loss_batches(membership.store)
+            batched = {n for batch in self.batches for n in batch}
+            self.nodes = [n for n in membership.lost_nodes() if n.node in batched]
+            self.handled = len(self.nodes)
+            self.joined = list(joins)
+            self._outcome = True
 
     def took_in(self, node: int) -> None:
         """A machine joined in lost node `node`'s place (node_join.py): a machine lost from then on stops the job (the

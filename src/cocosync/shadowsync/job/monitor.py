@@ -28,6 +28,7 @@ from cocosync.shadowsync.config import ClusterConfig, TrainConfig
 from cocosync.shadowsync.job.eval_curve import describe
 from cocosync.shadowsync.job.link import FIRST_FAILURE, PREFIX, get_if_set, report_failure
 from cocosync.shadowsync.job.membership import (
+    ABSENT,
     EPOCH,
     SERVER_LOSSES,
     job_ending,
@@ -397,7 +398,8 @@ class Monitor:
                     self._said_joins[n] = True
                     self.console.print(f"[green]trainers {', '.join(map(str, trainers))} joined {place} "
                                        f"({time.time() - float(rec.get('time', time.time())):.1f} s after the "
-                                       f"machine came): {self.cfg.trainers} trainers train", soft_wrap=True)
+                                       f"machine came): {self.cfg.trainers - int(self.store.add(ABSENT, 0))} "
+                                       "trainers train", soft_wrap=True)
 
     def fenced(self) -> bool:
         """Whether this machine was recorded as lost (False where the store cannot say: it left)."""

@@ -1,5 +1,6 @@
 """A machine that joins a running job in the place of a lost one (across machines: `cocosync train --nnodes N
---node-rank K` started again after its machine's loss, or on another machine with the same command).
+--node-rank K` started again after its machine's loss, or on another machine with the same command), or of one
+awaited since the job's start (`--nnodes MIN:MAX`: recorded as lost before training, its rows unread).
 
 Its launcher finds, in the job's store, a machine recorded as lost whose place no machine has taken, while the
 trainers still read their own rows (`claim_node`: `node-join/<n>`); otherwise it goes to the rendezvous as any
@@ -65,17 +66,20 @@ from cocosync.shadowsync.model.hot_rows import HotSync
 __all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "rejoin_key",
            "MachineJoins", "fence_key"]
 
-#: the store key a machine's claim of a lost one's place sets first (one machine joins a job)
-JOIN_GATE = "node-join"
+#: the store keys (`<JOIN_GATE>/<seq>`) a machine's claim of a lost or awaited one's place sets first: the job's
+#: joins are made one after another, each numbered
+JOIN_GATE = "join-gate"
 
 
 @dataclass(frozen=True)
 class NodeJoin:
-    """A machine that took lost machine `node`'s place: when its launcher claimed it (time.time()) and its host."""
+    """A machine that took lost (or awaited) machine `node`'s place: when its launcher claimed it (time.time()), its
+    host, and its place in the job's joins (1: the first)."""
 
     node: int
     time: float
     host: str
+    seq: int = 1
 
 
 def fence_key(node: int) -> str:
@@ -95,28 +99,35 @@ def rejoin_key(trainer: int, restart: int) -> str:
 
 
 def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tuple[int | None, str]:
-    """The lost machine whose place this one takes (`store`: a client of the job's store, under the job's prefix):
-    the first one recorded as lost, while the trainers still read their own rows, no rank has failed, one machine is
-    left and no machine has joined the job yet (so far); else None and why not (no machine is lost: this machine goes
-    to the rendezvous). A claim holds the trainers' agreements until its trainers have joined
-    (`JOINING`; each says it is there with `joined`)."""
+    """The lost (or awaited) machine whose place this one takes (`store`: a client of the job's store, under the
+    job's prefix): the first one recorded as lost whose place no machine has taken, while the trainers still read
+    their own rows, no rank has failed, no other machine is joining, and at most one machine of the job's start is in
+    it (so far); else None and why not (no machine is lost: this machine goes to the rendezvous). A claim holds the
+    trainers' agreements until its trainers have joined (`JOINING`; each says it is there with `joined`)."""
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
         return None, "no machine of the job is lost or awaited"
+    taken = joined_nodes(store, nnodes)
+    places = [n for n in lost if n not in {j.node for j in taken}]
+    if not places:
+        return None, "every lost or awaited machine's place has been taken"
     if store.check([FIRST_FAILURE]) or job_ending(store):
         return None, "the job is ending"
     if not joins_open(store):
         return None, "the trainers left have read their own rows and share out the lost ones' (too late to join)"
     if nnodes - len(lost) > 1:
-        return None, (f"{nnodes - len(lost)} machines are left: a machine joins where one is left, so far (among "
-                      "several, one of them re-formed for a join late, once in about six tries)")
-    rec = json.dumps(asdict(NodeJoin(lost[0], time.time(), host)))
-    if store.compare_set(JOIN_GATE, "", rec).decode() != rec:
-        return None, "a machine has joined it in a lost one's place already (one machine joins a job, so far)"
+        return None, (f"{nnodes - len(lost)} machines of the job's start are in it: a machine joins where one is, "
+                      "so far (among several, one of them re-formed for a join late, once in about six tries)")
+    if int(store.add(JOINING, 0)) > 0:
+        return None, "another machine is joining it now: start this one again once that one has joined"
+    seq = len(taken) + 1
+    rec = json.dumps(asdict(NodeJoin(places[0], time.time(), host, seq)))
+    if store.compare_set(f"{JOIN_GATE}/{seq}", "", rec).decode() != rec:
+        return None, "another machine claimed a place at the same moment: start this one again once it has joined"
     store.set(JOINING_SINCE, str(time.time()))
     store.add(JOINING, trainers_per_node)
-    store.set(f"node-join/{lost[0]}", rec)
-    return lost[0], ""
+    store.set(f"node-join/{places[0]}", rec)
+    return places[0], ""
 
 
 def joined(store: Any, trainer: int) -> None:
@@ -127,20 +138,21 @@ def joined(store: Any, trainer: int) -> None:
 
 
 def joined_nodes(store: Any, nnodes: int) -> list[NodeJoin]:
-    """The machines that joined in lost ones' places, by node."""
+    """The machines that joined in lost (or awaited) ones' places, in the order they claimed them."""
     out = []
     for n in range(1, nnodes):
         if store.check([f"node-join/{n}"]):
             out.append(NodeJoin(**json.loads(store.get(f"node-join/{n}"))))
-    return out
+    return sorted(out, key=lambda j: j.seq)
 
 
-def join_machines(store: Any, roles: Roles) -> tuple[list[int], dict[int, int]]:
+def join_machines(store: Any, roles: Roles, upto: int | None = None) -> tuple[list[int], dict[int, int]]:
     """The machines in the job (those never lost and those that joined, in node order), and the machine that holds
-    each embedding server's shard."""
+    each embedding server's shard. `upto`: as of the job's `upto`-th join (every machine takes each join in with the
+    same machines, whatever joined since)."""
     nnodes = roles.topo.nnodes
     lost = [n for n in range(nnodes) if store.check([f"lost-node/{n}"])]
-    joined = {j.node for j in joined_nodes(store, nnodes)}
+    joined = {j.node for j in joined_nodes(store, nnodes) if upto is None or j.seq <= upto}
     machines = [n for n in range(nnodes) if n not in lost or n in joined]
     batches = loss_batches(store)  # (the losses as the trainers handled them; any recorded since, as one more)
     rest = [n for n in lost if not any(n in b for b in batches)]
@@ -153,9 +165,11 @@ class MachineJoins:
     (`LossAcross.prepare`)."""
 
     def __init__(self, job: Job, trainer: int, tables: ShardedEmbeddings, hot_sync: HotSync | None,
-                 machine: LossAcross):
+                 machine: LossAcross, admitted: tuple[NodeJoin, ...] = ()):
+        """`admitted`: the joins this trainer's machine made with the others already (a machine that joined: its
+        own and those before it)."""
         self.job, self.trainer, self.tables, self.hot_sync, self.machine = job, trainer, tables, hot_sync, machine
-        self.admitted: list[NodeJoin] = []
+        self.admitted: list[NodeJoin] = list(admitted)
         self.rejoined: list[Join] = []  # lone lost trainers started again, taken in
         self._closing: list[threading.Thread] = []  # the exchanges replaced, each closing with its peers
 
@@ -195,7 +209,7 @@ class MachineJoins:
     def _admit(self, join: NodeJoin, membership: Membership) -> None:
         roles = self.job.roles
         self._wait_joined(join.node, membership)
-        machines, held = join_machines(membership.store, roles)
+        machines, held = join_machines(membership.store, roles, upto=join.seq)
         key = join_key(join.node)
         shards = {**self.job.shards, **self.machine.adopted}
         self._replace(machine_exchange(self.job, self.trainer, machine_group(self.job, self.trainer,

@@ -100,6 +100,7 @@ from cocosync.shadowsync.job.membership import (
 )
 from cocosync.shadowsync.job.node_join import (
     MachineJoins,
+    NodeJoin,
     join_key,
     join_machines,
     joined,
@@ -392,14 +393,15 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     membership.store.add(ABSENT, -1)
     record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart, node=topo.node)
     joined(membership.store, t)  # (the agreements held for it from its machine's claim count it in now)
-    machines, held = join_machines(membership.store, roles)
+    [mine] = [j for j in joined_nodes(membership.store, topo.nnodes) if j.node == topo.node]
+    machines, held = join_machines(membership.store, roles, upto=mine.seq)
     key = join_key(topo.node)
     group = machine_group(job, t, f"exchange/{key}", machines)
     owners = torch.tensor([machines.index(held[s]) for s in range(job.rowhash.servers)], dtype=torch.int64)
     hot_group = machine_group(job, t, f"hot/{key}", machines) if job.hot is not None and roles.is_first(t) else None
     job = dataclasses.replace(job, exchange=ExchangeGroups(group, machines=tuple(machines), owners=owners),
                               hot_group=hot_group)
-    run = _make_trainer(job, t, console, restart, joined=True)
+    run = _make_trainer(job, t, console, restart, joined=True, machine_join=mine)
     trainer, recovery = run.trainer, run.trainer.recovery
     assert recovery is not None
     taken = f"hot-taken/{topo.node}"
@@ -475,9 +477,11 @@ class _TrainerRun:
     machine: LossAcross | None = None  # where the job goes on after its first loss across machines
 
 
-def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: bool = False) -> _TrainerRun:
+def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: bool = False,
+                  machine_join: NodeJoin | None = None) -> _TrainerRun:
     """Trainer t's run (`restart` > 0: a lost trainer started again, which joins the job: job/recovery.py;
-    `joined`: on a machine that joined in a lost one's place, job/node_join.py)."""
+    `joined`: a lone lost trainer started again across machines, or (`machine_join`: its claim) a trainer of a machine
+    that joined in a lost or awaited one's place, job/node_join.py)."""
     cfg, roles, data = job.cfg, job.roles, job.data
     E = roles.embedding_per_node * roles.topo.nnodes
     servers = [job.shards.get(s) or roles.rpc_name(roles.rank_of("embedding", s)) for s in range(E)]
@@ -527,11 +531,16 @@ def _make_trainer(job: Job, t: int, console: Any, restart: int = 0, *, joined: b
                       prefetch=job.cluster.prefetch, emit=emit, stop_at=stop_at, on_eval=on_eval, eval_every=every,
                       recovery=recovery)
     machine = None
-    if across and recovery is not None and not joined:
+    if across and recovery is not None and (not joined or machine_join is not None):
         machine = LossAcross(job, t, tables, hot_sync, center=center, replica=trainer.flat.flat)
         tables.on_lost = machine
+        admitted: tuple[NodeJoin, ...] = ()
+        if machine_join is not None and job.membership is not None:  # (the joins up to its machine's: made)
+            admitted = tuple(j for j in joined_nodes(job.membership.store, roles.topo.nnodes)
+                             if j.seq <= machine_join.seq)
+            machine.came_in(job.membership, [j.node for j in admitted])
         # a machine's loss, then maybe another's join in its place, before the sync re-forms
-        recovery.before_regroup = MachineJoins(job, t, tables, hot_sync, machine).prepare
+        recovery.before_regroup = MachineJoins(job, t, tables, hot_sync, machine, admitted).prepare
     return _TrainerRun(trainer, tables, center, logger, hot_sync, on_eval, machine)
 
 
@@ -628,13 +637,19 @@ def _server_loss(x: ServerLoss) -> dict:
 
 
 def _membership_over_time(job: Job, start: float) -> list[dict]:
-    """The trainers in the job over time: at the start, then after each loss and each join."""
+    """The trainers in the job over time: at the start (without the machines awaited then, --nnodes MIN:MAX), then
+    after each loss and each join."""
     T = job.roles.trainers
-    out = [{"time": start, "trainers": T}]
     if job.membership is None:
-        return out
-    n = T
+        return [{"time": start, "trainers": T}]
+    awaited = sorted(n.node for n in job.membership.lost_nodes() if n.awaited)
+    before = [x for x in job.membership.changes() if isinstance(x, Loss) and x.node in awaited and x.pid == 0 and
+              x.time <= start]  # (recorded as lost before training: never in the job)
+    n = T - len(before)
+    out = [{"time": start, "trainers": n, **({"awaited": awaited} if awaited else {})}]
     for x in job.membership.changes():
+        if x in before:
+            continue
         if isinstance(x, Join):
             n += 1
             out.append({"time": x.time, "trainers": n, "joined": x.trainer, "restart": x.restart})

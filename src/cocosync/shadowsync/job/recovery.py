@@ -150,6 +150,10 @@ class Recovery:
         `give_up()` turned true first (the others are done with their rows: too late to join)."""
         epoch = self.membership.epoch()
         while True:
+            # (a machine that joins takes in the machines that joined after it first, as the machines in the job do
+            # before they form the sync with it: node_join.MachineJoins)
+            if self.before_regroup is not None and not self.before_regroup():
+                return None
             group = self.membership.sync_group(epoch, self.trainer, give_up)
             if group is not None:
                 break
