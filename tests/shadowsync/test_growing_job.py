@@ -5,7 +5,9 @@ one (node_join.py), takes the dense model from a trainer in the job and reads th
 from __future__ import annotations
 
 import json
+import queue
 import subprocess
+import threading
 import time
 
 import pytest
@@ -20,6 +22,34 @@ from cocosync.testing.multinode import (
     twohosts_available,
     wait_nodes,
 )
+
+
+def _first_word(proc: subprocess.Popen, timeout: float = 60.0) -> str:
+    """What a machine's command says first about the running job: its lines up to the one saying that it joins (the
+    rest of its output stays in its pipe for `wait_nodes`), or all it said before it exited (refused: click's
+    `Error: ...`). An AssertionError with what it said if it does neither within `timeout` s (it went to the
+    rendezvous: killed)."""
+    lines: queue.Queue[str] = queue.Queue()
+
+    def read() -> None:
+        for line in iter(proc.stdout.readline, ""):
+            lines.put(line)
+            if "this machine joins as" in line:
+                return
+        lines.put("")
+
+    threading.Thread(target=read, daemon=True).start()
+    said, deadline = "", time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        said += line
+        if not line or "this machine joins as" in line:
+            return said
+    kill_machine(proc.pid)
+    raise AssertionError(f"the machine neither joined nor was refused within {timeout:g} s: {said[-2000:]}")
 
 
 def _train_records(out) -> list[dict]:
@@ -127,12 +157,11 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
         procs += start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[1])
         for _ in range(20):  # node 2: refused while node 1 joins, then joins
             again = start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[2])[0]
-            try:
-                again.wait(timeout=20.0)  # (a refusal comes within seconds: a machine that joined trains on)
-            except subprocess.TimeoutExpired:
+            said = _first_word(again)
+            if "this machine joins as node 2" in said:
                 procs.append(again)
                 break
-            refused.append(again.communicate()[0])
+            refused.append(said)
             time.sleep(1.0)
         runs = wait_nodes(procs, timeout=240)
     finally:

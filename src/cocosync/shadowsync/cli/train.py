@@ -93,7 +93,8 @@ def train(config_path: str | None, progress: bool | None, resume: str | None, js
     servers and sync servers; Ctrl-C, SIGTERM or --timeout on any machine stops every machine's trainers.
     A lost machine (not node 0) does not stop the job, and its command started again joins the running job in
     its place; nor does a lone trainer lost on any machine (its machine goes on with its other trainers):
-    docs/multinode.md says what survives what.
+    docs/multinode.md says what survives what. With --nnodes MIN:MAX the job starts on the machines that came, and
+    a machine started later with the same command joins it.
     """
     from cocosync.shadowsync.job.launch import run_training
     from cocosync.shadowsync.job.trainer import TrainerFailure

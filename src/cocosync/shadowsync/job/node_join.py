@@ -24,11 +24,14 @@ The machines in the job see a join between two rounds of their dense sync (it lo
 `Recovery.LOOK_EVERY` seconds): `MachineJoins.prepare` runs before the sync re-forms, once every trainer of the
 joining machine has recorded its join. Where the trainers' dense sync is a gloo group (over machines), they leave it
 together: they look at the membership at the same round (`Recovery.changed`), so none waits in a collective for a
-peer that left for the new group. A machine joins where one machine is left, so far: among several left, one of them
-re-formed for the join late in about one run of six (its peers had waited 30 s for it by then), not yet understood.
-One machine joins a job (its trainers do not re-form what they made for a later one), and no machine is lost after
-a join without stopping the job (the job's record of lost machines is by node: `LossAcross.took_in`). A claim holds the
-trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
+peer that left for the new group. A machine joins where one machine of the job's start is in it, so far: among
+several left, one of them re-formed for the join late in about one run of six (its peers had waited 30 s for it by
+then), not yet understood. Machines join one after another: each claim is numbered (`NodeJoin.seq`) and made while no
+other machine is joining, every machine takes each join in with the machines in the job as of that join
+(`join_machines(upto=)`), and a machine that joined takes in the later ones as the others do (its trainers have a
+`MachineJoins` too, run before it first forms the sync: a machine may join while another joins). No machine is lost
+after a join without stopping the job (the job's record of lost machines is by node: `LossAcross.took_in`). A claim
+holds the trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
 (membership.py: `JOINING`).
 
 A lone trainer lost as the job's first loss (loss_across.py) and started again by its keeper (--max-restarts) joins
