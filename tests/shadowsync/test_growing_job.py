@@ -1,6 +1,7 @@
 """A job of a range of machines (`cocosync train --nnodes MIN:MAX`): it starts once MIN have met, laid out for MAX; the
 machines there hold the others' shards and read their rows, unless a machine started later joins in the place of
-one (node_join.py), takes the dense model from a trainer in the job and reads that place's rows."""
+one (node_join.py), takes the dense model from a trainer in the job and reads that place's rows (as many as the
+trainers there have left of theirs; the rest is shared out over every trainer at the end)."""
 
 from __future__ import annotations
 
@@ -124,12 +125,14 @@ def test_a_machine_started_after_the_job_joins_it_and_reads_its_places_rows(tmp_
     assert "trainers 2, 3 joined as node 1" in node0.output, text
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
-    assert s["trainers_left"] == 4 and s["takeover_rows"] == 0  # (the joining trainers read node 1's rows)
+    # the joining trainers read node 1's rows up to about what node 0's had left of theirs; the rest is shared out over
+    # the four at the first agreement (none idle at the end)
+    assert s["trainers_left"] == 4 and 0 < s["takeover_rows"] < examples // 2
     assert [m["trainers"] for m in s["membership"]] == [2, 3, 4] and s["membership"][0]["awaited"] == [1]
     assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1]
     assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3]
     for r in s["restarts"]:
-        assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] == examples // 4, r
+        assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] > 0, r
         assert r["joined"] - started < 10, r["joined"] - started  # trains within 10 s of the command's start
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []
@@ -155,6 +158,8 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
             assert procs[0].poll() is None and time.monotonic() < deadline, procs[0].communicate()[0][-3000:]
             time.sleep(0.1)
         procs += start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[1])
+        said = _first_word(procs[-1])  # (node 1 claims its place first: a command claims the first place free)
+        assert "this machine joins as node 1" in said, said
         for _ in range(20):  # node 2: refused while node 1 joins, then joins
             again = start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[2])[0]
             said = _first_word(again)
@@ -174,10 +179,10 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
     assert all("another machine is joining it now" in x for x in refused), refused
     assert "trainers 2, 3 joined as node 1" in runs[0].output and "trainers 4, 5 joined as node 2" in runs[0].output
     s = json.loads((out / "summary.json").read_text())
-    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 6 and s["takeover_rows"] == 0
+    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 6 and s["takeover_rows"] > 0
     assert [(j["node"], j["seq"]) for j in s["joined_nodes"]] == [(1, 1), (2, 2)]
     assert [m["trainers"] for m in s["membership"]] == [2, 3, 4, 5, 6]
     assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3, 4, 5]
-    assert all(r["read_own_rows"] and r["examples"] == examples // 6 for r in s["restarts"]), s["restarts"]
+    assert all(r["read_own_rows"] and r["examples"] > 0 for r in s["restarts"]), s["restarts"]
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []

@@ -314,7 +314,9 @@ def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_pla
     assert "trainers 2, 3 joined in node 1's place" in node0.output, node0.output[-3000:]
     s = json.loads((out / "summary.json").read_text())
     assert s["examples"] == examples and s["short_by"] == 0 and not s["stopped"]
-    assert s["trainers_left"] == 4 and s["takeover_rows"] == 0  # (the joining trainers read their own rows)
+    # (the joining trainers read the rest of their own rows up to about what node 0's had left of theirs; what is past
+    # that is shared out at the first agreement)
+    assert s["trainers_left"] == 4 and s["takeover_rows"] < examples // 2
     assert [m["trainers"] for m in s["membership"]] == [4, 3, 2, 3, 4]
     assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1]
     assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3]

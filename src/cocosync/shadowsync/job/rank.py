@@ -415,6 +415,9 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     sync = recovery.admit(trainer.sync, give_up=lambda: False)
     assert sync is not None
     trainer.sync = sync
+    cut = recovery.cut_own() if recovery.reads_own else None
+    if cut is not None:  # (the rest of its rows is shared out over every trainer at the first agreement)
+        trainer.source = trainer_source(job.cfg, job.data, t, cut, streamed=True)
     while job.hot is not None and not membership.store.check([taken]):  # (no read of the replica before it is whole)
         time.sleep(0.02)
     admitted = time.time()

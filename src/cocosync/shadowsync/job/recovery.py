@@ -203,6 +203,50 @@ class Recovery:
             self.fresh = False
 
     # -- the lost trainers' rows -------------------------------------------------------------------------
+    def cut_own(self) -> DataPlan | None:
+        """A trainer of a machine that joined and got its place's rows back (`admit`): the plan it reads them through,
+        cut so that it reads about as many as each trainer already in the job has left of its own (their published
+        positions; the others' rates taken for this one's), or None where it would read them all. The rest of its
+        rows (`cut/<t>`: where each of its W shards stops) is shared out over every trainer at the first agreement,
+        with the lost trainers' rows: a machine that joins late does not leave the others idle at the end."""
+        roles, membership, W = self.job.roles, self.membership, self.job.cfg.workers
+        mine = roles.machine_of(self.trainer)
+        peers = [d for d in membership.live() if roles.machine_of(d) != mine]
+        own = self._own_plan()
+        pos = [int(p) for p in self.job.positions[self.trainer]]
+        rows = [sum(r for _, _, r in segments) for segments in own[self.trainer * W:(self.trainer + 1) * W]]
+        left = sum(rows) - sum(pos)
+        if not peers or left <= 0:
+            return None
+        theirs = sum(self._left_of(d, own) for d in peers) / len(peers)
+        share = min(1.0, theirs / left)
+        if share >= 1.0:
+            return None
+        limits = [p + int(share * (r - p)) for p, r in zip(pos, rows)]
+        membership.store.set(f"cut/{self.trainer}", json.dumps(limits))
+        cut = [list(segments) for segments in own]
+        for w in range(W):
+            cut[self.trainer * W + w] = _prefix(own[self.trainer * W + w], limits[w])
+        plan = self.job.plan
+        return DataPlan(plan.base_shards if plan is not None else len(own), cut,
+                        plan.examples_before if plan is not None else 0)
+
+    def _left_of(self, d: int, own: list) -> int:
+        """Rows trainer d (in the job) has left to read of its own, up to its cut if it joined with one."""
+        W = self.job.cfg.workers
+        cut = self.membership.store.get(f"cut/{d}") if self.membership.store.check([f"cut/{d}"]) else None
+        ends = json.loads(cut) if cut is not None else [sum(r for _, _, r in segments)
+                                                       for segments in own[d * W:(d + 1) * W]]
+        return max(0, sum(ends) - sum(self.positions(d)))
+
+    def _own_plan(self) -> list:
+        """Every trainer's own W reader shards, as segments of the base sharding."""
+        cfg, data, plan = self.job.cfg, self.job.data, self.job.plan
+        T, W = self.job.roles.trainers, cfg.workers
+        if plan is not None:
+            return plan.shards
+        return base_plan(T * W, lambda s: base_shard_rows(cfg, data, s, T * W))
+
     def _catch_up(self) -> None:
         """A joining trainer takes the agreements made before it joined: their count, the changes shared out by the
         last, and their shares (the store's copies)."""
@@ -234,13 +278,14 @@ class Recovery:
                 break
             self.taken = max(self.taken, epoch)  # (an agreement made before this trainer joined)
             self._load_shares()
-        if epoch <= self.taken:
+        phase = f"phase{self.phases}"
+        tails = self._tails(epoch, phase)
+        if epoch <= self.taken and not tails:
             return None
         losses = self.membership.losses(epoch)
-        phase = f"phase{self.phases}"
         new = [x for x in losses if x.seq > self.taken and self.membership.claim_rows(x.seq, phase) == phase]
-        self.taken = epoch
-        if not new:  # (the same on every trainer: the claims are the store's)
+        self.taken = max(self.taken, epoch)
+        if not new and not tails:  # (the same on every trainer: the claims are the store's)
             return None
         self._load_shares()
         live = self.membership.live(epoch)
@@ -254,6 +299,8 @@ class Recovery:
         left = []
         for loss in new:
             left += self._unread(loss, shards)
+        for d, limits in tails:  # (the rest of the rows of trainers that joined with a cut: cut_own)
+            left += unread(shards[d * W:(d + 1) * W], limits)
         parts = split_plan(left, len(live) * W)
         # the first trainer's cut is every trainer's. Across machines each reads a lost trainer's positions where it
         # sees them: its machine's shared memory (exact), or what it last published (up to ~0.2 s old: rows read
@@ -269,6 +316,15 @@ class Recovery:
         j = live.index(self.trainer)
         share = DataPlan(base_shards, parts, 0)
         return Takeover(trainer_source(cfg, data, j, share), j * W, len(live) * W)
+
+    def _tails(self, epoch: int, phase: str) -> list[tuple[int, list[int]]]:
+        """The trainers in the job at `epoch` that joined with a cut (`cut_own`) whose rest no agreement has shared out
+        yet, claimed for this one (the same on every trainer: the claims are the store's), with their cuts."""
+        store, out = self.membership.store, []
+        for d in self.membership.live(epoch):
+            if store.check([f"cut/{d}"]) and store.compare_set(f"cut-rows/{d}", "", phase).decode() == phase:
+                out.append((d, json.loads(store.get(f"cut/{d}"))))
+        return out
 
     def positions(self, d: int) -> list[int]:
         """Trainer d's reader positions in its own shards: this machine's shared copy, or (a trainer of another
@@ -340,3 +396,14 @@ class Recovery:
                 j = live.index(d)
                 full += sum(r for segments in parts[j * W:(j + 1) * W] for _, _, r in segments)
         return full + sum(pos)
+
+
+def _prefix(segments: list, rows: int) -> list:
+    """The first `rows` rows of a reader shard's `segments`."""
+    out = []
+    for base, first, n in segments:
+        if rows <= 0:
+            break
+        out.append((base, first, min(n, rows)))
+        rows -= n
+    return out
