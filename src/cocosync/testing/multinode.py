@@ -9,6 +9,8 @@ forked warm: ~2.3 s less wall time for a 2-node test job here) or, with `launche
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import shutil
 import signal
@@ -17,7 +19,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 from cocosync.runtime.comm.shm import SHM_DIR
 from cocosync.shadowsync.job.node_launch import torchrun_args
@@ -29,7 +31,8 @@ from cocosync.testing.sockets import process_tree
 LAUNCHERS = ("torchrun", "cocosync")
 
 __all__ = ["LAUNCHERS", "TWOHOSTS_ENV", "NodeRun", "run_nodes", "start_nodes", "wait_nodes", "worker_pids",
-           "twohosts_script", "twohosts_available", "kill_machine", "semaphores", "remove_semaphores_since"]
+           "twohosts_script", "twohosts_available", "kill_machine", "semaphores", "remove_semaphores_since",
+           "train_records", "until_trained", "machines_ended", "check_node_1_joined"]
 
 #: the environment variable naming the script that makes two simulated machines (network namespaces)
 TWOHOSTS_ENV = "COCOSYNC_TWOHOSTS"
@@ -192,3 +195,49 @@ def remove_semaphores_since(before: set[str]) -> None:
             os.unlink(f"{SHM_DIR}/{name}")
         except FileNotFoundError:
             pass
+
+
+def train_records(out: str | os.PathLike) -> list[dict]:
+    """The `train` records a job has written to `out`/metrics.jsonl so far (a line still being written left out)."""
+    path = Path(out) / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return [json.loads(x) for x in lines if x.strip().endswith("}") and '"event": "train"' in x]
+
+
+def until_trained(procs: Sequence[subprocess.Popen], out: str | os.PathLike, examples: float, poll: float = 0.1,
+                  timeout: float = 150.0) -> None:
+    """Wait until the job writing to `out` has trained `examples`: an AssertionError if an agent of `procs` ended
+    first, or after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not (recs := train_records(out)) or recs[-1]["examples"] < examples:
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, \
+            f"the job did not train {examples:,.0f} examples (agents alive: {[p.poll() is None for p in procs]})"
+        time.sleep(poll)
+
+
+@contextlib.contextmanager
+def machines_ended(procs: list[subprocess.Popen], before: set[str] | None = None) -> Iterator[None]:
+    """On the way out, however a test went: every machine of `procs` (a list the body may add to) still up killed
+    whole, and (with `before`: `semaphores()` before the machines started) the semaphores that killed machines left
+    in the shared /dev/shm removed."""
+    try:
+        yield
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                kill_machine(p.pid)
+        if before is not None:
+            remove_semaphores_since(before)
+
+
+def check_node_1_joined(summary: dict, started: float, within: float = 10.0) -> None:
+    """A job of two machines x two trainers in whose node 1's place a machine joined (after node 1's loss, or awaited
+    since the start): its summary names the join, and each of trainers 2 and 3 read its own rows (up to its cut),
+    took the model from node 0's trainers, trained, and trained within `within` s of its command's start
+    (`started`, time.time())."""
+    s = summary
+    assert [j["node"] for j in s["joined_nodes"]] == [1] and [x["node"] for x in s["lost_nodes"]] == [1], s
+    assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3], s["restarts"]
+    for r in s["restarts"]:
+        assert r["read_own_rows"] and r["state_from"] in (0, 1) and r["examples"] > 0, r
+        assert r["joined"] - started < within, r["joined"] - started

@@ -16,7 +16,9 @@ in the node's shared memory too: Job.share_positions), shared out at the next ag
 lost trainer was training when it died may be read again (at most one per worker); nothing is read by none, except
 the rows of a trainer lost after the others' last agreement (the summary's `short_by` says how many). A lost
 trainer's restart reads the rest of its own shards from where it stopped, unless an agreement shared them out first
-(the store's `rows/<change>` says which came first); then it reads only what later agreements give it.
+(the store's `rows/<change>` says which came first); then it reads only what later agreements give it. A trainer of
+a machine that joins (node_join.py) reads them only up to about what the trainers in the job have left of their own
+(`cut_own`): the rest is shared out at the first agreement with the lost trainers' rows (`_tails`).
 """
 
 from __future__ import annotations
