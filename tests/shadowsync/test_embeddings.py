@@ -1,14 +1,18 @@
 """The embedding row update (row-wise Adagrad / SGD, the one definition every shard uses) against hand computation,
-and a shard's staleness count."""
+a shard's staleness count, and the tables' lookups and pushes when their transport is replaced."""
 
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import pytest
 import torch
 
+from cocosync.shadowsync.model.embeddings import ShardedEmbeddings
+from cocosync.shadowsync.model.lookup_thread import TransportClosed
 from cocosync.shadowsync.model.shard import Shard, rowwise_update
+from cocosync.shadowsync.model.transport import TransportCounters
 
 
 def _shard(n: int, dim: int, optimizer: str, lr: float) -> Shard:
@@ -73,3 +77,51 @@ def test_the_start_windows_wait_is_counted_apart_and_the_share_past_it_reported(
     nothing = lookup_summary([LookupStats(start_window=3).as_dict()], examples=0, step_s=0.0, transport="exchange",
                              exchange=True, hot_rows=0)
     assert math.isnan(nothing["lookup_wait_past_start"])  # nothing past the start: no share, not 0
+
+
+
+class _Rows:
+    """A transport to server 1 of two (rows of width 2) that says what it was given; `closing()`, once set, runs as a
+    call comes (the transport is replaced meanwhile), which then fails as on a closing transport."""
+
+    def __init__(self):
+        self.pushed, self.looked = [], []
+        self.closing: Callable[[], None] | None = None
+
+    def _call(self) -> None:
+        if self.closing is not None:
+            self.closing()
+            raise TransportClosed("the lookup exchange is closed")
+
+    def lookup(self, rows: torch.Tensor) -> torch.futures.Future:
+        self._call()
+        self.looked.append(rows.tolist())
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result((torch.zeros(len(rows), 2), torch.zeros(len(rows), dtype=torch.int64)))
+        return fut
+
+    def push(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> None:
+        self._call()
+        self.pushed.append(rows.tolist())
+
+    def take_stale(self) -> int:
+        return 0
+
+    def counters(self) -> TransportCounters:
+        return TransportCounters(rounds=0, messages=0, wire_bytes=0, cpu_s=0.0)
+
+
+def test_a_lookup_or_push_on_a_transport_replaced_while_a_worker_held_it_goes_to_the_one_that_replaced_it():
+    old, new = _Rows(), _Rows()
+    tables = ShardedEmbeddings([4], 2, [_shard(2, 2, "sgd", 0.1), "server 1"], remote=old)
+    lk = tables.fetch(torch.tensor([[1], [3]]))  # (rows 1 and 3: server 1's)
+    tables.wait(lk)
+    assert old.looked == [[1, 3]]
+    old.closing = lambda: tables.adopt({}, remote=new)  # (a machine joined as the worker called the old one)
+    tables.push(lk, torch.ones(2, 2))
+    assert new.pushed == [[1, 3]] and old.pushed == []
+    tables.fetch(torch.tensor([[3]]))
+    assert new.looked == [[3]]
+    new.closing = lambda: None  # (closing, not replaced: the job's end)
+    with pytest.raises(TransportClosed):
+        tables.push(lk, torch.ones(2, 2))

@@ -162,3 +162,32 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
     assert all(r["read_own_rows"] and r["examples"] > 0 for r in s["restarts"]), s["restarts"]
     assert s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []
+
+
+@pytest.mark.faults
+def test_a_machine_joins_a_job_of_three_that_started_with_two(tmp_path):
+    """`--nnodes 2:3`: nodes 0 and 1 start (the rendezvous closes soon after they met), node 2's command joins once
+    the job has trained 100,000 examples: both machines of the start take it in (their exchange, hot rows and dense
+    sync re-formed with it at the same round), and every example is read once."""
+    out = tmp_path / "run"
+    examples = 3_000_000
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-bmuf", "--out", str(out)]
+    port = free_port()
+    before = semaphores()
+    procs = start_nodes(args, nnodes="2:3", nproc_per_node=3, port=port, only=[0, 1])
+    with machines_ended(procs, before):
+        until_trained(procs, out, 100_000)
+        procs += start_nodes(args, nnodes="2:3", nproc_per_node=3, port=port, only=[2])
+        said = _first_word(procs[-1])
+        assert "this machine joins as node 2" in said, said
+        runs = wait_nodes(procs, timeout=240)
+    text = "\n--- next node ---\n".join(r.output[-2500:] for r in runs)
+    assert all(r.returncode == 0 for r in runs), text
+    assert "trainers 4, 5 joined as node 2" in runs[0].output, text
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 6
+    assert [(j["node"], j["seq"]) for j in s["joined_nodes"]] == [(2, 1)]
+    assert [m["trainers"] for m in s["membership"]] == [4, 5, 6] and s["membership"][0]["awaited"] == [2]
+    assert all(r["read_own_rows"] and r["examples"] > 0 for r in s["restarts"]), s["restarts"]
+    assert leftover_segments() == []

@@ -342,8 +342,9 @@ def faults_cmd(seeds: int, trainers: int, examples: int, at: float, rejoin_at: f
     rejoins = (f", node 1 started (again) at {rejoin_at:.0%}" if "rejoin" in kinds and "grow" in kinds else
                f", node 1 started again at {rejoin_at:.0%}" if "rejoin" in kinds else
                f", node 1 started at {rejoin_at:.0%}" if "grow" in kinds else "")
-    title = (f"a rank or machine killed at {at:.0%} of {examples:,} examples{rejoins}{seconds}, T={trainers}, {sync}"
-             f"{mirrored}{machines}, {seeds} seeds "
+    what = (f"a job of --nnodes 1:{nodes} started on node 0, {examples:,} examples" if kinds == ["grow"] else
+            f"a rank or machine killed at {at:.0%} of {examples:,} examples")
+    title = (f"{what}{rejoins}{seconds}, T={trainers}, {sync}{mirrored}{machines}, {seeds} seeds "
              f"(os.cpu_count()={os.cpu_count()})")
     print_table(title, COLUMNS, rows, console)
     console.print(markdown_table(COLUMNS, rows), markup=False)

@@ -24,12 +24,10 @@ The machines in the job see a join between two rounds of their dense sync (it lo
 `Recovery.LOOK_EVERY` seconds): `MachineJoins.prepare` runs before the sync re-forms, once every trainer of the
 joining machine has recorded its join. Where the trainers' dense sync is a gloo group (over machines), they leave it
 together: they look at the membership at the same round (`Recovery.changed`), so none waits in a collective for a
-peer that left for the new group. A machine joins where one machine of the job's start is in it, so far: among
-several left, one of them re-formed for the join late in about one run of six (its peers had waited 30 s for it by
-then), not yet understood. Machines join one after another: each claim is numbered (`NodeJoin.seq`) and made while no
-other machine is joining, every machine takes each join in with the machines in the job as of that join
-(`join_machines(upto=)`), and a machine that joined takes in the later ones as the others do (its trainers have a
-`MachineJoins` too, run before it first forms the sync: a machine may join while another joins). No machine is lost
+peer that left for the new group. Machines join one after another: each claim is numbered (`NodeJoin.seq`) and
+made while no other machine is joining, every machine takes each join in with the machines in the job as of that
+join (`join_machines(upto=)`), and a machine that joined takes in the later ones as the others do (its trainers have
+a `MachineJoins` too, run before it first forms the sync: a machine may join while another joins). No machine is lost
 after a join without stopping the job (the job's record of lost machines is by node: `LossAcross.took_in`). A claim
 holds the trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
 (membership.py: `JOINING`).
@@ -104,8 +102,8 @@ def rejoin_key(trainer: int, restart: int) -> str:
 def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tuple[int | None, str]:
     """The lost (or awaited) machine whose place this one takes (`store`: a client of the job's store, under the
     job's prefix): the first one recorded as lost whose place no machine has taken, while the trainers still read
-    their own rows, no rank has failed, no other machine is joining, and at most one machine of the job's start is in
-    it (so far); else None and why not (no machine is lost: this machine goes to the rendezvous). A claim holds the
+    their own rows, no rank has failed and no other machine is joining; else None and why not (no machine is lost:
+    this machine goes to the rendezvous). A claim holds the
     trainers' agreements until its trainers have joined (`JOINING`; each says it is there with `joined`)."""
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
@@ -118,9 +116,6 @@ def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tu
         return None, "the job is ending"
     if not joins_open(store):
         return None, "the trainers left have read their own rows and share out the lost ones' (too late to join)"
-    if nnodes - len(lost) > 1:
-        return None, (f"{nnodes - len(lost)} machines of the job's start are in it: a machine joins where one is, "
-                      "so far (among several, one of them re-formed for a join late, once in about six tries)")
     if int(store.add(JOINING, 0)) > 0:
         return None, "another machine is joining it now: start this one again once that one has joined"
     seq = len(taken) + 1

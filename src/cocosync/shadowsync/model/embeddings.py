@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from cocosync.shadowsync.model.batch_rows import distinct_rows, split_rows
-from cocosync.shadowsync.model.lookup_thread import ExchangeLost
+from cocosync.shadowsync.model.lookup_thread import ExchangeLost, TransportClosed
 from cocosync.shadowsync.model.shard import RowHash, Shard
 from cocosync.shadowsync.model.transport import RemoteRows, ServerLost, TransportCounters
 
@@ -218,7 +218,7 @@ class ShardedEmbeddings:
             with self._lock:
                 self.stats.bytes_sent += remote_idx.numel() * 8
             try:
-                lk.remote = remote.lookup(uniq[remote_idx])
+                lk.remote = self._replaced(remote, lambda t: t.lookup(uniq[remote_idx]))
             except ExchangeLost as e:
                 if not self._recovered(e):
                     raise
@@ -358,9 +358,10 @@ class ShardedEmbeddings:
         if r.numel():
             rows, g, v = lk.uniq[r], grads.index_select(0, r), lk.versions[r]
             try:
-                if self.remote is None:  # (adopted since the lookup: its servers are local now)
+                remote = self.remote
+                if remote is None:  # (adopted since the lookup: its servers are local now)
                     raise ExchangeLost("the transport was given up")
-                self.remote.push(rows, g, v)
+                self._replaced(remote, lambda t: t.push(rows, g, v))
             except ExchangeLost as e:
                 if self.remote is not None and not self._recovered(e):
                     raise
@@ -371,6 +372,20 @@ class ShardedEmbeddings:
             st.pushes += 1
             st.stale_sum += stale
             st.stale_rows += lk.uniq.numel()
+
+    def _replaced(self, remote: RemoteRows, call: Callable[[RemoteRows], Any]) -> Any:
+        """`call(remote)`, or, where `remote` was replaced while this worker held it (a machine joined: the old
+        transport closes), `call` on the transport that replaced it."""
+        while True:
+            try:
+                return call(remote)
+            except TransportClosed:
+                now = self.remote
+                if now is remote:  # (not replaced: the job's end)
+                    raise
+                if now is None:  # (given up: every server is local now)
+                    raise ExchangeLost("the transport was given up") from None
+                remote = now
 
     def _apply_after_loss(self, rows: torch.Tensor, grads: torch.Tensor, versions: torch.Tensor) -> int:
         """Apply gradients of global rows after a machine's loss: those of servers local now here (their summed

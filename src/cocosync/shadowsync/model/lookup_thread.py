@@ -9,11 +9,16 @@ import threading
 from cocosync.shadowsync.model.transport import TransportCounters
 from cocosync.shadowsync.thread_cpu import in_role
 
-__all__ = ["ExchangeLost", "LookupThread"]
+__all__ = ["ExchangeLost", "TransportClosed", "LookupThread"]
 
 
 class ExchangeLost(RuntimeError):
     """The exchange with the other nodes broke (a peer died or its machine is unreachable); the message names them."""
+
+
+class TransportClosed(RuntimeError):
+    """A lookup or push came to a transport that is closing (the job's end, or a transport replaced while a worker
+    held it: `ShardedEmbeddings.adopt`)."""
 
 
 class LookupThread:
@@ -52,7 +57,7 @@ class LookupThread:
         if self._error is not None:
             raise self._error
         if self._closing:
-            raise RuntimeError("the lookup exchange is closed")
+            raise TransportClosed("the lookup exchange is closed")
 
     def flush(self) -> None:
         """Wait until every push queued so far is applied on its server."""
