@@ -19,7 +19,7 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
-# everything but the fault-injection jobs (~11 min on 2 cores); `pytest` alone runs both tiers
+# everything but the fault-injection jobs (~13 min on 2 cores); `pytest` alone runs both tiers
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not faults" --durations=25
 
