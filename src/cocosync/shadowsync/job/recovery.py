@@ -292,12 +292,9 @@ class Recovery:
         self._load_shares()
         live = self.membership.live(epoch)
         cfg, data, plan = self.job.cfg, self.job.data, self.job.plan
-        W, T = cfg.workers, self.job.roles.trainers
-        if plan is None:
-            shards = base_plan(T * W, lambda s: base_shard_rows(cfg, data, s, T * W))
-            base_shards = T * W
-        else:
-            shards, base_shards = plan.shards, plan.base_shards
+        W = cfg.workers
+        shards = self._own_plan()
+        base_shards = plan.base_shards if plan is not None else len(shards)
         left = []
         for loss in new:
             left += self._unread(loss, shards)
