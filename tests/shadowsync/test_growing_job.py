@@ -5,15 +5,20 @@ trainers there have left of theirs; the rest is shared out over every trainer at
 
 from __future__ import annotations
 
+import datetime
 import json
+import os
 import queue
+import signal
 import subprocess
 import threading
 import time
 
 import pytest
+import torch.distributed as dist
 
 from cocosync.runtime.comm.shm import leftover_segments
+from cocosync.shadowsync.job.membership import EPOCH
 from cocosync.testing.launch import free_port
 from cocosync.testing.multinode import (
     check_node_1_joined,
@@ -25,6 +30,7 @@ from cocosync.testing.multinode import (
     until_trained,
     wait_nodes,
 )
+from cocosync.testing.sockets import process_tree
 
 
 def _first_word(proc: subprocess.Popen, timeout: float = 60.0) -> str:
@@ -53,6 +59,16 @@ def _first_word(proc: subprocess.Popen, timeout: float = 60.0) -> str:
             return said
     kill_machine(proc.pid)
     raise AssertionError(f"the machine neither joined nor was refused within {timeout:g} s: {said[-2000:]}")
+
+
+def _told(runs: list) -> str:
+    """What each machine said of the job (its lines but the progress lines, the first of an error's traceback
+    first), for an assertion's message."""
+    out = []
+    for r in runs:
+        lines = [x for x in r.output.splitlines() if " examples/s" not in x and not x.startswith("  ")]
+        out.append(f"--- node {r.node} (status {r.returncode}) ---\n" + "\n".join(lines)[-3000:])
+    return "\n".join(out)
 
 
 def test_a_job_of_two_machines_started_with_one_reads_every_row_there(tmp_path):
@@ -129,7 +145,7 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
     started again). Every trainer of the layout reads its own rows, every example is read once, and the joins are in
     the summary in order."""
     out = tmp_path / "run"
-    examples = 3_000_000
+    examples = 6_000_000
     args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
             "shadow-ma", "--out", str(out)]
     port = free_port()
@@ -150,7 +166,7 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
             refused.append(said)
             time.sleep(1.0)
         runs = wait_nodes(procs, timeout=240)
-    text = "\n--- next node ---\n".join(r.output[-2500:] for r in runs)
+    text = _told(runs)
     assert len(runs) == 3 and all(r.returncode == 0 for r in runs), text
     assert all("another machine is joining it now" in x for x in refused), refused
     assert "trainers 2, 3 joined as node 1" in runs[0].output and "trainers 4, 5 joined as node 2" in runs[0].output
@@ -161,6 +177,51 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
     assert sorted(r["trainer"] for r in s["restarts"]) == [2, 3, 4, 5]
     assert all(r["read_own_rows"] and r["examples"] > 0 for r in s["restarts"]), s["restarts"]
     assert s["eval_ne"] < 0.8, s["eval_ne"]
+    assert leftover_segments() == []
+
+
+@pytest.mark.faults
+def test_a_claim_that_comes_as_the_trainers_finish_their_own_rows_gives_its_join_up(tmp_path):
+    """`--nnodes 1:2`: node 1's command claims its place and is held there (SIGSTOP, with what it started) until node
+    0's trainers have read their own rows (a claim holds their agreement for its trainers' joins). Let go, its trainers
+    find that no machine took them in while the trainers still read their own rows: they give the join up, node 0
+    reads node 1's rows and ends the job whole, and node 1's command ends saying why its trainers did not join."""
+    out = tmp_path / "run"
+    examples = 2_000_000
+    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
+            "shadow-ma", "--out", str(out)]
+    port = free_port()
+    before = semaphores()
+    procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, port=port, only=[0])
+    with machines_ended(procs, before):
+        until_trained(procs, out, 100_000)
+        store = dist.PrefixStore("cocosync/", dist.TCPStore("127.0.0.1", port, is_master=False,
+                                                             timeout=datetime.timedelta(seconds=10)))
+        procs += start_nodes(args, nnodes="1:2", nproc_per_node=3, port=port, only=[1])
+        deadline = time.monotonic() + 60
+        while not store.check(["node-join/1"]):  # held as soon as it claimed, before its trainers record their joins
+            assert time.monotonic() < deadline and procs[-1].poll() is None, "node 1 did not claim its place"
+        os.kill(procs[-1].pid, signal.SIGSTOP)  # (first: a launcher held starts no more trainers)
+        for pid in process_tree(procs[-1].pid):
+            os.kill(pid, signal.SIGSTOP)
+        changes = [json.loads(store.get(f"change/{k}")) for k in range(1, int(store.add(EPOCH, 0)) + 1)
+                   if store.check([f"change/{k}"])]
+        assert not [x for x in changes if x["kind"] == "joined"], f"node 1's trainers joined before the hold: {changes}"
+        deadline = time.monotonic() + 60
+        while not store.check(["agree/phase1/any"]):  # node 0's trainers have read their own rows
+            assert time.monotonic() < deadline and procs[0].poll() is None, "node 0 did not finish its own rows"
+            time.sleep(0.1)
+        for pid in [*process_tree(procs[-1].pid), procs[-1].pid]:
+            os.kill(pid, signal.SIGCONT)
+        runs = wait_nodes(procs, timeout=150)
+    text = _told(runs)
+    assert all(r.returncode == 0 for r in runs), text
+    assert "this machine joins as node 1" in runs[1].output, runs[1].output[-2500:]
+    assert "did not join: the trainers in the job had read their own rows" in runs[1].output, runs[1].output[-2500:]
+    s = json.loads((out / "summary.json").read_text())
+    assert s["examples"] == examples and s["short_by"] == 0 and s["trainers_left"] == 2, s
+    assert s["joined_nodes"] == [] and [x["node"] for x in s["lost_nodes"]] == [1]
+    assert s["membership"][-1]["trainers"] == 2 and s["eval_ne"] < 0.8, s["eval_ne"]
     assert leftover_segments() == []
 
 
@@ -182,7 +243,7 @@ def test_a_machine_joins_a_job_of_three_that_started_with_two(tmp_path):
         said = _first_word(procs[-1])
         assert "this machine joins as node 2" in said, said
         runs = wait_nodes(procs, timeout=240)
-    text = "\n--- next node ---\n".join(r.output[-2500:] for r in runs)
+    text = _told(runs)
     assert all(r.returncode == 0 for r in runs), text
     assert "trainers 4, 5 joined as node 2" in runs[0].output, text
     s = json.loads((out / "summary.json").read_text())

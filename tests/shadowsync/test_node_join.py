@@ -10,12 +10,22 @@ import json
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from cocosync.runtime.comm.topology import Topology
 from cocosync.shadowsync.job.loss_across import holders
 from cocosync.shadowsync.job.membership import JOINING, JOINING_SINCE, Membership, loss_batches, record_node_loss
-from cocosync.shadowsync.job.node_join import claim_node, join_machines, joined, joined_nodes
+from cocosync.shadowsync.job.node_join import (
+    ABANDONED,
+    ADMITTED,
+    claim_node,
+    join_machines,
+    joined,
+    joined_nodes,
+    settle_join,
+    taken_in,
+)
 from cocosync.shadowsync.job.roles import Roles
 
 
@@ -94,6 +104,35 @@ def test_the_machines_in_the_job_after_a_join_and_who_holds_each_shard():
     assert claim_node(store, 3, 1, "h")[0] == 2
     assert join_machines(store, roles) == ([0, 1, 2], {0: 0, 1: 0, 2: 0})
     assert join_machines(store, roles, upto=1) == ([0, 1], {0: 0, 1: 0, 2: 0})  # (as the first join made it)
+
+
+def test_a_join_is_taken_in_or_given_up_by_whichever_says_so_first():
+    """The machines in the job admit a join before they make its groups; its trainers give it up once the trainers
+    there have read their own rows with no admission. Whoever comes first settles it for everyone, and a join given
+    up is no machine in the job (its place stays lost, and is not claimed again)."""
+    roles = Roles(Topology(rank=0, world_size=6, local_rank=0, local_world_size=2, node=0), 1, 0)
+    store = _store()
+    store.set("lost-node/1", "{}")
+    store.set("lost-node/2", "{}")
+    assert claim_node(store, 3, 1, "h")[0] == 1
+    membership = Membership(store, roles, 1, timeout=5.0)
+    assert settle_join(store, 1, ADMITTED) == ADMITTED
+    assert taken_in(membership, 1)
+    assert settle_join(store, 1, ABANDONED) == ADMITTED  # (too late to give it up)
+    joined(store, 1)
+    assert claim_node(store, 3, 1, "h")[0] == 2
+    store.set("agree/phase1/any", "1")  # the trainers there have read their own rows; node 2 was not admitted
+    assert not taken_in(membership, 2)
+    assert settle_join(store, 2, ADMITTED) == ABANDONED  # (a machine in the job that comes to admit it skips it)
+    assert [j.node for j in joined_nodes(store, 3)] == [1]
+    assert [j.node for j in joined_nodes(store, 3, abandoned=True)] == [1, 2]
+    assert join_machines(store, roles)[0] == [0, 1]
+    assert claim_node(store, 3, 1, "h")[0] is None
+    # neither: the trainers there still read their own rows and no machine admitted it within the timeout
+    quick = Membership(store, roles, 1, timeout=0.2)
+    store.delete_key("agree/phase1/any")
+    with pytest.raises(TimeoutError, match="node 3's place"):
+        taken_in(quick, 3)
 
 
 def test_a_claimed_join_holds_the_agreements_until_its_trainers_have_joined():

@@ -30,7 +30,11 @@ join (`join_machines(upto=)`), and a machine that joined takes in the later ones
 a `MachineJoins` too, run before it first forms the sync: a machine may join while another joins). No machine is lost
 after a join without stopping the job (the job's record of lost machines is by node: `LossAcross.took_in`). A claim
 holds the trainers' agreements until its trainers have joined, so that none joins after the others agreed without it
-(membership.py: `JOINING`).
+(membership.py: `JOINING`). A claim made just before the trainers in the job finished their own rows may come too
+late all the same: their dense sync ended before any of them saw the join, and none takes it in. Who comes first
+settles it (`settle_join`): the machines in the job, which admit the join before they make its groups, or its
+trainers, which give it up once the trainers have read their own rows and no machine admitted them (their place's
+rows are then shared out as an awaited or lost machine's are, and the joining machine's command says so).
 
 A lone trainer lost as the job's first loss (loss_across.py) and started again by its keeper (--max-restarts) joins
 the same way, alone: it maps its machine's shards, reader positions and hot rows' replica by name, records its join,
@@ -65,11 +69,14 @@ from cocosync.shadowsync.model.exchange import LookupExchange
 from cocosync.shadowsync.model.hot_rows import HotSync
 
 __all__ = ["NodeJoin", "claim_node", "joined", "joined_nodes", "join_machines", "join_key", "rejoin_key",
-           "MachineJoins", "fence_key"]
+           "MachineJoins", "fence_key", "settle_join", "taken_in", "wait_joined", "ADMITTED", "ABANDONED"]
 
 #: the store keys (`<JOIN_GATE>/<seq>`) a machine's claim of a lost or awaited one's place sets first: the job's
 #: joins are made one after another, each numbered
 JOIN_GATE = "join-gate"
+#: the store keys (`<JOIN_FATE>/<node>`) that settle whether the machine that claimed node's place is taken in
+JOIN_FATE = "join-fate"
+ADMITTED, ABANDONED = "admitted", "abandoned"
 
 
 @dataclass(frozen=True)
@@ -108,7 +115,7 @@ def claim_node(store: Any, nnodes: int, trainers_per_node: int, host: str) -> tu
     lost = [n for n in range(1, nnodes) if store.check([f"lost-node/{n}"])]
     if not lost:
         return None, "no machine of the job is lost or awaited"
-    taken = joined_nodes(store, nnodes)
+    taken = joined_nodes(store, nnodes, abandoned=True)  # (a place given up is not claimed again: it is too late)
     places = [n for n in lost if n not in {j.node for j in taken}]
     if not places:
         return None, "every lost or awaited machine's place has been taken"
@@ -135,11 +142,55 @@ def joined(store: Any, trainer: int) -> None:
         store.add(JOINING, -1)
 
 
-def joined_nodes(store: Any, nnodes: int) -> list[NodeJoin]:
-    """The machines that joined in lost (or awaited) ones' places, in the order they claimed them."""
+def settle_join(store: Any, node: int, fate: str) -> str:
+    """Settle the fate of the machine that claimed node `node`'s place, `ADMITTED` (a machine in the job, before it
+    makes the join's groups) or `ABANDONED` (the joining machine's trainers, too late): the first to say it decides.
+    Returns the fate that holds."""
+    return store.compare_set(f"{JOIN_FATE}/{node}", "", fate).decode()
+
+
+def taken_in(membership: Membership, node: int) -> bool:
+    """Whether the machines in the job take in the machine that joins in node `node`'s place (its trainers ask once
+    they recorded their join): True once a machine in the job admitted it; False once the trainers there have read
+    their own rows (or the job stops) and none did: the join is given up (`settle_join`). A TimeoutError if neither
+    happens within the membership's timeout."""
+    store, key = membership.store, f"{JOIN_FATE}/{node}"
+    deadline = time.monotonic() + membership.timeout
+    while not store.check([key]):
+        if not joins_open(store) or job_ending(store):
+            return settle_join(store, node, ABANDONED) == ADMITTED
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no machine in the job took in the machine joining in node {node}'s place within "
+                               f"{membership.timeout:.0f}s")
+        time.sleep(0.02)
+    return store.get(key).decode() == ADMITTED
+
+
+def wait_joined(membership: Membership, roles: Roles, node: int) -> None:
+    """Wait until every trainer of the machine that joins in node `node`'s place has recorded its join (each has
+    mapped its machine's named segments by then: one that gives the join up waits for this before it leaves, since a
+    process unlinks the segments it made or mapped at its exit)."""
+    want = set(roles.trainers_of(node))
+    deadline = time.monotonic() + membership.timeout
+    while True:
+        joined = {x.trainer for x in membership.changes() if isinstance(x, Join) and x.trainer in want}
+        if joined == want:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the machine joining in node {node}'s place: trainers "
+                               f"{sorted(want - joined)} did not join within {membership.timeout:.0f}s")
+        time.sleep(0.02)
+
+
+def joined_nodes(store: Any, nnodes: int, abandoned: bool = False) -> list[NodeJoin]:
+    """The machines that joined in lost (or awaited) ones' places, in the order they claimed them; those whose join
+    was given up (`settle_join`) too if `abandoned`."""
     out = []
     for n in range(1, nnodes):
         if store.check([f"node-join/{n}"]):
+            if not abandoned and store.check([f"{JOIN_FATE}/{n}"]) and \
+                    store.get(f"{JOIN_FATE}/{n}").decode() == ABANDONED:
+                continue
             out.append(NodeJoin(**json.loads(store.get(f"node-join/{n}"))))
     return sorted(out, key=lambda j: j.seq)
 
@@ -206,7 +257,9 @@ class MachineJoins:
 
     def _admit(self, join: NodeJoin, membership: Membership) -> None:
         roles = self.job.roles
-        self._wait_joined(join.node, membership)
+        if settle_join(membership.store, join.node, ADMITTED) != ADMITTED:
+            return  # (its trainers gave it up: too late, they read nothing; their place stays lost)
+        wait_joined(membership, roles, join.node)
         machines, held = join_machines(membership.store, roles, upto=join.seq)
         key = join_key(join.node)
         shards = {**self.job.shards, **self.machine.adopted}
@@ -230,16 +283,3 @@ class MachineJoins:
             closing = threading.Thread(target=old.close, name="cocosync-exchange-close", daemon=True)
             closing.start()
             self._closing.append(closing)
-
-    def _wait_joined(self, node: int, membership: Membership) -> None:
-        """Wait until every trainer of the machine that joins in node `node`'s place has recorded its join."""
-        want = set(self.job.roles.trainers_of(node))
-        deadline = time.monotonic() + membership.timeout
-        while True:
-            joined = {x.trainer for x in membership.changes() if isinstance(x, Join) and x.trainer in want}
-            if joined == want:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the machine joining in node {node}'s place: trainers "
-                                   f"{sorted(want - joined)} did not join within {membership.timeout:.0f}s")
-            time.sleep(0.02)

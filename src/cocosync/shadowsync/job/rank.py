@@ -106,6 +106,8 @@ from cocosync.shadowsync.job.node_join import (
     joined,
     joined_nodes,
     rejoin_key,
+    taken_in,
+    wait_joined,
 )
 from cocosync.shadowsync.job.recovery import Recovery
 from cocosync.shadowsync.job.roles import Roles
@@ -393,6 +395,15 @@ def run_joined(cfg: TrainConfig, cluster: ClusterConfig, *, console: Any = None)
     membership.store.add(ABSENT, -1)
     record_change(membership.store, "joined", t, pid=os.getpid(), restart=restart, node=topo.node)
     joined(membership.store, t)  # (the agreements held for it from its machine's claim count it in now)
+    if not taken_in(membership, topo.node):  # (too late: the trainers in the job read this place's rows)
+        membership.store.add(ABSENT, 1)
+        record_change(membership.store, "lost", t, pid=os.getpid(), signal="its machine came too late to join",
+                      node=topo.node)
+        print(f"trainer {t} did not join: the trainers in the job had read their own rows before they took its "
+              "machine in (they read its place's rows)", file=sys.stderr, flush=True)
+        wait_joined(membership, roles, topo.node)  # (its machine's segments stay until each trainer mapped them)
+        link.finish(t)
+        return
     [mine] = [j for j in joined_nodes(membership.store, topo.nnodes) if j.node == topo.node]
     machines, held = join_machines(membership.store, roles, upto=mine.seq)
     key = join_key(topo.node)
