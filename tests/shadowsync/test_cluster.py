@@ -231,6 +231,7 @@ def test_cocosync_train_nnodes_runs_torchruns_agent_with_warm_ranks_in_its_sessi
     assert not [f for f in os.listdir(tmp) if f.startswith(("torchelastic_", "cocosync-agent-"))], os.listdir(tmp)
 
 
+@pytest.mark.faults
 @pytest.mark.parametrize("two_hosts", [False, True], ids=["loopback", "two-simulated-machines"])
 def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path, two_hosts):
     """SIGTERM (a scheduler's preemption) to node 1's `cocosync train --nnodes` asks every trainer of both machines
@@ -254,6 +255,7 @@ def test_sigterm_to_one_machine_stops_every_trainer_with_a_checkpoint(tmp_path, 
     assert leftover_segments() == []
 
 
+@pytest.mark.faults
 def test_the_timeout_stops_every_machine_with_a_checkpoint_and_each_shows_the_jobs_progress(tmp_path):
     """`--timeout` across machines (counted from the rendezvous on each): both commands stop the job's trainers with
     a checkpoint and exit 124, as `cocosync train` does on one machine; meanwhile each prints the whole job's
@@ -304,6 +306,7 @@ def test_a_stopped_trainer_is_named_by_its_machine_and_the_job_ends(tmp_path):
     assert not Path(f"/proc/{stopped}").exists() or "zombie" in Path(f"/proc/{stopped}/status").read_text()
 
 
+@pytest.mark.faults
 def test_the_timeout_under_plain_torchrun_stops_the_trainers_with_a_checkpoint(tmp_path):
     """No launcher watches a `torchrun -m cocosync.shadowsync` job: each trainer keeps --timeout itself, and the job
     ends as a stopped one (summary and checkpoint), not at its process groups' timeout."""

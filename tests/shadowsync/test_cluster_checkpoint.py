@@ -49,6 +49,7 @@ def _tables(state: dict, servers: int, total_rows: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.faults
 def test_a_stopped_and_resumed_run_ends_equal_to_an_uninterrupted_one(tmp_path):
     """One trainer, one worker, no dense sync, no prefetch: the order is fixed, so the state is bit for bit equal,
     and every example is seen once."""

@@ -85,6 +85,7 @@ def test_stop_and_resume_continue_exactly_as_an_uninterrupted_run(tmp_path, algo
     assert second.summary["eval_ne"] == whole.summary["eval_ne"]
 
 
+@pytest.mark.faults
 def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp_path):
     whole = run_training(_cfg(tmp_path / "whole", "none", examples=60_000))
     out = tmp_path / "killed"
@@ -108,6 +109,7 @@ def test_a_killed_launcher_resumes_exactly_from_its_last_periodic_checkpoint(tmp
     _assert_equal(whole.checkpoint, resumed.checkpoint)
 
 
+@pytest.mark.faults
 def test_a_killed_trainer_loses_only_what_followed_the_last_checkpoint(tmp_path):
     """Two trainers x two Hogwild workers with Shadow-BMUF, both needed (--min-trainers 2): a trainer killed after a
     periodic checkpoint fails the run naming it; the resumed run restores every trainer's replica and BMUF state and

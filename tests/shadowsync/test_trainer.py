@@ -234,6 +234,7 @@ def test_ctrl_c_stops_cleanly_and_keeps_the_measurements(tmp_path):
     assert _shm() - before == set()
 
 
+@pytest.mark.faults
 def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tmp_path):
     """What a scheduler or `kill` sends: the trainers stop, the summary and a checkpoint are written, the exit
     status says SIGTERM (143), and a resume continues from there."""
@@ -250,6 +251,7 @@ def test_sigterm_stops_like_ctrl_c_with_a_checkpoint(tmp_path):
     assert not any(_alive(t) for t in trainers)
 
 
+@pytest.mark.faults
 def test_the_timeout_stops_the_run_and_keeps_what_it_trained(tmp_path):
     out = tmp_path / "run"
     res = subprocess.run([sys.executable, "-m", "cocosync_start", "train", "--examples", "3000000", "--no-progress",
@@ -273,6 +275,7 @@ def test_a_raising_trainer_is_reported(tmp_path):
         run_training(_cfg(tmp_path, "none", data=str(garbage), examples=4000, model={**MODEL, "init_ctr": 0.04}))
 
 
+@pytest.mark.faults
 def test_ctrl_c_in_process_then_resume_from_the_reader_positions(tmp_path):
     import threading
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 SCRIPT = Path(__file__).with_name("backend_script.py")
 
 
@@ -25,6 +27,7 @@ def test_backend_under_torchrun_matches_gloo(tmp_path):
     assert res.stdout.count("backend ok on rank") == 2, res.stdout
 
 
+@pytest.mark.faults
 def test_a_silent_rank_is_named_within_the_group_timeout():
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(SCRIPT.with_name("backend_timeout_script.py"))]
