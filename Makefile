@@ -19,11 +19,11 @@ install: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests
 
-# everything but the fault-injection jobs (~13 min on 2 cores); `pytest` alone runs both tiers
+# everything but the fault-injection jobs (~10 min on 2 cores); `pytest` alone runs both tiers
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not faults" --durations=25
 
-# the jobs whose trainers, servers or machines are killed, stopped or cut off (~9 min on 2 cores); CI runs both
+# the jobs whose trainers, servers or machines are killed, stopped or cut off (~18 min on 2 cores); CI runs both
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults --durations=25
 
