@@ -23,7 +23,7 @@ lint: $(STAMP)
 test: $(STAMP) lint
 	$(PY) -m pytest -q -m "not faults" --durations=25
 
-# the jobs whose trainers, servers or machines are killed, stopped or cut off (~18 min on 2 cores); CI runs both
+# the jobs whose trainers, servers or machines are killed, stopped or cut off (~19 min on 2 cores); CI runs both
 test-faults: $(STAMP)
 	$(PY) -m pytest -q -m faults --durations=25
 

@@ -46,9 +46,9 @@ def test_bench_faults_refuses_two_machines_lost_in_a_job_that_cannot_go_on(tmp_p
 @pytest.mark.faults
 def test_bench_faults_grows_a_job_started_on_one_machine_and_compares_with_both_from_the_start(tmp_path):
     res = CliRunner().invoke(main, ["bench", "faults", "--kill", "grow", "--seeds", "1", "--trainers", "4",
-                                    "--examples", "1000000", "--rejoin-at", "0.2", "--out", str(tmp_path)])
+                                    "--examples", "5000000", "--rejoin-at", "0.1", "--out", str(tmp_path)])
     assert res.exit_code == 0, res.output
-    assert "node 1 started at 20%" in res.output and "(node 1 joined): every run finished" in res.output, res.output
+    assert "node 1 started at 10%" in res.output and "(node 1 joined): every run finished" in res.output, res.output
     f = json.loads((tmp_path / "faults.json").read_text())["by_kill"]["grow"]
     assert f["examples_lost"] == [0] and abs(f["ne_change"][0]) < 0.1, res.output
     assert 0 < f["restart_trains_after_s"][0] < 15, res.output  # (from node 1's command's start)

@@ -61,6 +61,12 @@ def _first_word(proc: subprocess.Popen, timeout: float = 60.0) -> str:
     raise AssertionError(f"the machine neither joined nor was refused within {timeout:g} s: {said[-2000:]}")
 
 
+def _job(out, examples: int, sync: str = "shadow-ma") -> list[str]:
+    """The job's command line (after `cocosync train`'s own options): `examples` examples, `sync`, into `out`."""
+    return ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync", sync,
+            "--out", str(out)]
+
+
 def _told(runs: list) -> str:
     """What each machine said of the job (its lines but the progress lines, the first of an error's traceback
     first), for an assertion's message."""
@@ -77,8 +83,7 @@ def test_a_job_of_two_machines_started_with_one_reads_every_row_there(tmp_path):
     a checkpoint whole, the absent machine named."""
     out = tmp_path / "run"
     examples = 200_000
-    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
-            "shadow-bmuf", "--out", str(out)]
+    args = _job(out, examples, "shadow-bmuf")
     started = time.monotonic()
     procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, only=[0])
     [node0] = wait_nodes(procs, timeout=150)
@@ -111,8 +116,7 @@ def test_a_machine_started_after_the_job_joins_it_and_reads_its_places_rows(tmp_
     two_hosts = twohosts_available()
     out = tmp_path / "run"
     examples = 4_000_000  # (node 0 must still read its own rows when the machine joins: joins close after that)
-    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
-            "shadow-bmuf", "--out", str(out)]
+    args = _job(out, examples, "shadow-bmuf")
     port = free_port()
     before = semaphores()
     procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, two_hosts=two_hosts, port=port, only=[0])
@@ -146,8 +150,7 @@ def test_machines_started_one_after_another_join_a_job_of_three_that_started_wit
     the summary in order."""
     out = tmp_path / "run"
     examples = 6_000_000
-    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
-            "shadow-ma", "--out", str(out)]
+    args = _job(out, examples)
     port = free_port()
     before = semaphores()
     procs = start_nodes(args, nnodes="1:3", nproc_per_node=3, port=port, only=[0])
@@ -188,8 +191,7 @@ def test_a_claim_that_comes_as_the_trainers_finish_their_own_rows_gives_its_join
     reads node 1's rows and ends the job whole, and node 1's command ends saying why its trainers did not join."""
     out = tmp_path / "run"
     examples = 2_000_000
-    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
-            "shadow-ma", "--out", str(out)]
+    args = _job(out, examples)
     port = free_port()
     before = semaphores()
     procs = start_nodes(args, nnodes="1:2", nproc_per_node=3, port=port, only=[0])
@@ -232,8 +234,7 @@ def test_a_machine_joins_a_job_of_three_that_started_with_two(tmp_path):
     sync re-formed with it at the same round), and every example is read once."""
     out = tmp_path / "run"
     examples = 3_000_000
-    args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
-            "shadow-bmuf", "--out", str(out)]
+    args = _job(out, examples, "shadow-bmuf")
     port = free_port()
     before = semaphores()
     procs = start_nodes(args, nnodes="2:3", nproc_per_node=3, port=port, only=[0, 1])
