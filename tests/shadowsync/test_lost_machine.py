@@ -245,7 +245,7 @@ def test_a_machine_started_again_after_its_loss_joins_the_running_job_in_its_pla
 
     two_hosts = twohosts_available()
     out = tmp_path / "run"
-    examples = 4_000_000  # (node 0 must still read its own rows when the machine joins: joins close after that)
+    examples = 5_000_000  # (node 0 must still read its own rows when the machine joins, after two refused starts)
     args = ["-m", "cocosync.shadowsync", "--examples", str(examples), "--eval-examples", "4000", "--sync",
             "shadow-bmuf", "--out", str(out)]
     port = free_port()
