@@ -154,6 +154,15 @@ def test_a_killed_trainer_started_again_takes_the_model_from_a_peer_and_reads_th
     assert s["trainers_left"] == 4 and s["eval_ne"] < 0.9, s["eval_ne"]
     meta = json.loads((Path(s["checkpoint"]) / "meta.json").read_text())
     assert meta["examples_seen"] == RESTART_EXAMPLES
+    # the first mark after the loss is skipped, said once, and none after it is saved
+    at = s["checkpoints_stopped_at"]
+    assert at in (400_000, 800_000, 1_200_000), at
+    assert stderr.count("periodic checkpoints (every 400,000 examples) stop at") == 1, stderr[-3000:]
+    assert f"stop at {at:,}: the job's trainers changed since it started" in stderr, stderr[-3000:]
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["examples"] < at for r in records if r.get("event") == "checkpoint"), records
+    assert [r["examples"] for r in records if r.get("event") == "checkpoints-stopped"] == [at]
+    assert f"no periodic checkpoint was saved from {at:,} examples on" in stderr, stderr[-2000:]  # (the report)
     _scores_as_it_ended(out, s)
     assert _shm() - before == set()
 

@@ -50,7 +50,7 @@ import signal
 import sys
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Callable
 
 import torch.distributed as dist
@@ -67,7 +67,8 @@ from cocosync.shadowsync.sync.base import GlooGroup, ShmGroup
 __all__ = ["Loss", "ServerLoss", "NodeLoss", "Membership", "keep_trainer", "keep_server", "record_node_loss",
            "Restored", "restored_shards", "RestoredRange", "restored_ranges", "centre_key", "restored_key",
            "loss_batches", "EPOCH", "ABSENT", "SERVER_LOSSES", "NODE_LOSSES", "END", "job_ending", "Join",
-           "record_change", "joins_open", "JOINING", "JOINING_SINCE", "LOSS_ACROSS", "claim_loss_across", "loss_across"]
+           "record_change", "joins_open", "JOINING", "JOINING_SINCE", "LOSS_ACROSS", "claim_loss_across", "loss_across",
+           "CheckpointsStopped", "record_checkpoints_stopped", "checkpoints_stopped"]
 
 EPOCH = "membership"  # the count of trainers' losses and joins (a store counter: the membership's epoch)
 ABSENT = "absent-trainers"  # the trainers lost and not back (a store counter: what --min-trainers is checked on)
@@ -251,6 +252,31 @@ def record_node_loss(store: Any, roles: Roles, node: int, silent_s: float, *, aw
     store.set(f"lost-node/{node}/recorded", "1")  # (before the count: a machine counted is recorded whole)
     store.add(NODE_LOSSES, 1)
     return True
+
+
+#: the job's first periodic checkpoint mark not saved (JSON of `CheckpointsStopped`; set once): none after it is
+CHECKPOINTS_STOPPED = "checkpoints-stopped"
+
+
+@dataclass(frozen=True)
+class CheckpointsStopped:
+    """The job's periodic checkpoints stopped: its first mark not saved (`examples` of the job) and why."""
+
+    examples: int
+    reason: str
+
+
+def record_checkpoints_stopped(store: Any, examples: int, reason: str) -> None:
+    """Record that the periodic checkpoints stop at the mark of `examples`, for `reason`, unless a trainer recorded
+    it first (the first mark any trainer skipped is the job's)."""
+    store.compare_set(CHECKPOINTS_STOPPED, "", json.dumps(asdict(CheckpointsStopped(examples, reason))))
+
+
+def checkpoints_stopped(store: Any) -> CheckpointsStopped | None:
+    """Where and why the job's periodic checkpoints stopped, if they did."""
+    if not store.check([CHECKPOINTS_STOPPED]):
+        return None
+    return CheckpointsStopped(**json.loads(store.get(CHECKPOINTS_STOPPED)))
 
 
 def job_ending(store: Any) -> bool:

@@ -31,6 +31,7 @@ from cocosync.shadowsync.job.membership import (
     ABSENT,
     EPOCH,
     SERVER_LOSSES,
+    checkpoints_stopped,
     job_ending,
     loss_across,
     record_node_loss,
@@ -105,6 +106,8 @@ class Monitor:
         self._said_substitutes: set[int] = set()  # lone lost trainers whose stand-in was named (across machines)
         self._said_joins: dict[int, bool] = {}  # lost machines whose place another took: whether its trainers joined
         self._node_beats: dict[int, tuple[bytes, float]] = {}  # each machine's last beat and when it changed
+        self.every = cluster.checkpoint_every or 0
+        self._said_checkpoints = not self.every  # the periodic checkpoints' stop was named (none: nothing to name)
         self.survival = Survival.of(cfg, cluster, nodes, self.per_node, True)  # (what the job goes on without)
         self.killed: set[int] = set()  # trainers this monitor killed for silence, to be recorded as lost
         self.resumed = _examples_seen(cluster.resume)
@@ -229,6 +232,7 @@ class Monitor:
                     due = bar is not None or (self.cfg.progress and time.monotonic() - last_line >= LINE_EVERY)
                     examples, eps, ne = self._progress() if due else (0, 0.0, None)
                     self._tail_metrics()
+                    self._say_checkpoints_stopped()
                     status = self._get("status")
                     if self.cfg.max_restarts and self.segments is None and self.store.check([SEGMENTS_ID]):
                         self.segments = self.store.get(SEGMENTS_ID).decode()
@@ -569,6 +573,16 @@ class Monitor:
         live = [r for t, r in recs.items() if t not in self.lost]  # (a lost trainer's examples stay trained)
         nes = [r["train_ne"] for r in live if r["train_ne"] is not None and math.isfinite(r["train_ne"])]
         return examples, sum(r["trainer_eps"] or 0.0 for r in live), (sum(nes) / len(nes) if nes else None)
+
+    def _say_checkpoints_stopped(self) -> None:
+        """Name where and why the periodic checkpoints stopped (--checkpoint-every), once, as a trainer records it."""
+        if self._said_checkpoints:
+            return
+        stopped = checkpoints_stopped(self.store)
+        if stopped is not None:
+            self._said_checkpoints = True
+            self.console.print(f"periodic checkpoints (every {self.every:,} examples) stop at {stopped.examples:,}: "
+                               f"{escape(stopped.reason)}; the job's end still saves one", soft_wrap=True)
 
     def _tail_metrics(self) -> None:
         """Print the eval and checkpoint records trainer 0 has added to metrics.jsonl since the last look."""

@@ -93,8 +93,10 @@ from cocosync.shadowsync.job.membership import (
     Join,
     Loss,
     ServerLoss,
+    checkpoints_stopped,
     joins_open,
     record_change,
+    record_checkpoints_stopped,
     restored_ranges,
     restored_shards,
 )
@@ -739,6 +741,20 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
     per_trainer = max(1, every // T)
     leaving = _servers_leave(job)
     last = min(job.trainer_rows(i) for i in range(T)) - 1  # below every trainer's share: the end saves its own
+    stopped: list[int] = []  # the first mark this trainer skipped
+
+    def skipped(mark: int, why: str) -> None:
+        """The periodic checkpoints stop at `mark` (this trainer's examples), for `why`: recorded for the launchers'
+        monitors and the summary (the first trainer's record is the job's), and logged by a trainer that logs
+        metrics."""
+        membership = job.membership
+        if stopped or membership is None:
+            return
+        stopped.append(mark)
+        at = mark // per_trainer * every + job.examples_before
+        record_checkpoints_stopped(membership.store, at, why)
+        if run.logger is not None:
+            run.logger.log(event="checkpoints-stopped", examples=at, reason=why)
 
     def save(mark: int) -> None:
         written: list[Path] = []  # the checkpoint's directory, once it is named
@@ -770,6 +786,11 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         lost = (lambda: membership.epoch() > 0 or bool(trainer.state.stop[0])) if membership is not None else None
         state = trainer.checkpoint_state(give_up=lost) if lost is not None else trainer.checkpoint_state()
         command = _command(job, "checkpoint", lost_servers=[x.server for x in gone], skip_if=lost)
+        if command.name == "skip" and not trainer.state.stop[0] and membership is not None and membership.epoch():
+            skipped(mark, "the job's trainers changed since it started (a trainer or machine lost, awaited or joined), "
+                    "and a periodic checkpoint takes every trainer's part")
+        elif command.lost_servers and roles.sync_per_node:
+            skipped(mark, "an embedding server was lost, and EASGD's centre lives on the sync servers alone")
         if command.name == "skip" or (command.lost_servers and roles.sync_per_node):
             return
         if state is None:  # (a change after the leader's command: this checkpoint is saved as far as it can be)
@@ -797,6 +818,12 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
             run.logger.log(event="checkpoint", examples=int(seen), path=str(path))
 
     trainer.checkpoints = CheckpointMarks(per_trainer, int(trainer.state.positions[t].sum()), last, W, save)
+
+
+def _checkpoints_stopped_at(job: Job) -> int | None:
+    """The examples of the job's first periodic checkpoint mark not saved, else None."""
+    stopped = checkpoints_stopped(job.membership.store) if job.membership is not None else None
+    return stopped.examples if stopped is not None else None
 
 
 def _save_served(job: Job, parts: dict[str, Stateful], owner: str) -> None:
@@ -985,6 +1012,8 @@ def _finish(job: Job, run: _TrainerRun, results: list[dict], losses: list[Loss],
         "takeover_rows": sum(r.get("takeover_rows", 0) for r in results),
         # when every trainer left had re-formed its sync after the first loss (None: no sync was re-formed)
         "regrouped_at": max((r["regrouped_at"] for r in results if r.get("regrouped_at")), default=None),
+        # the examples at the first periodic checkpoint mark not saved: none after it either (None: none skipped)
+        "checkpoints_stopped_at": _checkpoints_stopped_at(job),
     }
     if curve is not None and cfg.checkpoint:  # the end beats the curve: the last model is the best
         curve.keep({"event": "eval", "examples": seen, "eval_ne": ev["ne"], "auc": ev["auc"],
