@@ -83,6 +83,7 @@ def test_a_machine_killed_whole_leaves_the_job_to_finish_on_the_other(tmp_path):
     # the marks after the loss are not saved, and node 0's command says so once
     assert s["checkpoints_stopped_at"] in (360_000, 480_000), s["checkpoints_stopped_at"]
     assert node0.output.count("periodic checkpoints (every 120,000 examples) stop at") == 1, node0.output[-3000:]
+    assert f"no periodic checkpoint was saved from {s['checkpoints_stopped_at']:,} examples on" in node0.output
     assert s["takeover_rows"] > 0  # the lost trainers' unread rows, read on node 0
     assert s["eval_ne"] < 0.8, s["eval_ne"]  # (it learned: ~0.70 here; quality against an uninterrupted run: bench)
     ckpt = Path(s["checkpoint"])

@@ -22,6 +22,7 @@ from cocosync.shadowsync.cli.options import console as make_console
 from cocosync.shadowsync.cli.rank import CONFIG_OPTION, rank_job
 from cocosync.shadowsync.config import NodeRange, TrainConfig
 from cocosync.shadowsync.errors import ConfigError, debug_mode
+from cocosync.shadowsync.job.summary import checkpoints_note
 
 __all__ = ["train", "eval_checkpoint"]
 
@@ -234,9 +235,8 @@ def _print_result(console, result) -> None:
         console.print(f"[yellow]embedding server {x['server']} was lost ({x['signal']}); the trainers used its shard "
                       "in shared memory to the end" + (", and the checkpoint holds it" if s.get("checkpoint") else ""),
                       soft_wrap=True)
-    if s.get("checkpoints_stopped_at") is not None:
-        console.print(f"[yellow]no periodic checkpoint was saved from {s['checkpoints_stopped_at']:,} examples on; the "
-                      "end's is the last", soft_wrap=True)
+    if (note := checkpoints_note(s)) is not None:
+        console.print(f"[yellow]{note}", soft_wrap=True)
     if s.get("short_by") and s.get("lost"):
         console.print(f"finished, {s['short_by']:,} examples short of the budget: a trainer lost after the others' "
                       "last share-out left rows no one read", soft_wrap=True)

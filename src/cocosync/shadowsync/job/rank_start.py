@@ -31,6 +31,7 @@ from cocosync.shadowsync.job.membership import (
 )
 from cocosync.shadowsync.job.rank import run_cluster, run_joined, run_restarted
 from cocosync.shadowsync.job.same_job import JOB_NODES_ENV
+from cocosync.shadowsync.job.summary import checkpoints_note
 from cocosync.shadowsync.job.survival import Survival
 from cocosync.shadowsync.metrics import json_safe
 
@@ -247,5 +248,7 @@ def report(summary: dict, out_dir: str, json_out: bool, console) -> None:
     if summary.get("checkpoint"):
         console.print(f"checkpoint: {escape(str(summary['checkpoint']))}"
                       + (f"  (stopped: continue with --resume {escape(str(out_dir))})" if summary["stopped"] else ""))
+    if (note := checkpoints_note(summary)) is not None:
+        console.print(note, soft_wrap=True)
     if json_out:
         click.echo(json.dumps(json_safe(summary), default=str))

@@ -11,13 +11,20 @@ from typing import Any
 
 from cocosync.shadowsync.metrics import json_safe
 
-__all__ = ["finite_mean", "lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary"]
+__all__ = ["finite_mean", "lookup_summary", "add_job_cpu", "thread_cpu_by_kind", "write_summary",
+           "checkpoints_note"]
 
 
 def finite_mean(values: list[float | None]) -> float:
     """The mean of the finite values (nan when none is: a job stopped before its first batch)."""
     finite = [v for v in values if v is not None and math.isfinite(v)]
     return sum(finite) / len(finite) if finite else float("nan")
+
+
+def checkpoints_note(summary: dict) -> str | None:
+    """The report's line on the periodic checkpoints not saved after a change of the trainers, if any was skipped."""
+    at = summary.get("checkpoints_stopped_at")
+    return None if at is None else f"no periodic checkpoint was saved from {at:,} examples on; the end's is the last"
 
 
 def lookup_summary(lk: list[dict], examples: int, step_s: float, *, transport: str, exchange: bool,
