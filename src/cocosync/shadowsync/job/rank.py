@@ -786,12 +786,13 @@ def _periodic_checkpoints(job: Job, run: _TrainerRun, t: int) -> None:
         lost = (lambda: membership.epoch() > 0 or bool(trainer.state.stop[0])) if membership is not None else None
         state = trainer.checkpoint_state(give_up=lost) if lost is not None else trainer.checkpoint_state()
         command = _command(job, "checkpoint", lost_servers=[x.server for x in gone], skip_if=lost)
+        centre_alone = bool(command.lost_servers) and roles.sync_per_node > 0
         if command.name == "skip" and not trainer.state.stop[0] and membership is not None and membership.epoch():
             skipped(mark, "the job's trainers changed since it started (a trainer or machine lost, awaited or joined), "
                     "and a periodic checkpoint takes every trainer's part")
-        elif command.lost_servers and roles.sync_per_node:
+        elif centre_alone:
             skipped(mark, "an embedding server was lost, and EASGD's centre lives on the sync servers alone")
-        if command.name == "skip" or (command.lost_servers and roles.sync_per_node):
+        if command.name == "skip" or centre_alone:
             return
         if state is None:  # (a change after the leader's command: this checkpoint is saved as far as it can be)
             state = trainer.checkpoint_state()
